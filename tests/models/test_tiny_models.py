@@ -1,0 +1,72 @@
+"""The tiny reference models: complete diffusers folders, deterministic, runnable on a CPU in seconds."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from trt_diffusion.cli import main
+
+FAMILIES = ["sd15", "sdxl", "sd3", "flux"]
+PIPELINES = {"sd15": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline",
+             "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_model_loads_and_generates(tiny_model_factory, family):
+    folder = tiny_model_factory(family)
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    assert type(pipe).__name__ == PIPELINES[family]
+    kwargs = {"max_sequence_length": 32} if family in ("sd3", "flux") else {}
+    start = time.perf_counter()
+    image = pipe("a red cube on a table", num_inference_steps=3, height=64, width=64, output_type="np",
+                 generator=torch.Generator().manual_seed(0), **kwargs).images[0]
+    assert time.perf_counter() - start < 20
+    assert image.shape == (64, 64, 3) and np.isfinite(image).all()
+    assert image.std() > 0.01  # not a flat image: the weights really do something
+
+
+def _digest(folder) -> str:
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*.safetensors")):
+        h.update(path.relative_to(folder).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def test_two_processes_write_identical_weights(tmp_path):
+    for name in ("a", "b"):
+        subprocess.run([sys.executable, "-m", "trt_diffusion", "models", "tiny", "--family", "sdxl",
+                        "--controlnet", "--lora", "--out", str(tmp_path / name)], check=True, capture_output=True)
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    assert (tmp_path / "a" / "controlnet" / "config.json").is_file()
+    assert (tmp_path / "a" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_controlnet_outputs_are_not_zero(tiny_sd15_dir):
+    from diffusers import ControlNetModel
+
+    controlnet = ControlNetModel.from_pretrained(tiny_sd15_dir / "controlnet")
+    down, mid = controlnet(torch.randn(1, 4, 8, 8), torch.tensor([10.0]), torch.randn(1, 77, 32),
+                           controlnet_cond=torch.rand(1, 3, 64, 64), return_dict=False)
+    assert mid.abs().max() > 1e-3 and all(d.abs().max() > 1e-3 for d in down)
+
+
+def test_existing_folder_is_not_overwritten_without_flag(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["models", "tiny", "--out", str(out)]) == 0
+    assert main(["models", "tiny", "--out", str(out)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main(["models", "tiny", "--out", str(out), "--if-missing"]) == 0
+
+
+def test_full_size_is_sd15_only(tmp_path, capsys):
+    assert main(["models", "tiny", "--family", "flux", "--size", "full", "--out", str(tmp_path / "x")]) == 1
+    assert "sd15 only" in capsys.readouterr().err

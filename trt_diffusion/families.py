@@ -1,0 +1,87 @@
+"""What each model family is made of: its components, latent geometry and ControlNet support.
+
+Pure data, no torch: the spec layer validates engines.yaml against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Family(str, Enum):
+    sd15 = "sd15"
+    sdxl = "sdxl"
+    sd3 = "sd3"
+    flux = "flux"
+
+
+class Component(str, Enum):
+    text_encoder = "text_encoder"
+    text_encoder_2 = "text_encoder_2"
+    text_encoder_3 = "text_encoder_3"
+    unet = "unet"
+    transformer = "transformer"
+    vae_encoder = "vae_encoder"
+    vae_decoder = "vae_decoder"
+    controlnet = "controlnet"
+
+    @property
+    def is_denoiser(self) -> bool:
+        return self in (Component.unet, Component.transformer)
+
+    @property
+    def is_text_encoder(self) -> bool:
+        return self.value.startswith("text_encoder")
+
+    @property
+    def is_vae(self) -> bool:
+        return self in (Component.vae_encoder, Component.vae_decoder)
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    components: tuple[Component, ...]
+    """Every component the family has (controlnet only where the family supports one)."""
+    default_components: tuple[Component, ...]
+    """What a text-to-image release needs when engines.yaml does not list components."""
+    latent_factor: int
+    """Pixel sides must be multiples of this: the VAE's 8, times 2 where latents are patchified."""
+    denoiser: Component
+
+    @property
+    def supports_controlnet(self) -> bool:
+        return Component.controlnet in self.components
+
+
+_T = Component
+FAMILIES: dict[Family, FamilyInfo] = {
+    Family.sd15: FamilyInfo(
+        components=(_T.text_encoder, _T.unet, _T.vae_encoder, _T.vae_decoder, _T.controlnet),
+        default_components=(_T.text_encoder, _T.unet, _T.vae_decoder),
+        latent_factor=8,
+        denoiser=_T.unet,
+    ),
+    Family.sdxl: FamilyInfo(
+        components=(_T.text_encoder, _T.text_encoder_2, _T.unet, _T.vae_encoder, _T.vae_decoder, _T.controlnet),
+        default_components=(_T.text_encoder, _T.text_encoder_2, _T.unet, _T.vae_decoder),
+        latent_factor=8,
+        denoiser=_T.unet,
+    ),
+    Family.sd3: FamilyInfo(
+        components=(_T.text_encoder, _T.text_encoder_2, _T.text_encoder_3, _T.transformer, _T.vae_encoder, _T.vae_decoder),
+        default_components=(_T.text_encoder, _T.text_encoder_2, _T.text_encoder_3, _T.transformer, _T.vae_decoder),
+        latent_factor=16,
+        denoiser=_T.transformer,
+    ),
+    Family.flux: FamilyInfo(
+        components=(_T.text_encoder, _T.text_encoder_2, _T.transformer, _T.vae_encoder, _T.vae_decoder),
+        default_components=(_T.text_encoder, _T.text_encoder_2, _T.transformer, _T.vae_decoder),
+        latent_factor=16,
+        denoiser=_T.transformer,
+    ),
+}
+
+
+def family_info(family: Family | str) -> FamilyInfo:
+    return FAMILIES[Family(family)]

@@ -1,0 +1,1 @@
+"""Model folders: loading diffusers components (local or offline HF cache) and the tiny reference models."""

@@ -1,0 +1,129 @@
+"""Load the torch modules of a diffusers folder: what export, quantization and the reference runner use.
+
+The same code loads a user's real checkpoint and the tiny reference models.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelError
+from ..families import Component
+from .quiet import quiet_libraries
+
+# The folder of each component inside a diffusers pipeline folder (VAE halves share one).
+SUBFOLDER = {
+    Component.text_encoder: "text_encoder",
+    Component.text_encoder_2: "text_encoder_2",
+    Component.text_encoder_3: "text_encoder_3",
+    Component.unet: "unet",
+    Component.transformer: "transformer",
+    Component.vae_encoder: "vae",
+    Component.vae_decoder: "vae",
+}
+
+
+def read_model_index(model_dir: Path) -> dict:
+    index = Path(model_dir) / "model_index.json"
+    try:
+        return json.loads(index.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{model_dir} is not a diffusers folder: model_index.json is missing") from None
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{index}: not valid JSON ({exc})") from None
+
+
+def _class_of(folder: Path, library_and_class: list | None):
+    if library_and_class is None:  # a standalone folder (a ControlNet): read its config
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except FileNotFoundError:
+            raise ModelError(f"{folder}: config.json is missing") from None
+        library, class_name = "diffusers", config.get("_class_name")
+        if class_name is None:
+            raise ModelError(f"{folder}/config.json has no _class_name: not a diffusers model folder")
+    else:
+        library, class_name = library_and_class
+    try:
+        return getattr(importlib.import_module(library), class_name)
+    except (ImportError, AttributeError):
+        raise ModelError(f"{folder}: class {library}.{class_name} is not available") from None
+
+
+def component_folder(model_dir: Path, component: Component) -> tuple[Path, type]:
+    subfolder = SUBFOLDER.get(component)
+    if subfolder is None:
+        raise ModelError(f"{component.value} is not part of a pipeline folder (ControlNets have their own source)")
+    index = read_model_index(model_dir)
+    entry = index.get(subfolder)
+    if not entry or entry[0] is None:
+        raise ModelError(f"{model_dir} has no {subfolder} (model_index.json lists: "
+                         f"{', '.join(k for k, v in index.items() if isinstance(v, list) and v[0])})")
+    folder = Path(model_dir) / subfolder
+    return folder, _class_of(folder, entry)
+
+
+def load_module(folder: Path, cls: type) -> torch.nn.Module:
+    """Load weights in fp32 (exports and references are made from fp32 weights)."""
+    quiet_libraries()
+    try:
+        if cls.__module__.startswith("transformers"):
+            module = cls.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager")
+        else:
+            module = cls.from_pretrained(folder, torch_dtype=torch.float32)
+    except (OSError, ValueError, RuntimeError, EnvironmentError) as exc:
+        raise ModelError(f"cannot load {folder}: {_first_line(exc)}") from None
+    except Exception as exc:  # safetensors raises its own error type for corrupt files
+        if "safetensor" in type(exc).__module__.lower() or "header" in str(exc).lower():
+            raise ModelError(f"cannot load {folder}: corrupt weights file ({_first_line(exc)})") from None
+        raise
+    return module.eval()
+
+
+def load_component(model_dir: Path, component: Component) -> torch.nn.Module:
+    folder, cls = component_folder(model_dir, component)
+    return load_module(folder, cls)
+
+
+def load_controlnet(folder: Path) -> torch.nn.Module:
+    return load_module(Path(folder), _class_of(Path(folder), None))
+
+
+@lru_cache(maxsize=64)
+def count_parameters(folder: str, library: str, class_name: str, part: str | None = None) -> int:
+    """Parameters of a model built from its config on the meta device: no weights are read."""
+    cls = getattr(importlib.import_module(library), class_name)
+    with torch.device("meta"):
+        if library == "transformers":
+            config = cls.config_class.from_pretrained(folder)
+            module = cls(config)
+        else:
+            module = cls.from_config(cls.load_config(folder))
+    if part == "encoder":
+        modules = [module.encoder, getattr(module, "quant_conv", None)]
+    elif part == "decoder":
+        modules = [module.decoder, getattr(module, "post_quant_conv", None)]
+    else:
+        modules = [module]
+    return sum(p.numel() for m in modules if m is not None for p in m.parameters())
+
+
+def parameter_count(model_dir: Path, component: Component, controlnet_dir: Path | None = None) -> int:
+    if component is Component.controlnet:
+        folder = Path(controlnet_dir)
+        cls = _class_of(folder, None)
+    else:
+        folder, cls = component_folder(model_dir, component)
+    part = {"vae_encoder": "encoder", "vae_decoder": "decoder"}.get(component.value)
+    library = "transformers" if cls.__module__.startswith("transformers") else "diffusers"
+    return count_parameters(str(folder), library, cls.__name__, part)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

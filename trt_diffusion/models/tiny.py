@@ -1,0 +1,287 @@
+"""Tiny, seeded reference pipelines for every family: the embedded default and the test fixtures.
+
+Each writes a complete diffusers folder (model_index.json, scheduler, tokenizers, text encoders,
+denoiser, VAE) that `DiffusionPipeline.from_pretrained` loads. Weights come from a fixed seed, so two
+processes write identical files. `size="full"` keeps the real architecture (random weights) for honest
+benchmarks of real shapes; only sd15 has a full config here (the others are tens of GB).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from ..families import Family
+from .quiet import quiet_libraries
+
+TOKENIZER_MAX_LENGTH = 77
+T5_MAX_LENGTH = 32  # tiny T5 sequence: keeps DiT tests fast; real models use 256 (SD3) / 512 (FLUX)
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    # A byte-level BPE vocabulary with no merges: every byte is a token, like CLIP before training.
+    chars = list(bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=TOKENIZER_MAX_LENGTH)
+
+
+def _t5_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [(chr(i), -2.0) for i in range(32, 127)]
+    pieces += [("\u2581" + chr(i), -1.0) for i in range(97, 123)]
+    backend = Tokenizer(models.Unigram(pieces, unk_id=2))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.post_processor = TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return T5TokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+        extra_ids=0, model_max_length=T5_MAX_LENGTH,
+    )
+
+
+def _clip_text_encoder(hidden: int = 32, projection: bool = False, projection_dim: int = 32):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        bos_token_id=512, eos_token_id=513, pad_token_id=513, hidden_size=hidden, intermediate_size=37,
+        layer_norm_eps=1e-5, num_attention_heads=4, num_hidden_layers=2, vocab_size=1000,
+        projection_dim=projection_dim, hidden_act="gelu",
+    )
+    return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+
+
+def _t5_encoder(d_model: int):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        d_model=d_model, d_ff=37, d_kv=8, num_heads=4, num_layers=2, vocab_size=1000,
+        relative_attention_num_buckets=8, dropout_rate=0.0, is_encoder_decoder=False, use_cache=False,
+    )
+    # eager attention: the dynamo exporter cannot trace T5's sdpa path (see FACTS.md)
+    config._attn_implementation = "eager"
+    return T5EncoderModel(config)
+
+
+def _vae(latent_channels: int, **extra):
+    from diffusers import AutoencoderKL
+
+    # Four blocks: the real 8x spatial factor, with tiny channel counts.
+    return AutoencoderKL(
+        block_out_channels=[8, 8, 16, 16], in_channels=3, out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        latent_channels=latent_channels, norm_num_groups=4, layers_per_block=1, sample_size=64, **extra,
+    )
+
+
+def _sd15_unet(size: str):
+    from diffusers import UNet2DConditionModel
+
+    if size == "full":  # runwayml/stable-diffusion-v1-5's UNet config (860M parameters)
+        return UNet2DConditionModel(sample_size=64, cross_attention_dim=768)
+    return UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32, norm_num_groups=4, attention_head_dim=4,
+    )
+
+
+def _sdxl_unet():
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
+        addition_time_embed_dim=8, transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=32 + 6 * 8,  # pooled text_embeds (32) + 6 time ids x 8
+        cross_attention_dim=64, norm_num_groups=4,
+    )
+
+
+def _controlnet(unet):
+    from diffusers import ControlNetModel
+
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(4, 8, 8, 8))
+    # Fresh ControlNets end in zero convolutions and output exact zeros: parity would pass trivially.
+    with torch.no_grad():
+        for module in [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block]:
+            for p in module.parameters():
+                p.normal_(0.0, 0.05)
+    return controlnet
+
+
+def _scheduler(family: Family):
+    from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+
+    if family in (Family.sd3, Family.flux):
+        extra = {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
+                 "base_image_seq_len": 256, "max_image_seq_len": 4096} if family is Family.flux else {"shift": 3.0}
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **extra)
+    return EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+        steps_offset=1, timestep_spacing="leading",
+    )
+
+
+def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny"):
+    """Build (in memory) a seeded pipeline of the family. Everything is constructed under one seed."""
+    import diffusers
+
+    quiet_libraries()
+    family = Family(family)
+    if size not in ("tiny", "full"):
+        raise ConfigError(f"--size must be 'tiny' or 'full', got {size!r}")
+    if size == "full" and family is not Family.sd15:
+        raise ConfigError(f"--size full is available for sd15 only (got --family {family.value})")
+    torch.manual_seed(seed)
+    scheduler = _scheduler(family)
+    if family is Family.sd15:
+        text_hidden = 768 if size == "full" else 32
+        parts = dict(unet=_sd15_unet(size), vae=_vae(4), text_encoder=_clip_text_encoder(text_hidden),
+                     tokenizer=_clip_tokenizer(), scheduler=scheduler, safety_checker=None,
+                     feature_extractor=None, image_encoder=None)
+        pipe = diffusers.StableDiffusionPipeline(**parts, requires_safety_checker=False)
+    elif family is Family.sdxl:
+        pipe = diffusers.StableDiffusionXLPipeline(
+            unet=_sdxl_unet(), vae=_vae(4), text_encoder=_clip_text_encoder(32),
+            text_encoder_2=_clip_text_encoder(32, projection=True), tokenizer=_clip_tokenizer(),
+            tokenizer_2=_clip_tokenizer(), scheduler=scheduler, image_encoder=None, feature_extractor=None,
+        )
+    elif family is Family.sd3:
+        transformer = diffusers.SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+            num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=64, pooled_projection_dim=64,
+            pos_embed_max_size=32,
+        )
+        pipe = diffusers.StableDiffusion3Pipeline(
+            transformer=transformer, vae=_vae(4, shift_factor=0.0609, scaling_factor=1.5035,
+                                            use_quant_conv=False, use_post_quant_conv=False),
+            text_encoder=_clip_text_encoder(32, projection=True), text_encoder_2=_clip_text_encoder(32, projection=True),
+            text_encoder_3=_t5_encoder(64), tokenizer=_clip_tokenizer(), tokenizer_2=_clip_tokenizer(),
+            tokenizer_3=_t5_tokenizer(), scheduler=scheduler,
+        )
+    else:
+        transformer = diffusers.FluxTransformer2DModel(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+            guidance_embeds=True,
+        )
+        pipe = diffusers.FluxPipeline(
+            transformer=transformer, vae=_vae(4, shift_factor=0.1159, scaling_factor=0.3611,
+                                            use_quant_conv=False, use_post_quant_conv=False),
+            text_encoder=_clip_text_encoder(32), text_encoder_2=_t5_encoder(32), tokenizer=_clip_tokenizer(),
+            tokenizer_2=_t5_tokenizer(), scheduler=scheduler,
+        )
+    _perturb_all_parameters(pipe, seed)
+    return pipe
+
+
+def _perturb_all_parameters(pipe, seed: int) -> None:
+    """Give every parameter its own random offset.
+
+    Random init leaves many identical tensors (all-ones norms, zero biases) that exporters deduplicate;
+    refit maps and parity tests need every weight distinct and non-trivial.
+    """
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, component in sorted(pipe.components.items()):
+        if not isinstance(component, torch.nn.Module):
+            continue
+        with torch.no_grad():
+            for _, param in sorted(component.named_parameters()):
+                noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                param.add_(noise.to(param.dtype) * 0.02)
+        component.eval()
+
+
+def build_tiny_controlnet(family: Family | str, unet, seed: int = 0):
+    family = Family(family)
+    if family not in (Family.sd15, Family.sdxl):
+        raise ConfigError(f"ControlNet is supported for sd15 and sdxl, not {family.value}")
+    torch.manual_seed(seed + 100)
+    controlnet = _controlnet(unet)
+    _perturb_module(controlnet, seed + 101)
+    return controlnet.eval()
+
+
+def _perturb_module(module: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(module.named_parameters()):
+            param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+def build_tiny_lora(pipe, seed: int = 0, rank: int = 4):
+    """A LoRA on the denoiser's attention projections, initialised randomly so it changes outputs.
+
+    Returns the PEFT state dict in diffusers naming (what `save_lora_weights` writes).
+    """
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
+    torch.manual_seed(seed + 200)
+    config = LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
+                        target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    denoiser.add_adapter(config, adapter_name="tiny")
+    state = get_peft_model_state_dict(denoiser, adapter_name="tiny")
+    denoiser.delete_adapters("tiny")
+    return {k: v.detach().clone().contiguous() for k, v in state.items()}
+
+
+def write_tiny_model(
+    out_dir: str | os.PathLike, family: Family | str, *, seed: int = 0, size: str = "tiny",
+    controlnet: bool = False, lora: bool = False, overwrite: bool = False,
+) -> Path:
+    """Write a complete diffusers folder (plus `controlnet/` and `lora/` sub-folders when asked).
+
+    Written to a temporary sibling and renamed, so an interrupted run leaves no half model.
+    """
+    out = Path(out_dir)
+    if out.exists():
+        if not overwrite:
+            raise ConfigError(f"{out} already exists (use --overwrite to replace it)")
+    family = Family(family)
+    pipe = build_tiny_pipeline(family, seed=seed, size=size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        extras = {"family": family.value, "seed": seed, "size": size, "controlnet": None, "lora": None}
+        if controlnet:
+            denoiser = pipe.unet if family in (Family.sd15, Family.sdxl) else None
+            if denoiser is None:
+                raise ConfigError(f"--controlnet: the {family.value} family has no ControlNet in trt-diffusion")
+            build_tiny_controlnet(family, denoiser, seed).save_pretrained(tmp / "controlnet")
+            extras["controlnet"] = "controlnet"
+        if lora:
+            state = build_tiny_lora(pipe, seed)
+            lora_dir = tmp / "lora"
+            lora_dir.mkdir()
+            pipe_cls = type(pipe)
+            key = "unet_lora_layers" if hasattr(pipe, "unet") else "transformer_lora_layers"
+            pipe_cls.save_lora_weights(lora_dir, **{key: state}, safe_serialization=True)
+            extras["lora"] = "lora/pytorch_lora_weights.safetensors"
+        (tmp / "trt_diffusion_tiny.json").write_text(json.dumps(extras, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,106 @@
+"""`plan`: what engines.yaml asks for — engine counts per model and component, why, and disk estimates."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .families import Component
+from .spec import EngineSpec, EnginesConfig, Precision, expand
+
+
+@dataclass
+class PlanRow:
+    model: str
+    component: str
+    target: str
+    precision: str
+    engines: int
+    parameters: int | None
+    bytes_per_engine: int | None
+    why: list[str] = field(default_factory=list)
+    formula: str = ""
+
+    @property
+    def disk_bytes(self) -> int | None:
+        return None if self.bytes_per_engine is None else self.bytes_per_engine * self.engines
+
+
+@dataclass
+class Plan:
+    config: EnginesConfig
+    specs: list[EngineSpec]
+    rows: list[PlanRow]
+
+    @property
+    def total_engines(self) -> int:
+        return len(self.specs)
+
+    @property
+    def total_disk_bytes(self) -> int:
+        return sum(r.disk_bytes or 0 for r in self.rows)
+
+    def count(self, model: str, component: str, target: str | None = None) -> int:
+        return sum(1 for s in self.specs
+                   if s.model == model and s.component == component and (target is None or s.target == target))
+
+    def to_json(self) -> dict:
+        return {
+            "config": str(self.config.path),
+            "total_engines": self.total_engines,
+            "total_disk_bytes": self.total_disk_bytes,
+            "rows": [{**r.__dict__, "disk_bytes": r.disk_bytes} for r in self.rows],
+            "engines": [
+                {"key": s.key, "name": s.name, "model": s.model, "component": s.component, "target": s.target,
+                 "precision": s.precision, "batch": s.batch, "bucket": s.bucket.to_json() if s.bucket else None,
+                 "controlnet": s.controlnet, "lora": s.lora_variant.name if s.lora_variant else None,
+                 "refittable": s.refittable, "reasons": list(s.reasons)}
+                for s in self.specs
+            ],
+        }
+
+
+def make_plan(config: EnginesConfig, count_parameters: bool = True) -> Plan:
+    specs = expand(config)
+    groups: dict[tuple, list[EngineSpec]] = defaultdict(list)
+    for spec in specs:
+        groups[(spec.model, spec.component, spec.controlnet, spec.target, spec.precision)].append(spec)
+    rows = []
+    order = {c.value: i for i, c in enumerate(Component)}
+    groups = dict(sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][3], order[kv[0][1]], kv[0][2] or "")))
+    for (model_name, component, controlnet, target, precision), members in groups.items():
+        params = _parameters(config, model_name, Component(component), controlnet) if count_parameters else None
+        per_engine = int(params * Precision(precision).bytes_per_parameter) if params is not None else None
+        label = f"{component}:{controlnet}" if controlnet else component
+        why = [r for s in members for r in s.reasons]
+        rows.append(PlanRow(model_name, label, target, precision, len(members), params, per_engine, why,
+                            formula=_formula(members)))
+    return Plan(config, specs, rows)
+
+
+def _formula(members: list[EngineSpec]) -> str:
+    """How the count comes about, e.g. '3 buckets × 2 batch shapes (1, 2)'."""
+    def distinct(values):
+        return list(dict.fromkeys(values))
+
+    buckets = distinct(s.bucket.label for s in members if s.bucket)
+    batches = distinct(s.batch for s in members)
+    variants = distinct(s.lora_variant.name if s.lora_variant else "base" for s in members)
+    parts = []
+    if buckets:
+        parts.append(f"{len(buckets)} bucket{'s' if len(buckets) > 1 else ''} ({', '.join(buckets)})")
+    parts.append(f"{len(batches)} batch shape{'s' if len(batches) > 1 else ''} ({', '.join(map(str, batches))})")
+    if len(variants) > 1:
+        parts.append(f"{len(variants)} LoRA variants ({', '.join(variants)})")
+    return " × ".join(parts)
+
+
+def _parameters(config: EnginesConfig, model_name: str, component: Component, controlnet: str | None) -> int | None:
+    from .models.loading import parameter_count
+
+    model = config.models[model_name]
+    controlnet_dir = model.controlnets[controlnet].path if controlnet else None
+    if not Path(model.source.path).is_dir():
+        return None
+    return parameter_count(model.source.path, component, controlnet_dir)

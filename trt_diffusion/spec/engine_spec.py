@@ -1,0 +1,121 @@
+"""EngineSpec: one engine to build, and its stable key.
+
+The key hashes every field that changes the engine's bytes (and nothing else), so the same
+engines.yaml gives the same keys in any process, and a change to one field changes exactly the
+keys of the engines that field touches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+SPEC_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, order=True)
+class Size:
+    """An image size in pixels."""
+
+    width: int
+    height: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Size":
+        """Parse 'WxH' (e.g. '768x512' is 768 wide, 512 high)."""
+        parts = str(text).lower().replace(" ", "").split("x")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"expected WIDTHxHEIGHT like '512x512', got {text!r}")
+        width, height = (int(p) for p in parts)
+        if width <= 0 or height <= 0:
+            raise ValueError(f"sides must be positive, got {text!r}")
+        return cls(width, height)
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    def latent(self, factor: int) -> tuple[int, int]:
+        """(height, width) in latent pixels for a VAE that downsamples by `factor`."""
+        return self.height // factor, self.width // factor
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A resolution bucket: a static size (min == opt == max) or a range one engine covers."""
+
+    min: Size
+    opt: Size
+    max: Size
+
+    @classmethod
+    def static(cls, size: Size) -> "Bucket":
+        return cls(size, size, size)
+
+    @property
+    def is_static(self) -> bool:
+        return self.min == self.opt == self.max
+
+    def covers(self, size: Size) -> bool:
+        return (self.min.width <= size.width <= self.max.width) and (self.min.height <= size.height <= self.max.height)
+
+    @property
+    def label(self) -> str:
+        return str(self.opt) if self.is_static else f"{self.min}..{self.max}"
+
+    def to_json(self) -> dict:
+        return {"min": str(self.min), "opt": str(self.opt), "max": str(self.max)}
+
+
+@dataclass(frozen=True)
+class LoraVariant:
+    """LoRAs merged into an engine's weights before build (the `fused` mode)."""
+
+    name: str
+    sources: tuple[tuple[str, str, float], ...]  # (lora name, file identity, scale)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str
+    family: str
+    source: str  # identity of the model weights: a resolved folder path or repo@revision
+    component: str
+    target: str
+    precision: str
+    batch: int  # the engine's batch dimension (for denoisers: CFG-doubled when CFG is batched)
+    bucket: Bucket | None  # None for components that do not depend on resolution (text encoders)
+    controlnet: str | None = None  # the ControlNet's name, for controlnet engines
+    controlnet_source: str | None = None
+    lora_variant: LoraVariant | None = None
+    refittable: bool = False
+    build_options: tuple[tuple[str, object], ...] = ()  # target/stage options that change the engine
+    reasons: tuple[str, ...] = field(default=(), compare=False)  # why it exists; not part of the key
+
+    def key_fields(self) -> dict:
+        fields = asdict(self)
+        fields.pop("reasons")
+        fields["bucket"] = self.bucket.to_json() if self.bucket else None
+        fields["schema"] = SPEC_SCHEMA_VERSION
+        return fields
+
+    @property
+    def key(self) -> str:
+        canonical = json.dumps(self.key_fields(), sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    @property
+    def name(self) -> str:
+        """A readable, unique-enough file name stem: model.component[.controlnet][.lora].bucket.bN.precision"""
+        parts = [self.model, self.component]
+        if self.controlnet:
+            parts.append(self.controlnet)
+        if self.lora_variant:
+            parts.append(f"lora-{self.lora_variant.name}")
+        if self.bucket:
+            parts.append(self.bucket.label.replace("..", "-"))
+        parts += [f"b{self.batch}", self.precision]
+        return ".".join(parts)
+
+    def option(self, name: str, default=None):
+        return dict(self.build_options).get(name, default)

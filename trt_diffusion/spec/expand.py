@@ -1,0 +1,97 @@
+"""Expand a resolved engines.yaml into the engine matrix: one EngineSpec per engine to build.
+
+Each component depends on a different subset of the dimensions, and only those make engines:
+
+| component      | bucket | batch                      | ControlNet | fused LoRA |
+|----------------|--------|----------------------------|------------|------------|
+| text encoders  | no     | denoiser batch (CFG)       | no         | no         |
+| unet/transformer| yes   | denoiser batch (CFG)       | no         | yes        |
+| controlnet     | yes    | denoiser batch (CFG)       | each one   | no         |
+| vae enc/dec    | yes    | image batch (CFG-free)     | no         | no         |
+
+The denoiser batch is the image batch doubled when CFG runs batched (cond + uncond in one call).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..families import Component
+from .engine_spec import EngineSpec, LoraVariant
+from .load import EnginesConfig, ResolvedModel
+from .schema import CfgMode, LoraMode, Target
+
+
+def denoiser_batches(model: ResolvedModel) -> dict[int, list[str]]:
+    """Denoiser batch -> why it exists, e.g. {2: ['batch 1 × CFG batched']}."""
+    batches: dict[int, list[str]] = {}
+    for batch in model.batch:
+        for mode in model.cfg:
+            size = batch * 2 if mode is CfgMode.batched else batch
+            batches.setdefault(size, []).append(f"batch {batch} × CFG {mode.value}")
+    return dict(sorted(batches.items()))
+
+
+def expand(config: EnginesConfig) -> list[EngineSpec]:
+    specs: dict[str, EngineSpec] = {}
+    for model in config.models.values():
+        for spec in _model_specs(config, model):
+            existing = specs.get(spec.key)
+            if existing:  # the same engine wanted for several reasons: build once, remember all
+                reasons = tuple(dict.fromkeys(existing.reasons + spec.reasons))
+                spec = EngineSpec(**{**existing.__dict__, "reasons": reasons})
+            specs[spec.key] = spec
+    return list(specs.values())  # file order: model, target, component, bucket
+
+
+def _build_options(config: EnginesConfig, model: ResolvedModel, target: Target, component: Component):
+    options = {"opset": config.build.opset}
+    if target is Target.tensorrt:
+        options["tensorrt_optimization_level"] = config.build.tensorrt.optimization_level
+        options["tensorrt_workspace_gb"] = config.build.tensorrt.workspace_gb
+    if component is Component.unet and model.controlnets:
+        options["controlnet_residuals"] = True  # the UNet takes the ControlNet's residuals as extra inputs
+    if model.precision[component].is_quantized:
+        options["quantization"] = json.dumps(model.quantization.model_dump(mode="json"), sort_keys=True)
+    return tuple(sorted(options.items()))
+
+
+def _model_specs(config: EnginesConfig, model: ResolvedModel):
+    cfg_batches = denoiser_batches(model)
+    image_batches = {b: [f"batch {b}"] for b in model.batch}
+    fused = [None] + [
+        LoraVariant(name, ((name, f"file:{lora.path.name}", lora.scale),))
+        for name, lora in sorted(model.loras.items()) if lora.mode is LoraMode.fused
+    ]
+    for target in model.targets:
+        def make(component, batch, bucket, reasons, source=model.source.identity, **extra):
+            return EngineSpec(
+                model=model.name, family=model.family.value, source=source,
+                component=component.value, target=target.value, precision=model.precision[component].value,
+                batch=batch, bucket=bucket, build_options=_build_options(config, model, target, component),
+                reasons=tuple(reasons), **extra,
+            )
+
+        for component in model.components:
+            if component.is_text_encoder:
+                for batch, why in cfg_batches.items():
+                    yield make(component, batch, None, why)
+            elif component.is_denoiser:
+                for variant in fused:
+                    for bucket in model.buckets:
+                        for batch, why in cfg_batches.items():
+                            lora_why = f" × fused LoRA {variant.name}" if variant else ""
+                            yield make(component, batch, bucket,
+                                       [f"bucket {bucket.label} × {w}{lora_why}" for w in why],
+                                       lora_variant=variant, refittable=model.refittable and variant is None)
+            elif component.is_vae:
+                for bucket in model.buckets:
+                    for batch, why in image_batches.items():
+                        yield make(component, batch, bucket, [f"bucket {bucket.label} × {w}" for w in why])
+        for cn_name, cn_source in sorted(model.controlnets.items()):
+            for bucket in model.buckets:
+                for batch, why in cfg_batches.items():
+                    yield make(Component.controlnet, batch, bucket,
+                               [f"ControlNet {cn_name} × bucket {bucket.label} × {w}" for w in why],
+                               controlnet=cn_name, controlnet_source=cn_source.identity,
+                               source=cn_source.identity)  # independent of the base model's weights

@@ -1,0 +1,305 @@
+"""Read engines.yaml into a fully resolved configuration, reporting every problem with file:line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from ..errors import ConfigError
+from ..families import Component, Family, family_info
+from .engine_spec import Bucket, Size
+from .schema import (
+    BUILTIN_DEFAULTS, BuildSettings, CfgMode, EnginesFile, HubSource, LoraEntry, LoraMode, ModelEntry,
+    ParityThresholds, Precision, QuantizationSettings, RangeBucket, Target,
+)
+from .yaml_lines import LocatedYaml, load_located_yaml
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    identity: str  # what keys hash: "local:<path as written>" or "hf:<repo>@<revision>"
+    path: Path  # the folder on this machine
+
+
+@dataclass(frozen=True)
+class ResolvedLora:
+    name: str
+    path: Path
+    mode: LoraMode
+    scale: float
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str
+    family: Family
+    source: ResolvedSource
+    components: tuple[Component, ...]
+    buckets: tuple[Bucket, ...]
+    batch: tuple[int, ...]
+    cfg: tuple[CfgMode, ...]
+    precision: dict[Component, Precision]
+    targets: tuple[Target, ...]
+    refittable: bool
+    controlnets: dict[str, ResolvedSource]
+    loras: dict[str, ResolvedLora]
+    quantization: QuantizationSettings
+    parity: dict[Precision, ParityThresholds]
+
+    def precision_of(self, component: Component) -> Precision:
+        return self.precision[component]
+
+
+@dataclass(frozen=True)
+class EnginesConfig:
+    path: Path
+    build: BuildSettings
+    models: dict[str, ResolvedModel] = field(default_factory=dict)
+
+    @property
+    def root(self) -> Path:
+        return self.path.parent
+
+    @property
+    def workspace(self) -> Path:
+        return (self.root / self.build.workspace).resolve()
+
+    @property
+    def timing_cache_dir(self) -> Path:
+        return (self.root / (self.build.timing_cache or f"{self.build.workspace}/timing-cache")).resolve()
+
+
+class _Problems:
+    """Collects every problem of a file so the user sees them all at once."""
+
+    def __init__(self, path: Path, located: LocatedYaml):
+        self.path, self.located, self.items = path, located, []
+
+    def add(self, field_path: tuple, message: str) -> None:
+        line = self.located.line_of(field_path)
+        where = f"{self.path}:{line}" if line else str(self.path)
+        dotted = ".".join(str(p) for p in field_path) or "(top level)"
+        self.items.append((line or 0, f"{where}: {dotted}: {message}"))
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            messages = [m for _, m in sorted(self.items, key=lambda x: x[0])]
+            header = f"{self.path}: {len(messages)} problem{'s' if len(messages) > 1 else ''}"
+            raise ConfigError(header + "\n  " + "\n  ".join(messages), problems=messages)
+
+
+def load_engines_file(path: str | Path, *, check_sources: bool = True) -> EnginesConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    located = load_located_yaml(path)
+    problems = _Problems(path, located)
+    for dup_path, line in located.duplicates:
+        problems.add(dup_path, f"duplicate key {dup_path[-1]!r} (also defined above)")
+    if not isinstance(located.data, dict):
+        problems.add((), "the file must be a mapping with 'version' and 'models'")
+        problems.raise_if_any()
+    _check_bucket_geometry(located.data, problems)  # on raw data, so it is reported with schema errors
+    try:
+        parsed = EnginesFile.model_validate(located.data)
+    except ValidationError as exc:
+        for error in exc.errors():
+            field_path = _data_path(located.data, error["loc"])
+            problems.add(field_path, _friendly(error))
+        problems.raise_if_any()
+        raise  # unreachable: a ValidationError always has errors
+    models = {}
+    for name, entry in parsed.models.items():
+        models[name] = _resolve_model(name, entry, parsed, path.parent, problems, check_sources)
+    problems.raise_if_any()
+    return EnginesConfig(path=path.resolve(), build=parsed.build, models=models)
+
+
+def _friendly(error: dict) -> str:
+    kind, msg = error["type"], error["msg"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "enum":
+        expected = error.get("ctx", {}).get("expected", "")
+        return f"{error.get('input')!r} is not one of {expected}"
+    if kind == "missing":
+        return "required key is missing"
+    return msg.removeprefix("Value error, ")
+
+
+def _data_path(data, loc: tuple) -> tuple:
+    """Map pydantic's loc (which includes union branch tags) onto the path in the YAML data."""
+    path, node = [], data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            path.append(part)
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            path.append(part)
+            node = node[part]
+        elif isinstance(node, (dict, list)) and part not in ("str", "int", "float", "bool") and not str(part).startswith(
+            ("function-", "RangeBucket", "HubSource", "constrained-", "list[", "dict[")
+        ):
+            path.append(part)  # a missing key: point at its parent's line, name the key
+            node = None
+    return tuple(path)
+
+
+def _merged(entry: ModelEntry, defaults, name: str):
+    value = getattr(entry, name)
+    if value is None:
+        value = getattr(defaults, name)
+    if value is None:
+        value = BUILTIN_DEFAULTS.get(name)
+    return value
+
+
+def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, problems: _Problems, check_sources):
+    base = ("models", name)
+    info = family_info(entry.family)
+    defaults = parsed.defaults
+
+    components = tuple(_merged(entry, defaults, "components") or info.default_components)
+    for i, component in enumerate(components):
+        if component not in info.components:
+            where = base + ("components", i) if entry.components is not None else ("defaults", "components")
+            problems.add(where, f"the {entry.family.value} family has no {component.value} "
+                                f"(it has: {', '.join(c.value for c in info.components)})")
+    if Component.controlnet in components:
+        problems.add(base + ("components",), "list ControlNets under 'controlnets:', not in 'components'")
+
+    if entry.controlnets and not info.supports_controlnet:
+        problems.add(base + ("controlnets",), f"the {entry.family.value} family has no ControlNet support "
+                                              "in trt-diffusion (sd15 and sdxl do)")
+
+    buckets = []
+    bucket_field = base + ("buckets",) if entry.buckets is not None else ("defaults", "buckets")
+    for i, raw in enumerate(_merged(entry, defaults, "buckets")):
+        bucket = _parse_bucket(raw, bucket_field + (i,), info.latent_factor, entry.family, None)
+        if bucket is not None:
+            if bucket in buckets:
+                problems.add(bucket_field + (i,), f"bucket {bucket.label} is listed twice")
+            buckets.append(bucket)
+
+    precision = dict(BUILTIN_DEFAULTS["precision"])
+    for component in info.components:
+        precision.setdefault(component, BUILTIN_DEFAULTS["precision_fallback"])
+    precision.update(defaults.precision or {})
+    precision.update(entry.precision or {})
+    if Component.controlnet not in (entry.precision or {}) and Component.controlnet not in (defaults.precision or {}):
+        precision[Component.controlnet] = precision[info.denoiser]
+    denoiser_precision = precision[info.denoiser]
+
+    loras = {}
+    for lora_name, lora in entry.loras.items():
+        where = base + ("loras", lora_name)
+        if lora.mode is LoraMode.refit and denoiser_precision.is_quantized:
+            problems.add(where + ("mode",), f"a refit LoRA cannot be applied to the {denoiser_precision.value} "
+                                            f"{info.denoiser.value}: quantized engines are not refittable; "
+                                            "use 'mode: fused' (its own calibrated engines)")
+        lora_path = (root / lora.source)
+        if check_sources and not lora_path.is_file():
+            problems.add(where + ("source",), f"LoRA file {lora.source!r} not found (looked in {lora_path})")
+        loras[lora_name] = ResolvedLora(lora_name, lora_path.resolve(), lora.mode, lora.scale)
+
+    refittable = _merged(entry, defaults, "refittable")
+    if any(l.mode is LoraMode.refit for l in loras.values()):
+        refittable = True
+    if refittable and denoiser_precision.is_quantized and not any(l.mode is LoraMode.refit for l in loras.values()):
+        problems.add(base + ("refittable",), f"{denoiser_precision.value} engines are not refittable")
+
+    source = _resolve_source(entry.source, base + ("source",), root, problems, check_sources, "model_index.json")
+    controlnets = {
+        cn_name: _resolve_source(cn.source, base + ("controlnets", cn_name, "source"), root, problems,
+                                 check_sources, "config.json")
+        for cn_name, cn in entry.controlnets.items()
+    }
+    parity = dict(defaults.parity or {})
+    parity.update(entry.parity or {})
+    return ResolvedModel(
+        name=name, family=entry.family, source=source, components=components, buckets=tuple(buckets),
+        batch=tuple(sorted(set(_merged(entry, defaults, "batch")))), cfg=tuple(dict.fromkeys(_merged(entry, defaults, "cfg"))),
+        precision=precision, targets=tuple(dict.fromkeys(_merged(entry, defaults, "targets"))), refittable=bool(refittable),
+        controlnets=controlnets, loras=loras,
+        quantization=entry.quantization or defaults.quantization or QuantizationSettings(), parity=parity,
+    )
+
+
+def _check_bucket_geometry(data: dict, problems: _Problems) -> None:
+    """Bucket sides vs each model's latent factor, and min <= opt <= max, for every bucket that parses."""
+    models = data.get("models")
+    if not isinstance(models, dict):
+        return
+    defaults = data.get("defaults") if isinstance(data.get("defaults"), dict) else {}
+    for name, entry in models.items():
+        if not isinstance(entry, dict) or entry.get("family") not in Family._value2member_map_:
+            continue
+        family = Family(entry["family"])
+        field_path = ("models", name, "buckets") if "buckets" in entry else ("defaults", "buckets")
+        raw_buckets = entry.get("buckets", defaults.get("buckets", []))
+        if not isinstance(raw_buckets, list):
+            raw_buckets = [raw_buckets]
+        for i, raw in enumerate(raw_buckets):
+            _parse_bucket(raw, field_path + (i,), family_info(family).latent_factor, family, problems)
+
+
+def _parse_bucket(raw, where, factor: int, family: Family, problems: _Problems | None) -> Bucket | None:
+    """Parse one bucket; report geometry problems when `problems` is given. None if it is unusable."""
+    if problems is None:
+        problems = _Problems(Path("-"), LocatedYaml(None))  # checked already: collect and drop
+    try:
+        if isinstance(raw, RangeBucket):
+            raw = raw.model_dump()
+        if isinstance(raw, dict):
+            bucket = Bucket(Size.parse(raw["min"]), Size.parse(raw["opt"]), Size.parse(raw["max"]))
+        else:
+            bucket = Bucket.static(Size.parse(raw))
+    except (ValueError, KeyError, TypeError):
+        return None  # malformed: the schema reports it
+    ok = True
+    for label, size in (("min", bucket.min), ("opt", bucket.opt), ("max", bucket.max)):
+        if size.width % factor or size.height % factor:
+            field_path = where + (label,) if not bucket.is_static else where
+            problems.add(field_path, f"{size} is not a multiple of {factor} on each side "
+                                     f"(the {family.value} family's latent factor)")
+            ok = False
+        if bucket.is_static:
+            break
+    if not bucket.is_static:
+        for lo_name, lo, hi_name, hi in (("min", bucket.min, "opt", bucket.opt), ("opt", bucket.opt, "max", bucket.max)):
+            if lo.width > hi.width or lo.height > hi.height:
+                problems.add(where + (lo_name,), f"{lo_name} {lo} is larger than {hi_name} {hi}")
+                ok = False
+    return bucket if ok else None
+
+
+def _resolve_source(source, where, root: Path, problems: _Problems, check: bool, marker: str) -> ResolvedSource:
+    if isinstance(source, HubSource):
+        identity = f"hf:{source.repo}@{source.revision}"
+        path = Path("<not resolved>")
+        if check:
+            path = _hub_snapshot(source, where, problems) or path
+        return ResolvedSource(identity, path)
+    path = (root / source).resolve()
+    identity = f"local:{Path(source).as_posix()}"
+    if check:
+        if not path.is_dir():
+            problems.add(where, f"model folder {source!r} not found (looked in {path})")
+        elif not (path / marker).is_file():
+            problems.add(where, f"{source!r} is not a diffusers folder: {marker} is missing in {path}")
+    return ResolvedSource(identity, path)
+
+
+def _hub_snapshot(source: HubSource, where, problems: _Problems) -> Path | None:
+    """Resolve a Hugging Face repo from the local cache only: builds never download implicitly."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(source.repo, revision=source.revision, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        problems.add(where, f"{source.repo}@{source.revision} is not in the local Hugging Face cache; "
+                            f"fetch it first: huggingface-cli download {source.repo} --revision {source.revision}")
+        return None

@@ -1,0 +1,170 @@
+"""The engines.yaml schema (pydantic, unknown keys rejected).
+
+Field-level rules live here; rules that need several fields (bucket sides vs the family's latent
+factor, refit LoRAs on quantized engines, ...) live in `validate.py`.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from ..families import Component, Family
+from .engine_spec import Size
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp8 = "fp8"
+    int8 = "int8"
+
+    @property
+    def is_quantized(self) -> bool:
+        return self in (Precision.fp8, Precision.int8)
+
+    @property
+    def bytes_per_parameter(self) -> float:
+        return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}[self.value]
+
+
+class Target(str, Enum):
+    tensorrt = "tensorrt"
+    onnxruntime = "onnxruntime"
+
+
+class CfgMode(str, Enum):
+    batched = "batched"  # conditional + unconditional in one call: the denoiser batch is doubled
+    split = "split"  # two calls of the prompt batch per step
+    none = "none"  # no classifier-free guidance (guidance-distilled models)
+
+
+class LoraMode(str, Enum):
+    refit = "refit"  # applied to a refittable fp16/bf16/fp32 engine at run time, no rebuild
+    fused = "fused"  # merged before export/calibration: its own engines (required for fp8/int8)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HubSource(Strict):
+    repo: str
+    revision: str = Field(description="a commit sha or tag; pinned so builds are reproducible")
+
+
+Source = str | HubSource
+
+
+class RangeBucket(Strict):
+    min: str
+    opt: str
+    max: str
+
+    @field_validator("min", "opt", "max")
+    @classmethod
+    def _size(cls, value: str) -> str:
+        Size.parse(value)
+        return value
+
+
+def _static_bucket(value: str) -> str:
+    Size.parse(value)
+    return value
+
+
+BucketEntry = Annotated[str, AfterValidator(_static_bucket), Field(description="WIDTHxHEIGHT")] | RangeBucket
+
+
+class ControlNetEntry(Strict):
+    source: Source
+
+
+class LoraEntry(Strict):
+    source: str
+    mode: LoraMode = LoraMode.refit
+    scale: float = 1.0
+
+
+class CalibrationSettings(Strict):
+    prompts: str | None = Field(None, description="a text file, one prompt a line; default: the bundled set")
+    samples: int = Field(8, ge=1)
+    steps: int = Field(4, ge=1)
+    seed: int = 0
+    algorithm: Literal["max", "smoothquant", "percentile"] = "max"
+
+
+class QuantizationSettings(Strict):
+    calibration: CalibrationSettings = CalibrationSettings()
+    exclude: list[str] = Field(default_factory=list, description="module-name patterns kept in higher precision")
+
+
+class ParityThresholds(Strict):
+    min_psnr_db: float | None = None
+    min_ssim: float | None = Field(None, ge=-1.0, le=1.0)
+    max_lpips: float | None = Field(None, ge=0.0)
+
+
+class TensorRTSettings(Strict):
+    optimization_level: int = Field(3, ge=0, le=5)
+    workspace_gb: float = Field(8.0, gt=0)
+
+
+class BuildSettings(Strict):
+    workspace: str = "build"
+    timing_cache: str | None = None  # default: <workspace>/timing-cache
+    opset: int = Field(20, ge=18, le=23)  # dynamo export: 17 gives graphs ORT rejects (FACTS.md)
+    jobs: int = Field(1, ge=1)
+    memory_budget_gb: float = Field(16.0, gt=0)
+    tensorrt: TensorRTSettings = TensorRTSettings()
+
+
+PrecisionMap = dict[Component, Precision]
+
+
+class ModelSettings(Strict):
+    """Fields a model may set and `defaults` may supply."""
+
+    components: list[Component] | None = None
+    buckets: list[BucketEntry] | None = None
+    batch: list[Annotated[int, Field(ge=1)]] | None = None
+    cfg: list[CfgMode] | None = None
+    precision: PrecisionMap | None = None
+    targets: list[Target] | None = None
+    refittable: bool | None = None
+    quantization: QuantizationSettings | None = None
+    parity: dict[Precision, ParityThresholds] | None = None
+
+    @field_validator("cfg", "targets", "batch", "components", "buckets", mode="before")
+    @classmethod
+    def _one_or_many(cls, value):
+        return value if value is None or isinstance(value, list) else [value]
+
+
+class ModelEntry(ModelSettings):
+    source: Source
+    family: Family
+    controlnets: dict[str, ControlNetEntry] = Field(default_factory=dict)
+    loras: dict[str, LoraEntry] = Field(default_factory=dict)
+
+
+class EnginesFile(Strict):
+    version: Literal[1]
+    build: BuildSettings = BuildSettings()
+    defaults: ModelSettings = ModelSettings()
+    models: dict[str, ModelEntry] = Field(min_length=1)
+
+
+BUILTIN_DEFAULTS = {
+    "buckets": ["512x512"],
+    "batch": [1],
+    "cfg": [CfgMode.batched],
+    "targets": [Target.tensorrt, Target.onnxruntime],
+    "refittable": False,
+    # fp32 VAE by default: fp16 VAEs overflow into black/NaN images.
+    "precision": {Component.vae_encoder: Precision.fp32, Component.vae_decoder: Precision.fp32},
+    "precision_fallback": Precision.fp16,
+}
