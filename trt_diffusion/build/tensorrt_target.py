@@ -1,0 +1,549 @@
+"""The TensorRT target: build, load, run and refit one engine per EngineSpec.
+
+The only module of trt-diffusion that imports `tensorrt`, and only inside functions: importing this
+module needs neither TensorRT nor a GPU, and `tensorrt_available()` says why a host cannot build.
+Every decision (flags, profile checks, manifests, compatibility) lives in `tensorrt_config`; this
+module carries them out through Polygraphy's loaders (CreateConfig, EngineBytesFromNetwork,
+EngineFromBytes, TrtRunner) and TensorRT's Refitter.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import BuildError, MissingDependencyError, RefitError
+from ..spec.engine_spec import EngineSpec
+from .tensorrt_config import (
+    REBUILD_COMMAND,
+    TRT_DTYPE_NAMES,
+    BuildFlags,
+    EngineManifest,
+    ProfileShapes,
+    TensorInfo,
+    atomic_write_bytes,
+    check_engine_compatible,
+    check_feeds,
+    check_profile_against_inputs,
+    manifest_path,
+    onnx_has_qdq,
+    onnx_input_shapes,
+    onnx_sha256,
+    prepare_refit_weights,
+    sm_name,
+    timing_cache_path,
+    validate_profile,
+    weights_for_refit,
+)
+
+LOG = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "the tensorrt target needs TensorRT 10 and an NVIDIA GPU: "
+    "pip install 'trt-diffusion[tensorrt]' --extra-index-url https://pypi.nvidia.com"
+)
+
+HostInfo = tuple[str, tuple[int, int], str]  # (TensorRT version, compute capability, device name)
+
+
+# ----------------------------------------------------------------------------------------------
+# What this host has
+# ----------------------------------------------------------------------------------------------
+
+
+def _import_tensorrt() -> tuple[Any, str]:
+    """(the tensorrt module, "") or (None, why it cannot be used)."""
+    try:
+        import tensorrt as trt
+    except Exception as err:  # ImportError, or OSError when its shared libraries are missing
+        return None, f"the tensorrt module cannot be imported ({type(err).__name__}: {err})"
+    if not hasattr(trt, "Builder"):
+        # a namespace package left by type stubs, or NVIDIA's placeholder package without the libraries
+        return None, "the installed 'tensorrt' package has no TensorRT libraries (a stub or placeholder package)"
+    return trt, ""
+
+
+def _require_tensorrt() -> Any:
+    trt, reason = _import_tensorrt()
+    if trt is None:
+        raise MissingDependencyError(f"{reason}; {INSTALL_HINT}")
+    return trt
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    compute_capability: tuple[int, int]
+    name: str
+
+
+def _device_from_cuda_python() -> CudaDevice | str:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python < 12.6 layout
+        except ImportError as err:
+            return f"cuda-python is not installed ({err})"
+    success = cudart.cudaError_t.cudaSuccess
+    err, count = cudart.cudaGetDeviceCount()
+    if err != success:
+        return f"the CUDA runtime reports {err.name}"
+    if count == 0:
+        return "the CUDA runtime sees no device"
+    err, props = cudart.cudaGetDeviceProperties(0)
+    if err != success:
+        return f"cudaGetDeviceProperties failed with {err.name}"
+    name = props.name.split(b"\0", 1)[0].decode(errors="replace") if isinstance(props.name, bytes) else str(props.name)
+    return CudaDevice((int(props.major), int(props.minor)), name)
+
+
+def _device_from_torch() -> CudaDevice | str:
+    try:
+        import torch
+    except ImportError as err:
+        return f"torch is not installed ({err})"
+    if not torch.cuda.is_available():
+        return f"torch sees no CUDA device (its build: CUDA {torch.version.cuda or 'none'})"
+    major, minor = torch.cuda.get_device_capability(0)
+    return CudaDevice((int(major), int(minor)), torch.cuda.get_device_name(0))
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_cuda_device() -> tuple[CudaDevice | None, tuple[str, ...]]:
+    """Device 0 as the CUDA runtime numbers it (honours CUDA_VISIBLE_DEVICES); cuda-python first,
+    torch as the fallback. Cached: the GPU does not change within a process."""
+    reasons = []
+    for probe in (_device_from_cuda_python, _device_from_torch):
+        try:
+            found = probe()
+        except Exception as err:  # noqa: BLE001 - a broken CUDA install is a reason, not a crash
+            found = f"{probe.__name__}: {type(err).__name__}: {err}"
+        if isinstance(found, CudaDevice):
+            return found, ()
+        reasons.append(found)
+    return None, tuple(reasons)
+
+
+def tensorrt_available() -> tuple[bool, str]:
+    """(True, a description of TensorRT and the GPU) or (False, why this host cannot use the target)."""
+    trt, reason = _import_tensorrt()
+    if trt is None:
+        return False, reason
+    device, reasons = _probe_cuda_device()
+    if device is None:
+        return False, "no CUDA device: " + "; ".join(reasons)
+    return True, f"TensorRT {trt.__version__} on {device.name} ({sm_name(device.compute_capability)})"
+
+
+def host_info() -> HostInfo:
+    """(TensorRT version, GPU compute capability, GPU name) of this host; MissingDependencyError otherwise."""
+    trt = _require_tensorrt()
+    device, reasons = _probe_cuda_device()
+    if device is None:
+        raise MissingDependencyError("no CUDA device: " + "; ".join(reasons) + f"; {INSTALL_HINT}")
+    return str(trt.__version__), device.compute_capability, device.name
+
+
+# ----------------------------------------------------------------------------------------------
+# TensorRT's log: forwarded to `logging`, recent errors kept for our error messages
+# ----------------------------------------------------------------------------------------------
+
+_LOGGER_LOCK = threading.Lock()
+_RECORDING_LOGGER: Any = None
+
+
+def _make_recording_logger(trt: Any) -> Any:
+    severity = trt.ILogger.Severity
+    levels = {
+        severity.INTERNAL_ERROR: logging.CRITICAL,
+        severity.ERROR: logging.ERROR,
+        severity.WARNING: logging.WARNING,
+        severity.INFO: logging.INFO,
+        severity.VERBOSE: logging.DEBUG,
+    }
+    errors = (severity.INTERNAL_ERROR, severity.ERROR)
+
+    class RecordingLogger(trt.ILogger):
+        """TensorRT calls this from its own threads: it must be thread-safe and must not raise."""
+
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self._lock = threading.Lock()
+            self._count = 0
+            self._errors: deque[tuple[int, str]] = deque(maxlen=50)
+
+        def log(self, level: Any, msg: str) -> None:
+            try:
+                if level in errors:
+                    with self._lock:
+                        self._errors.append((self._count, msg))
+                        self._count += 1
+                python_level = levels.get(level, logging.DEBUG)
+                if LOG.isEnabledFor(python_level):
+                    LOG.log(python_level, "TensorRT: %s", msg)
+            except Exception:  # noqa: BLE001 - an exception must not cross into TensorRT
+                pass
+
+        def mark(self) -> int:
+            with self._lock:
+                return self._count
+
+        def errors_since(self, mark: int) -> list[str]:
+            with self._lock:
+                return [msg for index, msg in self._errors if index >= mark]
+
+    return RecordingLogger()
+
+
+def _trt_logger(trt: Any) -> Any:
+    """One logger for the process: TensorRT treats the first logger it is given as the global one."""
+    global _RECORDING_LOGGER
+    with _LOGGER_LOCK:
+        if _RECORDING_LOGGER is None:
+            _RECORDING_LOGGER = _make_recording_logger(trt)
+            trt.init_libnvinfer_plugins(_RECORDING_LOGGER, "")
+        return _RECORDING_LOGGER
+
+
+def _with_trt_errors(message: str, logger: Any, mark: int) -> str:
+    said = logger.errors_since(mark)
+    return message + ("\nTensorRT said:\n  " + "\n  ".join(said) if said else "")
+
+
+def _polygraphy_exception() -> type[Exception]:
+    from polygraphy.exception import PolygraphyException
+
+    return PolygraphyException
+
+
+# ----------------------------------------------------------------------------------------------
+# Build
+# ----------------------------------------------------------------------------------------------
+
+
+def _parser_error_text(error: Any) -> str:
+    try:
+        node = f" (node {error.node_name() or error.node()}, {error.node_operator()})" if error.node() >= 0 else ""
+        return f"{error.desc()}{node}"
+    except Exception:  # noqa: BLE001 - older bindings lack some accessors; str() always works
+        return str(error)
+
+
+def _parse_onnx(trt: Any, onnx_path: Path, strongly_typed: bool, spec_name: str) -> tuple[Any, Any, Any]:
+    """(builder, network, parser). Not Polygraphy's NetworkFromOnnxPath: it logs the parser's
+    errors and raises a generic message, and a BuildError must carry the parser's own words."""
+    logger = _trt_logger(trt)
+    builder = trt.Builder(logger)
+    creation_flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
+    network = builder.create_network(creation_flags)
+    parser = trt.OnnxParser(network, logger)
+    parsed = parser.parse_from_file(str(onnx_path))  # from a path, so external data is found beside it
+    errors = [_parser_error_text(parser.get_error(i)) for i in range(parser.num_errors)]
+    if not parsed or errors:
+        detail = "\n  ".join(errors) or "the parser gave no reason"
+        raise BuildError(f"{spec_name}: TensorRT could not parse {onnx_path}:\n  {detail}")
+    return builder, network, parser
+
+
+def _create_config(
+    trt: Any, builder: Any, network: Any, flags: BuildFlags, shapes: ProfileShapes, cache_path: Path, spec_name: str
+) -> Any:
+    from polygraphy.backend.trt import CreateConfig, Profile
+
+    profile = Profile()
+    for name, (min_shape, opt_shape, max_shape) in shapes.items():
+        profile.add(name, min=min_shape, opt=opt_shape, max=max_shape)
+    create_config = CreateConfig(
+        tf32=flags.tf32,
+        fp16=flags.fp16,
+        bf16=flags.bf16,
+        profiles=[profile],
+        refittable=flags.refit,
+        strip_plan=flags.strip_plan,
+        version_compatible=flags.version_compatible,
+        builder_optimization_level=flags.builder_optimization_level,
+        memory_pool_limits={trt.MemoryPoolType.WORKSPACE: flags.workspace_bytes},
+        load_timing_cache=str(cache_path) if cache_path.is_file() else None,
+    )
+    logger = _trt_logger(trt)
+    mark = logger.mark()
+    try:
+        # Called here rather than inside EngineBytesFromNetwork: the timing cache is read back from it.
+        return create_config(builder, network)
+    except _polygraphy_exception() as err:
+        raise BuildError(_with_trt_errors(f"{spec_name}: TensorRT rejected the builder configuration: {err}", logger, mark)) from err
+
+
+def _build_plan(trt: Any, builder: Any, network: Any, parser: Any, config: Any, spec_name: str) -> Any:
+    from polygraphy.backend.trt import EngineBytesFromNetwork
+
+    logger = _trt_logger(trt)
+    mark = logger.mark()
+    try:
+        return EngineBytesFromNetwork((builder, network, parser), config=config)()
+    except _polygraphy_exception() as err:
+        raise BuildError(_with_trt_errors(f"{spec_name}: TensorRT could not build the engine: {err}", logger, mark)) from err
+
+
+def _save_timing_cache(config: Any, cache_path: Path) -> None:
+    """Merge this build's timings into the shared cache file: under a lock, since parallel builds
+    share it, and through a temporary file, so an interrupted write never corrupts it."""
+    from polygraphy import util as polygraphy_util
+
+    cache = config.get_timing_cache()
+    if cache is None:
+        return
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    with polygraphy_util.LockFile(str(cache_path)):
+        if cache_path.is_file():  # timings another build added since this one started
+            on_disk = config.create_timing_cache(cache_path.read_bytes())
+            if not cache.combine(on_disk, ignore_mismatch=False):
+                LOG.warning("timing cache %s was written by another TensorRT or GPU; replacing it", cache_path)
+        atomic_write_bytes(cache_path, cache.serialize())
+
+
+def _dtype_name(trt_dtype: Any) -> str:
+    return TRT_DTYPE_NAMES.get(trt_dtype.name, trt_dtype.name.lower())
+
+
+def _tensor_infos(tensors: Iterable[Any]) -> tuple[TensorInfo, ...]:
+    return tuple(TensorInfo(name=t.name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape)) for t in tensors)
+
+
+def build_engine(
+    onnx_path: str | Path,
+    spec: EngineSpec,
+    profile_shapes: ProfileShapes,
+    out_path: str | Path,
+    timing_cache_dir: str | Path,
+    refit_map: str | Path | None = None,
+) -> EngineManifest:
+    """Build one engine: the plan at `out_path`, its manifest beside it, the timing cache updated.
+
+    Everything that can be checked without TensorRT (profile, ONNX inputs, precision vs Q/DQ) is
+    checked first, so a wrong request fails the same way on a CPU host.
+    """
+    onnx_path, out_path = Path(onnx_path), Path(out_path)
+    shapes = validate_profile(profile_shapes)
+    check_profile_against_inputs(shapes, onnx_input_shapes(onnx_path))
+    flags = BuildFlags.for_spec(spec, onnx_has_qdq(onnx_path))
+    trt = _require_tensorrt()
+    trt_version, compute_capability, device_name = host_info()
+    digest = onnx_sha256(onnx_path)
+    cache_path = timing_cache_path(timing_cache_dir, compute_capability, trt_version)
+
+    started = time.perf_counter()
+    builder, network, parser = _parse_onnx(trt, onnx_path, flags.strongly_typed, spec.name)
+    config = _create_config(trt, builder, network, flags, shapes, cache_path, spec.name)
+    plan = _build_plan(trt, builder, network, parser, config, spec.name)
+    build_seconds = time.perf_counter() - started
+
+    manifest_file = manifest_path(out_path)
+    manifest_file.unlink(missing_ok=True)  # a stale manifest must never describe the new plan
+    atomic_write_bytes(out_path, plan)
+    try:
+        _save_timing_cache(config, cache_path)
+    except OSError as err:  # the engine is good; a cache is only a speed-up
+        LOG.warning("could not update timing cache %s: %s", cache_path, err)
+
+    manifest = EngineManifest(
+        spec_key=spec.key,
+        spec_name=spec.name,
+        tensorrt_version=trt_version,
+        compute_capability=compute_capability,
+        device_name=device_name,
+        flags=flags.to_dict(),
+        profile_shapes=shapes,
+        onnx_sha256=digest,
+        inputs=_tensor_infos(network.get_input(i) for i in range(network.num_inputs)),
+        outputs=_tensor_infos(network.get_output(i) for i in range(network.num_outputs)),
+        refit_map=str(refit_map) if refit_map is not None else None,
+        plan_bytes=out_path.stat().st_size,
+        build_seconds=round(build_seconds, 3),
+    )
+    manifest.write(manifest_file)
+    LOG.info("built %s in %.1f s (%s)", spec.name, build_seconds, out_path)
+    return manifest
+
+
+# ----------------------------------------------------------------------------------------------
+# Load and run
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TensorRTEngine:
+    """A deserialized engine with its manifest; `refitted_names` are the weights that differ from
+    the plan's (base) weights because of a refit in this process."""
+
+    plan_path: Path
+    manifest: EngineManifest
+    engine: Any  # trt.ICudaEngine
+    refitted_names: set[str] = field(default_factory=set)
+
+
+def _check_plan_file(plan_path: Path, manifest: EngineManifest) -> None:
+    if not plan_path.is_file():
+        raise BuildError(f"engine plan {plan_path} is missing: rebuild with `{REBUILD_COMMAND}`")
+    size = plan_path.stat().st_size
+    if size != manifest.plan_bytes:
+        raise BuildError(
+            f"engine plan {plan_path} has {size} bytes, its manifest says {manifest.plan_bytes} "
+            f"(an interrupted copy?): rebuild with `{REBUILD_COMMAND}`"
+        )
+
+
+def _deserialize(trt: Any, plan: bytes, spec_name: str) -> Any:
+    from polygraphy.backend.trt import EngineFromBytes
+
+    logger = _trt_logger(trt)
+    mark = logger.mark()
+    try:
+        return EngineFromBytes(plan, runtime=trt.Runtime(logger))()
+    except _polygraphy_exception() as err:
+        raise BuildError(_with_trt_errors(f"engine {spec_name} could not be deserialized: {err}", logger, mark)) from err
+
+
+def load_engine(plan_path: str | Path, host: HostInfo | None = None) -> TensorRTEngine:
+    """Read the manifest, refuse a plan built for another TensorRT or GPU, then deserialize.
+
+    `host` is (TensorRT version, compute capability, device name) when the caller already knows
+    it; by default it is probed.
+    """
+    plan_path = Path(plan_path)
+    manifest = EngineManifest.read(manifest_path(plan_path))
+    trt_version, compute_capability, device_name = host if host is not None else host_info()
+    check_engine_compatible(manifest, trt_version, compute_capability, device_name)
+    _check_plan_file(plan_path, manifest)
+    trt = _require_tensorrt()
+    engine = _deserialize(trt, plan_path.read_bytes(), manifest.spec_name)
+    return TensorRTEngine(plan_path=plan_path, manifest=manifest, engine=engine)
+
+
+def run_engine(engine: TensorRTEngine | str | Path, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One inference. Inputs are checked against the manifest's names, dtypes and profile first,
+    so a wrong feed fails with the expected shapes listed, not with a TensorRT binding error."""
+    if isinstance(engine, (str, Path)):
+        check_feeds(EngineManifest.read(manifest_path(engine)), feeds)
+        engine = load_engine(engine)
+    else:
+        check_feeds(engine.manifest, feeds)
+    from polygraphy.backend.trt import TrtRunner
+
+    contiguous = {name: np.ascontiguousarray(array) for name, array in feeds.items()}
+    with TrtRunner(engine.engine) as runner:
+        outputs = runner.infer(feed_dict=contiguous)
+    # the runner reuses its host buffers on the next call: hand out copies
+    return {name: np.array(array, copy=True) for name, array in outputs.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Refit
+# ----------------------------------------------------------------------------------------------
+
+
+def _refitter(engine: TensorRTEngine) -> tuple[Any, Any]:
+    if not engine.manifest.flags.get("refit"):
+        raise RefitError(f"engine {engine.manifest.spec_name} was not built refittable (refittable: false in its spec)")
+    trt = _require_tensorrt()
+    return trt, trt.Refitter(engine.engine, _trt_logger(trt))
+
+
+def refittable_weight_names(engine: TensorRTEngine) -> list[str]:
+    """Names (ONNX initializer names) of every weight the engine can refit."""
+    _, refitter = _refitter(engine)
+    return sorted(name for name in refitter.get_all_weights() if name)
+
+
+def _prototypes(refitter: Any, names: Iterable[str]) -> dict[str, tuple[str, int]]:
+    prototypes = {}
+    for name in names:
+        prototype = refitter.get_weights_prototype(name)
+        prototypes[name] = (_dtype_name(prototype.dtype), int(prototype.size))
+    return prototypes
+
+
+def _as_trt_weights(trt: Any, refitter: Any, name: str, array: np.ndarray) -> Any:
+    # by pointer, typed as the engine's own weights: no numpy-to-TensorRT dtype mapping (bfloat16 has
+    # none); `array` must stay alive until refit_cuda_engine returns, as Weights do not copy
+    return trt.Weights(refitter.get_weights_prototype(name).dtype, array.ctypes.data, array.size)
+
+
+def _set_named_weights(trt: Any, refitter: Any, prepared: Mapping[str, np.ndarray], engine_name: str) -> None:
+    rejected = [
+        name for name, array in prepared.items()
+        if not refitter.set_named_weights(name, _as_trt_weights(trt, refitter, name, array))
+    ]
+    if rejected:
+        raise RefitError(f"TensorRT rejected weight(s) {rejected} for engine {engine_name}")
+
+
+def refit_engine(
+    engine: TensorRTEngine,
+    weights: Mapping[str, np.ndarray],
+    base_weights: Mapping[str, np.ndarray] | None = None,
+) -> None:
+    """Write new weights (by ONNX initializer name) into a refittable engine, in place.
+
+    With `base_weights`, weights changed by an earlier refit but absent here return to base in
+    the same refit, and weights TensorRT fused with the given ones are filled from base. Without
+    them, any such weight is a RefitError rather than a silent residue.
+    """
+    name = engine.manifest.spec_name
+    wanted = weights_for_refit(name, engine.refitted_names, weights, base_weights)
+    if not wanted:
+        return
+    trt, refitter = _refitter(engine)
+    # `prepared` holds the arrays TensorRT reads from until refit_cuda_engine returns (Weights do not copy)
+    prepared = prepare_refit_weights(name, _prototypes(refitter, wanted), wanted)
+    _set_named_weights(trt, refitter, prepared, name)
+    prepared.update(_fill_missing_weights(trt, refitter, name, base_weights))
+    missing = sorted(n or "<unnamed>" for n in refitter.get_missing_weights())
+    if missing:
+        raise RefitError(
+            f"cannot refit engine {name}: TensorRT also needs weight(s) {missing} "
+            "(fused with the ones given); pass base_weights or include them"
+        )
+    logger = _trt_logger(trt)
+    mark = logger.mark()
+    if not refitter.refit_cuda_engine():
+        # TensorRT may have written some of them: count all as changed so a restore covers them
+        engine.refitted_names |= set(wanted)
+        raise RefitError(_with_trt_errors(f"TensorRT failed to refit engine {name}", logger, mark))
+    engine.refitted_names = set(weights)
+
+
+def _fill_missing_weights(
+    trt: Any, refitter: Any, engine_name: str, base_weights: Mapping[str, np.ndarray] | None
+) -> dict[str, np.ndarray]:
+    missing = [n for n in refitter.get_missing_weights() if n]
+    if not missing or base_weights is None:
+        return {}
+    fill = {n: base_weights[n] for n in missing if n in base_weights}
+    prepared = prepare_refit_weights(engine_name, _prototypes(refitter, fill), fill)
+    _set_named_weights(trt, refitter, prepared, engine_name)
+    return prepared
+
+
+def refit_to_base(
+    engine: TensorRTEngine,
+    base_weights: Mapping[str, np.ndarray],
+    names: Iterable[str] | None = None,
+) -> None:
+    """Restore base weights: by default those refitted in this process (enough, since a loaded plan
+    holds base weights); pass `names=refittable_weight_names(engine)` to restore everything."""
+    restore = sorted(engine.refitted_names if names is None else set(names))
+    absent = [n for n in restore if n not in base_weights]
+    if absent:
+        raise RefitError(f"cannot restore engine {engine.manifest.spec_name}: the base weights lack {absent[:10]}")
+    refit_engine(engine, {n: base_weights[n] for n in restore}, base_weights)
+    engine.refitted_names = set()
