@@ -1,0 +1,224 @@
+"""The `onnxruntime` target: one ONNX per engine shape, its dimensions fixed to the bucket and ONNX
+Runtime's offline graph optimizations saved, with a manifest like a TensorRT engine's.
+
+Layout: `<workspace>/engines/onnxruntime/<spec.name>.<spec.key>/{model.onnx, model.onnx.data, manifest.json}`.
+The folder is built beside its final place and renamed in, manifest written last, so an interrupted
+build leaves nothing a later run trusts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import onnx
+from pydantic import BaseModel, ConfigDict
+
+from ..errors import BuildError
+from ..spec.engine_spec import EngineSpec
+from .tensorrt_config import ProfileShapes, TensorInfo, onnx_sha256, validate_profile
+
+TARGET = "onnxruntime"
+MANIFEST_SCHEMA_VERSION = 1
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+MANIFEST_FILE = "manifest.json"
+# Saved graphs use the portable optimization level: ENABLE_ALL adds layout-specific kernels (NCHWc) tied
+# to the building CPU. ENABLE_ALL still runs when a session is created on the serving host.
+SAVED_OPTIMIZATION = "extended"
+
+
+class OrtEngineManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = MANIFEST_SCHEMA_VERSION
+    spec_key: str
+    spec_name: str
+    target: str = TARGET
+    onnxruntime_version: str
+    input_hash: str  # what this engine was built from: source ONNX bytes, spec key, ORT version, options
+    onnx_sha256: str  # the source ONNX
+    engine_sha256: str  # the engine's own model.onnx (+ data)
+    static_shapes: bool
+    offline_optimization: str | None
+    profile_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    build_seconds: float
+    created_at: str
+
+
+def engine_dir(workspace: str | Path, spec: EngineSpec) -> Path:
+    return Path(workspace) / "engines" / TARGET / f"{spec.name}.{spec.key}"
+
+
+def build_input_hash(source_sha256: str, spec: EngineSpec) -> str:
+    import onnxruntime
+
+    payload = {"onnx": source_sha256, "spec": spec.key, "onnxruntime": onnxruntime.__version__,
+               "offline_optimization": None if spec.refittable else SAVED_OPTIMIZATION,
+               "schema": MANIFEST_SCHEMA_VERSION}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def read_manifest(folder: Path) -> OrtEngineManifest | None:
+    try:
+        return OrtEngineManifest.model_validate_json((Path(folder) / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def trusted_engine(folder: Path, input_hash: str) -> OrtEngineManifest | None:
+    """The manifest of a complete engine built from exactly these inputs, else None."""
+    manifest = read_manifest(folder)
+    if manifest is None or manifest.input_hash != input_hash:
+        return None
+    try:
+        if onnx_sha256(folder / MODEL_FILE) != manifest.engine_sha256:
+            return None
+    except BuildError:  # missing or unreadable: not an engine we built
+        return None
+    return manifest
+
+
+def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes,
+                 workspace: str | Path) -> tuple[Path, OrtEngineManifest, bool]:
+    """Build (or find) the engine for `spec`. Returns (folder, manifest, cached)."""
+    import onnxruntime
+
+    profile = validate_profile(profile)
+    source_sha = onnx_sha256(onnx_path)
+    input_hash = build_input_hash(source_sha, spec)
+    final = engine_dir(workspace, spec)
+    manifest = trusted_engine(final, input_hash)
+    if manifest is not None:
+        return final, manifest, True
+    start = time.perf_counter()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        static = all(lo == opt == hi for lo, opt, hi in profile.values())
+        model = onnx.load(str(onnx_path), load_external_data=True)
+        if static:
+            fix_dimensions(model, {name: shapes[1] for name, shapes in profile.items()})
+        fixed = tmp / ("fixed.onnx" if not spec.refittable else MODEL_FILE)
+        _save(model, fixed)
+        if not spec.refittable:
+            # Refittable engines keep the exported graph: LoRA weights override its initializers by name,
+            # and ONNX Runtime then folds them when the session is created.
+            _optimize_offline(fixed, tmp / MODEL_FILE)
+            for stale in (fixed, tmp / "fixed.onnx.data"):
+                stale.unlink(missing_ok=True)
+        inputs, outputs = _io_info(tmp / MODEL_FILE)
+        manifest = OrtEngineManifest(
+            spec_key=spec.key, spec_name=spec.name, onnxruntime_version=onnxruntime.__version__,
+            input_hash=input_hash, onnx_sha256=source_sha, engine_sha256=onnx_sha256(tmp / MODEL_FILE),
+            static_shapes=static, offline_optimization=None if spec.refittable else SAVED_OPTIMIZATION,
+            profile_shapes={k: tuple(map(tuple, v)) for k, v in profile.items()}, inputs=inputs, outputs=outputs,
+            build_seconds=time.perf_counter() - start, created_at=datetime.now(timezone.utc).isoformat(),
+        )
+        (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except onnx.checker.ValidationError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BuildError(f"{spec.name}: the ONNX is invalid: {exc}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final, manifest, False
+
+
+def fix_dimensions(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Set every input's dims to the bucket's shape, and every other use of the same symbols."""
+    symbols: dict[str, int] = {}
+    for value in model.graph.input:
+        if value.name not in shapes:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        wanted = shapes[value.name]
+        if len(dims) != len(wanted):
+            raise BuildError(f"input {value.name!r} has rank {len(dims)} but the profile gives {list(wanted)}")
+        for dim, size in zip(dims, wanted):
+            if dim.dim_param:
+                symbols[dim.dim_param] = size
+            elif dim.dim_value and dim.dim_value != size:
+                raise BuildError(f"input {value.name!r} is fixed at {dim.dim_value} where the profile wants {size}")
+            dim.Clear()
+            dim.dim_value = size
+    for value in [*model.graph.output, *model.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in symbols:
+                size = symbols[dim.dim_param]
+                dim.Clear()
+                dim.dim_value = size
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+
+
+def _optimize_offline(source: Path, target: Path) -> None:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(target)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_FILE)
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    options.log_severity_level = 3
+    ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+
+
+_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+                onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool",
+                onnx.TensorProto.BFLOAT16: "bfloat16"}
+
+
+def _io_info(path: Path) -> tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]:
+    model = onnx.load(str(path), load_external_data=False)
+
+    def info(value) -> TensorInfo:
+        tensor = value.type.tensor_type
+        shape = tuple(d.dim_value if d.dim_value else -1 for d in tensor.shape.dim)
+        return TensorInfo(name=value.name, dtype=_ONNX_DTYPES.get(tensor.elem_type, "float32"), shape=shape)
+
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = tuple(info(v) for v in model.graph.input if v.name not in initializers)
+    return inputs, tuple(info(v) for v in model.graph.output)
+
+
+def session_options():
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    return options
+
+
+def load_runner(folder: str | Path, *, name: str | None = None, providers=None, initializers=None):
+    """An OnnxRuntimeRunner over a built engine; `initializers` overrides weights (LoRA refit)."""
+    import onnxruntime as ort
+
+    from ..runtime.runners import OnnxRuntimeRunner
+
+    folder = Path(folder)
+    if read_manifest(folder) is None:
+        raise BuildError(f"{folder} is not a complete onnxruntime engine (no valid {MANIFEST_FILE}); rebuild it "
+                         "with `trt-diffusion build engines.yaml --target onnxruntime`")
+    options = session_options()
+    for key, value in (initializers or {}).items():
+        options.add_initializer(key, value)
+    session = ort.InferenceSession(str(folder / MODEL_FILE), options,
+                                   providers=list(providers or ["CPUExecutionProvider"]))
+    runner = OnnxRuntimeRunner(folder / MODEL_FILE, name=name or folder.name, session=session)
+    runner.keepalive = initializers  # OrtValues must outlive the session
+    return runner
