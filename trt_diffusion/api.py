@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .plan import Plan, make_plan
 from .spec import load_engines_file
+
+if TYPE_CHECKING:
+    from .export import ExportReport
+    from .export.pipeline import ProgressCallback
 
 
 def plan(config_path: str | Path, *, count_parameters: bool = True) -> Plan:
@@ -21,3 +26,75 @@ def make_tiny_model(out_dir: str | Path, family: str, *, seed: int = 0, size: st
 
     return write_tiny_model(out_dir, family, seed=seed, size=size, controlnet=controlnet, lora=lora,
                             overwrite=overwrite)
+
+
+def export(config_path: str | Path, model: str | None = None, component: str | None = None,
+           progress: ProgressCallback | None = None) -> ExportReport:
+    """Export every component engines.yaml needs to ONNX, verified against PyTorch, reusing verified artifacts.
+
+    One ONNX per export group (see export/grouping.py); `report.artifact_for(spec)` is the ONNX a spec's
+    engine is built from. Artifacts live in `<workspace>/onnx/<name>.<key>/`.
+    """
+    from .export import ExportReport, export_group, group_specs, select_specs
+    from .store import ArtifactStore
+
+    config = load_engines_file(config_path, check_sources=True)
+    groups = group_specs(select_specs(config, model, component))
+    store = ArtifactStore(config.workspace)
+    results = [export_group(group, config, store, index=i, total=len(groups), progress=progress)
+               for i, group in enumerate(groups)]
+    return ExportReport(results)
+
+
+def build(config_path: str | Path, *, target: str | None = None, model: str | None = None,
+          component: str | None = None, jobs: int | None = None, progress=None):
+    """Build every engine engines.yaml asks for, on every target this machine can build.
+
+    Exports first (cached when unchanged); engines whose inputs are unchanged are reused. Targets this
+    machine cannot build (TensorRT without TensorRT or a GPU) are skipped and said so in the report;
+    asking for such a target explicitly is an error.
+    """
+    from .build.stage import BuildReport, available_targets, build_specs
+    from .errors import ConfigError, MissingDependencyError
+    from .export import select_specs
+
+    config = load_engines_file(config_path, check_sources=True)
+    targets = available_targets()
+    if target is not None:
+        if target not in targets:
+            raise ConfigError(f"unknown target {target!r}; choose one of {', '.join(targets)}")
+        if targets[target] is not None:
+            raise MissingDependencyError(f"cannot build the {target} target on this machine: {targets[target]}")
+    wanted = [s for s in select_specs(config, model, component) if target is None or s.target == target]
+    report = BuildReport()
+    for name, reason in targets.items():
+        if reason is not None and any(s.target == name for s in wanted):
+            report.skipped_targets[name] = reason
+    wanted = [s for s in wanted if s.target not in report.skipped_targets]
+    if wanted:
+        exports = export(config_path, model=model, component=component)
+        report.outcomes = build_specs(config, wanted, exports.artifact_for, jobs=jobs or config.build.jobs,
+                                      progress=progress)
+    return report
+
+
+def parity(config_path: str | Path, *, out_dir: str | Path | None = None, prompts_file: str | Path | None = None,
+           seeds: list[int] | None = None, steps: int = 4, targets: list[str] | None = None, progress=None):
+    """Same-seed images of every built variant vs the fp32 PyTorch reference; writes JSON + HTML reports."""
+    from .errors import ConfigError
+    from .parity.stage import ParityOptions, run_parity
+
+    config = load_engines_file(config_path, check_sources=True)
+    options = ParityOptions(steps=steps)
+    if prompts_file is not None:
+        try:
+            lines = [line.strip() for line in Path(prompts_file).read_text().splitlines()]
+        except OSError as exc:
+            raise ConfigError(f"{prompts_file}: cannot read: {exc.strerror}") from None
+        options.prompts = tuple(line for line in lines if line and not line.startswith("#"))
+        if not options.prompts:
+            raise ConfigError(f"{prompts_file}: no prompts (one a line; # starts a comment)")
+    if seeds:
+        options.seeds = tuple(seeds)
+    out = Path(out_dir) if out_dir else config.workspace / "reports" / "parity"
+    return run_parity(config, out, options, targets=targets, progress=progress)

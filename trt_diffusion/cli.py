@@ -100,6 +100,114 @@ def models_tiny(
     console.print(f"wrote {family.value} ({size}) model to {path}")
 
 
+@app.command("export")
+def export_command(
+    config: ConfigArg,
+    model: Annotated[Optional[str], typer.Option("--model", help="only this model of engines.yaml")] = None,
+    component: Annotated[Optional[str], typer.Option("--component", help="only this component (e.g. unet)")] = None,
+):
+    """Export the components engines.yaml needs to ONNX, each verified against PyTorch (cached when unchanged)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from . import api
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task("export", total=None)
+
+        def on_event(event) -> None:
+            done = event.index + (1 if event.stage in ("cached", "done") else 0)
+            progress.update(task, total=event.total, completed=done,
+                            description=f"{event.group.name}: {event.stage}")
+
+        report = api.export(config, model=model, component=component, progress=on_event)
+    table = Table(title=f"ONNX exports for {config}")
+    for column in ("component", "shapes", "status", "seconds", "max rel. error"):
+        numeric = column in ("seconds", "max rel. error")
+        table.add_column(column, justify="right" if numeric else "left", no_wrap=column == "component")
+    for result in report.results:
+        error = result.max_rel_error
+        table.add_row(result.group.name, result.shapes_label, "cached" if result.cached else "exported",
+                      f"{result.seconds:.1f}", "-" if error is None else f"{error:.1e}")
+    console.print(table)
+    exported = sum(not r.cached for r in report.results)
+    console.print(f"[bold]{len(report.results)} ONNX graphs[/bold] for {len(report.by_spec)} engines: "
+                  f"{exported} exported, {len(report.results) - exported} unchanged (cached). Max rel. error is "
+                  "ONNX Runtime vs PyTorch over every output and checked shape.")
+    if report.results:
+        console.print(f"artifacts: {report.results[0].artifact.path.parent}")
+
+
+@app.command("build")
+def build_command(
+    config: ConfigArg,
+    target: Annotated[Optional[str], typer.Option("--target", help="tensorrt or onnxruntime (default: every "
+                                                  "target engines.yaml lists that this machine can build)")] = None,
+    model: Annotated[Optional[str], typer.Option("--model")] = None,
+    component: Annotated[Optional[str], typer.Option("--component")] = None,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="parallel builds (default: build.jobs)")] = None,
+):
+    """Build one engine per shape (exporting first); unchanged engines are reused."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from . import api
+    from .errors import BuildError
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as progress:
+        task = progress.add_task("build", total=None)
+
+        def on_engine(status, spec) -> None:
+            progress.advance(task)
+            progress.update(task, description=f"{spec.name}: {status}")
+
+        report = api.build(config, target=target, model=model, component=component, jobs=jobs, progress=on_engine)
+    table = Table(title=f"Engines for {config}")
+    for column in ("engine", "target", "status", "seconds"):
+        table.add_column(column, justify="right" if column == "seconds" else "left", no_wrap=column != "status")
+    for outcome in report.outcomes:
+        status = "[red]FAILED[/red]" if outcome.error else ("cached" if outcome.cached else "built")
+        table.add_row(outcome.spec.name, outcome.spec.target, status, f"{outcome.seconds:.1f}")
+    console.print(table)
+    for outcome in report.failed:
+        console.print(f"[red]failed[/red] {outcome.spec.name} (key {outcome.spec.key}): "
+                      f"{outcome.error}", highlight=False, soft_wrap=True)
+    for name, reason in report.skipped_targets.items():
+        console.print(f"[yellow]skipped target {name}[/yellow]: {reason}", soft_wrap=True)
+    console.print(f"[bold]{len(report.outcomes)} engines[/bold]: {len(report.built)} built, {len(report.cached)} "
+                  f"unchanged, {len(report.failed)} failed")
+    if report.failed:
+        names = ", ".join(o.spec.name for o in report.failed)
+        raise BuildError(f"{len(report.failed)} engine(s) failed to build: {names}")
+
+
+@app.command("parity")
+def parity_command(
+    config: ConfigArg,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="a text file, one prompt a line")] = None,
+    seeds: Annotated[Optional[list[int]], typer.Option("--seeds", help="repeat for several seeds")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, max=200)] = 4,
+    out: Annotated[Optional[Path], typer.Option("--out", help="report folder (default <workspace>/reports/parity)")] = None,
+    target: Annotated[Optional[list[str]], typer.Option("--target")] = None,
+):
+    """Compare every built engine variant's images with the PyTorch reference; fails when a gate fails."""
+    from . import api
+    from .errors import ParityError
+    from .parity.report import render_summary
+
+    with err_console.status("parity") as status:
+        run = api.parity(config, out_dir=out, prompts_file=prompts, seeds=seeds, steps=steps, targets=target,
+                         progress=lambda message: status.update(message))
+    console.print(render_summary(run.report))
+    console.print(f"report: {run.files.html}  (JSON: {run.files.json})")
+    if not run.report.passed:
+        failed = [v for v in run.report.variants if not v.passed]
+        details = "; ".join(f"{v.variant_id}: {v.failure_reasons[0]}" for v in failed[:3])
+        raise ParityError(f"{len(failed)} of {len(run.report.variants)} variants failed parity: {details}")
+
+
 def main(argv: list[str] | None = None) -> int:
     command = typer.main.get_command(app)
     args = list(sys.argv[1:] if argv is None else argv)

@@ -57,12 +57,13 @@ def test_seed_example_counts(tmp_path, tiny_sd15_dir):
     # The ControlNet is its own network, run next to the UNet at the UNet's batch: one engine per bucket
     # and batch shape, so the CFG split doubles it too.
     assert plan.count("sd15", "controlnet") == 6
-    # Text encoders do not depend on resolution; the VAE does not depend on CFG.
-    assert plan.count("sd15", "text_encoder") == 2
+    # Text encoders depend on neither resolution nor CFG (prompt and negative are encoded in separate
+    # calls); the VAE does not depend on CFG.
+    assert plan.count("sd15", "text_encoder") == 1
     assert plan.count("sd15", "vae_decoder") == 3
     # Refit LoRAs add no engines: they make the UNet engines refittable instead.
     assert all(s.refittable for s in plan.specs if s.component == "unet")
-    assert plan.total_engines == 17
+    assert plan.total_engines == 16
     unet_row = next(r for r in plan.rows if r.component == "unet")
     assert unet_row.formula == "3 buckets (512x512, 768x768, 1024x1024) × 2 batch shapes (1, 2)"
 
@@ -81,13 +82,13 @@ def test_plan_json_and_table(tmp_path, tiny_sd15_dir, capsys):
     path = write_config(tmp_path, seed_example(tiny_sd15_dir))
     assert main(["plan", str(path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["total_engines"] == 17
-    assert len({e["key"] for e in data["engines"]}) == 17
+    assert data["total_engines"] == 16
+    assert len({e["key"] for e in data["engines"]}) == 16
     unet = [r for r in data["rows"] if r["component"] == "unet"][0]
     assert unet["engines"] == 6 and unet["parameters"] > 0
     assert unet["disk_bytes"] == 6 * unet["parameters"] * 2  # fp16 by default
     assert main(["plan", str(path)]) == 0
-    assert "17 engines" in capsys.readouterr().out
+    assert "16 engines" in capsys.readouterr().out
 
 
 def test_keys_are_the_same_in_two_processes(tmp_path, tiny_sd15_dir):
@@ -98,7 +99,7 @@ def test_keys_are_the_same_in_two_processes(tmp_path, tiny_sd15_dir):
         for seed in (1, 2)
     ]
     keys = [[e["key"] for e in json.loads(r.stdout)["engines"]] for r in runs]
-    assert keys[0] == keys[1] and len(keys[0]) == 17
+    assert keys[0] == keys[1] and len(keys[0]) == 16
 
 
 def base_config(model_dir: Path) -> dict:
@@ -147,7 +148,7 @@ CHANGES = [
     ("models.m.loras.fusedstyle.scale", 0.7, lambda t, n: "lora-fusedstyle" in n),
     ("models.m.loras.style.scale", 0.3, lambda t, n: False),  # refit LoRAs are applied at run time
     ("build.jobs", 2, lambda t, n: False),  # how we build, not what
-    ("models.m.cfg", ["split"], lambda t, n: _component(n) in ("text_encoder", "unet", "controlnet")),
+    ("models.m.cfg", ["split"], lambda t, n: _component(n) in ("unet", "controlnet")),
     ("models.m.source", "OTHER", lambda t, n: _component(n) != "controlnet"),
 ]
 

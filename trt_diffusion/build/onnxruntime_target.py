@@ -15,6 +15,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import onnx
 from pydantic import BaseModel, ConfigDict
@@ -86,9 +87,12 @@ def trusted_engine(folder: Path, input_hash: str) -> OrtEngineManifest | None:
     return manifest
 
 
-def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes,
-                 workspace: str | Path) -> tuple[Path, OrtEngineManifest, bool]:
-    """Build (or find) the engine for `spec`. Returns (folder, manifest, cached)."""
+def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes, workspace: str | Path,
+                 before_commit: Callable[[Path], None] | None = None) -> tuple[Path, OrtEngineManifest, bool]:
+    """Build (or find) the engine for `spec`. Returns (folder, manifest, cached).
+
+    `before_commit(folder)` may add files (a refit map) before the manifest seals the folder.
+    """
     import onnxruntime
 
     profile = validate_profile(profile)
@@ -106,14 +110,21 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
         model = onnx.load(str(onnx_path), load_external_data=True)
         if static:
             fix_dimensions(model, {name: shapes[1] for name, shapes in profile.items()})
-        fixed = tmp / ("fixed.onnx" if not spec.refittable else MODEL_FILE)
+        fixed = tmp / "fixed.onnx"
         _save(model, fixed)
-        if not spec.refittable:
-            # Refittable engines keep the exported graph: LoRA weights override its initializers by name,
-            # and ONNX Runtime then folds them when the session is created.
+        if spec.refittable:
+            # Refittable engines keep the exported graph with every float weight in external data: ONNX
+            # Runtime replaces external initializers (add_external_initializers) *before* optimizing,
+            # while add_initializer is applied after folding and silently changes nothing.
+            from ..lora import externalize_weights
+
+            externalize_weights(fixed, tmp / MODEL_FILE)
+        else:
             _optimize_offline(fixed, tmp / MODEL_FILE)
-            for stale in (fixed, tmp / "fixed.onnx.data"):
-                stale.unlink(missing_ok=True)
+        for stale in (fixed, tmp / "fixed.onnx.data"):
+            stale.unlink(missing_ok=True)
+        if before_commit is not None:
+            before_commit(tmp)
         inputs, outputs = _io_info(tmp / MODEL_FILE)
         manifest = OrtEngineManifest(
             spec_key=spec.key, spec_name=spec.name, onnxruntime_version=onnxruntime.__version__,
@@ -205,7 +216,8 @@ def session_options():
 
 
 def load_runner(folder: str | Path, *, name: str | None = None, providers=None, initializers=None):
-    """An OnnxRuntimeRunner over a built engine; `initializers` overrides weights (LoRA refit)."""
+    """An OnnxRuntimeRunner over a built engine; `initializers` (ONNX name -> array) replaces weights of a
+    refittable engine: the LoRA refit of the onnxruntime target."""
     import onnxruntime as ort
 
     from ..runtime.runners import OnnxRuntimeRunner
@@ -214,11 +226,12 @@ def load_runner(folder: str | Path, *, name: str | None = None, providers=None, 
     if read_manifest(folder) is None:
         raise BuildError(f"{folder} is not a complete onnxruntime engine (no valid {MANIFEST_FILE}); rebuild it "
                          "with `trt-diffusion build engines.yaml --target onnxruntime`")
-    options = session_options()
-    for key, value in (initializers or {}).items():
-        options.add_initializer(key, value)
-    session = ort.InferenceSession(str(folder / MODEL_FILE), options,
-                                   providers=list(providers or ["CPUExecutionProvider"]))
-    runner = OnnxRuntimeRunner(folder / MODEL_FILE, name=name or folder.name, session=session)
-    runner.keepalive = initializers  # OrtValues must outlive the session
-    return runner
+    providers = list(providers or ["CPUExecutionProvider"])
+    if initializers:
+        from ..lora import onnxruntime_session
+
+        session = onnxruntime_session(folder / MODEL_FILE, initializers, providers=providers,
+                                      session_options=session_options)
+    else:
+        session = ort.InferenceSession(str(folder / MODEL_FILE), session_options(), providers=providers)
+    return OnnxRuntimeRunner(folder / MODEL_FILE, name=name or folder.name, session=session)

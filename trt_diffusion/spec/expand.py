@@ -4,7 +4,7 @@ Each component depends on a different subset of the dimensions, and only those m
 
 | component      | bucket | batch                      | ControlNet | fused LoRA |
 |----------------|--------|----------------------------|------------|------------|
-| text encoders  | no     | denoiser batch (CFG)       | no         | no         |
+| text encoders  | no     | image batch (one call each for prompt and negative) | no | no |
 | unet/transformer| yes   | denoiser batch (CFG)       | no         | yes        |
 | controlnet     | yes    | denoiser batch (CFG)       | each one   | no         |
 | vae enc/dec    | yes    | image batch (CFG-free)     | no         | no         |
@@ -73,8 +73,8 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
             )
 
         for component in model.components:
-            if component.is_text_encoder:
-                for batch, why in cfg_batches.items():
+            if component.is_text_encoder:  # prompt and negative prompt are encoded in separate calls
+                for batch, why in image_batches.items():
                     yield make(component, batch, None, why)
             elif component.is_denoiser:
                 for variant in fused:

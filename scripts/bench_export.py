@@ -1,0 +1,203 @@
+"""Benchmark the export of a full-size SD1.5 UNet (860M parameters, random weights).
+
+Measures, each step in its own process so peak RSS belongs to that step alone:
+
+1. `api.export` of the UNet (dynamo=True, optimize=False): wall time per stage (hash, torch.onnx.export,
+   graph passes, ONNX Runtime parity) and RSS — resident size when the export starts (module loaded),
+   peak during torch.onnx.export, peak over the whole call;
+2. one UNet call at batch 2 on 32x32 latents (256x256 pixels): PyTorch eager vs ONNX Runtime, median of
+   a few runs after a warm-up, and their ratio.
+
+Needs ~4 GB of disk for the model folder, ~4 GB for the ONNX, ~10 GB of memory, and a few minutes of
+two cores. Usage: `python scripts/bench_export.py [--workdir build/bench] [--runs 3] [--json out.json]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+GIB = 1 << 30
+LATENT = 32  # 32x32 latents = 256x256 pixels
+BATCH = 2  # one classifier-free-guidance step
+
+
+class RssSampler:
+    """Samples this process's resident set size; `mark(stage)` attributes later samples to `stage`."""
+
+    def __init__(self, interval_s: float = 0.05):
+        self.process = psutil.Process()
+        self.interval_s = interval_s
+        self.stage = "start"
+        self.peaks: dict[str, int] = {}
+        self.at_start: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+    def mark(self, stage: str) -> None:
+        self.stage = stage
+        self.at_start.setdefault(stage, self.process.memory_info().rss)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = self.process.memory_info().rss
+            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), rss)
+            self._stop.wait(self.interval_s)
+
+
+def write_engines_yaml(workdir: Path, model_dir: Path) -> Path:
+    config = workdir / "engines.yaml"
+    config.write_text(
+        "version: 1\n"
+        "build: {workspace: build, opset: 20}\n"
+        "models:\n"
+        f"  {model_dir.name}:\n"
+        f"    source: {model_dir}\n"
+        "    family: sd15\n"
+        "    components: [unet]\n"
+        f"    buckets: ['{LATENT * 8}x{LATENT * 8}']\n"
+        "    batch: [1]\n"
+        "    cfg: batched\n"
+        "    targets: [onnxruntime]\n"
+        "    precision: {unet: fp32}\n"
+    )
+    return config
+
+
+def measure_export(config: Path) -> dict:
+    from trt_diffusion import api
+
+    with RssSampler() as sampler:
+        sampler.mark("import")
+        started = time.perf_counter()
+        report = api.export(config, progress=lambda event: sampler.mark(event.stage))
+        total_s = time.perf_counter() - started
+    (result,) = report.results
+    manifest = result.artifact.manifest
+    import resource
+
+    return {
+        "onnx": str(result.onnx_path), "cached": result.cached, "total_s": round(total_s, 1),
+        "timings_s": manifest.get("timings", {}),
+        "rss_gb": {
+            "export_start": round(sampler.at_start.get("exporting", 0) / GIB, 2),
+            "export_peak": round(sampler.peaks.get("exporting", 0) / GIB, 2),
+            "export_peak_over_start": round((sampler.peaks.get("exporting", 0) - sampler.at_start.get("exporting", 0)) / GIB, 2),
+            "overall_peak": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2),
+        },
+        "onnx_bytes": sum(o["bytes"] for o in manifest["outputs"]),
+        "max_rel_error": result.max_rel_error,
+    }
+
+
+def measure_latency(model_dir: Path, onnx_path: Path, runs: int) -> dict:
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from trt_diffusion.components import Geometry, get_component, load_model_config
+    from trt_diffusion.families import Component
+    from trt_diffusion.models.loading import load_component
+    from trt_diffusion.spec import Size
+
+    definition = get_component("sd15", "unet")
+    config = load_model_config(model_dir, "sd15", "unet")
+    feeds = definition.dummy_inputs(config, {}, Geometry(BATCH, Size(LATENT * 8, LATENT * 8)))
+    wrapper = definition.wrapper(load_component(model_dir, Component.unet), config, {})
+    tensors = [torch.from_numpy(feeds[name]) for name in definition.io(config, {}).input_names]
+
+    def torch_call():
+        with torch.inference_mode():
+            return wrapper(*tensors).numpy()
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    started = time.perf_counter()
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    session_s = time.perf_counter() - started
+
+    def ort_call():
+        return session.run(None, feeds)[0]
+
+    def timed(call) -> tuple[float, np.ndarray]:
+        output = call()  # warm-up
+        samples = []
+        for _ in range(runs):
+            tick = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - tick)
+        return statistics.median(samples), output
+
+    torch_s, reference = timed(torch_call)
+    ort_s, candidate = timed(ort_call)
+    return {"batch": BATCH, "latent": f"{LATENT}x{LATENT}", "runs": runs, "torch_s": round(torch_s, 3),
+            "ort_s": round(ort_s, 3), "ort_speedup": round(torch_s / ort_s, 2), "ort_session_s": round(session_s, 1),
+            "max_abs_diff": float(np.abs(reference - candidate).max()), "threads": torch.get_num_threads()}
+
+
+def _child(args: list[str]) -> dict:
+    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args[:1])} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("build/bench"))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--size", choices=["full", "tiny"], default="full", help="tiny: a quick check of this script")
+    parser.add_argument("--step", choices=["export", "latency"], help=argparse.SUPPRESS)  # child processes
+    parser.add_argument("--onnx", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    workdir = args.workdir.resolve()
+    model_dir = workdir / f"sd15-{args.size}"
+
+    if args.step == "export":
+        sys.stdout.write(json.dumps(measure_export(write_engines_yaml(workdir, model_dir))) + "\n")
+        return
+    if args.step == "latency":
+        sys.stdout.write(json.dumps(measure_latency(model_dir, args.onnx, args.runs)) + "\n")
+        return
+
+    from rich.console import Console
+
+    console = Console()
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not (model_dir / "model_index.json").is_file():
+        console.print(f"writing the {args.size} SD1.5 pipeline (random weights) to {model_dir} ...")
+        subprocess.run([sys.executable, "-m", "trt_diffusion", "models", "tiny", "--family", "sd15", "--size", args.size,
+                        "--out", str(model_dir), "--if-missing"], check=True)
+    console.print("exporting the UNet (own process) ...")
+    export = _child(["--workdir", str(workdir), "--size", args.size, "--step", "export"])
+    console.print("timing one UNet call, PyTorch vs ONNX Runtime (own process) ...")
+    latency = _child(["--workdir", str(workdir), "--size", args.size, "--step", "latency", "--onnx", export["onnx"],
+                      "--runs", str(args.runs)])
+    figures = {"machine": {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / GIB, 1)},
+               "export": export, "latency": latency}
+    console.print_json(json.dumps(figures))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""What every component declaration provides, and the shape arithmetic they share.
+
+A component declares its tensors with *symbolic* dims. Each symbolic dim is a multiple of one of four
+axes: the batch, the latent height, the latent width, or (FLUX) the number of packed image tokens.
+From a `Geometry` (a batch and a pixel size) every dim gets its value; from a set of geometries the
+exporter derives the dynamic ranges, the engines their profiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..families import Component, Family
+from ..spec.engine_spec import EngineSpec, Size
+from .model_config import ModelConfig
+
+Shape = tuple[int, ...]
+ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]
+
+AXES = ("batch", "height", "width", "tokens")
+
+
+@dataclass(frozen=True)
+class SymbolicDim:
+    """An ONNX dim name and how it follows from an axis: size = scale × axis value."""
+
+    name: str
+    axis: str  # one of AXES
+    scale: Fraction = Fraction(1)
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """One input or output of the exported graph."""
+
+    name: str
+    dtype: str  # numpy dtype name: float32 / int64
+    dims: tuple[int | SymbolicDim, ...]
+
+    def shape(self, axis_values: Mapping[str, int]) -> Shape:
+        return tuple(d if isinstance(d, int) else _dim_value(d, axis_values) for d in self.dims)
+
+    def dim_names(self) -> tuple[int | str, ...]:
+        """The shape as ONNX writes it: fixed sizes as ints, dynamic ones by name."""
+        return tuple(d if isinstance(d, int) else d.name for d in self.dims)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "dims": list(self.dim_names())}
+
+
+def _dim_value(dim: SymbolicDim, axis_values: Mapping[str, int]) -> int:
+    value = dim.scale * axis_values[dim.axis]
+    if value.denominator != 1:
+        raise ValueError(f"dim {dim.name} = {dim.scale} × {dim.axis} {axis_values[dim.axis]} is not an integer")
+    return int(value)
+
+
+BATCH = SymbolicDim("batch", "batch")
+HEIGHT = SymbolicDim("height", "height")
+WIDTH = SymbolicDim("width", "width")
+
+
+def image_dims(vae_scale_factor: int) -> tuple[SymbolicDim, SymbolicDim]:
+    """Pixel height/width as multiples of the latent axes."""
+    return (SymbolicDim("image_height", "height", Fraction(vae_scale_factor)),
+            SymbolicDim("image_width", "width", Fraction(vae_scale_factor)))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One concrete call: a batch and, for resolution-dependent components, a pixel size."""
+
+    batch: int
+    size: Size | None = None
+
+    def label(self) -> str:
+        return f"batch {self.batch}" + (f", {self.size}" if self.size else "")
+
+
+@dataclass(frozen=True)
+class ComponentIO:
+    inputs: tuple[TensorDecl, ...]
+    outputs: tuple[TensorDecl, ...]
+    image_outputs: tuple[str, ...] = field(default=())  # outputs that are pixels in [-1, 1] (PSNR is gated)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def to_json(self) -> dict:
+        return {"inputs": [t.to_json() for t in self.inputs], "outputs": [t.to_json() for t in self.outputs],
+                "image_outputs": list(self.image_outputs)}
+
+
+class ComponentDef(ABC):
+    """The declarative description of one component kind of one family."""
+
+    kind: str  # a stable name for the declaration (part of the export's input hash)
+    version: int = 1  # bump when the wrapper or the I/O of this kind changes: invalidates cached exports
+
+    def __init__(self, family: Family, component: Component):
+        self.family, self.component = family, component
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.family.value}.{self.component.value})"
+
+    # --- what the graph looks like -----------------------------------------------------------
+
+    @abstractmethod
+    def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
+        """Input and output declarations. `options` are the spec's build options (controlnet_residuals...)."""
+
+    @property
+    def resolution_dependent(self) -> bool:
+        return True
+
+    def spatial_alignment(self, config: ModelConfig) -> int:
+        """Latent height/width must be multiples of this (downsampling stages, patch sizes)."""
+        return 1
+
+    def axis_values(self, config: ModelConfig, geometry: Geometry) -> dict[str, int]:
+        values = {"batch": geometry.batch}
+        if geometry.size is not None:
+            height, width = geometry.size.latent(config.vae_scale_factor)
+            values.update(height=height, width=width, tokens=self.tokens(config, height, width))
+        return values
+
+    def tokens(self, config: ModelConfig, latent_height: int, latent_width: int) -> int:
+        """The packed-token axis (only FLUX uses it)."""
+        return 0
+
+    # --- torch side --------------------------------------------------------------------------
+
+    @abstractmethod
+    def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
+        """An eval-mode nn.Module whose forward takes the declared inputs in order (float32 / int64)
+        and returns the declared outputs in order (float32). `compute_dtype` (torch.float16) runs the
+        module in that dtype; the module must already be converted."""
+
+    @abstractmethod
+    def dummy_inputs(self, config: ModelConfig, options: Mapping[str, Any], geometry: Geometry,
+                     seed: int = 0) -> dict[str, np.ndarray]:
+        """Seeded inputs in the value ranges the pipeline feeds."""
+
+    def export_context(self) -> contextlib.AbstractContextManager:
+        """Adjustments active only while tracing (the parity reference runs the unmodified module)."""
+        return contextlib.nullcontext()
+
+    # --- shapes ------------------------------------------------------------------------------
+
+    def shapes(self, config: ModelConfig, options: Mapping[str, Any], geometry: Geometry) -> dict[str, Shape]:
+        values = self.axis_values(config, geometry)
+        return {t.name: t.shape(values) for t in self.io(config, options).inputs}
+
+    def profile(self, spec: EngineSpec, model_config: ModelConfig) -> ProfileShapes:
+        """Input name -> (min, opt, max) shape of the engine `spec` describes (its batch is fixed)."""
+        options = dict(spec.build_options)
+        if spec.bucket is None or not self.resolution_dependent:
+            one = self.shapes(model_config, options, Geometry(spec.batch))
+            return {name: (shape, shape, shape) for name, shape in one.items()}
+        low, opt, high = (self.shapes(model_config, options, Geometry(spec.batch, size))
+                          for size in (spec.bucket.min, spec.bucket.opt, spec.bucket.max))
+        return {name: (low[name], opt[name], high[name]) for name in low}
+
+
+class ExportWrapper(torch.nn.Module):
+    """The module the exporter traces: declared inputs in, declared outputs out.
+
+    Holds the component as `model` (the exporter names its parameters `model.<name>`; the graph
+    passes strip the prefix so initializers carry the component's own parameter names). Inputs arrive
+    as float32/int64 and floats are cast to `compute_dtype` (fp16 exports); outputs leave as float32,
+    so a graph's I/O contract does not depend on its precision. `forward` takes the inputs positionally
+    in declaration order (a variable count: the UNet's ControlNet residuals) and hands them to `compute`
+    by name.
+    """
+
+    PARAMETER_PREFIX = "model."
+
+    def __init__(self, model: torch.nn.Module, input_names: list[str], compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model = model
+        self.input_names = list(input_names)
+        self.compute_dtype = compute_dtype or torch.float32
+
+    def cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.compute_dtype) if tensor.is_floating_point() else tensor
+
+    def forward(self, *inputs: torch.Tensor):
+        outputs = self.compute(**dict(zip(self.input_names, inputs)))
+        if isinstance(outputs, torch.Tensor):
+            return outputs.float()
+        return tuple(o.float() for o in outputs)
+
+    def compute(self, **inputs: torch.Tensor):
+        raise NotImplementedError
+
+
+# --- dummy-input helpers shared by the declarations ------------------------------------------
+
+
+def rng(seed: int, geometry: Geometry) -> np.random.Generator:
+    """One generator per (seed, geometry): the same call gets the same inputs in any process."""
+    size = (geometry.size.width, geometry.size.height) if geometry.size else (0, 0)
+    return np.random.default_rng([seed, geometry.batch, *size])
+
+
+def normal(gen: np.random.Generator, shape: Shape, scale: float = 1.0) -> np.ndarray:
+    return (gen.standard_normal(shape) * scale).astype(np.float32)
+
+
+def timesteps(gen: np.random.Generator, batch: int, high: float = 1000.0) -> np.ndarray:
+    return gen.uniform(0.0, high, size=(batch,)).astype(np.float32)

@@ -1,0 +1,103 @@
+"""The facts about a model folder that fix a component's tensor shapes.
+
+A component's own config.json does not say everything: the latent size comes from the VAE, the text
+length from a tokenizer (SD3's transformer sees CLIP's 77 tokens followed by T5's). This gathers them
+from the diffusers folder without loading any weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelError
+from ..families import Component, Family
+from ..models.loading import SUBFOLDER
+
+# Tokenizers without a real limit write a huge model_max_length; use the length the pipelines use.
+_UNBOUNDED = 1_000_000
+_DEFAULT_LENGTH = {"CLIP": 77, "T5": 512}
+
+# Which tokenizer feeds which text encoder.
+_TOKENIZER_OF = {
+    Component.text_encoder: "tokenizer",
+    Component.text_encoder_2: "tokenizer_2",
+    Component.text_encoder_3: "tokenizer_3",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything shape-related about one component of one model folder (JSON-serialisable)."""
+
+    component_config: Mapping[str, Any]  # the component's config.json (the VAE's for vae_encoder/decoder)
+    vae_scale_factor: int  # pixels per latent pixel
+    latent_channels: int
+    sequence_length: int | None  # text tokens the component takes or attends to; None for VAEs
+
+    def __getitem__(self, key: str) -> Any:
+        return self.component_config[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.component_config.get(key, default)
+        return default if value is None else value
+
+    def to_json(self) -> dict:
+        return {"component_config": dict(self.component_config), "vae_scale_factor": self.vae_scale_factor,
+                "latent_channels": self.latent_channels, "sequence_length": self.sequence_length}
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{path} is missing") from None
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}: not valid JSON ({exc})") from None
+
+
+def tokenizer_length(model_dir: Path, tokenizer: str) -> int:
+    config = read_json(Path(model_dir) / tokenizer / "tokenizer_config.json")
+    length = int(config.get("model_max_length") or _UNBOUNDED)
+    if length >= _UNBOUNDED:
+        is_t5 = "T5" in str(config.get("tokenizer_class", ""))
+        length = _DEFAULT_LENGTH["T5" if is_t5 else "CLIP"]
+    return length
+
+
+def component_config_path(model_dir: Path, component: Component, controlnet_dir: Path | None = None) -> Path:
+    if component is Component.controlnet:
+        if controlnet_dir is None:
+            raise ModelError("a ControlNet export needs the ControlNet's folder")
+        return Path(controlnet_dir) / "config.json"
+    return Path(model_dir) / SUBFOLDER[component] / "config.json"
+
+
+def load_model_config(model_dir: str | Path, family: Family | str, component: Component | str,
+                      controlnet_dir: str | Path | None = None) -> ModelConfig:
+    """Read the shape facts for `component` of the diffusers folder `model_dir`."""
+    model_dir, family, component = Path(model_dir), Family(family), Component(component)
+    vae = read_json(model_dir / "vae" / "config.json")
+    vae_scale_factor = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
+    own = read_json(component_config_path(model_dir, component, Path(controlnet_dir) if controlnet_dir else None))
+    return ModelConfig(
+        component_config=own,
+        vae_scale_factor=vae_scale_factor,
+        latent_channels=int(vae.get("latent_channels", 4)),
+        sequence_length=_sequence_length(model_dir, family, component),
+    )
+
+
+def _sequence_length(model_dir: Path, family: Family, component: Component) -> int | None:
+    if component.is_text_encoder:
+        return tokenizer_length(model_dir, _TOKENIZER_OF[component])
+    if component in (Component.unet, Component.controlnet):
+        return tokenizer_length(model_dir, "tokenizer")
+    if component is Component.transformer:
+        if family is Family.sd3:  # CLIP-L/G embeddings then T5's, concatenated along the sequence
+            return tokenizer_length(model_dir, "tokenizer") + tokenizer_length(model_dir, "tokenizer_3")
+        return tokenizer_length(model_dir, "tokenizer_2")  # FLUX: T5 only
+    return None

@@ -1,0 +1,57 @@
+"""Which declaration describes each (family, component)."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ..families import Component, Family, family_info
+from .base import ComponentDef
+from .controlnet import ControlNet
+from .text_encoders import ClipTextEncoder, T5TextEncoder
+from .transformers import FluxTransformer, SD3Transformer
+from .unet import UNet
+from .vae import VaeDecoder, VaeEncoder
+
+_F, _C = Family, Component
+
+
+def _build() -> dict[tuple[Family, Component], ComponentDef]:
+    defs: list[ComponentDef] = [
+        # sd15 and flux feed the last CLIP layer; sdxl and sd3 the penultimate one (as their pipelines do)
+        ClipTextEncoder(_F.sd15, _C.text_encoder, penultimate=False, with_projection=False),
+        UNet(_F.sd15, _C.unet),
+        ControlNet(_F.sd15, _C.controlnet),
+        ClipTextEncoder(_F.sdxl, _C.text_encoder, penultimate=True, with_projection=False),
+        ClipTextEncoder(_F.sdxl, _C.text_encoder_2, penultimate=True, with_projection=True),
+        UNet(_F.sdxl, _C.unet),
+        ControlNet(_F.sdxl, _C.controlnet),
+        ClipTextEncoder(_F.sd3, _C.text_encoder, penultimate=True, with_projection=True),
+        ClipTextEncoder(_F.sd3, _C.text_encoder_2, penultimate=True, with_projection=True),
+        T5TextEncoder(_F.sd3, _C.text_encoder_3),
+        SD3Transformer(_F.sd3, _C.transformer),
+        ClipTextEncoder(_F.flux, _C.text_encoder, penultimate=False, with_projection=False),
+        T5TextEncoder(_F.flux, _C.text_encoder_2),
+        FluxTransformer(_F.flux, _C.transformer),
+    ]
+    for family in Family:
+        defs += [VaeEncoder(family, _C.vae_encoder), VaeDecoder(family, _C.vae_decoder)]
+    return {(d.family, d.component): d for d in defs}
+
+
+_REGISTRY = _build()
+
+
+def get_component(family: Family | str, component: Component | str) -> ComponentDef:
+    """The declaration of `component` in `family`; ConfigError when the family has no such component."""
+    try:
+        family, component = Family(family), Component(component)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    definition = _REGISTRY.get((family, component))
+    if definition is None:
+        available = ", ".join(c.value for c in family_info(family).components)
+        raise ConfigError(f"the {family.value} family has no {component.value} (it has: {available})")
+    return definition
+
+
+def registered_components() -> list[tuple[Family, Component]]:
+    return list(_REGISTRY)

@@ -1,0 +1,11 @@
+"""torch -> ONNX: one verified graph per export group, kept in the artifact store."""
+
+from .grouping import ExportGroup, export_group_key, group_specs, onnx_precision
+from .parity import TOLERANCES, OutputParity, Tolerance, check_parity
+from .pipeline import ARTIFACT_KIND, ExportEvent, ExportReport, ExportResult, export_group
+from .selection import select_specs
+
+__all__ = [
+    "ARTIFACT_KIND", "TOLERANCES", "ExportEvent", "ExportGroup", "ExportReport", "ExportResult", "OutputParity",
+    "Tolerance", "check_parity", "export_group", "export_group_key", "group_specs", "onnx_precision", "select_specs",
+]

@@ -1,0 +1,112 @@
+"""Which engine specs share one ONNX.
+
+An ONNX does not depend on the target, the engine's batch or bucket, or the TensorRT options: one graph
+per (model, component, ControlNet, residual inputs, fused-LoRA variant, ONNX precision, opset) serves all
+its engines, with dynamic axes covering every bucket and batch of the group; engines fix the shapes.
+
+ONNX precision: fp16 specs get an fp16 graph; fp32, bf16, fp8 and int8 specs share the fp32 graph
+(bf16 is a TensorRT builder flag on an fp32 graph; fp8/int8 are made from the fp32 graph by the
+quantize stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..spec.engine_spec import EngineSpec, LoraVariant
+from ..store import hash_inputs
+
+FP16_ONNX = {"fp16"}
+# Build options that change the exported graph; every other option belongs to later stages.
+EXPORT_OPTIONS = ("opset", "controlnet_residuals")
+DEFAULT_OPSET = 20
+
+
+def onnx_precision(precision: str) -> str:
+    return "fp16" if precision in FP16_ONNX else "fp32"
+
+
+def export_options(spec: EngineSpec) -> dict[str, Any]:
+    options = {name: spec.option(name) for name in EXPORT_OPTIONS if spec.option(name) is not None}
+    options.setdefault("opset", DEFAULT_OPSET)
+    options["controlnet_residuals"] = bool(options.get("controlnet_residuals", False))
+    return options
+
+
+def export_group_key(spec: EngineSpec) -> str:
+    """The identity of the ONNX a spec's engine is built from (16 hex digits)."""
+    lora = spec.lora_variant
+    fields = {
+        "model": spec.model, "family": spec.family, "source": spec.source, "component": spec.component,
+        "controlnet": spec.controlnet, "controlnet_source": spec.controlnet_source,
+        "lora": [list(s) for s in lora.sources] if lora else None,
+        "precision": onnx_precision(spec.precision), "options": export_options(spec),
+    }
+    return hash_inputs(fields)[:16]
+
+
+@dataclass(frozen=True)
+class ExportGroup:
+    """Specs whose engines are built from one ONNX."""
+
+    key: str
+    specs: tuple[EngineSpec, ...]
+
+    @property
+    def first(self) -> EngineSpec:
+        return self.specs[0]
+
+    @property
+    def model(self) -> str:
+        return self.first.model
+
+    @property
+    def family(self) -> str:
+        return self.first.family
+
+    @property
+    def component(self) -> str:
+        return self.first.component
+
+    @property
+    def controlnet(self) -> str | None:
+        return self.first.controlnet
+
+    @property
+    def lora_variant(self) -> LoraVariant | None:
+        return self.first.lora_variant
+
+    @property
+    def precision(self) -> str:
+        return onnx_precision(self.first.precision)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return export_options(self.first)
+
+    @property
+    def opset(self) -> int:
+        return int(self.options["opset"])
+
+    @property
+    def name(self) -> str:
+        """Readable and unique within a config: model.component[.controlnet][+residuals][.lora-x].precision"""
+        parts = [self.model, self.component]
+        if self.controlnet:
+            parts.append(self.controlnet)
+        if self.options["controlnet_residuals"]:
+            parts[-1] += "+residuals"
+        if self.lora_variant:
+            parts.append(f"lora-{self.lora_variant.name}")
+        parts.append(self.precision)
+        return ".".join(parts)
+
+
+def group_specs(specs: Iterable[EngineSpec]) -> list[ExportGroup]:
+    """Groups in first-seen order; specs in each group in their given order."""
+    groups: dict[str, list[EngineSpec]] = {}
+    for spec in specs:
+        groups.setdefault(export_group_key(spec), []).append(spec)
+    return [ExportGroup(key, tuple(members)) for key, members in groups.items()]

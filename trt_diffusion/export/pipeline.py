@@ -1,0 +1,182 @@
+"""Export one group: hash its inputs, reuse a verified artifact or export, clean, check parity, commit."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..components import ExportWrapper, get_component, load_model_config
+from ..spec.engine_spec import EngineSpec
+from ..spec.load import EnginesConfig
+from ..store import Artifact, ArtifactStore, hash_inputs
+from .graph_passes import finalize_graph
+from .grouping import ExportGroup
+from .inputs import describe_inputs, tool_versions
+from .modules import load_group_module, lora_files, weights_folder
+from .parity import TOLERANCES, check_parity
+from .shapes import ExportShapes, export_shapes
+from .torch_export import export_module
+
+log = logging.getLogger(__name__)
+
+ARTIFACT_KIND = "onnx"
+ONNX_NAME = "model.onnx"
+COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ExportEvent:
+    """Progress of one group: stage is hashing, exporting, cleaning, parity, cached or done."""
+
+    group: ExportGroup
+    stage: str
+    index: int
+    total: int
+    result: "ExportResult | None" = None
+
+
+ProgressCallback = Callable[[ExportEvent], None]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    group: ExportGroup
+    artifact: Artifact
+    cached: bool
+    seconds: float
+
+    @property
+    def onnx_path(self) -> Path:
+        return self.artifact.file(self.artifact.manifest["onnx"])
+
+    @property
+    def parity(self) -> list[dict]:
+        return self.artifact.manifest["parity"]["checks"]
+
+    @property
+    def max_rel_error(self) -> float | None:
+        values = [c["max_rel"] for c in self.parity if c.get("max_rel") is not None]
+        return max(values) if values else None
+
+    @property
+    def dynamic_ranges(self) -> dict[str, list[int]]:
+        return self.artifact.manifest["dynamic_ranges"]
+
+    @property
+    def shapes_label(self) -> str:
+        return self.artifact.manifest["shapes"]["label"]
+
+    @property
+    def specs(self) -> tuple[EngineSpec, ...]:
+        return self.group.specs
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    results: list[ExportResult] = field(default_factory=list)
+
+    @property
+    def by_spec(self) -> dict[str, ExportResult]:
+        """EngineSpec key -> the export its engine is built from."""
+        return {spec.key: result for result in self.results for spec in result.specs}
+
+    def artifact_for(self, spec: EngineSpec) -> Path:
+        """The ONNX file `spec`'s engine is built from."""
+        return self.by_spec[spec.key].onnx_path
+
+
+def export_group(group: ExportGroup, config: EnginesConfig, store: ArtifactStore, *, index: int = 0, total: int = 1,
+                 progress: ProgressCallback | None = None) -> ExportResult:
+    def report(stage: str, result: ExportResult | None = None) -> None:
+        if progress:
+            progress(ExportEvent(group, stage, index, total, result))
+
+    started = time.perf_counter()
+    model = config.models[group.model]
+    definition = get_component(group.family, group.component)
+    controlnet_dir = model.controlnets[group.controlnet].path if group.controlnet else None
+    model_config = load_model_config(model.source.path, group.family, group.component, controlnet_dir)
+    shapes = export_shapes(group, definition, model_config)
+
+    report("hashing")
+    loras = lora_files(group, model)
+    inputs = describe_inputs(group, definition, model_config, shapes, weights_folder(group, model), loras)
+    input_hash = hash_inputs(inputs)
+    artifact = store.lookup(ARTIFACT_KIND, group.name, input_hash)
+    if artifact is not None:
+        result = ExportResult(group, artifact, cached=True, seconds=time.perf_counter() - started)
+        report("cached", result)
+        return result
+
+    with store.writer(ARTIFACT_KIND, group.name, input_hash) as writer:
+        timings = {"hash_s": time.perf_counter() - started}
+        module = load_group_module(group, model)
+        manifest = _export_into(writer.path, group, definition, model_config, shapes, module, timings, report)
+        writer.manifest.update(manifest, inputs=inputs, specs=[s.key for s in group.specs])
+    artifact = store.lookup(ARTIFACT_KIND, group.name, input_hash, verify=False)
+    if artifact is None:  # just committed: anything else is a bug in the store
+        raise RuntimeError(f"{group.name}: the committed export is not found in {store.root}")
+    result = ExportResult(group, artifact, cached=False, seconds=time.perf_counter() - started)
+    report("done", result)
+    return result
+
+
+def _export_into(folder: Path, group: ExportGroup, definition, model_config, shapes: ExportShapes,
+                 module: torch.nn.Module, timings: dict, report: Callable[[str], None]) -> dict:
+    options = group.options
+    io = definition.io(model_config, options)
+    label = group.name
+    parameter_names = {name for name, _ in module.named_parameters(remove_duplicate=False)}  # tied weights: every name
+
+    report("exporting")
+    tick = time.perf_counter()
+    dtype = COMPUTE_DTYPES[group.precision]
+    export_source = copy.deepcopy(module).to(dtype) if dtype != torch.float32 else module
+    wrapper = definition.wrapper(export_source, model_config, options, compute_dtype=dtype)
+    example = definition.dummy_inputs(model_config, options, shapes.example)
+    raw_dir = folder / ".raw"
+    raw_dir.mkdir()
+    with definition.export_context():
+        export_module(wrapper, example, io, shapes, group.opset, raw_dir / ONNX_NAME, label)
+    del wrapper, export_source
+    timings["export_s"] = time.perf_counter() - tick
+
+    report("cleaning")
+    tick = time.perf_counter()
+    summary = finalize_graph(raw_dir / ONNX_NAME, folder / ONNX_NAME, io, parameter_names,
+                             ExportWrapper.PARAMETER_PREFIX, label)
+    shutil.rmtree(raw_dir)
+    timings["passes_s"] = time.perf_counter() - tick
+
+    report("parity")
+    tick = time.perf_counter()
+    reference = definition.wrapper(module, model_config, options)
+    checks = check_parity(folder / ONNX_NAME, reference, definition, model_config, options, shapes.parity,
+                          group.precision, label)
+    timings["parity_s"] = time.perf_counter() - tick
+    return {
+        "onnx": ONNX_NAME,
+        "external_data": ONNX_NAME + ".data",
+        "group": {"key": group.key, "model": group.model, "family": group.family, "component": group.component,
+                  "controlnet": group.controlnet,
+                  "lora_variant": group.lora_variant.name if group.lora_variant else None},
+        "component_kind": definition.kind,
+        "precision": group.precision,
+        "opset": group.opset,
+        "io": io.to_json(),
+        "dynamic_ranges": {name: list(r) for name, r in shapes.dim_ranges(io).items()},
+        "shapes": shapes.to_json(),
+        "graph": summary.to_json(),
+        "parity": {"tolerance": TOLERANCES[group.precision].__dict__,
+                   "reference": "PyTorch fp32 module, same seeded inputs",
+                   "checks": [c.to_json() for c in checks]},
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+        "tools": tool_versions(),
+    }

@@ -1,0 +1,138 @@
+"""Read-only views of an ONNX graph that refit maps need: initializers, their values, node scopes.
+
+A node's scope is the torch module that produced it: the dynamo exporter writes it in the node's
+`pkg.torch.onnx.name_scopes` metadata, the legacy exporter in the node name (`/unet/down_blocks.1/.../to_q/MatMul`).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..errors import RefitError
+
+# Ops that pass a weight through unchanged in value (up to layout) between an initializer and its consumer.
+PASS_THROUGH_OPS = frozenset({"Transpose", "Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten"})
+FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                         onnx.TensorProto.DOUBLE})
+NAME_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+
+
+def node_scope(node: onnx.NodeProto) -> str | None:
+    """The module path (dot-separated) a node was exported from, or None when the export did not say."""
+    for prop in node.metadata_props:
+        if prop.key == NAME_SCOPES_KEY:
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                return None
+            # the last entry names the op itself; the one before is the deepest module
+            return scopes[-2] if isinstance(scopes, list) and len(scopes) >= 2 and scopes[-2] else None
+    if node.name.startswith("/"):
+        parts = node.name.strip("/").split("/")
+        return ".".join(parts[:-1]) or None
+    return None
+
+
+def external_data_files(model: onnx.ModelProto) -> list[str]:
+    locations = set()
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            locations.update(entry.value for entry in tensor.external_data if entry.key == "location")
+    return sorted(locations)
+
+
+def load_structure(onnx_path: str | Path) -> onnx.ModelProto:
+    """The graph without its weights: cheap even for a multi-GB UNet."""
+    path = Path(onnx_path)
+    if not path.is_file():
+        raise RefitError(f"ONNX file not found: {path}")
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises several unrelated types on a corrupt file
+        raise RefitError(f"could not read ONNX file {path}: {exc}") from None
+
+
+_HASH_CACHE: dict[tuple, str] = {}
+
+
+def onnx_sha256(onnx_path: str | Path) -> str:
+    """Hash of the model file and every external-data file it references (the build's input identity).
+
+    Same digest as `build.tensorrt_config.onnx_sha256`; cached per file size and mtime because a
+    full-size UNet takes seconds to hash and every refit checks it.
+    """
+    from ..build.tensorrt_config import onnx_sha256 as full_hash
+
+    path = Path(onnx_path).resolve()
+    model = load_structure(path)
+    files = [path] + [path.parent / location for location in external_data_files(model)]
+    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists())
+    if key not in _HASH_CACHE:
+        _HASH_CACHE[key] = full_hash(path)
+    return _HASH_CACHE[key]
+
+
+class OnnxGraph:
+    """An ONNX model's structure, with initializer values read from external data only on demand."""
+
+    def __init__(self, onnx_path: str | Path):
+        self.path = Path(onnx_path)
+        self.model = load_structure(self.path)
+        self.initializers: dict[str, onnx.TensorProto] = {t.name: t for t in self.model.graph.initializer}
+        self._values: dict[str, np.ndarray] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.initializers[name].dims)
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.initializers[name].data_type))
+
+    def is_external(self, name: str) -> bool:
+        return self.initializers[name].data_location == onnx.TensorProto.EXTERNAL
+
+    def is_float(self, name: str) -> bool:
+        return self.initializers[name].data_type in FLOAT_TYPES
+
+    def value(self, name: str, cache: bool = False) -> np.ndarray:
+        """The initializer's values; `cache` keeps them for repeated comparisons (memory: a full UNet is GBs)."""
+        if name in self._values:
+            return self._values[name]
+        value = numpy_helper.to_array(self.initializers[name], base_dir=str(self.path.parent))
+        if cache:
+            self._values[name] = value
+        return value
+
+    @cached_property
+    def producers(self) -> dict[str, onnx.NodeProto]:
+        return {output: node for node in self.model.graph.node for output in node.output}
+
+    @cached_property
+    def nodes_by_scope(self) -> dict[str, list[onnx.NodeProto]]:
+        index: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in self.model.graph.node:
+            scope = node_scope(node)
+            if scope is not None:
+                index[scope].append(node)
+        return dict(index)
+
+    def weight_inputs(self, node: onnx.NodeProto) -> list[tuple[int, str]]:
+        """(input index, initializer name) of each input that is an initializer, directly or through
+        value-preserving ops (a Transpose of the weight, a Cast to fp16...)."""
+        found = []
+        for index, name in enumerate(node.input):
+            seen = 0
+            while name and name not in self.initializers and name in self.producers and seen < 4:
+                producer = self.producers[name]
+                if producer.op_type not in PASS_THROUGH_OPS or not producer.input:
+                    break
+                name, seen = producer.input[0], seen + 1
+            if name in self.initializers:
+                found.append((index, name))
+        return found

@@ -1,0 +1,198 @@
+"""`parity`: every built variant's images against the fp32 PyTorch reference, same prompts and seeds.
+
+A variant is model × target × bucket × LoRA variant × ControlNet. Per variant: the images (PSNR, SSIM,
+LPIPS where available), per-component tensor diffs at the bucket's shape (to say *which* engine is
+wrong), and the reproducibility checks of the pre-launch checklist (the same request twice gives the same
+image; an image does not depend on the rest of its batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..components import Geometry, get_component, load_model_config
+from ..errors import TrtDiffusionError
+from ..families import Component, family_info
+from ..runtime.engines import RunnerTable
+from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
+from ..runtime.pipeline import DiffusionPipeline, GenerationRequest
+from ..runtime.reference import reference_runners
+from ..spec import EnginesConfig, expand
+from .metrics import tensor_diff, thresholds_for
+from .report import ComponentDiff, ParityReport, ReportFiles, VariantResult, compare_image, write_report
+
+DEFAULT_PROMPTS = (
+    "a photograph of an astronaut riding a horse",
+    "a watercolor painting of a quiet harbor at dawn",
+)
+# Largest relative output error (max |diff| / max |ref|) a component engine may show, per precision:
+# a localiser for failures; the release gate itself is the image metrics.
+COMPONENT_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 5e-2, "fp8": 0.5, "int8": 0.5}
+
+
+@dataclass
+class ParityOptions:
+    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    seeds: tuple[int, ...] = (0,)
+    steps: int = 4
+    guidance_scale: float = 7.5
+    compute_lpips: bool = True
+
+
+@dataclass
+class ParityRun:
+    report: ParityReport
+    files: ReportFiles
+
+
+def run_parity(config: EnginesConfig, out_dir: Path, options: ParityOptions, *, targets: list[str] | None = None,
+               progress: Callable[[str], None] | None = None) -> ParityRun:
+    progress = progress or (lambda message: None)
+    specs = expand(config)
+    variants, images = [], {}
+    for model_name, model in config.models.items():
+        for target in model.targets:
+            if targets and target.value not in targets:
+                continue
+            lora_variants = [None] + sorted({s.lora_variant.name for s in specs if s.model == model_name
+                                             and s.lora_variant is not None})
+            for lora in lora_variants:
+                engines = _engines_or_none(config, model_name, target.value, lora, specs)
+                if engines is None:
+                    progress(f"{model_name} {target.value}: not built, skipped")
+                    continue
+                table = table_from_engines(engines)
+                reference = _reference(config, model_name, lora)
+                for bucket in model.buckets:
+                    for controlnet in [None, *sorted(model.controlnets)]:
+                        label = _variant_id(model_name, target.value, bucket.label, lora, controlnet)
+                        progress(f"parity {label}")
+                        result, pngs = _compare_variant(config, model_name, target.value, bucket, lora, controlnet,
+                                                        table, reference, engines, options, label)
+                        variants.append(result)
+                        images.update(pngs)
+    if not variants:
+        raise TrtDiffusionError(f"no built engines to compare in {config.workspace}; run "
+                                f"`trt-diffusion build {config.path}` first")
+    report = ParityReport.from_variants(variants)
+    return ParityRun(report, write_report(report, images, out_dir))
+
+
+def _engines_or_none(config, model_name, target, lora, specs) -> list[BuiltEngine] | None:
+    try:
+        return built_engines(config, model_name, target, lora_variant=lora, specs=specs)
+    except TrtDiffusionError:
+        return None
+
+
+def _variant_id(model, target, bucket, lora, controlnet) -> str:
+    parts = [model, target, bucket]
+    if lora:
+        parts.append(f"lora-{lora}")
+    if controlnet:
+        parts.append(f"controlnet-{controlnet}")
+    return "/".join(parts)
+
+
+def _reference(config: EnginesConfig, model_name: str, lora: str | None) -> RunnerTable:
+    model = config.models[model_name]
+    controlnets = {name: source.path for name, source in model.controlnets.items()}
+    table = reference_runners(model.source.path, model.family, controlnets=controlnets or None)
+    if lora:
+        from ..export.modules import fuse_lora
+
+        denoiser = family_info(model.family).denoiser.value
+        entry = next(e for e in table.entries if e.component == denoiser)
+        spec = model.loras[lora]
+        fuse_lora(entry.runner.module.model, lora, spec.path, spec.scale, "")
+    return table
+
+
+def _control_image(height: int, width: int, seed: int) -> np.ndarray:
+    """A synthetic edge map: what a canny ControlNet sees."""
+    rng = np.random.default_rng(seed)
+    image = np.zeros((height, width, 3), np.uint8)
+    for _ in range(6):
+        y, x = rng.integers(0, height), rng.integers(0, width)
+        image[y, :, :] = 255
+        image[:, x, :] = 255
+    return image
+
+
+def _compare_variant(config, model_name, target, bucket, lora, controlnet, table, reference, engines, options, label):
+    model = config.models[model_name]
+    family = model.family
+    denoiser = family_info(family).denoiser
+    precision = model.precision[denoiser].value
+    overrides = model.parity.get(model.precision[denoiser])
+    thresholds = thresholds_for(precision, overrides.model_dump(exclude_none=True) if overrides else None)
+    size = bucket.opt
+    engine_pipe = DiffusionPipeline(model.source.path, family, table)
+    reference_pipe = DiffusionPipeline(model.source.path, family, reference)
+    comparisons, pngs = [], {}
+    first_request = None
+    for p, prompt in enumerate(options.prompts):
+        for seed in options.seeds:
+            request = GenerationRequest(
+                prompt=prompt, height=size.height, width=size.width, steps=options.steps,
+                guidance_scale=options.guidance_scale, seed=seed, controlnet=controlnet,
+                control_image=_control_image(size.height, size.width, seed) if controlnet else None)
+            first_request = first_request or request
+            candidate = engine_pipe.generate(request).images[0]
+            expected = reference_pipe.generate(request).images[0]
+            stem = f"{label.replace('/', '__')}__p{p}_s{seed}"
+            comparisons.append(compare_image(
+                prompt=prompt, seed=seed, reference=expected, candidate=candidate, thresholds=thresholds,
+                reference_png=f"{stem}_reference.png", candidate_png=f"{stem}_candidate.png",
+                compute_lpips=options.compute_lpips))
+            pngs[f"{stem}_reference.png"], pngs[f"{stem}_candidate.png"] = expected, candidate
+    reproducible = bool(np.array_equal(engine_pipe.generate(first_request).images,
+                                       engine_pipe.generate(first_request).images))
+    batch_independent = _batch_independent(engine_pipe, first_request, table, denoiser.value)
+    diffs, failures = _component_diffs(model, bucket, engines, reference, controlnet, precision)
+    result = VariantResult.from_parts(
+        variant_id=label, model=model_name, target=target, precision=precision, bucket=bucket.label,
+        thresholds=thresholds, images=comparisons, components=diffs, reproducible=reproducible,
+        batch_independent=batch_independent, lora=lora, controlnet=controlnet, extra_failures=failures)
+    return result, pngs
+
+
+def _batch_independent(pipe, request, table, denoiser) -> bool | None:
+    """Image 0 of a batch of 2 equals the batch-1 image (needs engines at both batches)."""
+    from dataclasses import replace
+
+    batches = table.batches(denoiser, None)
+    if not {2, 4} <= batches and None not in batches:
+        return None  # no engine for a batch of 2 with CFG: nothing to compare
+    one = pipe.generate(request).images[0].astype(int)
+    two = pipe.generate(replace(request, batch=2)).images[0].astype(int)
+    return bool(np.abs(one - two).max() <= 1)
+
+
+def _component_diffs(model, bucket, engines: list[BuiltEngine], reference: RunnerTable, controlnet, precision):
+    diffs, failures = [], []
+    for engine in engines:
+        spec = engine.spec
+        if spec.bucket not in (None, bucket) or spec.controlnet not in (None, controlnet):
+            continue
+        component = Component(spec.component)
+        definition = get_component(model.family, component)
+        cn_dir = model.controlnets[spec.controlnet].path if spec.controlnet else None
+        model_config = load_model_config(model.source.path, model.family, component, controlnet_dir=cn_dir)
+        geometry = Geometry(spec.batch, bucket.opt if spec.bucket else None)
+        feeds = definition.dummy_inputs(model_config, dict(spec.build_options), geometry, seed=1)
+        got = runner_for(engine).run(feeds)
+        ref_runner = reference.find(spec.component, size=None, batch=spec.batch, controlnet=spec.controlnet)
+        expected = ref_runner.run({k: v for k, v in feeds.items() if k in ref_runner.inputs})
+        for output, value in expected.items():
+            diff = tensor_diff(value, got[output])
+            diffs.append(ComponentDiff.from_tensor_diff(spec.name, output, diff))
+            limit = COMPONENT_TOLERANCE.get(spec.precision, 1e-3)
+            if not diff.is_finite or diff.max_rel > limit:
+                failures.append(f"component {spec.name} output {output}: max relative error {diff.max_rel:.3g} "
+                                f"> {limit:g} (max abs {diff.max_abs:.3g})")
+    return diffs, failures

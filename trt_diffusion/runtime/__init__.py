@@ -1,0 +1,1 @@
+"""Runners (torch reference, ONNX Runtime, TensorRT) and the denoising pipeline over them."""

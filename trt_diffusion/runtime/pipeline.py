@@ -1,0 +1,404 @@
+"""One text-to-image pipeline over runners: tokenize → text encoders → scheduler loop (CFG, ControlNet)
+→ VAE decode. It follows diffusers' pipelines step for step, so the torch-reference runners reproduce
+diffusers' images exactly and engine runners can be compared to them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import RuntimeInputError
+from ..families import Family
+from ..spec.engine_spec import Size
+from .engines import RunnerTable
+from .schedulers import make_scheduler, scheduler_names
+
+MAX_STEPS = 1000
+MAX_PROMPT_CHARS = 4096
+
+
+@dataclass
+class GenerationRequest:
+    prompt: str
+    height: int
+    width: int
+    negative_prompt: str | None = None  # None: the family's default (SDXL: zeros)
+    steps: int = 20
+    guidance_scale: float = 7.5
+    seed: int = 0
+    scheduler: str = "default"
+    batch: int = 1  # images for this prompt
+    controlnet: str | None = None
+    control_image: np.ndarray | None = None  # uint8 [H, W, 3]
+    controlnet_scale: float = 1.0
+
+
+@dataclass
+class StageTimings:
+    text_encode_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+    vae_decode_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.text_encode_s + sum(self.step_s) + self.vae_decode_s
+
+    def to_json(self) -> dict:
+        return {"text_encode_s": self.text_encode_s, "steps_s": self.step_s, "vae_decode_s": self.vae_decode_s,
+                "total_s": self.total_s}
+
+
+@dataclass
+class Generation:
+    images: np.ndarray  # uint8 [B, H, W, 3]
+    timings: StageTimings
+    cfg_mode: str  # batched | split | none
+
+
+@dataclass
+class _Conditioning:
+    embeds: np.ndarray  # [B, S, C]
+    pooled: np.ndarray | None = None
+
+
+Conditioning = _Conditioning
+
+
+@dataclass
+class PromptEncoding:
+    positive: Conditioning
+    negative: Conditioning | None  # None where CFG does not run
+
+
+def _tokenizer(model_dir: Path, subfolder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir / subfolder)
+
+
+class DiffusionPipeline:
+    """Runs requests over a RunnerTable. Holds no per-request state: safe to share between threads."""
+
+    def __init__(self, model_dir: str | Path, family: Family | str, runners: RunnerTable):
+        from ..models.quiet import quiet_libraries
+
+        quiet_libraries()
+        self.model_dir = Path(model_dir)
+        self.family = Family(family)
+        self.runners = runners
+        self.index = json.loads((self.model_dir / "model_index.json").read_text())
+        self.scheduler_config = json.loads((self.model_dir / "scheduler" / "scheduler_config.json").read_text())
+        vae_config = json.loads((self.model_dir / "vae" / "config.json").read_text())
+        self.vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        self.scaling_factor = vae_config.get("scaling_factor", 0.18215)
+        self.shift_factor = vae_config.get("shift_factor") or 0.0
+        denoiser = "transformer" if self.family in (Family.sd3, Family.flux) else "unet"
+        self.denoiser = denoiser
+        self.denoiser_config = json.loads((self.model_dir / denoiser / "config.json").read_text())
+        self.tokenizers = {name: _tokenizer(self.model_dir, name) for name in
+                           ("tokenizer", "tokenizer_2", "tokenizer_3") if self.index.get(name, [None])[0]}
+
+    # ---------------------------------------------------------------- public
+
+    def validate(self, request: GenerationRequest) -> Size:
+        size = Size(request.width, request.height)
+        factor = self.vae_scale_factor * (2 if self.family in (Family.sd3, Family.flux) else 1)
+        problems = []
+        if not isinstance(request.prompt, str) or not request.prompt.strip():
+            problems.append("PROMPT is empty")
+        elif len(request.prompt) > MAX_PROMPT_CHARS:
+            problems.append(f"PROMPT has {len(request.prompt)} characters (at most {MAX_PROMPT_CHARS}; "
+                            "the text encoders read only the first 77 tokens anyway)")
+        if not 1 <= request.steps <= MAX_STEPS:
+            problems.append(f"STEPS must be between 1 and {MAX_STEPS}, got {request.steps}")
+        if request.width % factor or request.height % factor or request.width <= 0 or request.height <= 0:
+            problems.append(f"size {size} is not a positive multiple of {factor}")
+        if request.batch < 1:
+            problems.append(f"batch must be >= 1, got {request.batch}")
+        if not np.isfinite(request.guidance_scale) or not 0 <= request.guidance_scale <= 100:
+            problems.append(f"GUIDANCE_SCALE must be in [0, 100], got {request.guidance_scale}")
+        if request.scheduler not in scheduler_names(self.family.value):
+            problems.append(f"unknown scheduler {request.scheduler!r}; choose one of "
+                            f"{', '.join(scheduler_names(self.family.value))}")
+        if request.controlnet is not None:
+            if not self.runners.has("controlnet", request.controlnet):
+                problems.append(f"no ControlNet named {request.controlnet!r} was built")
+            if request.control_image is None:
+                problems.append("a ControlNet request needs CONTROL_IMAGE")
+            elif request.control_image.shape != (request.height, request.width, 3):
+                problems.append(f"CONTROL_IMAGE is {list(request.control_image.shape)}, expected "
+                                f"[{request.height}, {request.width}, 3]")
+        if problems:
+            raise RuntimeInputError("; ".join(problems))
+        supported = self.runners.supported_sizes(self.denoiser)
+        if supported and not any(e.bucket is None or e.bucket.covers(size)
+                                 for e in self.runners.entries if e.component == self.denoiser):
+            raise RuntimeInputError(f"size {size} is not served; supported sizes: {', '.join(supported)}")
+        return size
+
+    def generate(self, request: GenerationRequest) -> Generation:
+        size = self.validate(request)
+        timings = StageTimings()
+        start = time.perf_counter()
+        encoding = self.encode(request)
+        timings.text_encode_s = time.perf_counter() - start
+        latents, cfg_mode = self.denoise(request, encoding, timings)
+        start = time.perf_counter()
+        images = self.decode(latents, size, request.batch)
+        timings.vae_decode_s = time.perf_counter() - start
+        return Generation(images, timings, cfg_mode)
+
+    def encode(self, request: GenerationRequest) -> PromptEncoding:
+        """Text encoders for the prompt (and the negative prompt where CFG runs)."""
+        positive = self._encode_all([request.prompt] * request.batch)
+        negative = None
+        if self.family is not Family.flux and request.guidance_scale > 1.0:
+            negative = self._negative(request, positive, request.batch)
+        return PromptEncoding(positive, negative)
+
+    def denoise(self, request: GenerationRequest, encoding: PromptEncoding,
+                timings: StageTimings | None = None) -> tuple[torch.Tensor, str]:
+        """The scheduler loop from seeded noise to final latents, with a fresh scheduler for this request."""
+        size = Size(request.width, request.height)
+        timings = timings or StageTimings()
+        generator = torch.Generator().manual_seed(int(request.seed))
+        scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
+        if self.family is Family.flux:
+            return self._flux(request, size, scheduler, generator, timings, encoding.positive)
+        return self._cfg_family(request, size, scheduler, generator, timings, encoding)
+
+    # ---------------------------------------------------------------- text
+
+    def _ids(self, tokenizer_name: str, prompts: list[str], max_length: int | None = None) -> np.ndarray:
+        tokenizer = self.tokenizers[tokenizer_name]
+        return tokenizer(prompts, padding="max_length", max_length=max_length or tokenizer.model_max_length,
+                         truncation=True, return_tensors="np").input_ids.astype(np.int64)
+
+    def _encode(self, component: str, tokenizer_name: str, prompts: list[str]) -> dict[str, np.ndarray]:
+        ids = self._ids(tokenizer_name, prompts)
+        runner = self.runners.find(component, size=None, batch=len(prompts))
+        return runner.run({"input_ids": ids})
+
+    def _encode_all(self, prompts: list[str]) -> _Conditioning:
+        if self.family is Family.sd15:
+            return _Conditioning(self._encode("text_encoder", "tokenizer", prompts)["hidden_states"])
+        if self.family is Family.sdxl:
+            one = self._encode("text_encoder", "tokenizer", prompts)
+            two = self._encode("text_encoder_2", "tokenizer_2", prompts)
+            return _Conditioning(np.concatenate([one["hidden_states"], two["hidden_states"]], -1), two["pooled"])
+        if self.family is Family.sd3:
+            one = self._encode("text_encoder", "tokenizer", prompts)
+            two = self._encode("text_encoder_2", "tokenizer_2", prompts)
+            clip = np.concatenate([one["hidden_states"], two["hidden_states"]], -1)
+            if self.runners.has("text_encoder_3"):
+                t5 = self._encode("text_encoder_3", "tokenizer_3", prompts)["hidden_states"]
+            else:  # SD3 without T5: zeros, as diffusers does
+                t5 = np.zeros((len(prompts), self.tokenizers["tokenizer"].model_max_length,
+                               self.denoiser_config["joint_attention_dim"]), np.float32)
+            clip = np.pad(clip, ((0, 0), (0, 0), (0, t5.shape[-1] - clip.shape[-1])))
+            return _Conditioning(np.concatenate([clip, t5], -2), np.concatenate([one["pooled"], two["pooled"]], -1))
+        clip = self._encode("text_encoder", "tokenizer", prompts)
+        t5 = self._encode("text_encoder_2", "tokenizer_2", prompts)
+        return _Conditioning(t5["hidden_states"], clip["pooled"])
+
+    def _negative(self, request: GenerationRequest, positive: _Conditioning, batch: int) -> _Conditioning:
+        zeros_for_empty = self.family is Family.sdxl and self.index.get("force_zeros_for_empty_prompt", True)
+        if request.negative_prompt is None and zeros_for_empty:
+            pooled = None if positive.pooled is None else np.zeros_like(positive.pooled)
+            return _Conditioning(np.zeros_like(positive.embeds), pooled)
+        return self._encode_all([request.negative_prompt or ""] * batch)
+
+    # ---------------------------------------------------------------- denoising (UNet families, SD3)
+
+    def _cfg_family(self, request, size, scheduler, generator, timings, encoding: PromptEncoding):
+        batch = request.batch
+        positive, negative = encoding.positive, encoding.negative
+        do_cfg = negative is not None
+
+        h, w = size.latent(self.vae_scale_factor)
+        channels = self.denoiser_config["in_channels"]
+        latents = torch.randn((batch, channels, h, w), generator=generator, dtype=torch.float32)
+        if self.family is Family.sd3:
+            scheduler.set_timesteps(request.steps)
+        else:
+            scheduler.set_timesteps(request.steps)
+            latents = latents * scheduler.init_noise_sigma
+        step_kwargs = _step_kwargs(scheduler, generator)
+        cfg_mode = self._cfg_mode(size, batch) if do_cfg else "none"
+        control = self._control_image(request, batch) if request.controlnet else None
+        extra = self._added_conditioning(size, batch)
+        for t in scheduler.timesteps:
+            start = time.perf_counter()
+            if cfg_mode == "batched":
+                model_in = _scale_input(scheduler, torch.cat([latents] * 2), t)
+                noise = self._denoise(model_in, t, _cat(negative, positive), _cat_extra(extra), size, request,
+                                      None if control is None else np.concatenate([control] * 2))
+                uncond, cond = np.split(noise, 2)
+            elif cfg_mode == "split":
+                model_in = _scale_input(scheduler, latents, t)
+                uncond = self._denoise(model_in, t, negative, extra, size, request, control)
+                cond = self._denoise(model_in, t, positive, extra, size, request, control)
+            else:
+                model_in = _scale_input(scheduler, latents, t)
+                cond = self._denoise(model_in, t, positive, extra, size, request, control)
+                uncond = None
+            noise_pred = torch.from_numpy(cond)
+            if uncond is not None:
+                uncond_t = torch.from_numpy(uncond)
+                noise_pred = uncond_t + request.guidance_scale * (noise_pred - uncond_t)
+            latents = scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
+            timings.step_s.append(time.perf_counter() - start)
+        return latents, cfg_mode
+
+    def _cfg_mode(self, size: Size, batch: int) -> str:
+        batches = self.runners.batches(self.denoiser, size)
+        if None in batches or 2 * batch in batches:
+            return "batched"
+        if batch in batches:
+            return "split"
+        raise RuntimeInputError(f"no {self.denoiser} engine at {size} for batch {batch} with CFG "
+                                f"(needs batch {2 * batch} or {batch}); built: {sorted(b for b in batches if b)}")
+
+    def _added_conditioning(self, size: Size, batch: int) -> dict[str, np.ndarray]:
+        if self.family is not Family.sdxl:
+            return {}
+        # original size, crop top-left, target size: diffusers' defaults for text-to-image
+        time_ids = np.array([[size.height, size.width, 0, 0, size.height, size.width]] * batch, np.float32)
+        return {"time_ids": time_ids}
+
+    def _denoise(self, model_in, t, cond: _Conditioning, extra, size, request, control) -> np.ndarray:
+        sample = model_in.numpy().astype(np.float32)
+        batch = sample.shape[0]
+        timestep = np.full((batch,), float(t), np.float32)
+        if self.family is Family.sd3:
+            feeds = {"hidden_states": sample, "timestep": timestep, "encoder_hidden_states": cond.embeds,
+                     "pooled_projections": cond.pooled}
+        else:
+            feeds = {"sample": sample, "timestep": timestep, "encoder_hidden_states": cond.embeds}
+            if self.family is Family.sdxl:
+                feeds["text_embeds"] = cond.pooled
+                feeds["time_ids"] = extra["time_ids"]
+        runner = self.runners.find(self.denoiser, size=size, batch=batch)
+        needed = set(runner.inputs)
+        if control is not None or "mid_block_residual" in needed:
+            feeds.update(self._residuals(feeds, runner, size, request, control))
+        return runner.run({k: np.ascontiguousarray(v) for k, v in feeds.items()})["noise_pred"]
+
+    def _residuals(self, unet_feeds, unet_runner, size, request, control) -> dict[str, np.ndarray]:
+        names = [n for n in unet_runner.inputs if "residual" in n]
+        if control is None:  # an engine with ControlNet inputs, used without one: zero residuals
+            return {n: np.zeros(self._residual_shape(n, unet_runner, unet_feeds["sample"]), np.float32) for n in names}
+        batch = unet_feeds["sample"].shape[0]
+        runner = self.runners.find("controlnet", size=size, batch=batch, controlnet=request.controlnet)
+        feeds = {k: v for k, v in unet_feeds.items() if k in runner.inputs}
+        feeds["controlnet_cond"] = control
+        feeds["conditioning_scale"] = np.array([request.controlnet_scale], np.float32)
+        outputs = runner.run(feeds)
+        return {n: outputs[n] for n in names}
+
+    def _residual_shape(self, name, runner, sample) -> tuple[int, ...]:
+        shape = runner.inputs[name].shape
+        if all(isinstance(d, int) for d in shape):
+            return tuple(shape)
+        # dynamic engine: derive from the UNet config (channels per block, downsampled per level)
+        return _unet_residual_shapes(self.denoiser_config, sample.shape)[name]
+
+    def _control_image(self, request, batch) -> np.ndarray:
+        image = request.control_image.astype(np.float32) / 255.0  # [0, 1], as diffusers' ControlNet pipelines
+        image = np.transpose(image, (2, 0, 1))[None]
+        return np.ascontiguousarray(np.repeat(image, batch, axis=0))
+
+    # ---------------------------------------------------------------- FLUX
+
+    def _flux(self, request, size, scheduler, generator, timings, positive: Conditioning):
+        from diffusers import FluxPipeline
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        batch = request.batch
+        h = 2 * (size.height // (self.vae_scale_factor * 2))
+        w = 2 * (size.width // (self.vae_scale_factor * 2))
+        channels = self.denoiser_config["in_channels"] // 4
+        latents = torch.randn((batch, channels, h, w), generator=generator, dtype=torch.float32)
+        latents = FluxPipeline._pack_latents(latents, batch, channels, h, w)
+        image_ids = FluxPipeline._prepare_latent_image_ids(batch, h // 2, w // 2, "cpu", torch.float32).numpy()
+        text_ids = np.zeros((positive.embeds.shape[1], 3), np.float32)
+        config = scheduler.config
+        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
+        kwargs = {"mu": mu} if config.get("use_dynamic_shifting") else {}
+        scheduler.set_timesteps(sigmas=sigmas, **kwargs)
+        runner = self.runners.find(self.denoiser, size=size, batch=batch)
+        for t in scheduler.timesteps:
+            start = time.perf_counter()
+            feeds = {"hidden_states": latents.numpy(), "timestep": np.full((batch,), float(t) / 1000, np.float32),
+                     "encoder_hidden_states": positive.embeds, "pooled_projections": positive.pooled,
+                     "img_ids": image_ids, "txt_ids": text_ids}
+            if "guidance" in runner.inputs:
+                feeds["guidance"] = np.full((batch,), request.guidance_scale, np.float32)
+            noise = runner.run({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()})["noise_pred"]
+            latents = scheduler.step(torch.from_numpy(noise), t, latents, return_dict=False)[0]
+            timings.step_s.append(time.perf_counter() - start)
+        latents = FluxPipeline._unpack_latents(latents, size.height, size.width, self.vae_scale_factor)
+        return latents, "none"
+
+    # ---------------------------------------------------------------- VAE
+
+    def decode(self, latents: torch.Tensor, size: Size, batch: int) -> np.ndarray:
+        """Latents to uint8 images [B, H, W, 3]."""
+        latents = latents / self.scaling_factor + self.shift_factor
+        runner = self.runners.find("vae_decoder", size=size, batch=batch)
+        image = runner.run({"latent": np.ascontiguousarray(latents.numpy(), dtype=np.float32)})["images"]
+        image = np.clip(image / 2 + 0.5, 0.0, 1.0)  # diffusers' postprocess: denormalize, then uint8
+        return (np.transpose(image, (0, 2, 3, 1)) * 255).round().astype(np.uint8)
+
+
+def _scale_input(scheduler, sample: torch.Tensor, t) -> torch.Tensor:
+    """Flow-matching schedulers feed the latents unscaled."""
+    scale = getattr(type(scheduler), "scale_model_input", None)
+    return scale(scheduler, sample, t) if scale else sample
+
+
+def _step_kwargs(scheduler, generator) -> dict:
+    import inspect
+
+    accepted = set(inspect.signature(scheduler.step).parameters)
+    kwargs = {}
+    if "eta" in accepted:
+        kwargs["eta"] = 0.0
+    if "generator" in accepted:
+        kwargs["generator"] = generator
+    return kwargs
+
+
+def _cat(negative: _Conditioning, positive: _Conditioning) -> _Conditioning:
+    pooled = None if positive.pooled is None else np.concatenate([negative.pooled, positive.pooled])
+    return _Conditioning(np.concatenate([negative.embeds, positive.embeds]), pooled)
+
+
+def _cat_extra(extra: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([v, v]) for k, v in extra.items()}
+
+
+def _unet_residual_shapes(config: dict, sample_shape) -> dict[str, tuple[int, ...]]:
+    """The ControlNet residual shapes a UNet expects, following its down blocks."""
+    batch, _, h, w = sample_shape
+    channels = config["block_out_channels"]
+    layers = config["layers_per_block"]
+    shapes = [(batch, channels[0], h, w)]
+    for i, out_ch in enumerate(channels):
+        for _ in range(layers):
+            shapes.append((batch, out_ch, h, w))
+        if i < len(channels) - 1:
+            h, w = (h + 1) // 2, (w + 1) // 2
+            shapes.append((batch, out_ch, h, w))
+    result = {f"down_block_residual_{i}": s for i, s in enumerate(shapes)}
+    result["mid_block_residual"] = (batch, channels[-1], h, w)
+    return result

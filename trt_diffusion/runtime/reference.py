@@ -1,0 +1,60 @@
+"""The PyTorch reference: the diffusers modules of a model folder behind the same named inputs and
+outputs as the exported engines, so one pipeline runs either."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..families import Component, Family
+from ..models.loading import load_component, load_controlnet
+from .engines import RunnerTable
+from .runners import TensorSpec, TorchRunner
+
+def reference_runners(model_dir: str | Path, family: Family | str, components=None,
+                      controlnets: dict[str, Path] | None = None) -> RunnerTable:
+    """A RunnerTable of torch modules (any size, any batch) for every component of the folder.
+
+    The modules sit behind the same export wrappers the ONNX graphs are traced from, so the reference
+    and the engines share one I/O contract.
+    """
+    from ..components import get_component, load_model_config
+
+    family = Family(family)
+    model_dir = Path(model_dir)
+    table = RunnerTable()
+    options = {"controlnet_residuals": True} if controlnets else {}
+    for component in components or _present_components(model_dir, family):
+        config = load_model_config(model_dir, family, component)
+        module = load_component(model_dir, component)
+        table.add(component.value, _torch_runner(get_component(family, component), module, config, options,
+                                                 f"torch:{component.value}"))
+    for name, folder in (controlnets or {}).items():
+        config = load_model_config(model_dir, family, Component.controlnet, controlnet_dir=folder)
+        runner = _torch_runner(get_component(family, Component.controlnet), load_controlnet(folder), config, {},
+                               f"torch:controlnet:{name}")
+        table.add("controlnet", runner, controlnet=name)
+    return table
+
+
+def _torch_runner(definition, module, config, options, name: str) -> TorchRunner:
+    io = definition.io(config, options)
+    wrapper = definition.wrapper(module, config, options)
+    inputs = {t.name: TensorSpec(np.dtype(t.dtype), tuple(d if isinstance(d, int) else None for d in t.dims))
+              for t in io.inputs}
+    return TorchRunner(wrapper, inputs, io.output_names, name=name)
+
+
+def _present_components(model_dir: Path, family: Family) -> list[Component]:
+    from ..families import family_info
+    from ..models.loading import read_model_index
+
+    index = read_model_index(model_dir)
+    present = []
+    for component in family_info(family).components:
+        folder = {"vae_encoder": "vae", "vae_decoder": "vae"}.get(component.value, component.value)
+        if component is not Component.vae_encoder and component is not Component.controlnet \
+                and index.get(folder, [None])[0]:
+            present.append(component)
+    return present
