@@ -204,7 +204,9 @@ def parity_command(
     console.print(f"report: {run.files.html}  (JSON: {run.files.json})")
     if not run.report.passed:
         failed = [v for v in run.report.variants if not v.passed]
-        details = "; ".join(f"{v.variant_id}: {v.failure_reasons[0]}" for v in failed[:3])
+        components = sorted({r.split()[1] for v in failed for r in v.failure_reasons if r.startswith("component ")})
+        blame = f" — failing components: {', '.join(components)}" if components else ""
+        details = "; ".join(f"{v.variant_id}: {v.failure_reasons[0]}" for v in failed[:3]) + blame
         raise ParityError(f"{len(failed)} of {len(run.report.variants)} variants failed parity: {details}")
 
 
