@@ -27,8 +27,13 @@ models: venv
 plan: models
 	$(TD) plan $(CONFIG)
 
+# plan -> export (verified against PyTorch) -> quantize (fp8/int8 entries) -> build, each reusing what is unchanged
 build-engines: models
 	$(TD) plan $(CONFIG)
+	$(TD) build $(CONFIG)
+
+parity: models
+	$(TD) parity $(CONFIG)
 
 test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -98,3 +98,58 @@ def parity(config_path: str | Path, *, out_dir: str | Path | None = None, prompt
         options.seeds = tuple(seeds)
     out = Path(out_dir) if out_dir else config.workspace / "reports" / "parity"
     return run_parity(config, out, options, targets=targets, progress=progress)
+
+
+def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, float]], *,
+          target: str = "onnxruntime", base: bool = False):
+    """Apply LoRAs (file, scale) to every refittable denoiser engine of `model`, or restore the base.
+
+    onnxruntime: checks the LoRA fits every engine and creates the refitted sessions (what a server does at
+    load time); tensorrt: refits the engines in place with TensorRT's Refitter and saves them.
+    Returns [(engine name, weights changed, seconds)].
+    """
+    import time
+
+    from .errors import RefitError
+    from .runtime.loader import _initializers_for, built_engines, refit_weights, runner_for
+
+    config = load_engines_file(config_path, check_sources=True)
+    engines = [e for e in built_engines(config, model, target) if e.spec.refittable]
+    if not engines:
+        raise RefitError(f"{model} has no refittable {target} engines: give it a `mode: refit` LoRA or "
+                         "`refittable: true` in engines.yaml and rebuild")
+    if base:
+        loras = []
+    weights = refit_weights(config, model, [(Path(p), s) for p, s in loras]) if loras else {}
+    results = []
+    for engine in engines:
+        start = time.perf_counter()
+        if target == "onnxruntime":
+            arrays = _initializers_for(engine, weights) if weights else {}
+            runner_for(engine, initializers=arrays)
+        else:
+            arrays = _refit_tensorrt(config_path, engine, weights)
+        results.append((engine.spec.name, len(arrays), time.perf_counter() - start))
+    return results
+
+
+def _refit_tensorrt(config_path, engine, weights) -> dict:
+    """Refit a TensorRT plan from its base weights (so no earlier LoRA stays behind) and save it in place."""
+    from .build import tensorrt_target
+    from .build.tensorrt_config import atomic_write_bytes, manifest_path, read_base_weights
+    from .lora import RefitMap, refit_weights_for_tensorrt
+
+    onnx_path = export(config_path, model=engine.spec.model, component=engine.spec.component).artifact_for(engine.spec)
+    refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
+    loaded = tensorrt_target.load_engine(engine.path)
+    base_weights = read_base_weights(onnx_path)
+    arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
+    if arrays:
+        tensorrt_target.refit_engine(loaded, arrays, base_weights)
+    else:
+        tensorrt_target.refit_to_base(loaded, base_weights, names=tensorrt_target.refittable_weight_names(loaded))
+    plan = loaded.engine.serialize()
+    atomic_write_bytes(engine.path, plan)
+    manifest = engine.manifest.model_copy(update={"plan_bytes": len(bytes(plan))})
+    manifest.write(manifest_path(engine.path))
+    return arrays

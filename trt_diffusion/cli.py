@@ -26,8 +26,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 models_app = typer.Typer(no_args_is_help=True, help="Reference model folders.")
 app.add_typer(models_app, name="models")
 
-console = Console()
-err_console = Console(stderr=True)
+# Logs and CI (no terminal) get a wide console so tables are not squeezed to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 _state = {"debug": False}
 
 ConfigArg = Annotated[Path, typer.Argument(help="engines.yaml")]
@@ -208,6 +209,49 @@ def parity_command(
         blame = f" — failing components: {', '.join(components)}" if components else ""
         details = "; ".join(f"{v.variant_id}: {v.failure_reasons[0]}" for v in failed[:3]) + blame
         raise ParityError(f"{len(failed)} of {len(run.report.variants)} variants failed parity: {details}")
+
+
+def _parse_lora(text: str) -> tuple[Path, float]:
+    path, _, scale = text.rpartition(":") if ":" in text else (text, "", "1.0")
+    try:
+        return Path(path), float(scale)
+    except ValueError:
+        raise typer.BadParameter(f"--lora {text!r}: expected FILE or FILE:SCALE (e.g. style.safetensors:0.8)")
+
+
+@app.command("refit")
+def refit_command(
+    config: ConfigArg,
+    model: Annotated[str, typer.Option("--model", help="the model whose refittable engines to refit")],
+    lora: Annotated[Optional[list[str]], typer.Option("--lora", help="FILE[:SCALE]; repeat for several")] = None,
+    base: Annotated[bool, typer.Option("--base", help="restore the base weights")] = False,
+    target: Annotated[str, typer.Option("--target")] = "onnxruntime",
+):
+    """Apply LoRAs to refittable engines without a rebuild (or restore the base weights)."""
+    from . import api
+    from .errors import ConfigError
+
+    if not lora and not base:
+        raise ConfigError("give --lora FILE[:SCALE] (repeatable) or --base")
+    loras = [_parse_lora(text) for text in lora or []]
+    results = api.refit(config, model, loras, target=target, base=base)
+    table = Table(title=f"refit {model} ({target})")
+    for column in ("engine", "weights replaced", "seconds"):
+        table.add_column(column)
+    for name, count, seconds in results:
+        table.add_row(name, str(count), f"{seconds:.2f}")
+    console.print(table)
+
+
+def _register_triton_commands() -> None:
+    from .triton.commands import generate_command, package_command, serve_command
+
+    app.command("package")(package_command)
+    app.command("serve")(serve_command)
+    app.command("generate")(generate_command)
+
+
+_register_triton_commands()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,7 +141,15 @@ def _build_one(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> tupl
         plan = trt_config.engine_path(config.workspace, spec)
         if _tensorrt_engine_current(plan, spec, onnx_path, profile):
             return plan, True
-        tensorrt_target.build_engine(onnx_path, spec, profile, plan, config.timing_cache_dir)
+        refit_map = None
+        if spec.refittable:  # TensorRT refits by ONNX initializer name: keep the map beside the plan
+            from ..lora import build_refit_map
+
+            refit_map = plan.with_name(plan.name.removesuffix(".plan") + ".refit_map.json")
+            plan.parent.mkdir(parents=True, exist_ok=True)
+            build_refit_map(onnx_path, base_denoiser(config, spec.model)).save(refit_map)
+        tensorrt_target.build_engine(onnx_path, spec, profile, plan, config.timing_cache_dir,
+                                     refit_map=str(refit_map) if refit_map else None)
         return plan, False
     raise BuildError(f"unknown target {spec.target!r}")
 
