@@ -32,14 +32,19 @@ BATCH = 2  # one classifier-free-guidance step
 
 
 class RssSampler:
-    """Samples this process's resident set size; `mark(stage)` attributes later samples to `stage`."""
+    """Samples this process's memory; `mark(stage)` attributes later samples to `stage`.
+
+    Two figures per sample: resident set size, and its anonymous part (RSS minus file-backed pages).
+    diffusers memory-maps safetensors, so weights count toward RSS only as they are touched; the
+    anonymous part is what the export really allocates.
+    """
 
     def __init__(self, interval_s: float = 0.05):
         self.process = psutil.Process()
         self.interval_s = interval_s
         self.stage = "start"
-        self.peaks: dict[str, int] = {}
-        self.at_start: dict[str, int] = {}
+        self.peaks: dict[str, tuple[int, int]] = {}
+        self.at_start: dict[str, tuple[int, int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -52,15 +57,26 @@ class RssSampler:
         self._thread.join()
         return False
 
+    def sample(self) -> tuple[int, int]:
+        info = self.process.memory_info()
+        return info.rss, info.rss - info.shared
+
     def mark(self, stage: str) -> None:
         self.stage = stage
-        self.at_start.setdefault(stage, self.process.memory_info().rss)
+        self.at_start.setdefault(stage, self.sample())
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            rss = self.process.memory_info().rss
-            self.peaks[self.stage] = max(self.peaks.get(self.stage, 0), rss)
+            rss, anonymous = self.sample()
+            peak = self.peaks.get(self.stage, (0, 0))
+            self.peaks[self.stage] = (max(peak[0], rss), max(peak[1], anonymous))
             self._stop.wait(self.interval_s)
+
+    def report(self, stage: str) -> dict:
+        start, peak = self.at_start.get(stage, (0, 0)), self.peaks.get(stage, (0, 0))
+        return {"rss_at_start_gb": round(start[0] / GIB, 2), "rss_peak_gb": round(peak[0] / GIB, 2),
+                "anonymous_at_start_gb": round(start[1] / GIB, 2), "anonymous_peak_gb": round(peak[1] / GIB, 2),
+                "anonymous_growth_gb": round((peak[1] - start[1]) / GIB, 2)}
 
 
 def write_engines_yaml(workdir: Path, model_dir: Path) -> Path:
@@ -97,11 +113,11 @@ def measure_export(config: Path) -> dict:
     return {
         "onnx": str(result.onnx_path), "cached": result.cached, "total_s": round(total_s, 1),
         "timings_s": manifest.get("timings", {}),
-        "rss_gb": {
-            "export_start": round(sampler.at_start.get("exporting", 0) / GIB, 2),
-            "export_peak": round(sampler.peaks.get("exporting", 0) / GIB, 2),
-            "export_peak_over_start": round((sampler.peaks.get("exporting", 0) - sampler.at_start.get("exporting", 0)) / GIB, 2),
-            "overall_peak": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2),
+        "memory": {
+            "torch_onnx_export": sampler.report("exporting"),  # module loaded (mmap'd) when it starts
+            "graph_passes": sampler.report("cleaning"),
+            "parity": sampler.report("parity"),  # ONNX Runtime session + PyTorch reference
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2),
         },
         "onnx_bytes": sum(o["bytes"] for o in manifest["outputs"]),
         "max_rel_error": result.max_rel_error,

@@ -137,7 +137,9 @@ def test_fused_lora_variant_is_its_own_verified_export(tmp_path, tiny_model_dir,
 FAMILY_COMPONENTS = [
     ("sdxl", ["text_encoder", "text_encoder_2", "unet"], {}),
     ("flux", ["transformer"], {"cfg": ["none"]}),
-    pytest.param("sdxl", ["vae_encoder", "vae_decoder"], {"controlnets": "controlnet"}, marks=pytest.mark.slow),
+    pytest.param("sdxl", ["unet", "vae_encoder", "vae_decoder"],  # fp16 UNet + ControlNet (SDXL's added conditions)
+                 {"controlnets": "controlnet", "precision": {"unet": "fp16", "vae_encoder": "fp32", "vae_decoder": "fp32"}},
+                 marks=pytest.mark.slow),
     pytest.param("sd3", ["text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder"], {}, marks=pytest.mark.slow),
     pytest.param("flux", ["text_encoder", "text_encoder_2", "vae_encoder", "vae_decoder"], {}, marks=pytest.mark.slow),
 ]
@@ -149,8 +151,8 @@ def test_family_components_export_and_match_pytorch(tmp_path, tiny_model_dir, wr
     model = tiny_model_dir(family, controlnet="controlnets" in extra)
     if "controlnets" in extra:
         extra = {**extra, "controlnets": {"canny": {"source": str(model / "controlnet")}}}
-    config = write_engines_yaml(tmp_path, model, family, components=components, buckets=["64x64", "128x96"],
-                                precision={c: "fp32" for c in components}, **extra)
+    extra = {"precision": {c: "fp32" for c in components}, **extra}
+    config = write_engines_yaml(tmp_path, model, family, components=components, buckets=["64x64", "128x96"], **extra)
     report = api.export(config)
     expected = set(components) | ({"controlnet"} if "controlnets" in extra else set())
     assert {r.group.component for r in report.results} == expected

@@ -20,7 +20,7 @@ class _ControlNetWrapper(ExportWrapper):
             self.cast(inputs["sample"]), self.cast(inputs["timestep"]), self.cast(inputs["encoder_hidden_states"]),
             controlnet_cond=self.cast(inputs["controlnet_cond"]),
             conditioning_scale=self.cast(inputs["conditioning_scale"]),
-            added_cond_kwargs=added_cond_kwargs(inputs, self.cast), return_dict=False,
+            added_cond_kwargs=added_cond_kwargs(inputs), return_dict=False,
         )
         return (*down, mid)
 

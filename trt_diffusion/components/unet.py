@@ -98,10 +98,13 @@ def conditioning_values(config: ModelConfig, io: ComponentIO, geometry: Geometry
     return values
 
 
-def added_cond_kwargs(inputs: Mapping[str, torch.Tensor], cast) -> dict | None:
+def added_cond_kwargs(inputs: Mapping[str, torch.Tensor]) -> dict | None:
+    """SDXL's added conditions, left in float32 at every precision: diffusers concatenates text_embeds with
+    its float32 time-id embedding and casts the result to the model's dtype. (Passing fp16 text_embeds makes
+    that a mixed-dtype concat, which the dynamo exporter writes as an ill-typed ONNX Concat.)"""
     if "text_embeds" not in inputs:
         return None
-    return {"text_embeds": cast(inputs["text_embeds"]), "time_ids": cast(inputs["time_ids"])}
+    return {"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]}
 
 
 class _UNetWrapper(ExportWrapper):
@@ -116,7 +119,7 @@ class _UNetWrapper(ExportWrapper):
             mid = self.cast(inputs[MID_RESIDUAL])
         return self.model(
             self.cast(inputs["sample"]), self.cast(inputs["timestep"]), self.cast(inputs["encoder_hidden_states"]),
-            added_cond_kwargs=added_cond_kwargs(inputs, self.cast),
+            added_cond_kwargs=added_cond_kwargs(inputs),
             down_block_additional_residuals=down, mid_block_additional_residual=mid, return_dict=False,
         )[0]
 

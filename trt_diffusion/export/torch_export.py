@@ -9,10 +9,10 @@ dim a multiple of its root, so downsampled sizes (UNet residuals, pixels) stay e
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import warnings
 from collections.abc import Mapping
+from io import StringIO
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +77,7 @@ class QuietExporter(contextlib.AbstractContextManager):
     """Keep the exporter's progress lines (printed to stdout) out of the user's terminal."""
 
     def __init__(self):
-        self._buffer = io.StringIO()
+        self._buffer = StringIO()
         self._redirect = contextlib.redirect_stdout(self._buffer)
         self._levels: dict[str, int] = {}
 
