@@ -73,9 +73,35 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     wanted = [s for s in wanted if s.target not in report.skipped_targets]
     if wanted:
         exports = export(config_path, model=model, component=component)
-        report.outcomes = build_specs(config, wanted, exports.artifact_for, jobs=jobs or config.build.jobs,
-                                      progress=progress)
+        quantized = _quantized_sources(config, wanted)
+        report.outcomes = build_specs(config, wanted, lambda spec: quantized.get(spec.key) or exports.artifact_for(spec),
+                                      jobs=jobs or config.build.jobs, progress=progress)
     return report
+
+
+def _quantized_sources(config, specs) -> dict[str, Path]:
+    """spec key -> Q/DQ ONNX for fp8/int8 specs (quantizing what is not cached yet; the gate must pass)."""
+    from .families import Component
+    from .quantize.stage import quantize_component
+
+    sources, done = {}, {}
+    for spec in specs:
+        if spec.precision not in ("fp8", "int8"):
+            continue
+        variant = (spec.model, spec.component, spec.precision, spec.lora_variant)
+        if variant not in done:
+            done[variant] = quantize_component(
+                config.models[spec.model], Component(spec.component), spec.precision, spec.lora_variant,
+                config.workspace, opset=config.build.opset, config_root=config.root).onnx_path
+        sources[spec.key] = done[variant]
+    return sources
+
+
+def quantize(config_path: str | Path, model: str | None = None, *, force: bool = False):
+    """ModelOpt FP8/INT8 of every fp8/int8 entry: seeded calibration, Q/DQ ONNX, quality gate."""
+    from .quantize.stage import quantize as run
+
+    return run(config_path, model, force=force)
 
 
 def parity(config_path: str | Path, *, out_dir: str | Path | None = None, prompts_file: str | Path | None = None,

@@ -140,6 +140,30 @@ def export_command(
         console.print(f"artifacts: {report.results[0].artifact.path.parent}")
 
 
+@app.command("quantize")
+def quantize_command(
+    config: ConfigArg,
+    model: Annotated[Optional[str], typer.Option("--model")] = None,
+    force: Annotated[bool, typer.Option("--force", help="recalibrate and re-export even when cached")] = False,
+):
+    """ModelOpt FP8/INT8 for the fp8/int8 entries: seeded calibration, Q/DQ ONNX, quality gate."""
+    from . import api
+
+    with err_console.status("quantizing (calibration runs the real pipeline)"):
+        report = api.quantize(config, model, force=force)
+    table = Table(title=f"Quantized artifacts for {config}")
+    for column in ("variant", "status", "gate"):
+        table.add_column(column)
+    for artifact in report.artifacts:
+        gate = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in artifact.gate.items() if not isinstance(v, (dict, list)))
+        label = f"{artifact.model}.{artifact.component}{'.lora-' + artifact.lora if artifact.lora else ''}.{artifact.precision}"
+        table.add_row(label, "cached" if artifact.cached else "quantized", gate)
+    console.print(table)
+    if not report.artifacts:
+        console.print("no fp8/int8 entries in engines.yaml: nothing to quantize")
+
+
 @app.command("build")
 def build_command(
     config: ConfigArg,

@@ -1,0 +1,65 @@
+"""Seeded calibration: the same recipe gives bit-equal scales; the saved state restores them exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from trt_diffusion.families import Family
+from trt_diffusion.quantize import ptq
+from trt_diffusion.quantize.calibration import CalibrationRecipe, capture_calls, denoiser_of, load_pipeline
+from trt_diffusion.quantize.exclusions import select_layers
+from trt_diffusion.quantize.prompts import load_prompts, take
+
+RECIPE = CalibrationRecipe(prompts=tuple(take(load_prompts(None)[0], 2)), steps=2, seed=0, algorithm="max",
+                           width=64, height=64)
+
+
+def _calibrated(model_dir, recipe: CalibrationRecipe, precision: str = "int8"):
+    pipe = load_pipeline(model_dir)
+    module = denoiser_of(pipe)
+    calls = capture_calls(pipe, Family.sd15, recipe)
+    ptq.calibrate(module, precision, recipe.algorithm, select_layers(module), calls)
+    return module, calls
+
+
+def test_same_recipe_gives_bit_equal_scales_and_another_seed_does_not(tiny_model_factory, tmp_path):
+    model_dir = tiny_model_factory("sd15")
+    first, calls = _calibrated(model_dir, RECIPE)
+    assert len(calls) == RECIPE.samples * RECIPE.steps  # one call per prompt and step
+    args, kwargs = calls[0]
+    assert args[0].shape == (2, 4, 8, 8)  # CFG doubles the batch; 64 px -> 8 latent px
+    assert kwargs["encoder_hidden_states"].shape == (2, 77, 32)
+
+    second, _ = _calibrated(model_dir, RECIPE)
+    first_amax, second_amax = ptq.amax_tensors(first), ptq.amax_tensors(second)
+    assert first_amax.keys() == second_amax.keys() and first_amax
+    for name in first_amax:
+        assert torch.equal(first_amax[name], second_amax[name]), name
+
+    reseeded, _ = _calibrated(model_dir, dataclasses.replace(RECIPE, seed=7))
+    changed = [n for n, t in ptq.amax_tensors(reseeded).items() if not torch.equal(t, first_amax[n])]
+    assert any(n.endswith("input_quantizer") for n in changed)  # activations moved; weights cannot
+
+    # the saved state puts the same ranges on a fresh module (no recalibration)
+    ptq.save_state(first, tmp_path / "state.pt")
+    fresh = denoiser_of(load_pipeline(model_dir))
+    ptq.restore_state(fresh, tmp_path / "state.pt")
+    restored = ptq.amax_tensors(fresh)
+    assert restored.keys() == first_amax.keys()
+    assert all(torch.equal(restored[n], first_amax[n]) for n in first_amax)
+
+
+@pytest.mark.parametrize("algorithm", ["smoothquant", "percentile"])
+def test_other_algorithms_calibrate(tiny_model_factory, algorithm):
+    module, calls = _calibrated(tiny_model_factory("sd15"), dataclasses.replace(RECIPE, algorithm=algorithm))
+    ptq.check_calibrated(module)
+    assert ptq.quantized_layers(module)
+    if algorithm == "smoothquant":  # SmoothQuant folds per-channel scales into the Linear inputs
+        layer = module.get_submodule("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q")
+        assert layer.input_quantizer.pre_quant_scale is not None
+    with torch.no_grad():
+        out = module(*calls[0][0], **calls[0][1])[0]
+    assert torch.isfinite(out).all()

@@ -1,0 +1,91 @@
+"""FP8 and INT8 PTQ of the tiny SD1.5 / SDXL UNets and the SD3 transformer into Q/DQ ONNX that ONNX
+Runtime runs on CPU, with the declared engine inputs, the selected layers quantized and no others."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from trt_diffusion.components import Geometry
+from trt_diffusion.models.loading import load_component
+from trt_diffusion.quantize import ptq
+from trt_diffusion.quantize.feeds import denoiser_interface
+from trt_diffusion.quantize.stage import quantize_component
+from trt_diffusion.spec import Size
+
+from .conftest import DENOISER, TINY_BUCKET
+
+CASES = [(family, precision) for family in ("sd15", "sdxl", "sd3") for precision in ("int8", "fp8")]
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    found: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            found.setdefault(name, []).append(node)
+    return found
+
+
+@pytest.mark.parametrize("family,precision", CASES)
+def test_qdq_onnx_runs_in_onnxruntime_with_the_declared_inputs(quantized_matrix, family, precision):
+    model, artifact = quantized_matrix(family, precision)
+    interface = denoiser_interface(model, DENOISER[family])
+    session = ort.InferenceSession(str(artifact.onnx_path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == interface.input_names
+    assert [o.name for o in session.get_outputs()] == ["noise_pred"]
+
+    # another batch and resolution than calibration: the declared dynamic axes hold
+    width, height = (int(side) * 2 for side in TINY_BUCKET[family].split("x"))
+    feeds = interface.definition.dummy_inputs(interface.config, interface.options, Geometry(3, Size(width, height)))
+    output = session.run(None, feeds)[0]
+    assert output.shape[0] == 3 and np.isfinite(output).all()
+
+    gate = artifact.gate
+    assert gate["passed"] and gate["output_nonfinite"] == 0
+    assert gate["output_psnr_db_min"] >= gate["thresholds"]["min_output_psnr_db"]
+    assert gate["image_psnr_db_min"] >= gate["thresholds"]["image"]["min_psnr_db"]
+
+
+@pytest.mark.parametrize("family,precision", CASES)
+def test_exactly_the_selected_layers_are_quantized(quantized_matrix, family, precision):
+    model, artifact = quantized_matrix(family, precision)
+    quantized, excluded = artifact.manifest["quantized_layers"], artifact.manifest["excluded_layers"]
+    assert quantized and excluded
+
+    # ONNX: weight and input Q/DQ per quantized layer (fp8 weights are stored as fp8 behind a DQ only)
+    graph = onnx.load(str(artifact.onnx_path)).graph
+    ops = [n.op_type for n in graph.node]
+    if precision == "int8":
+        assert ops.count("QuantizeLinear") == ops.count("DequantizeLinear") == 2 * len(quantized)
+    else:
+        assert ops.count("QuantizeLinear") == len(quantized)
+        assert ops.count("DequantizeLinear") == 2 * len(quantized)
+        fp8 = [t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT8E4M3FN]
+        assert len(fp8) == len(quantized) + 1  # every quantized weight, plus the shared zero point
+
+    # convolution weights keep their names: excluded ones feed the Conv directly, quantized ones go through Q/DQ
+    consumers = _consumers(graph)
+    conv_layers = [n for n in (*quantized, *excluded) if f"{n}.weight" in consumers or f"{n}.weight_fp8" in consumers]
+    for layer in conv_layers:
+        if layer in excluded:
+            assert {c.op_type for c in consumers[f"{layer}.weight"]} <= {"Conv", "Gemm", "MatMul", "Transpose"}, layer
+        elif precision == "int8":
+            assert [c.op_type for c in consumers[f"{layer}.weight"]] == ["QuantizeLinear"], layer
+        else:
+            assert [c.op_type for c in consumers[f"{layer}.weight_fp8"]] == ["DequantizeLinear"], layer
+
+    # torch: the saved state, put back on a fresh module, has quantizers on exactly the selected layers
+    module = load_component(model.source.path, DENOISER[family])
+    ptq.restore_state(module, artifact.state_path)
+    assert sorted(ptq.quantized_layers(module)) == sorted(quantized)
+    enabled = set(ptq.enabled_quantizers(module))
+    for layer in excluded:
+        assert f"{layer}.weight_quantizer" not in enabled and f"{layer}.input_quantizer" not in enabled
+
+
+def test_a_committed_artifact_is_reused(quantized_matrix):
+    model, artifact = quantized_matrix("sd15", "int8")
+    again = quantize_component(model, "unet", "int8", None, artifact.path.parent.parent, held_out_samples=1)
+    assert again.cached and again.path == artifact.path

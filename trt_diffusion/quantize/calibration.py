@@ -1,0 +1,161 @@
+"""Calibration data: the denoiser's real inputs, captured while the diffusers pipeline generates, seeded.
+
+Each prompt runs the full pipeline (text encoders, scheduler, CFG) for `steps` steps with its own
+`torch.Generator` seeded from the settings, and a forward pre-hook copies every denoiser call. The same
+recipe therefore yields the same inputs, and the same inputs the same scales.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ModelError, QuantizeError
+from ..families import Family
+from ..models.quiet import quiet_libraries
+from .feeds import Call
+
+RECIPE_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class CalibrationRecipe:
+    """Everything that decides the calibration data (and so the scales). Its digest goes into keys."""
+
+    prompts: tuple[str, ...]  # exactly the prompts run, in order; prompt i uses seed + i
+    steps: int
+    seed: int
+    algorithm: str
+    width: int
+    height: int
+    max_sequence_length: int | None = None  # T5 tokens (SD3, FLUX): the length the engines are declared with
+
+    @property
+    def samples(self) -> int:
+        return len(self.prompts)
+
+    def seeds(self) -> list[int]:
+        return [self.seed + i for i in range(self.samples)]
+
+    def to_json(self) -> dict:
+        return {"schema": RECIPE_SCHEMA, **asdict(self), "prompts": list(self.prompts)}
+
+    @property
+    def digest(self) -> str:
+        canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def t5_length(model_dir: Path, family: Family) -> int | None:
+    """The T5 token count the denoiser's engine inputs are declared with (components/model_config.py)."""
+    from ..components.model_config import tokenizer_length
+
+    tokenizer = {Family.sd3: "tokenizer_3", Family.flux: "tokenizer_2"}.get(family)
+    return tokenizer_length(model_dir, tokenizer) if tokenizer else None
+
+
+def load_pipeline(model_dir: Path):
+    """The real diffusers pipeline of the folder, fp32 on CPU, without progress bars."""
+    import diffusers
+
+    quiet_libraries()
+    try:
+        pipe = diffusers.DiffusionPipeline.from_pretrained(str(model_dir), dtype=torch.float32)
+    except (OSError, ValueError, EnvironmentError) as exc:
+        raise ModelError(f"cannot load the pipeline in {model_dir}: {str(exc).strip().splitlines()[0]}") from None
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def denoiser_of(pipe) -> torch.nn.Module:
+    module = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    if module is None:
+        raise ModelError(f"{type(pipe).__name__} has neither a unet nor a transformer")
+    return module
+
+
+def guidance_kwargs(family: Family) -> dict[str, Any]:
+    """Pipeline defaults, written out so a diffusers upgrade cannot silently change the calibration data."""
+    return {Family.sd15: {"guidance_scale": 7.5}, Family.sdxl: {"guidance_scale": 5.0},
+            Family.sd3: {"guidance_scale": 7.0}, Family.flux: {"guidance_scale": 3.5}}[family]
+
+
+class CallRecorder:
+    """Forward pre-hook (and optional post-hook) that copies each call's inputs (and output)."""
+
+    def __init__(self, with_outputs: bool = False):
+        self.calls: list[Call] = []
+        self.outputs: list[torch.Tensor] = []
+        self._with_outputs = with_outputs
+        # One copy per source tensor: the text embeddings repeat at every step. The source is kept alive so
+        # its address cannot be reused by another tensor within the run.
+        self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _copy(self, value: Any) -> Any:
+        if torch.is_tensor(value):
+            key = (value.data_ptr(), value._version, tuple(value.shape), tuple(value.stride()), value.dtype)
+            if key not in self._copies:
+                self._copies[key] = (value, value.detach().clone())
+            return self._copies[key][1]
+        if isinstance(value, dict):
+            return {k: self._copy(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(v) for v in value)
+        return value
+
+    def before(self, module, args, kwargs):
+        self.calls.append((self._copy(args), self._copy(kwargs)))
+
+    def after(self, module, args, kwargs, output):
+        if self._with_outputs:
+            first = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
+            self.outputs.append(first.detach().clone())
+
+    def new_run(self) -> None:
+        self._copies.clear()  # tensors of a finished run may be freed and their memory reused
+
+
+def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], seeds: list[int], steps: int,
+                 width: int, height: int, output_type: str = "latent", recorder: CallRecorder | None = None,
+                 max_sequence_length: int | None = None):
+    """Generate each prompt with its own seeded generator; optionally record the denoiser's calls."""
+    denoiser = denoiser_of(pipe)
+    handles = []
+    if recorder is not None:
+        handles.append(denoiser.register_forward_pre_hook(recorder.before, with_kwargs=True))
+        handles.append(denoiser.register_forward_hook(recorder.after, with_kwargs=True))
+    images = []
+    try:
+        for prompt, seed in zip(prompts, seeds):
+            if recorder is not None:
+                recorder.new_run()
+            generator = torch.Generator("cpu").manual_seed(seed)
+            extra = guidance_kwargs(family)
+            if max_sequence_length is not None:
+                extra["max_sequence_length"] = max_sequence_length
+            with torch.no_grad():
+                result = pipe(prompt, num_inference_steps=steps, generator=generator, width=width, height=height,
+                              output_type=output_type, **extra)
+            images.append(result.images[0] if output_type != "latent" else None)
+    except (RuntimeError, ValueError) as exc:
+        raise QuantizeError(f"the {family.value} pipeline failed while generating calibration data "
+                            f"at {width}x{height}: {str(exc).strip().splitlines()[0]}") from exc
+    finally:
+        for handle in handles:
+            handle.remove()
+    return images
+
+
+def capture_calls(pipe, family: Family, recipe: CalibrationRecipe) -> list[Call]:
+    """The denoiser calls of the recipe (samples x steps of them), in generation order."""
+    recorder = CallRecorder()
+    run_pipeline(pipe, family, recipe.prompts, recipe.seeds(), recipe.steps, recipe.width, recipe.height,
+                 recorder=recorder, max_sequence_length=recipe.max_sequence_length)
+    if not recorder.calls:
+        raise QuantizeError("the pipeline never called the denoiser during calibration")
+    return recorder.calls

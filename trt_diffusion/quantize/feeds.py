@@ -1,0 +1,112 @@
+"""Map a recorded diffusers denoiser call onto the component's declared ONNX inputs.
+
+The names, order and dims come from `trt_diffusion.components` (the same declarations the fp32 export
+uses), so a Q/DQ graph drops into the same engines. Inputs the pipeline does not pass (the ControlNet
+residuals of a UNet built for ControlNets) are fed as zeros: exactly what "no ControlNet" adds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..components import ComponentDef, ComponentIO, ModelConfig, SymbolicDim, get_component, load_model_config
+from ..errors import QuantizeError
+from ..families import Component, Family
+from ..spec import ResolvedModel
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one denoiser call
+
+# Where each declared input is found in a diffusers call: (positional index or None, keyword).
+_UNET_ARGS = {"sample": (0, "sample"), "timestep": (1, "timestep"), "encoder_hidden_states": (2, "encoder_hidden_states")}
+_PER_SAMPLE_SCALARS = ("timestep", "guidance")  # pipelines may pass these 0-d; engines take one per batch row
+
+
+@dataclass(frozen=True)
+class DenoiserInterface:
+    """The declared I/O of one denoiser variant, and how to feed it from a recorded call."""
+
+    family: Family
+    component: Component
+    definition: ComponentDef
+    config: ModelConfig
+    options: dict[str, Any]
+    io: ComponentIO
+
+    @property
+    def input_names(self) -> list[str]:
+        return self.io.input_names
+
+    @property
+    def output_name(self) -> str:
+        return self.io.output_names[0]
+
+    @property
+    def static_shapes(self) -> bool:
+        # The legacy exporter bakes FLUX's rotary-embedding reshapes at the traced token count: a FLUX graph
+        # with dynamic axes fails at any other shape, so it is exported static (and says so in its manifest).
+        return self.family is Family.flux
+
+    def wrapper(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self.definition.wrapper(module, self.config, self.options)
+
+    def dynamic_axes(self) -> dict[str, dict[int, str]]:
+        """Legacy-exporter dynamic axes named as the declarations name them (batch, height, image_tokens...)."""
+        if self.static_shapes:
+            return {}
+        axes = {}
+        for decl in (*self.io.inputs, *self.io.outputs):
+            named = {i: d.name for i, d in enumerate(decl.dims) if isinstance(d, SymbolicDim)}
+            if named:
+                axes[decl.name] = named
+        return axes
+
+    def feeds(self, call: Call) -> dict[str, torch.Tensor]:
+        """The declared inputs, in order, as float32 tensors, from one recorded call."""
+        args, kwargs = call
+        found: dict[str, Any] = {}
+        added = kwargs.get("added_cond_kwargs") or {}
+        for decl in self.io.inputs:
+            name = decl.name
+            if name in kwargs and kwargs[name] is not None:
+                found[name] = kwargs[name]
+            elif name in _UNET_ARGS and len(args) > _UNET_ARGS[name][0]:
+                found[name] = args[_UNET_ARGS[name][0]]
+            elif name in added:
+                found[name] = added[name]
+        batch = int(found["sample" if "sample" in found else "hidden_states"].shape[0])
+        feeds = {}
+        for decl in self.io.inputs:
+            value = found.get(decl.name)
+            if value is None:
+                if decl.name.endswith("_residual") or "_residual_" in decl.name:
+                    value = self._zeros(decl, batch, found)
+                else:
+                    raise QuantizeError(f"the pipeline's {self.component.value} call has no {decl.name!r}; "
+                                        "cannot map it onto the engine inputs")
+            value = torch.as_tensor(value).to(torch.float32)
+            if decl.name in _PER_SAMPLE_SCALARS and value.dim() == 0:
+                value = value.reshape(1).expand(batch).clone()
+            feeds[decl.name] = value
+        return feeds
+
+    def _zeros(self, decl, batch: int, found: dict[str, Any]) -> torch.Tensor:
+        sample = found["sample"]
+        axes = {"batch": batch, "height": int(sample.shape[2]), "width": int(sample.shape[3]), "tokens": 0}
+        return torch.zeros(decl.shape(axes), dtype=torch.float32)
+
+
+def denoiser_interface(model: ResolvedModel, component: Component | str) -> DenoiserInterface:
+    component = Component(component)
+    definition = get_component(model.family, component)
+    config = load_model_config(model.source.path, model.family, component)
+    # A UNet of a model with ControlNets takes their residuals as inputs (see spec/expand.py's build options).
+    options = {"controlnet_residuals": bool(component is Component.unet and model.controlnets)}
+    return DenoiserInterface(model.family, component, definition, config, options, definition.io(config, options))
+
+
+def as_numpy(feeds: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {name: value.detach().cpu().numpy().astype(np.float32, copy=False) for name, value in feeds.items()}

@@ -1,0 +1,196 @@
+"""The quality gate a quantized denoiser must pass before it is published.
+
+Held-out generations (prompts and seeds the calibration never saw) run twice through the real diffusers
+pipeline with the same seeds:
+
+1. with the pipeline's own fp32 torch denoiser, recording every denoiser call and its output: the reference;
+2. with the Q/DQ ONNX model, run by ONNX Runtime on CPU, routed in place of the denoiser's forward.
+
+Measured: the Q/DQ model's output on each recorded call against the fp32 output (PSNR with the reference's
+range as peak, max abs difference, NaN/Inf), and the decoded images of run 2 against run 1 (PSNR, SSIM;
+LPIPS when its weights are on disk). Per-call comparison isolates the denoiser; the images show what the
+error does after the sampler compounds it over all steps. Both use the artifact the engines will be built
+from, not torch fake-quantization (the two drift apart over many layers).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ..errors import QuantizeError
+from ..families import Family
+from ..parity.metrics import Thresholds, has_nonfinite, lpips_distance, psnr, ssim, tensor_diff, thresholds_for
+from .calibration import CalibrationRecipe, CallRecorder, denoiser_of, run_pipeline
+from .defaults import DENOISER_MIN_PSNR_DB, HELD_OUT_SEED_OFFSET
+from .feeds import DenoiserInterface, as_numpy
+from .prompts import HELD_OUT_PROMPTS, take
+
+
+@dataclass(frozen=True)
+class GateThresholds:
+    min_output_psnr_db: float  # worst held-out denoiser call
+    image: Thresholds  # decoded images: the parity bar for the precision, engines.yaml `parity:` applied
+
+    @classmethod
+    def for_precision(cls, precision: str, parity_overrides: Mapping[str, Any] | None = None,
+                      min_output_psnr_db: float | None = None) -> "GateThresholds":
+        if precision not in DENOISER_MIN_PSNR_DB:
+            raise QuantizeError(f"no quantization gate for precision {precision!r}")
+        overrides = {k: v for k, v in (parity_overrides or {}).items() if v is not None}
+        bar = DENOISER_MIN_PSNR_DB[precision] if min_output_psnr_db is None else min_output_psnr_db
+        return cls(bar, thresholds_for(precision, overrides))
+
+    def to_json(self) -> dict:
+        return {"min_output_psnr_db": self.min_output_psnr_db, "image": self.image.model_dump()}
+
+
+@dataclass
+class GateResult:
+    precision: str
+    thresholds: dict
+    calls: int
+    output_psnr_db_min: float
+    output_psnr_db_mean: float
+    output_max_abs: float
+    output_nonfinite: int
+    images: list[dict] = field(default_factory=list)  # per image: psnr_db, ssim, lpips, lpips_reason
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def image_psnr_db_min(self) -> float | None:
+        return min((i["psnr_db"] for i in self.images), default=None)
+
+    @property
+    def image_ssim_min(self) -> float | None:
+        return min((i["ssim"] for i in self.images), default=None)
+
+    def summary(self) -> str:
+        text = (f"denoiser output vs fp32 over {self.calls} held-out calls: worst PSNR "
+                f"{self.output_psnr_db_min:.2f} dB (mean {self.output_psnr_db_mean:.2f}), max abs "
+                f"{self.output_max_abs:.4g}, non-finite {self.output_nonfinite}")
+        if self.images:
+            text += (f"; images: worst PSNR {self.image_psnr_db_min:.2f} dB, worst SSIM "
+                     f"{self.image_ssim_min:.4f}")
+        return text
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "passed": self.passed, "image_psnr_db_min": self.image_psnr_db_min,
+                "image_ssim_min": self.image_ssim_min}
+
+
+def held_out_recipe(recipe: CalibrationRecipe, samples: int) -> tuple[list[str], list[int]]:
+    """Prompts and seeds disjoint from the calibration's."""
+    prompts = take(list(HELD_OUT_PROMPTS), samples)
+    seeds = [recipe.seed + HELD_OUT_SEED_OFFSET + i for i in range(samples)]
+    return prompts, seeds
+
+
+def onnxruntime_session(onnx_path: Path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ORT raises its own exception types; any of them means the artifact is unusable
+        raise QuantizeError(f"ONNX Runtime cannot load {onnx_path}: {str(exc).strip().splitlines()[0]}") from None
+
+
+def _run_session(session, interface: DenoiserInterface, feeds: dict[str, torch.Tensor]) -> np.ndarray:
+    return session.run([interface.output_name], as_numpy(feeds))[0]
+
+
+@contextmanager
+def _onnx_denoiser(pipe, session, interface: DenoiserInterface):
+    """Route the pipeline's denoiser calls to the ONNX Runtime session (the module only carries its config)."""
+    module = denoiser_of(pipe)
+
+    def forward(*args, **kwargs):
+        output = torch.from_numpy(_run_session(session, interface, interface.feeds((args, kwargs))))
+        return (output,) if not kwargs.get("return_dict", True) else SimpleNamespace(sample=output)
+
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path, precision: str,
+             recipe: CalibrationRecipe, thresholds: GateThresholds, held_out_samples: int,
+             compare_images: bool = True) -> GateResult:
+    """Measure the artifact at `onnx_path` against `pipe`'s fp32 denoiser on held-out generations."""
+    prompts, seeds = held_out_recipe(recipe, held_out_samples)
+    output_type = "np" if compare_images else "latent"
+    recorder = CallRecorder(with_outputs=True)
+    reference_images = run_pipeline(pipe, family, prompts, seeds, recipe.steps, recipe.width, recipe.height,
+                                     output_type=output_type, recorder=recorder,
+                                     max_sequence_length=recipe.max_sequence_length)
+    session = onnxruntime_session(onnx_path)
+
+    psnrs, max_abs, nonfinite = [], 0.0, 0
+    for call, expected in zip(recorder.calls, recorder.outputs):
+        actual = _run_session(session, interface, interface.feeds(call))
+        expected = expected.numpy()
+        if has_nonfinite(actual):
+            nonfinite += int((~np.isfinite(actual)).sum())
+        diff = tensor_diff(expected, actual)
+        peak = float(expected.max() - expected.min()) or 1.0
+        psnrs.append(psnr(expected, actual, data_range=peak))
+        if math.isfinite(diff.max_abs):
+            max_abs = max(max_abs, diff.max_abs)
+
+    images = []
+    if compare_images:
+        with _onnx_denoiser(pipe, session, interface):
+            candidate_images = run_pipeline(pipe, family, prompts, seeds, recipe.steps, recipe.width, recipe.height,
+                                            output_type="np", max_sequence_length=recipe.max_sequence_length)
+        for ref_image, image in zip(reference_images, candidate_images):
+            lp = lpips_distance(ref_image, image, data_range=1.0)
+            images.append({"psnr_db": psnr(ref_image, image, data_range=1.0),
+                           "ssim": ssim(ref_image, image, data_range=1.0),
+                           "lpips": lp.value, "lpips_reason": lp.reason,
+                           "nonfinite": bool(has_nonfinite(image))})
+
+    result = GateResult(
+        precision=precision, thresholds=thresholds.to_json(), calls=len(psnrs), output_psnr_db_min=_worst(psnrs),
+        output_psnr_db_mean=float(np.mean(psnrs)) if psnrs else math.nan, output_max_abs=max_abs,
+        output_nonfinite=nonfinite, images=images,
+    )
+    result.failures = _failures(result, thresholds)
+    return result
+
+
+def _worst(values: list[float]) -> float:
+    """The lowest value; NaN (a NaN output) wins, since min() ignores it depending on order."""
+    if not values or any(math.isnan(v) for v in values):
+        return math.nan
+    return min(values)
+
+
+def _failures(result: GateResult, thresholds: GateThresholds) -> list[str]:
+    failures = []
+    if result.output_nonfinite:
+        failures.append(f"denoiser output has {result.output_nonfinite} NaN/Inf values")
+    if not result.output_psnr_db_min >= thresholds.min_output_psnr_db:
+        failures.append(f"denoiser output PSNR {result.output_psnr_db_min:.2f} dB < "
+                        f"{thresholds.min_output_psnr_db:g} dB (worst of {result.calls} held-out calls)")
+    for index, image in enumerate(result.images):
+        if image["nonfinite"]:
+            failures.append(f"image {index}: NaN/Inf pixels")
+        for why in thresholds.image.image_failures(image["psnr_db"], image["ssim"], image["lpips"],
+                                                   image["lpips_reason"]):
+            failures.append(f"image {index}: {why}")
+    return failures

@@ -1,0 +1,197 @@
+"""Export a ModelOpt-quantized denoiser to ONNX with Q/DQ nodes.
+
+The legacy TorchScript exporter is the one ModelOpt's quantizer symbolics target (dynamo fails on the
+quantizers' data-dependent branches, see FACTS.md), so this is the one place that uses `dynamo=False`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+from dataclasses import dataclass
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+import torch
+
+from ..components import ExportWrapper
+from ..errors import QuantizeError
+from .feeds import DenoiserInterface
+from .fp8_rewrite import MIN_OPSET as FP8_MIN_OPSET
+from .fp8_rewrite import rewrite_fp8_qdq
+
+LEGACY_MAX_OPSET = 21
+LEGACY_MIN_OPSET = 17
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # protobuf cannot hold more than 2 GB in one message
+WRAPPER_PREFIX = ExportWrapper.PARAMETER_PREFIX  # "model.": stripped, as the fp32 export does
+
+
+def _rms_norm_symbolic(g, input, normalized_shape, weight, eps):
+    """aten::rms_norm as ONNX ops (<= opset 21 has no RMSNormalization); FLUX's norms need it."""
+    from torch.onnx import symbolic_helper
+
+    dims = symbolic_helper._get_const(normalized_shape, "is", "normalized_shape")
+    eps_value = symbolic_helper._maybe_get_const(eps, "f")
+    if eps_value is None or symbolic_helper._is_value(eps_value):
+        eps_value = torch.finfo(torch.float32).eps  # torch's default for float32 inputs
+    axes = g.op("Constant", value_t=torch.tensor(list(range(-len(dims), 0)), dtype=torch.int64))
+    mean_square = g.op("ReduceMean", g.op("Mul", input, input), axes, keepdims_i=1)
+    denominator = g.op("Sqrt", g.op("Add", mean_square, g.op("Constant", value_t=torch.tensor(float(eps_value)))))
+    output = g.op("Div", input, denominator)
+    if not symbolic_helper._is_none(weight):
+        output = g.op("Mul", output, weight)
+    return output
+
+
+def _register_symbolics(opset: int) -> None:
+    torch.onnx.register_custom_op_symbolic("aten::rms_norm", _rms_norm_symbolic, opset)
+
+
+def export_opset(requested: int, precision: str) -> int:
+    """The opset the legacy exporter can write for `precision`: requested, clamped into what works."""
+    opset = min(max(requested, LEGACY_MIN_OPSET), LEGACY_MAX_OPSET)
+    if precision == "fp8" and opset < FP8_MIN_OPSET:
+        opset = FP8_MIN_OPSET
+    return opset
+
+
+@contextlib.contextmanager
+def _fp8_conv_weights_off(module: torch.nn.Module, precision: str):
+    """The legacy exporter cannot use a custom op's output as a Conv weight: turn FP8 Conv weight quantizers
+    off for the trace and yield their ranges, so the rewrite pass adds the weight DequantizeLinear."""
+    switched: dict[str, torch.nn.Module] = {}
+    if precision == "fp8":
+        for name, layer in module.named_modules():
+            quantizer = getattr(layer, "weight_quantizer", None)
+            if isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and quantizer is not None \
+                    and quantizer.is_enabled:
+                switched[name] = quantizer
+    amax = {f"{WRAPPER_PREFIX}{name}.weight": float(q.amax.detach().float().max()) for name, q in switched.items()}
+    for quantizer in switched.values():
+        quantizer.disable()
+    try:
+        yield amax
+    finally:
+        for quantizer in switched.values():
+            quantizer.enable()
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    op_counts: dict[str, int]
+
+    def to_json(self) -> dict:
+        return {"exporter": "torch.onnx legacy (dynamo=False)", "nodes": sum(self.op_counts.values()),
+                "quantize_linear": self.op_counts.get("QuantizeLinear", 0),
+                "dequantize_linear": self.op_counts.get("DequantizeLinear", 0)}
+
+
+def export_quantized(module: torch.nn.Module, interface: DenoiserInterface, example: dict[str, torch.Tensor],
+                     out_path: Path, precision: str, opset: int) -> ExportSummary:
+    """Trace `module` (already calibrated) at `example`'s shapes with the declared dynamic axes; write `out_path`.
+
+    Initializers carry the component's own parameter names, like the fp32 export's. The graph is not kept in
+    memory afterwards (a full-size UNet is gigabytes).
+    """
+    wrapper = interface.wrapper(module)
+    inputs = tuple(example[name] for name in interface.input_names)
+    tmp = Path(tempfile.mkdtemp(prefix="trt-diffusion-qexport-"))
+    _register_symbolics(opset)
+    label = f"the quantized {interface.family.value} {interface.component.value}"
+    try:
+        with torch.inference_mode(), _fp8_conv_weights_off(module, precision) as conv_amax, _quiet_exporter():
+            torch.onnx.export(
+                wrapper, inputs, str(tmp / "model.onnx"), input_names=interface.input_names,
+                output_names=interface.io.output_names, dynamic_axes=interface.dynamic_axes(),
+                opset_version=opset, dynamo=False, do_constant_folding=True,
+            )
+        model = onnx.load(str(tmp / "model.onnx"), load_external_data=True)
+    except QuantizeError:
+        raise
+    except Exception as exc:  # the exporter's errors are long; keep the first line and the cause
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise QuantizeError(f"ONNX export of {label} failed: {first}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _check_declared_io(model.graph, interface, label)
+    if precision == "fp8":
+        rewrite_fp8_qdq(model, conv_amax)
+    strip_prefix(model.graph, WRAPPER_PREFIX)
+    summary = ExportSummary(dict(Counter(node.op_type for node in model.graph.node)))
+    save_model(model, out_path)
+    return summary
+
+
+def _check_declared_io(graph: onnx.GraphProto, interface: DenoiserInterface, label: str) -> None:
+    """The traced graph has the declared names and sizes; dims the exporter left unknown get the declared ones.
+
+    (The legacy exporter loses output shapes behind ModelOpt's custom FP8 ops.)
+    """
+    problems = []
+    for declared, values in ((interface.io.inputs, graph.input), (interface.io.outputs, graph.output)):
+        by_name = {v.name: v for v in values}
+        for decl in declared:
+            value = by_name.get(decl.name)
+            if value is None:
+                problems.append(f"{decl.name} is missing")
+                continue
+            shape = value.type.tensor_type.shape
+            if len(shape.dim) != len(decl.dims):
+                problems.append(f"{decl.name} has rank {len(shape.dim)}, declared {list(decl.dim_names())}")
+                continue
+            for dim, want in zip(shape.dim, decl.dims):
+                if dim.HasField("dim_value"):
+                    if isinstance(want, int) and dim.dim_value != want:
+                        problems.append(f"{decl.name} is {[d.dim_value or d.dim_param for d in shape.dim]}, "
+                                        f"declared {list(decl.dim_names())}")
+                        break
+                elif not dim.dim_param:
+                    if isinstance(want, int):
+                        dim.dim_value = want
+                    else:
+                        dim.dim_param = want.name
+    if problems:
+        raise QuantizeError(f"{label}: the traced graph does not match the component's declared I/O: "
+                            + "; ".join(problems))
+
+
+def strip_prefix(graph: onnx.GraphProto, prefix: str) -> None:
+    """Rename `prefix`-ed tensors (the wrapper's parameters) to the component's own parameter names."""
+    renamed = {t.name: t.name[len(prefix):] for t in graph.initializer if t.name.startswith(prefix)}
+    for tensor in graph.initializer:
+        tensor.name = renamed.get(tensor.name, tensor.name)
+    _rename_inputs(graph, renamed)
+
+
+def _rename_inputs(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name in renamed:
+                node.input[index] = renamed[name]
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:  # If/Loop bodies read outer initializers
+                _rename_inputs(attribute.g, renamed)
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    """One .onnx file, plus one `<name>.data` file when the weights exceed protobuf's 2 GB limit."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if model.ByteSize() > EXTERNAL_DATA_THRESHOLD:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=f"{path.name}.data", size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+    if not path.is_file() or os.path.getsize(path) == 0:
+        raise QuantizeError(f"writing {path} failed")

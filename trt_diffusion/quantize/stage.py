@@ -1,0 +1,365 @@
+"""The quantize stage: engines.yaml -> calibrated, gated Q/DQ ONNX denoisers in the artifact store.
+
+Per (model, denoiser, precision, fused-LoRA variant):
+
+    pipeline from the model folder --(LoRA fused)--> calibration: seeded generations, denoiser calls recorded
+      --> ModelOpt PTQ; the calibrated state is its own artifact ("calibration"), keyed on what decides the
+          scales, so a re-export (other opset, exporter fix) restores it instead of recalibrating
+      --> legacy ONNX export with Q/DQ (FP8: trt-domain rewrite, once) --> quality gate vs fp32
+      --> "quantized" artifact: model.onnx, modelopt_state.pt, manifest.json   (nothing committed on failure)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+
+from ..errors import ConfigError, QuantizeError
+from ..export.inputs import folder_digest
+from ..export.modules import fuse_lora
+from ..families import Component, family_info
+from ..models.loading import component_folder
+from ..spec import LoraMode, LoraVariant, Precision, ResolvedModel, load_engines_file
+from ..store import Artifact, ArtifactStore, hash_inputs, sha256_file
+from .calibration import CalibrationRecipe, capture_calls, denoiser_of, load_pipeline, t5_length
+from .defaults import HELD_OUT_SAMPLES
+from .exclusions import LayerSelection, effective_patterns, select_layers
+from .feeds import DenoiserInterface, denoiser_interface
+from .gate import GateThresholds, run_gate
+from .onnx_export import ExportSummary, export_opset, export_quantized
+from .prompts import load_prompts, take
+
+log = logging.getLogger(__name__)
+
+ARTIFACT_KIND = "quantized"
+CALIBRATION_KIND = "calibration"
+ONNX_FILE = "model.onnx"
+STATE_FILE = "modelopt_state.pt"
+EXPORTER = "torch.onnx legacy (dynamo=False)"
+# Bump when this stage changes what it writes for the same inputs (wrapper use, rewrite pass, layout).
+QUANTIZE_STAGE_VERSION = 1
+
+
+@dataclass
+class QuantizedArtifact:
+    model: str
+    component: str
+    precision: str
+    lora: str | None
+    path: Path
+    manifest: dict
+    cached: bool  # an artifact with the same input hash was already committed
+    recalibrated: bool  # False when the calibration was restored from its saved state (or cached)
+
+    @property
+    def key(self) -> str:
+        return self.path.name.rsplit(".", 1)[-1]
+
+    @property
+    def onnx_path(self) -> Path:
+        return self.path / ONNX_FILE
+
+    @property
+    def state_path(self) -> Path:
+        return self.path / STATE_FILE
+
+    @property
+    def gate(self) -> dict:
+        return self.manifest.get("gate", {})
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "component": self.component, "precision": self.precision, "lora": self.lora,
+                "key": self.key, "path": str(self.path), "cached": self.cached, "recalibrated": self.recalibrated,
+                "gate": self.gate, "timings_s": self.manifest.get("timings_s", {})}
+
+
+@dataclass
+class QuantizeReport:
+    artifacts: list[QuantizedArtifact] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "artifacts": [a.to_json() for a in self.artifacts], "failures": self.failures}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything one quantized variant is made from, and the two input hashes derived from it."""
+
+    model: ResolvedModel
+    component: Component
+    precision: str
+    lora_name: str | None
+    loras: tuple[tuple[str, Path, float], ...]
+    recipe: CalibrationRecipe
+    prompts_source: str
+    exclude: tuple[str, ...]
+    opset: int
+    thresholds: GateThresholds
+    calibration_inputs: dict
+    artifact_inputs: dict
+
+    @property
+    def name(self) -> str:
+        parts = [self.model.name, self.component.value] + ([f"lora-{self.lora_name}"] if self.lora_name else [])
+        return ".".join(parts + [self.precision])
+
+    @property
+    def calibration_hash(self) -> str:
+        return hash_inputs(self.calibration_inputs)
+
+    @property
+    def input_hash(self) -> str:
+        return hash_inputs(self.artifact_inputs)
+
+
+def _versions() -> dict[str, str]:
+    import diffusers
+
+    from .ptq import modelopt_version
+
+    return {"modelopt": modelopt_version(), "torch": torch.__version__.split("+")[0],
+            "diffusers": diffusers.__version__, "onnx": onnx.__version__}
+
+
+def _resolve_loras(model: ResolvedModel, variant: LoraVariant | None) -> tuple[tuple[str, Path, float], ...]:
+    if variant is None:
+        return ()
+    resolved = []
+    for lora_name, _identity, scale in variant.sources:
+        lora = model.loras.get(lora_name)
+        if lora is None:
+            raise ConfigError(f"model {model.name!r} has no LoRA {lora_name!r}")
+        if lora.mode is not LoraMode.fused:
+            raise QuantizeError(f"LoRA {lora_name!r} is mode {lora.mode.value}: quantized engines take fused "
+                                "LoRAs only (refit cannot change int8/fp8 weights)")
+        resolved.append((lora_name, lora.path, float(scale)))
+    return tuple(resolved)
+
+
+def plan_variant(model: ResolvedModel, component: Component | str, precision: Precision | str,
+                 lora_variant: LoraVariant | None = None, *, opset: int = 20, config_root: Path | None = None,
+                 size: tuple[int, int] | None = None, min_output_psnr_db: float | None = None) -> _Plan:
+    """Resolve settings, prompts and hashes for one variant (no model is loaded)."""
+    component, precision = Component(component), Precision(precision).value
+    denoiser = family_info(model.family).denoiser
+    if component is not denoiser:
+        raise QuantizeError(f"{model.name}: quantization of {component.value} is not supported yet "
+                            f"(the {model.family.value} denoiser, {denoiser.value}, is)")
+    if precision not in ("int8", "fp8"):
+        raise QuantizeError(f"{model.name}.{component.value}: {precision} is not a quantized precision (int8, fp8)")
+    settings = model.quantization
+    calibration = settings.calibration
+    prompts, prompts_source = load_prompts(calibration.prompts, config_root)
+    if size is None:
+        opt = model.buckets[0].opt
+        size = (opt.width, opt.height)
+    recipe = CalibrationRecipe(prompts=tuple(take(prompts, calibration.samples)), steps=calibration.steps,
+                               seed=calibration.seed, algorithm=calibration.algorithm, width=size[0], height=size[1],
+                               max_sequence_length=t5_length(model.source.path, model.family))
+    loras = _resolve_loras(model, lora_variant)
+    exclude = effective_patterns(settings.exclude)
+    parity = model.parity.get(Precision(precision))
+    thresholds = GateThresholds.for_precision(precision, parity.model_dump() if parity else None, min_output_psnr_db)
+    versions = _versions()
+    weights, _ = component_folder(model.source.path, component)
+    calibration_inputs = {
+        "stage": "calibration", "version": QUANTIZE_STAGE_VERSION,
+        "source": model.source.identity, "family": model.family.value, "component": component.value,
+        "weights": folder_digest(weights), "precision": precision, "exclude": list(exclude),
+        "recipe": recipe.digest, "loras": [(name, sha256_file(path), scale) for name, path, scale in loras],
+        "modelopt": versions["modelopt"], "torch": versions["torch"], "diffusers": versions["diffusers"],
+    }
+    controlnet_residuals = bool(component is Component.unet and model.controlnets)
+    artifact_inputs = {
+        "stage": "quantize", "version": QUANTIZE_STAGE_VERSION, "calibration": hash_inputs(calibration_inputs),
+        "opset": export_opset(opset, precision), "exporter": EXPORTER, "onnx": versions["onnx"],
+        "controlnet_residuals": controlnet_residuals, "gate": thresholds.to_json(),
+    }
+    return _Plan(model, component, precision, lora_variant.name if lora_variant else None, loras, recipe,
+                 prompts_source, exclude, export_opset(opset, precision), thresholds, calibration_inputs,
+                 artifact_inputs)
+
+
+def quantize_component(
+    model: ResolvedModel, component: Component | str, precision: Precision | str,
+    lora_variant: LoraVariant | None, workspace: str | Path, *, opset: int = 20, config_root: Path | None = None,
+    size: tuple[int, int] | None = None, held_out_samples: int = HELD_OUT_SAMPLES, force: bool = False,
+    min_output_psnr_db: float | None = None, compare_images: bool = True,
+) -> QuantizedArtifact:
+    """Calibrate, quantize, export and gate one denoiser variant; commit it to the store at `workspace`.
+
+    Artifacts: `<workspace>/quantized/<model>.<component>[.lora-<name>].<precision>.<key>/` (model.onnx,
+    modelopt_state.pt, manifest.json) and the calibration state under `<workspace>/calibration/`.
+    `size` (width, height) is the calibration resolution (default: the model's first bucket). Cached when a
+    committed artifact has the same input hash; recalibrates only when the calibration inputs changed
+    (`force` redoes both). Raises QuantizeError with the measured numbers when the gate fails; nothing is
+    committed then.
+    """
+    plan = plan_variant(model, component, precision, lora_variant, opset=opset, config_root=config_root, size=size,
+                        min_output_psnr_db=min_output_psnr_db)
+    store = ArtifactStore(workspace)
+    if not force:
+        cached = store.lookup(ARTIFACT_KIND, plan.name, plan.input_hash)
+        if cached is not None:
+            return _result(plan, cached, cached=True, recalibrated=False)
+
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    interface = denoiser_interface(model, plan.component)
+    pipe, denoiser = _load_denoiser(plan)
+    selection = select_layers(denoiser, plan.exclude)
+    if not selection.quantized:
+        raise QuantizeError(f"{plan.name}: the exclusions leave no layer to quantize")
+    timings["load_s"] = time.perf_counter() - started
+
+    pipe, denoiser, calibration, recalibrated, example = _calibrated(
+        pipe, denoiser, plan, selection, interface, store, timings, reuse=not force)
+
+    with store.writer(ARTIFACT_KIND, plan.name, plan.input_hash) as writer:
+        mark = time.perf_counter()
+        exported = export_quantized(denoiser, interface, example, writer.path / ONNX_FILE, plan.precision,
+                                    plan.opset)
+        shutil.copyfile(calibration.file(STATE_FILE), writer.path / STATE_FILE)
+        timings["export_s"] = time.perf_counter() - mark
+
+        # The gate runs the ONNX against a freshly loaded fp32 (LoRA-fused) pipeline: the quantized torch
+        # module goes first, so a full-size model is never held twice.
+        del pipe, denoiser
+        gc.collect()
+        mark = time.perf_counter()
+        pipe, _ = _load_denoiser(plan)
+        gate = run_gate(pipe, model.family, interface, writer.path / ONNX_FILE, plan.precision, plan.recipe,
+                        plan.thresholds, held_out_samples, compare_images=compare_images)
+        timings["gate_s"] = time.perf_counter() - mark
+        if not gate.passed:  # leaving the writer with an exception commits nothing
+            raise QuantizeError(f"{plan.name}: quality gate failed, nothing published\n  "
+                                + "\n  ".join(gate.failures) + f"\n  measured: {gate.summary()}")
+        timings["total_s"] = time.perf_counter() - started
+        writer.manifest.update(_manifest(plan, interface, exported, selection, calibration, gate.to_json(),
+                                         recalibrated, timings))
+    committed = store.lookup(ARTIFACT_KIND, plan.name, plan.input_hash, verify=False)
+    if committed is None:  # just committed: anything else is a bug in the store
+        raise RuntimeError(f"{plan.name}: the committed artifact is not found in {store.root}")
+    log.info("%s: %s", plan.name, gate.summary())
+    return _result(plan, committed, cached=False, recalibrated=recalibrated)
+
+
+def _load_denoiser(plan: _Plan):
+    """The pipeline, and its denoiser with the variant's LoRAs fused."""
+    pipe = load_pipeline(plan.model.source.path)
+    denoiser = denoiser_of(pipe)
+    for name, path, scale in plan.loras:
+        fuse_lora(denoiser, name, path, scale, prefix=plan.component.value)
+    return pipe, denoiser.eval()
+
+
+def _calibrated(pipe, denoiser: torch.nn.Module, plan: _Plan, selection: LayerSelection,
+                interface: DenoiserInterface, store: ArtifactStore, timings: dict[str, float], reuse: bool = True):
+    """Restore the committed calibration when its inputs match; otherwise calibrate and commit it.
+
+    Returns (pipe, quantized denoiser, calibration artifact, recalibrated, example feeds for the export trace).
+    """
+    from . import ptq
+
+    mark = time.perf_counter()
+    saved = store.lookup(CALIBRATION_KIND, plan.name, plan.calibration_hash) if reuse else None
+    if saved is not None:
+        try:
+            ptq.restore_state(denoiser, saved.file(STATE_FILE))
+            ptq.check_calibrated(denoiser)
+            # A one-step generation gives the export trace its example inputs, without the whole recipe.
+            probe = dataclasses.replace(plan.recipe, prompts=plan.recipe.prompts[:1], steps=1)
+            example = interface.feeds(capture_calls(pipe, plan.model.family, probe)[0])
+            timings["restore_s"] = time.perf_counter() - mark
+            return pipe, denoiser, saved, False, example
+        except QuantizeError as exc:
+            log.warning("%s: saved calibration unusable (%s); recalibrating", plan.name, exc)
+            pipe, denoiser = _load_denoiser(plan)  # the failed restore may have half-converted the module
+    calls = capture_calls(pipe, plan.model.family, plan.recipe)
+    timings["capture_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    ptq.calibrate(denoiser, plan.precision, plan.recipe.algorithm, selection, calls)
+    ptq.check_calibrated(denoiser)
+    timings["calibrate_s"] = time.perf_counter() - mark
+    with store.writer(CALIBRATION_KIND, plan.name, plan.calibration_hash) as writer:
+        ptq.save_state(denoiser, writer.path / STATE_FILE)
+        writer.manifest.update({
+            "inputs": plan.calibration_inputs, "recipe": plan.recipe.to_json(), "prompts_source": plan.prompts_source,
+            "calls": len(calls), "precision": plan.precision, "quantizers": len(ptq.enabled_quantizers(denoiser)),
+        })
+    committed = store.lookup(CALIBRATION_KIND, plan.name, plan.calibration_hash, verify=False)
+    return pipe, denoiser, committed, True, interface.feeds(calls[0])
+
+
+def _manifest(plan: _Plan, interface: DenoiserInterface, exported: ExportSummary, selection: LayerSelection,
+              calibration: Artifact, gate: dict, recalibrated: bool, timings: dict[str, float]) -> dict:
+    return {
+        "inputs": plan.artifact_inputs, "calibration_artifact": str(calibration.path),
+        "onnx": ONNX_FILE, "state_file": STATE_FILE,
+        "group": {"model": plan.model.name, "family": plan.model.family.value, "component": plan.component.value,
+                  "lora_variant": plan.lora_name},
+        "component_kind": interface.definition.kind, "precision": plan.precision, "opset": plan.opset,
+        "io": interface.io.to_json(), "static_shapes": interface.static_shapes,
+        "source": plan.model.source.identity,
+        "loras": [{"name": n, "file": str(p), "scale": s} for n, p, s in plan.loras],
+        "algorithm": plan.recipe.algorithm, "calibration": plan.recipe.to_json(), "prompts_source": plan.prompts_source,
+        "exclude_patterns": list(plan.exclude), "quantized_layers": list(selection.quantized),
+        "excluded_layers": selection.excluded,
+        "graph": exported.to_json(),
+        "versions": _versions(), "recalibrated": recalibrated, "gate": gate,
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+
+
+def _result(plan: _Plan, artifact: Artifact, cached: bool, recalibrated: bool) -> QuantizedArtifact:
+    return QuantizedArtifact(plan.model.name, plan.component.value, plan.precision, plan.lora_name, artifact.path,
+                             artifact.manifest, cached, recalibrated)
+
+
+def quantize(config_path: str | Path, model: str | None = None, *, force: bool = False) -> QuantizeReport:
+    """Quantize every denoiser engines.yaml asks for in int8/fp8 (each fused LoRA gets its own variant).
+
+    Runs every variant, commits those that pass, then raises QuantizeError listing all that failed
+    (the error's `.report` holds the full QuantizeReport).
+    """
+    config = load_engines_file(config_path, check_sources=True)
+    if model is not None and model not in config.models:
+        raise ConfigError(f"{config.path}: no model {model!r} (models: {', '.join(config.models)})")
+    report = QuantizeReport()
+    for resolved in config.models.values():
+        if model is not None and resolved.name != model:
+            continue
+        for component in resolved.components:
+            precision = resolved.precision_of(component)
+            if not precision.is_quantized:
+                continue
+            variants: list[LoraVariant | None] = [None]
+            if component.is_denoiser:
+                variants += [LoraVariant(name, ((name, f"file:{lora.path.name}", lora.scale),))
+                             for name, lora in sorted(resolved.loras.items()) if lora.mode is LoraMode.fused]
+            for variant in variants:
+                label = f"{resolved.name}.{component.value}{'.lora-' + variant.name if variant else ''}.{precision.value}"
+                try:
+                    report.artifacts.append(quantize_component(
+                        resolved, component, precision, variant, config.workspace, opset=config.build.opset,
+                        config_root=config.root, force=force))
+                except QuantizeError as exc:
+                    report.failures.append(f"{label}: {exc}")
+    if report.failures:
+        error = QuantizeError(f"{len(report.failures)} quantized variant(s) failed:\n" + "\n".join(report.failures))
+        error.report = report
+        raise error
+    return report
