@@ -189,7 +189,9 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     precision.update(defaults.precision or {})
     precision.update(entry.precision or {})
     if Component.controlnet not in (entry.precision or {}) and Component.controlnet not in (defaults.precision or {}):
-        precision[Component.controlnet] = precision[info.denoiser]
+        # A ControlNet follows the denoiser's precision, except fp8/int8: only denoisers are quantized.
+        follows = precision[info.denoiser]
+        precision[Component.controlnet] = Precision.fp16 if follows.is_quantized else follows
     denoiser_precision = precision[info.denoiser]
 
     loras = {}
