@@ -157,8 +157,8 @@ def bench_full(root: Path, runs: int) -> dict:
     result["fp32_latency_s"] = round(latencies["fp32"], 3)
     result["int8_latency_s"] = round(latencies["int8"], 3)
     result["int8_over_fp32"] = round(latencies["int8"] / latencies["fp32"], 3)
-    print(f"  ORT CPU batch 2, 32x32 latents, median of {runs} interleaved: fp32 {result['fp32_latency_s']} s, int8 Q/DQ "
-          f"{result['int8_latency_s']} s, ratio int8/fp32 {result['int8_over_fp32']}", flush=True)
+    print(f"  ORT CPU batch 2, 32x32 latents, median of {runs} interleaved: fp32 {result['fp32_latency_s']} s, "
+          f"int8 Q/DQ {result['int8_latency_s']} s, ratio int8/fp32 {result['int8_over_fp32']}", flush=True)
     return result
 
 
@@ -172,10 +172,12 @@ def cpu_flags() -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true", help="also the full-size SD1.5 UNet (about 5 minutes, 20 GB RAM)")
+    parser.add_argument("--full", action="store_true",
+                        help="also the full-size SD1.5 UNet (about 5 minutes, 20 GB RAM)")
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--runs", type=int, default=1, help="timed ORT runs per graph, interleaved (the median is kept)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="timed ORT runs per graph, interleaved (the median is kept)")
     parser.add_argument("--workdir", type=Path, help="keep models and artifacts here (reused by a later run)")
     args = parser.parse_args()
 

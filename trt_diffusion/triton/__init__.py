@@ -1,0 +1,1 @@
+"""Triton: model repository generation, the server process, and the client."""

@@ -1,0 +1,114 @@
+"""The pipeline python models: `full` (the public entry: the whole generation, cancellable every step)
+and the ensemble's stages `encode`, `denoise`, `decode`. All run `DiffusionPipeline` over BLS runners
+built from pipeline.json, so they compute exactly what the in-process pipeline computes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import RuntimeInputError
+from ...spec.engine_spec import Size
+from ..description import SKELETON_DIR, PipelineDescription
+from . import pb
+from .bls import EngineCallError, RequestCancelled, RequestContext, bls_runner_table
+from .requests import read_request
+from .warmup import warm_up_in_process
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        from ...runtime.pipeline import DiffusionPipeline
+
+        config = json.loads(args["model_config"])
+        self.name = config["name"]
+        self.stage = config["parameters"]["stage"]["string_value"]
+        folder = Path(args["model_repository"]) / args["model_version"]
+        self.description = PipelineDescription.read(folder)
+        self.context = RequestContext()
+        self.pipeline = DiffusionPipeline(folder / SKELETON_DIR, self.description.family,
+                                          bls_runner_table(self.description, self.context))
+        # Imports, tokenizers and scheduler code warmed before the server reports ready (no engine calls:
+        # BLS is not available during initialize; the engine models warm themselves with model_warmup).
+        seconds = warm_up_in_process(self.pipeline, self.description)
+        pb.utils().Logger.log_info(f"{self.name}: python warm-up took {seconds:.2f} s")
+        self._serve = {"full": self._full, "encode": self._encode, "denoise": self._denoise,
+                       "decode": self._decode}[self.stage]
+
+    def execute(self, requests: list) -> list:
+        responses = []
+        for request in requests:
+            self.context.request = request
+            start = time.perf_counter()
+            try:
+                responses.append(self._serve(request))
+            except RuntimeInputError as err:
+                responses.append(pb.error_response(f"{self.name}: {err}"))
+            except RequestCancelled:
+                message = f"{self.name}: request cancelled after {time.perf_counter() - start:.2f} s"
+                pb.utils().Logger.log_info(message)  # the client is gone: the log is where this shows
+                responses.append(pb.error_response(message, "CANCELLED"))
+            except EngineCallError as err:
+                responses.append(pb.error_response(f"{self.name}: {err}", "INTERNAL"))
+            except Exception as err:  # noqa: BLE001 - a bug answers this request, the model stays up
+                responses.append(pb.internal_error(self.name, err))
+            finally:
+                self.context.request = None
+        return responses
+
+    # ------------------------------------------------------------------ stages
+
+    def _full(self, request: Any):
+        generation = self.pipeline.generate(read_request(request))
+        return _response({"IMAGE": generation.images[0]})
+
+    def _encode(self, request: Any):
+        generation_request = read_request(request)
+        self.pipeline.validate(generation_request)  # refuse a bad request before any engine runs
+        encoding = self.pipeline.encode(generation_request)
+        positive, negative = encoding.positive, encoding.negative
+        outputs = {"POSITIVE_EMBEDS": positive.embeds,
+                   "NEGATIVE_EMBEDS": np.zeros_like(positive.embeds) if negative is None else negative.embeds,
+                   "USE_NEGATIVE": np.array([negative is not None])}
+        if positive.pooled is not None:
+            outputs["POSITIVE_POOLED"] = positive.pooled
+            outputs["NEGATIVE_POOLED"] = np.zeros_like(positive.pooled) if negative is None else negative.pooled
+        return _response(outputs)
+
+    def _denoise(self, request: Any):
+        from ...runtime.pipeline import Conditioning, PromptEncoding
+
+        generation_request = read_request(request, with_prompt=False)
+        self.pipeline.validate(generation_request)
+
+        def tensor(name: str) -> np.ndarray | None:
+            value = pb.input_array(request, name)
+            return None if value is None else np.ascontiguousarray(value[0])
+
+        positive = Conditioning(tensor("POSITIVE_EMBEDS"), tensor("POSITIVE_POOLED"))
+        negative = Conditioning(tensor("NEGATIVE_EMBEDS"), tensor("NEGATIVE_POOLED"))
+        use_negative = bool(tensor("USE_NEGATIVE").reshape(-1)[0])
+        encoding = PromptEncoding(positive, negative if use_negative else None)
+        latents, _ = self.pipeline.denoise(generation_request, encoding)
+        return _response({"LATENTS": latents.numpy()})
+
+    def _decode(self, request: Any):
+        import torch
+
+        latents = np.ascontiguousarray(pb.input_array(request, "LATENTS")[0])
+        height = int(pb.input_array(request, "HEIGHT").reshape(-1)[0])
+        width = int(pb.input_array(request, "WIDTH").reshape(-1)[0])
+        images = self.pipeline.decode(torch.from_numpy(latents), Size(width, height), latents.shape[0])
+        return _response({"IMAGE": images[0]})
+
+
+def _response(outputs: dict[str, np.ndarray]):
+    """Adds the request batch dimension (these models have max_batch_size 1)."""
+    utils = pb.utils()
+    return utils.InferenceResponse([utils.Tensor(name, np.ascontiguousarray(value)[None])
+                                    for name, value in outputs.items()])

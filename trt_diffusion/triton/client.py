@@ -1,0 +1,194 @@
+"""Ask a Triton server for an image, over HTTP or gRPC, with the server's own words when it refuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ServeError
+from . import contract
+from .configs import ROLE
+
+PROTOCOLS = ("http", "grpc")
+_TYPES = {t.name: contract.TRITON_TO_WIRE[t.data_type] for t in contract.request_inputs(True)}
+
+
+class RequestRejected(ServeError):
+    """The server refused the request for load (queue full, or it waited past the queue timeout): retry later."""
+
+
+class RequestCancelled(ServeError):
+    """The request was cancelled, or its deadline passed before the image was ready."""
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    prompt: str
+    height: int
+    width: int
+    steps: int = 20
+    guidance_scale: float = 7.5
+    seed: int = 0
+    negative_prompt: str | None = None
+    scheduler: str | None = None
+    controlnet: str | None = None
+    control_image: np.ndarray | None = None  # uint8 [H, W, 3]
+    controlnet_scale: float | None = None
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """Request tensors with their batch dimension of 1; optional ones only when set."""
+        def text(value: str) -> np.ndarray:
+            return np.array([[value.encode("utf-8")]], dtype=object)
+
+        values = {
+            "PROMPT": text(self.prompt), "HEIGHT": np.array([[self.height]], np.int32),
+            "WIDTH": np.array([[self.width]], np.int32), "STEPS": np.array([[self.steps]], np.int32),
+            "GUIDANCE_SCALE": np.array([[self.guidance_scale]], np.float32), "SEED": np.array([[self.seed]], np.int64),
+        }
+        if self.negative_prompt is not None:
+            values["NEGATIVE_PROMPT"] = text(self.negative_prompt)
+        if self.scheduler is not None:
+            values["SCHEDULER"] = text(self.scheduler)
+        if self.controlnet is not None:
+            values["CONTROLNET"] = text(self.controlnet)
+        if self.control_image is not None:
+            values["CONTROL_IMAGE"] = np.ascontiguousarray(self.control_image, dtype=np.uint8)[None]
+        if self.controlnet_scale is not None:
+            values["CONTROLNET_SCALE"] = np.array([[self.controlnet_scale]], np.float32)
+        return values
+
+
+def client_module(protocol: str):
+    if protocol == "http":
+        import tritonclient.http as module
+    elif protocol == "grpc":
+        import tritonclient.grpc as module
+    else:
+        raise ServeError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    return module
+
+
+def strip_scheme(url: str) -> str:
+    """tritonclient wants host:port; accept http://host:port too."""
+    for scheme in ("http://", "https://", "grpc://"):
+        if url.startswith(scheme):
+            return url[len(scheme):].rstrip("/")
+    return url.rstrip("/")
+
+
+def make_inputs(module, tensors: dict[str, np.ndarray]) -> list:
+    inputs = []
+    for name, value in tensors.items():
+        tensor = module.InferInput(name, list(value.shape), _TYPES.get(name, "BYTES"))
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
+def connect(url: str, protocol: str = "http", timeout_s: float = 300.0):
+    module = client_module(protocol)
+    url = strip_scheme(url)
+    if protocol == "http":
+        # network_timeout bounds the whole response; one connection is enough for one request at a time
+        return module.InferenceServerClient(url, connection_timeout=min(timeout_s, 60.0), network_timeout=timeout_s)
+    return module.InferenceServerClient(url)
+
+
+def server_error(err: Exception, url: str, pipeline: str) -> ServeError:
+    """tritonclient's exception as one of ours, keeping the server's message."""
+    message = err.message() if hasattr(err, "message") and callable(err.message) else str(err)
+    status = str(err.status()) if hasattr(err, "status") and callable(err.status) else ""
+    message = message.removeprefix(f"{pipeline}: ")  # the entry model names itself already
+    text = f"Triton at {url}, model {pipeline}: {message or status or err}"
+    lowered = f"{message} {status}".lower()
+    if "exceeds maximum queue size" in lowered or "request timeout expired" in lowered:
+        return RequestRejected(text)
+    if "cancel" in lowered or "deadline" in lowered:
+        return RequestCancelled(text)
+    if isinstance(err, OSError) or "failed to connect" in lowered or "connection refused" in lowered:
+        return ServeError(f"cannot reach Triton at {url} ({message or err}); is `trt-diffusion serve` running?")
+    return ServeError(text)
+
+
+def infer(client, module, pipeline: str, request: ImageRequest, *, protocol: str, timeout_s: float,
+          url: str = "") -> np.ndarray:
+    """One request on an open client. Returns the image, uint8 [H, W, 3]."""
+    inputs = make_inputs(module, request.tensors())
+    outputs = [module.InferRequestedOutput("IMAGE")]
+    try:
+        if protocol == "grpc":
+            result = client.infer(pipeline, inputs, outputs=outputs, client_timeout=timeout_s)
+        else:
+            result = client.infer(pipeline, inputs, outputs=outputs)
+    except Exception as err:  # tritonclient raises InferenceServerException, sockets raise OS errors
+        raise server_error(err, url, pipeline) from None
+    image = result.as_numpy("IMAGE")
+    if image is None or image.ndim != 4 or image.shape[0] != 1 or image.shape[-1] != 3 or image.dtype != np.uint8:
+        raise ServeError(f"Triton at {url}, model {pipeline}: expected IMAGE uint8 [1, H, W, 3], got "
+                         f"{None if image is None else (image.dtype, list(image.shape))}")
+    return image[0]
+
+
+def generate(url: str, *, pipeline: str | None = None, prompt: str, height: int, width: int, steps: int = 20,
+             guidance_scale: float = 7.5, seed: int = 0, negative_prompt: str | None = None,
+             scheduler: str | None = None, controlnet: str | None = None, control_image: np.ndarray | None = None,
+             controlnet_scale: float | None = None, protocol: str = "http", timeout_s: float = 300.0) -> np.ndarray:
+    """Generate one image on a Triton server; uint8 [H, W, 3]. `pipeline` None: the server's only pipeline."""
+    module = client_module(protocol)
+    request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler,
+                           controlnet, control_image, controlnet_scale)
+    client = connect(url, protocol, timeout_s)
+    try:
+        pipeline = pipeline or find_pipeline(client, url)
+        return infer(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url)
+    finally:
+        client.close()
+
+
+def find_pipeline(client, url: str) -> str:
+    """The one entry model (parameter trt_diffusion_role = entry) the server has loaded."""
+    try:
+        index = client.get_model_repository_index()
+    except Exception as err:  # noqa: BLE001
+        raise server_error(err, url, "(repository index)") from None
+    names = [m["name"] if isinstance(m, dict) else m.name for m in _index_models(index)]
+    entries = [name for name in names if _role(client, name) == "entry"]
+    if len(entries) != 1:
+        listed = ", ".join(entries) or "none"
+        raise ServeError(f"Triton at {url} serves {len(entries)} trt-diffusion pipelines ({listed})"
+                         "; name one with --pipeline")
+    return entries[0]
+
+
+def _index_models(index: Any) -> list:
+    return list(index.models) if hasattr(index, "models") else list(index)
+
+
+def _parameter(client, model: str, key: str) -> str:
+    try:
+        config = client.get_model_config(model)
+    except Exception:  # noqa: BLE001 - a model that failed to load has no config to read
+        return ""
+    if isinstance(config, dict):  # HTTP: JSON
+        return config.get("parameters", {}).get(key, {}).get("string_value", "")
+    parameters = config.config.parameters  # gRPC: ModelConfigResponse
+    return parameters[key].string_value if key in parameters else ""
+
+
+def _role(client, name: str) -> str:
+    return _parameter(client, name, ROLE)
+
+
+def served_sizes(url: str, pipeline: str | None = None, protocol: str = "http") -> tuple[str, list[str]]:
+    """(pipeline, sizes to ask for: one per bucket) as the server's entry model declares them."""
+    client = connect(url, protocol, 60.0)
+    try:
+        pipeline = pipeline or find_pipeline(client, url)
+        sizes = [s for s in _parameter(client, pipeline, "request_sizes").split(";") if s]
+    finally:
+        client.close()
+    if not sizes:
+        raise ServeError(f"Triton at {url}: model {pipeline} declares no sizes; is it a trt-diffusion pipeline?")
+    return pipeline, sizes

@@ -1,0 +1,162 @@
+"""The `package`, `serve` and `generate` commands as plain typer-annotated functions.
+
+Registered by cli.py (one line each):
+
+    from .triton.commands import generate_command, package_command, serve_command
+    app.command("package")(package_command)
+    app.command("serve")(serve_command)
+    app.command("generate")(generate_command)
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+class TargetChoice(str, Enum):
+    onnxruntime = "onnxruntime"
+    tensorrt = "tensorrt"
+
+
+class OrtBackend(str, Enum):
+    python = "python"
+    onnxruntime = "onnxruntime"
+
+
+class WarmupData(str, Enum):
+    zero = "zero"
+    random = "random"
+
+
+class Protocol(str, Enum):
+    http = "http"
+    grpc = "grpc"
+
+
+def package_command(
+    config: Annotated[Path, typer.Argument(help="engines.yaml")],
+    out: Annotated[Path, typer.Option("--out", help="repository folder to write (replaced if we wrote it)")]
+    = Path("triton_repo"),
+    model: Annotated[Optional[str], typer.Option("--model", help="the model of engines.yaml to package")] = None,
+    target: Annotated[TargetChoice, typer.Option("--target", help="which built engines to serve")]
+    = TargetChoice.onnxruntime,
+    ort_backend: Annotated[OrtBackend, typer.Option(
+        "--ort-backend", help="python: ONNX Runtime inside python-backend models (runs on the tritonserver bundled "
+        "in nvidia-pytriton); onnxruntime: Triton's onnxruntime backend (NVIDIA's containers only)")]
+    = OrtBackend.python,
+    instances: Annotated[int, typer.Option("--instances", min=1, help="instances of the pipeline (denoise) models;"
+                                           " 2 avoids a 500 ms stall of Triton 2.51's batcher with one")] = 2,
+    engine_instances: Annotated[int, typer.Option("--engine-instances", min=1, help="instances per engine model")]
+    = 1,
+    max_queue_size: Annotated[int, typer.Option("--max-queue-size", min=1,
+                                                help="waiting requests beyond this are refused at once")] = 8,
+    queue_timeout_s: Annotated[float, typer.Option("--queue-timeout", help="seconds a request may wait queued")]
+    = 60.0,
+    warmup_data: Annotated[WarmupData, typer.Option("--warmup-data", help="engine warm-up inputs")]
+    = WarmupData.zero,
+    ensemble: Annotated[bool, typer.Option("--ensemble/--no-ensemble",
+                                           help="also write <pipeline>_ensemble and its stage models")] = True,
+):
+    """Write a Triton model repository serving the built engines of one model."""
+    from .repository import PackageOptions
+    from .stage import package_stage
+
+    options = PackageOptions(ort_backend=ort_backend.value, pipeline_instances=instances,
+                             engine_instances=engine_instances, max_queue_size=max_queue_size,
+                             queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble)
+    report = package_stage(config, out, target.value, model=model, options=options)
+    table = Table(title=f"Triton repository {report.repo}")
+    for column in ("model", "role", "backend", "component", "bucket", "batch", "warm-up shapes"):
+        table.add_column(column)
+    for m in report.models:
+        batch = "" if m.batch is None else str(m.batch)
+        warmups = str(m.warmup_samples) if m.role == "engine" else ""
+        table.add_row(m.name, m.role, m.backend, m.component or "", m.bucket or "", batch, warmups)
+    console.print(table)
+    console.print(f"public entry: [bold]{report.entry}[/bold]" + (f" (and the ensemble {report.ensemble})"
+                                                                   if report.ensemble else "")
+                  + f"; sizes: {', '.join(report.sizes)}; written in {report.seconds:.1f} s")
+    for note in report.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    console.print(f"next: trt-diffusion serve --repo {out}")
+
+
+def serve_command(
+    repo: Annotated[Path, typer.Option("--repo", help="repository written by `trt-diffusion package`")]
+    = Path("triton_repo"),
+    http_port: Annotated[int, typer.Option("--http-port")] = 8000,
+    grpc_port: Annotated[int, typer.Option("--grpc-port")] = 8001,
+    metrics_port: Annotated[int, typer.Option("--metrics-port")] = 8002,
+    first_request: Annotated[bool, typer.Option("--first-request/--no-first-request",
+                                                help="time one request per bucket once ready")] = True,
+):
+    """Run tritonserver on the repository (127.0.0.1) until Ctrl-C."""
+    from .stage import serve
+
+    def announce(report) -> None:
+        console.print(f"ready in {report.seconds_to_ready:.1f} s ({len(report.models_ready)} models, all warm)")
+        for first in report.first_requests:
+            console.print(f"first request at {first.size}: {first.seconds * 1000:.0f} ms ({first.protocol})")
+        console.print(f"HTTP  {report.http_url}\ngRPC  {report.grpc_url}\nlog   {report.log}")
+        console.print(f"try: trt-diffusion generate --url {report.http_url} --prompt \"a lighthouse\" -o out.png")
+        console.print("Ctrl-C stops the server.")
+
+    console.print(f"starting tritonserver on {repo} …")
+    serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, first_request=first_request,
+          on_ready=announce)
+    console.print("stopped")
+
+
+def generate_command(
+    prompt: Annotated[str, typer.Option("--prompt", help="what to draw")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write")] = Path("out.png"),
+    url: Annotated[str, typer.Option("--url", help="HOST:PORT of the server's HTTP or gRPC endpoint")]
+    = "127.0.0.1:8000",
+    protocol: Annotated[Protocol, typer.Option("--protocol")] = Protocol.http,
+    pipeline: Annotated[Optional[str], typer.Option("--pipeline", help="model name; default: the only one")] = None,
+    negative_prompt: Annotated[Optional[str], typer.Option("--negative-prompt")] = None,
+    height: Annotated[Optional[int], typer.Option("--height", help="default: the server's first bucket")] = None,
+    width: Annotated[Optional[int], typer.Option("--width", help="default: the server's first bucket")] = None,
+    steps: Annotated[int, typer.Option("--steps")] = 20,
+    guidance_scale: Annotated[float, typer.Option("--guidance-scale")] = 7.5,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    scheduler: Annotated[Optional[str], typer.Option("--scheduler")] = None,
+    controlnet: Annotated[Optional[str], typer.Option("--controlnet")] = None,
+    control_image: Annotated[Optional[Path], typer.Option("--control-image", help="image for the ControlNet")]
+    = None,
+    controlnet_scale: Annotated[Optional[float], typer.Option("--controlnet-scale")] = None,
+    timeout_s: Annotated[float, typer.Option("--timeout", help="seconds to wait for the image")] = 300.0,
+):
+    """Ask a running server for one image and save it as PNG."""
+    import time
+
+    import numpy as np
+    from PIL import Image
+
+    from ..spec.engine_spec import Size
+    from .client import generate, served_sizes
+
+    if height is None or width is None:
+        pipeline, sizes = served_sizes(url, pipeline, protocol.value)
+        first = Size.parse(sizes[0])
+        height, width = height or first.height, width or first.width
+    control = None
+    if control_image is not None:
+        control = np.asarray(Image.open(control_image).convert("RGB").resize((width, height)), dtype=np.uint8)
+    start = time.perf_counter()
+    image = generate(url, pipeline=pipeline, prompt=prompt, height=height, width=width, steps=steps,
+                     guidance_scale=guidance_scale, seed=seed, negative_prompt=negative_prompt, scheduler=scheduler,
+                     controlnet=controlnet, control_image=control, controlnet_scale=controlnet_scale,
+                     protocol=protocol.value, timeout_s=timeout_s)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(output)
+    console.print(f"wrote {output} ({width}x{height}, {steps} steps, seed {seed}) in "
+                  f"{time.perf_counter() - start:.2f} s")

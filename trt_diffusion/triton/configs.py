@@ -1,0 +1,152 @@
+"""Model configs as protobuf messages (Triton's own schema), so what we write always parses; text in, text out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from ..errors import ServeError
+from .contract import NUMPY_TO_TRITON, TensorDecl
+
+ModelConfig = mc.ModelConfig
+ROLE = "trt_diffusion_role"  # parameter naming what a model is for: entry | ensemble | stage | engine
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """Bounded queue in front of a model: overload is refused at once instead of waiting forever."""
+
+    max_queue_size: int
+    timeout_s: float  # longest wait in the queue before a request is rejected
+
+
+@dataclass(frozen=True)
+class WarmupSample:
+    name: str
+    shapes: dict[str, tuple[int, ...]]
+    data_types: dict[str, str]
+
+
+def triton_type(numpy_name: str, where: str) -> str:
+    try:
+        return NUMPY_TO_TRITON[numpy_name]
+    except KeyError:
+        raise ServeError(f"{where}: dtype {numpy_name!r} has no Triton data type") from None
+
+
+def _add_tensors(target, decls: Iterable[TensorDecl], *, inputs: bool) -> None:
+    for decl in decls:
+        tensor = target.add()
+        tensor.name = decl.name
+        tensor.data_type = mc.DataType.Value(decl.data_type)
+        tensor.dims.extend(decl.dims)
+        if inputs and decl.optional:
+            tensor.optional = True
+
+
+def _parameters(config: ModelConfig, values: dict[str, str]) -> None:
+    for key, value in values.items():
+        config.parameters[key].string_value = value
+
+
+def _instances(config: ModelConfig, count: int, kind: str) -> None:
+    group = config.instance_group.add()
+    group.count = count
+    group.kind = mc.ModelInstanceGroup.Kind.Value(kind)
+
+
+def _warmup(config: ModelConfig, samples: Sequence[WarmupSample], random_floats: bool) -> None:
+    for sample in samples:
+        warmup = config.model_warmup.add()
+        warmup.name = sample.name
+        warmup.batch_size = 1  # models with max_batch_size 0 take the full shape, batch_size must be 1
+        for name, shape in sample.shapes.items():
+            data = warmup.inputs[name]
+            data.data_type = mc.DataType.Value(sample.data_types[name])
+            data.dims.extend(shape)
+            # Random token ids could index past an embedding table: integers are always zeros.
+            if random_floats and sample.data_types[name] in ("TYPE_FP32", "TYPE_FP16", "TYPE_BF16"):
+                data.random_data = True
+            else:
+                data.zero_data = True
+
+
+def engine_config(name: str, *, inputs: Sequence[TensorDecl], outputs: Sequence[TensorDecl], backend: str,
+                  instances: int, kind: str, warmup: Sequence[WarmupSample], random_warmup: bool,
+                  parameters: dict[str, str]) -> ModelConfig:
+    """One engine: `backend` is python | onnxruntime | tensorrt (platform tensorrt_plan)."""
+    config = ModelConfig(name=name, max_batch_size=0)  # the engine's batch is part of its shape
+    if backend == "tensorrt":
+        config.platform = "tensorrt_plan"
+        config.default_model_filename = "model.plan"
+    elif backend == "onnxruntime":
+        config.backend = "onnxruntime"
+        config.default_model_filename = "model.onnx"
+    else:
+        config.backend = "python"
+    _add_tensors(config.input, inputs, inputs=True)
+    _add_tensors(config.output, outputs, inputs=False)
+    _instances(config, instances, kind)
+    _warmup(config, warmup, random_warmup)
+    _parameters(config, {ROLE: "engine", **parameters})
+    return config
+
+
+def pipeline_config(name: str, *, stage: str, inputs: Sequence[TensorDecl], outputs: Sequence[TensorDecl],
+                    instances: int, queue: QueuePolicy | None, parameters: dict[str, str]) -> ModelConfig:
+    config = ModelConfig(name=name, backend="python", max_batch_size=1)
+    _add_tensors(config.input, inputs, inputs=True)
+    _add_tensors(config.output, outputs, inputs=False)
+    _instances(config, instances, "KIND_CPU")
+    if queue is not None:
+        batching = config.dynamic_batching
+        batching.max_queue_delay_microseconds = 0  # batches of one: never wait for a partner
+        policy = batching.default_queue_policy
+        policy.timeout_action = mc.ModelQueuePolicy.TimeoutAction.Value("REJECT")
+        policy.default_timeout_microseconds = int(queue.timeout_s * 1e6)
+        policy.allow_timeout_override = True  # a client may ask for a shorter wait
+        policy.max_queue_size = queue.max_queue_size
+    _parameters(config, {ROLE: "entry" if stage == "full" else "stage", "stage": stage, **parameters})
+    return config
+
+
+@dataclass(frozen=True)
+class EnsembleStep:
+    model: str
+    input_map: dict[str, str]  # model input -> ensemble tensor
+    output_map: dict[str, str]  # model output -> ensemble tensor
+
+
+def ensemble_config(name: str, *, inputs: Sequence[TensorDecl], outputs: Sequence[TensorDecl],
+                    steps: Sequence[EnsembleStep], parameters: dict[str, str]) -> ModelConfig:
+    config = ModelConfig(name=name, platform="ensemble", max_batch_size=1)
+    _add_tensors(config.input, inputs, inputs=True)
+    _add_tensors(config.output, outputs, inputs=False)
+    for step in steps:
+        proto = config.ensemble_scheduling.step.add()
+        proto.model_name = step.model
+        proto.model_version = -1
+        proto.input_map.update(step.input_map)
+        proto.output_map.update(step.output_map)
+    _parameters(config, {ROLE: "ensemble", **parameters})
+    return config
+
+
+def to_text(config: ModelConfig) -> str:
+    return text_format.MessageToString(config)
+
+
+def parse(text: str, where: str) -> ModelConfig:
+    config = ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as err:
+        raise ServeError(f"{where}: config.pbtxt does not parse as a Triton ModelConfig: {err}") from None
+    return config
+
+
+def type_name(data_type: int) -> str:
+    return mc.DataType.Name(data_type)

@@ -1,0 +1,98 @@
+"""The serving contract: what a client sends and gets back, and the tensors passed between the stages.
+
+One declaration used by the repository writer (configs), the python models (parsing) and the client, so the
+three cannot drift apart. Pipeline models have `max_batch_size: 1` (the queue policy needs dynamic batching,
+which needs batching): every tensor below gets a leading batch dimension of 1 on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..families import Family
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    name: str
+    data_type: str  # Triton's TYPE_* name
+    dims: tuple[int, ...]  # without the batch dimension; -1 is any size
+    optional: bool = False
+
+
+def _scalar(name: str, data_type: str, optional: bool = False) -> TensorDecl:
+    return TensorDecl(name, data_type, (1,), optional)
+
+
+REQUEST_INPUTS: tuple[TensorDecl, ...] = (
+    _scalar("PROMPT", "TYPE_STRING"),
+    _scalar("NEGATIVE_PROMPT", "TYPE_STRING", optional=True),
+    _scalar("HEIGHT", "TYPE_INT32"),
+    _scalar("WIDTH", "TYPE_INT32"),
+    _scalar("STEPS", "TYPE_INT32"),
+    _scalar("GUIDANCE_SCALE", "TYPE_FP32"),
+    _scalar("SEED", "TYPE_INT64"),
+    _scalar("SCHEDULER", "TYPE_STRING", optional=True),
+)
+CONTROLNET_INPUTS: tuple[TensorDecl, ...] = (
+    _scalar("CONTROLNET", "TYPE_STRING", optional=True),
+    TensorDecl("CONTROL_IMAGE", "TYPE_UINT8", (-1, -1, 3), optional=True),
+    _scalar("CONTROLNET_SCALE", "TYPE_FP32", optional=True),
+)
+IMAGE = TensorDecl("IMAGE", "TYPE_UINT8", (-1, -1, 3))
+
+# Between the ensemble's stages
+LATENTS = TensorDecl("LATENTS", "TYPE_FP32", (-1, -1, -1, -1))  # [B, C, h, w]
+USE_NEGATIVE = _scalar("USE_NEGATIVE", "TYPE_BOOL")  # False: no CFG, the NEGATIVE_* tensors are placeholders
+PROMPT_ONLY = ("PROMPT", "NEGATIVE_PROMPT")  # request inputs the denoise stage does not need
+
+
+def request_inputs(has_controlnets: bool) -> tuple[TensorDecl, ...]:
+    return REQUEST_INPUTS + (CONTROLNET_INPUTS if has_controlnets else ())
+
+
+def has_pooled(family: Family | str) -> bool:
+    return Family(family) is not Family.sd15
+
+
+def encoding_tensors(family: Family | str) -> tuple[TensorDecl, ...]:
+    """The encode stage's outputs: prompt embeddings (+ pooled where the family has them) and the CFG flag."""
+    tensors = [TensorDecl("POSITIVE_EMBEDS", "TYPE_FP32", (-1, -1, -1)),
+               TensorDecl("NEGATIVE_EMBEDS", "TYPE_FP32", (-1, -1, -1))]
+    if has_pooled(family):
+        tensors += [TensorDecl("POSITIVE_POOLED", "TYPE_FP32", (-1, -1)),
+                    TensorDecl("NEGATIVE_POOLED", "TYPE_FP32", (-1, -1))]
+    return tuple(tensors + [USE_NEGATIVE])
+
+
+def stage_io(stage: str, family: Family | str, has_controlnets: bool
+             ) -> tuple[tuple[TensorDecl, ...], tuple[TensorDecl, ...]]:
+    """(inputs, outputs) of a pipeline python model: `full` (the public entry), `encode`, `denoise`, `decode`."""
+    request = request_inputs(has_controlnets)
+    if stage == "full":
+        return request, (IMAGE,)
+    if stage == "encode":  # gets the whole request so it can refuse a bad one before any engine runs
+        return request, encoding_tensors(family)
+    if stage == "denoise":
+        kept = tuple(t for t in request if t.name not in PROMPT_ONLY)
+        return kept + encoding_tensors(family), (LATENTS,)
+    if stage == "decode":
+        by_name = {t.name: t for t in request}
+        return (LATENTS, by_name["HEIGHT"], by_name["WIDTH"]), (IMAGE,)
+    raise ValueError(f"unknown pipeline stage {stage!r}")
+
+
+STAGES = ("full", "encode", "denoise", "decode")
+
+
+# numpy dtype name (as engine manifests write it) <-> Triton data type
+NUMPY_TO_TRITON = {
+    "float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "float64": "TYPE_FP64",
+    "int64": "TYPE_INT64", "int32": "TYPE_INT32", "int16": "TYPE_INT16", "int8": "TYPE_INT8",
+    "uint8": "TYPE_UINT8", "bool": "TYPE_BOOL",
+}
+TRITON_TO_WIRE = {  # Triton config type -> the client protocol's datatype string
+    "TYPE_FP32": "FP32", "TYPE_FP16": "FP16", "TYPE_BF16": "BF16", "TYPE_FP64": "FP64", "TYPE_INT64": "INT64",
+    "TYPE_INT32": "INT32", "TYPE_INT16": "INT16", "TYPE_INT8": "INT8", "TYPE_UINT8": "UINT8", "TYPE_BOOL": "BOOL",
+    "TYPE_STRING": "BYTES",
+}

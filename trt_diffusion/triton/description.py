@@ -1,0 +1,73 @@
+"""pipeline.json: what a pipeline python model needs to rebuild, inside Triton, the RunnerTable the
+in-process pipeline uses: every engine's Triton model name, routing keys (component, bucket, batch,
+ControlNet) and I/O, all taken from the BuiltEngine list the repository was generated from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import ServeError
+from ..spec.engine_spec import Bucket, Size
+
+SCHEMA_VERSION = 1
+FILE_NAME = "pipeline.json"
+SKELETON_DIR = "model"  # the model folder's configs and tokenizers, beside pipeline.json
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str  # numpy name, as the engine manifest writes it
+    shape: tuple[int, ...]  # -1: dynamic
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    model: str  # the Triton model serving this engine
+    component: str
+    bucket: dict | None  # Bucket.to_json()
+    batch: int
+    controlnet: str | None
+    inputs: tuple[TensorEntry, ...]
+    outputs: tuple[TensorEntry, ...]
+
+    @property
+    def bucket_object(self) -> Bucket | None:
+        if self.bucket is None:
+            return None
+        return Bucket(*(Size.parse(self.bucket[k]) for k in ("min", "opt", "max")))
+
+
+@dataclass(frozen=True)
+class PipelineDescription:
+    pipeline: str
+    family: str
+    engines: tuple[EngineEntry, ...]
+    schema_version: int = SCHEMA_VERSION
+    controlnets: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def write(self, folder: Path) -> None:
+        (Path(folder) / FILE_NAME).write_text(self.to_json())
+
+    @classmethod
+    def read(cls, folder: Path) -> "PipelineDescription":
+        path = Path(folder) / FILE_NAME
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ServeError(f"cannot read {path}: {err}; package the repository again") from None
+        if raw.get("schema_version") != SCHEMA_VERSION:
+            raise ServeError(f"{path} has schema_version {raw.get('schema_version')!r}, this trt-diffusion reads "
+                             f"{SCHEMA_VERSION}; package the repository again")
+
+        def tensors(items) -> tuple[TensorEntry, ...]:
+            return tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"])) for t in items)
+
+        engines = tuple(EngineEntry(e["model"], e["component"], e["bucket"], e["batch"], e["controlnet"],
+                                    tensors(e["inputs"]), tensors(e["outputs"])) for e in raw["engines"])
+        return cls(raw["pipeline"], raw["family"], engines, raw["schema_version"], tuple(raw.get("controlnets", ())))

@@ -1,0 +1,39 @@
+"""Triton model names: readable, unique per engine, and safe as folder names."""
+
+from __future__ import annotations
+
+import re
+
+from ..spec.engine_spec import EngineSpec
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def sanitize(text: str) -> str:
+    """Keep [A-Za-z0-9_-]; anything else (dots, '..' of range buckets, spaces) becomes '-'."""
+    cleaned = _UNSAFE.sub("-", text).strip("-")
+    if not cleaned:
+        raise ValueError(f"{text!r} has no character usable in a Triton model name")
+    return cleaned
+
+
+def engine_model_name(pipeline: str, spec: EngineSpec) -> str:
+    """<pipeline>__<component>[__<controlnet>]__<bucket>__b<batch>; text encoders have bucket 'any'."""
+    parts = [pipeline, spec.component]
+    if spec.controlnet:
+        parts.append(spec.controlnet)
+    parts.append(spec.bucket.label.replace("..", "-") if spec.bucket else "any")
+    parts.append(f"b{spec.batch}")
+    return "__".join(sanitize(p) for p in parts)
+
+
+def entry_name(pipeline: str) -> str:
+    return sanitize(pipeline)
+
+
+def stage_name(pipeline: str, stage: str) -> str:
+    return f"{sanitize(pipeline)}_{stage}"
+
+
+def ensemble_name(pipeline: str) -> str:
+    return f"{sanitize(pipeline)}_ensemble"

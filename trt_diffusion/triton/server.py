@@ -1,0 +1,162 @@
+"""Start and stop a `tritonserver` bound to 127.0.0.1.
+
+A system `tritonserver` on PATH is used when present (NVIDIA's containers: all backends). Otherwise the
+binary bundled in `nvidia-pytriton` runs, whose only backend is python (see shared FACTS): its backend
+folder is copied to a work folder with the python stub of this interpreter, and the stub finds this
+interpreter through PATH, so the venv's bin goes first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ServeError
+
+
+@dataclass
+class ServerPorts:
+    http: int
+    grpc: int
+    metrics: int
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _bundled_server(work_dir: Path) -> tuple[Path, Path, dict[str, str]]:
+    try:
+        import pytriton
+    except ImportError:
+        raise ServeError("no tritonserver on PATH and nvidia-pytriton is not installed") from None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    binary = root / "bin" / "tritonserver"
+    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not binary.is_file() or not stub.is_file():
+        raise ServeError(f"the bundled tritonserver or its python {version} stub is missing under {root}")
+    backends = work_dir / "backends"
+    if not (backends / "python" / "triton_python_backend_stub").is_file():
+        shutil.rmtree(backends, ignore_errors=True)
+        shutil.copytree(root / "backends", backends)
+        shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
+    env = {
+        "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(libs), sysconfig.get_config_var("LIBDIR"),
+                                                         os.environ.get("LD_LIBRARY_PATH")])),
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    }
+    return binary, backends, env
+
+
+@dataclass
+class TritonServer:
+    repo: Path
+    work_dir: Path
+    ports: ServerPorts = field(default_factory=lambda: ServerPorts(free_port(), free_port(), free_port()))
+    log_path: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+    started_s: float | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports.grpc}"
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        system = shutil.which("tritonserver")
+        env = dict(os.environ)
+        if system:
+            binary, backend_args = Path(system), []
+        else:
+            binary, backends, extra_env = _bundled_server(self.work_dir)
+            env.update(extra_env)
+            backend_args = [f"--backend-directory={backends}"]
+        args = [
+            str(binary), f"--model-repository={self.repo}", *backend_args,
+            "--http-address=127.0.0.1", f"--http-port={self.ports.http}",
+            "--grpc-address=127.0.0.1", f"--grpc-port={self.ports.grpc}",
+            "--metrics-address=127.0.0.1", f"--metrics-port={self.ports.metrics}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false", "--strict-readiness=true",
+            "--exit-on-error=true", "--log-verbose=0", *self.extra_args,
+        ]
+        return args, env
+
+    def start(self, timeout_s: float = 120.0) -> float:
+        """Start and wait until every model is ready (after warm-up). Returns seconds to ready."""
+        if not Path(self.repo, ).is_dir():
+            raise ServeError(f"model repository {self.repo} does not exist; run `trt-diffusion package` first")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_path or self.work_dir / "tritonserver.log"
+        args, env = self.command()
+        log = open(self.log_path, "wb")
+        start = time.perf_counter()
+        # A new session: stopping the server also stops its python stubs.
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.started_s = time.perf_counter() - start
+        return self.started_s
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServeError(f"tritonserver exited with {self.process.returncode} before it was ready:\n"
+                                 f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise ServeError(f"tritonserver was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,174 @@
+"""The package and serve stages: engines.yaml -> Triton repository -> a running server.
+
+`serve` checks the repository, starts the server, waits until every model is ready (warm-up included, via
+strict readiness), then sends one request per bucket and records its latency: the first-request latency
+a user would see, in a WarmupReport.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ServeError
+from ..spec.engine_spec import Size
+from .repository import PackageOptions, package
+from .report import PackageReport
+from .server import ServerPorts, TritonServer, free_port
+from .validate import validate_repository
+
+# Our configs are complete: skip the python backend's auto-complete pass, which starts one extra stub per model.
+SERVER_ARGS = ["--disable-auto-complete-config"]
+WARMUP_REPORT = "warmup_report.json"
+
+
+def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", target: str = "onnxruntime", *,
+                  model: str | None = None, options: PackageOptions | None = None,
+                  lora_variant: str | None = None) -> PackageReport:
+    """Package the built engines of one model of engines.yaml as a Triton repository."""
+    from ..runtime.loader import built_engines
+    from ..spec import load_engines_file
+
+    config = load_engines_file(config_path, check_sources=True)
+    if model is None:
+        if len(config.models) != 1:
+            raise ServeError(f"{config.path} has {len(config.models)} models ({', '.join(config.models)}); "
+                             "choose one with --model")
+        model = next(iter(config.models))
+    engines = built_engines(config, model, target, lora_variant=lora_variant)
+    resolved = config.models[model]
+    return package(engines, resolved.source.path, resolved.family, model, out_dir, options)
+
+
+@dataclass
+class FirstRequest:
+    size: str
+    seconds: float
+    protocol: str
+
+
+@dataclass
+class WarmupReport:
+    repo: str
+    http_url: str
+    grpc_url: str
+    seconds_to_ready: float  # start to ready: every model loaded and its warm-up done
+    models_ready: dict[str, bool]
+    first_requests: list[FirstRequest] = field(default_factory=list)
+    log: str = ""
+
+    @property
+    def all_ready(self) -> bool:
+        return all(self.models_ready.values())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ports(http_port: int | None, grpc_port: int | None, metrics_port: int | None) -> ServerPorts:
+    chosen = ServerPorts(http_port or free_port(), grpc_port or free_port(), metrics_port or free_port())
+    busy = [f"{name} port {port}" for name, port in asdict(chosen).items() if not port_is_free(port)]
+    if busy:
+        raise ServeError(f"{', '.join(busy)} already in use on 127.0.0.1; choose other ports "
+                         "(--http-port / --grpc-port / --metrics-port)")
+    return chosen
+
+
+def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
+          metrics_port: int | None = None, work_dir: str | Path | None = None, ready_timeout_s: float = 900.0,
+          first_request: bool = True, protocol: str = "grpc") -> tuple[TritonServer, WarmupReport]:
+    """Start a server on `repo` (bound to 127.0.0.1) and wait until it is ready and warm."""
+    repo = Path(repo).resolve()
+    report = PackageReport.read(repo)
+    validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
+    work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trt-diffusion-serve-"))
+    server = TritonServer(repo, work_dir, ports=_ports(http_port, grpc_port, metrics_port), extra_args=SERVER_ARGS)
+    seconds = server.start(timeout_s=ready_timeout_s)
+    try:
+        warmup = WarmupReport(str(repo), server.http_url, server.grpc_url, seconds, models_ready(server, report),
+                              log=str(server.log_path))
+        if not warmup.all_ready:
+            raise ServeError(f"models not ready after the server said ready: "
+                             f"{[n for n, ok in warmup.models_ready.items() if not ok]}\n{server.log_tail()}")
+        if first_request:
+            warmup.first_requests = first_requests(server, report, protocol)
+        (work_dir / WARMUP_REPORT).write_text(warmup.to_json())
+    except BaseException:
+        server.stop()
+        raise
+    return server, warmup
+
+
+def models_ready(server: TritonServer, report: PackageReport) -> dict[str, bool]:
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(server.http_url)
+    try:
+        return {model.name: bool(client.is_model_ready(model.name)) for model in report.models}
+    finally:
+        client.close()
+
+
+def first_requests(server: TritonServer, report: PackageReport, protocol: str = "grpc") -> list[FirstRequest]:
+    """One small request per bucket through the public entry, timed: the latency of a first request."""
+    from .client import ImageRequest, client_module, connect, infer
+
+    module = client_module(protocol)
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    client = connect(url, protocol)
+    records = []
+    try:
+        client.is_server_ready()  # opens the connection: its setup is the client's cost, not the server's
+        for label in report.request_sizes:
+            size = Size.parse(label)
+            request = ImageRequest("warm-up request", size.height, size.width, steps=2, seed=0)
+            start_time = time.perf_counter()
+            infer(client, module, report.entry, request, protocol=protocol, timeout_s=600.0, url=url)
+            records.append(FirstRequest(label, time.perf_counter() - start_time, protocol))
+    finally:
+        client.close()
+    return records
+
+
+def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
+          metrics_port: int | None = 8002, work_dir: str | Path | None = None, first_request: bool = True,
+          ready_timeout_s: float = 900.0, on_ready: Callable[[WarmupReport], None] | None = None) -> WarmupReport:
+    """Start, report, then block until Ctrl-C / SIGTERM, and stop cleanly."""
+    server, warmup = start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                           work_dir=work_dir, ready_timeout_s=ready_timeout_s, first_request=first_request)
+    if on_ready:
+        on_ready(warmup)
+    # SIGTERM (systemd, docker stop) stops as Ctrl-C does; handlers can only be set from the main thread.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
+    try:
+        while server.is_alive():
+            time.sleep(0.5)
+        raise ServeError(f"tritonserver exited unexpectedly with {server.process.returncode}:\n{server.log_tail()}")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        server.stop()
+    return warmup
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
