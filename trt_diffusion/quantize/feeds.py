@@ -13,15 +13,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..components import ComponentDef, ComponentIO, ModelConfig, SymbolicDim, get_component, load_model_config
+from ..components import (
+    MID_RESIDUAL, ComponentDef, ComponentIO, ModelConfig, SymbolicDim, down_residual_name, get_component,
+    load_model_config, residual_layout,
+)
 from ..errors import QuantizeError
 from ..families import Component, Family
 from ..spec import ResolvedModel
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one denoiser call
 
-# Where each declared input is found in a diffusers call: (positional index or None, keyword).
-_UNET_ARGS = {"sample": (0, "sample"), "timestep": (1, "timestep"), "encoder_hidden_states": (2, "encoder_hidden_states")}
+# UNet inputs the pipelines may pass positionally: their position in UNet2DConditionModel.forward.
+_UNET_POSITIONS = {"sample": 0, "timestep": 1, "encoder_hidden_states": 2}
 _PER_SAMPLE_SCALARS = ("timestep", "guidance")  # pipelines may pass these 0-d; engines take one per batch row
 
 
@@ -73,8 +76,8 @@ class DenoiserInterface:
             name = decl.name
             if name in kwargs and kwargs[name] is not None:
                 found[name] = kwargs[name]
-            elif name in _UNET_ARGS and len(args) > _UNET_ARGS[name][0]:
-                found[name] = args[_UNET_ARGS[name][0]]
+            elif name in _UNET_POSITIONS and len(args) > _UNET_POSITIONS[name]:
+                found[name] = args[_UNET_POSITIONS[name]]
             elif name in added:
                 found[name] = added[name]
         batch = int(found["sample" if "sample" in found else "hidden_states"].shape[0])
@@ -82,7 +85,7 @@ class DenoiserInterface:
         for decl in self.io.inputs:
             value = found.get(decl.name)
             if value is None:
-                if decl.name.endswith("_residual") or "_residual_" in decl.name:
+                if decl.name in self._residual_names():
                     value = self._zeros(decl, batch, found)
                 else:
                     raise QuantizeError(f"the pipeline's {self.component.value} call has no {decl.name!r}; "
@@ -92,6 +95,11 @@ class DenoiserInterface:
                 value = value.reshape(1).expand(batch).clone()
             feeds[decl.name] = value
         return feeds
+
+    def _residual_names(self) -> set[str]:
+        if not self.options.get("controlnet_residuals"):
+            return set()
+        return {MID_RESIDUAL} | {down_residual_name(i) for i in range(len(residual_layout(self.config)))}
 
     def _zeros(self, decl, batch: int, found: dict[str, Any]) -> torch.Tensor:
         sample = found["sample"]

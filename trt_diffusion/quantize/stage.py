@@ -27,7 +27,7 @@ from ..export.inputs import folder_digest
 from ..export.modules import fuse_lora
 from ..families import Component, family_info
 from ..models.loading import component_folder
-from ..spec import LoraMode, LoraVariant, Precision, ResolvedModel, load_engines_file
+from ..spec import EngineSpec, LoraMode, LoraVariant, Precision, ResolvedModel, expand, load_engines_file
 from ..store import Artifact, ArtifactStore, hash_inputs, sha256_file
 from .calibration import CalibrationRecipe, capture_calls, denoiser_of, load_pipeline, t5_length
 from .defaults import HELD_OUT_SAMPLES
@@ -85,13 +85,15 @@ class QuantizedArtifact:
 class QuantizeReport:
     artifacts: list[QuantizedArtifact] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)  # quantized precisions this stage does not produce yet
 
     @property
     def passed(self) -> bool:
         return not self.failures
 
     def to_json(self) -> dict:
-        return {"passed": self.passed, "artifacts": [a.to_json() for a in self.artifacts], "failures": self.failures}
+        return {"passed": self.passed, "artifacts": [a.to_json() for a in self.artifacts], "failures": self.failures,
+                "unsupported": self.unsupported}
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,7 @@ def quantize_component(
                         plan.thresholds, held_out_samples, compare_images=compare_images)
         timings["gate_s"] = time.perf_counter() - mark
         if not gate.passed:  # leaving the writer with an exception commits nothing
-            raise QuantizeError(f"{plan.name}: quality gate failed, nothing published\n  "
+            raise QuantizeError(f"{plan.name}: quality gate failed, nothing committed\n  "
                                 + "\n  ".join(gate.failures) + f"\n  measured: {gate.summary()}")
         timings["total_s"] = time.perf_counter() - started
         writer.manifest.update(_manifest(plan, interface, exported, selection, calibration, gate.to_json(),
@@ -330,34 +332,35 @@ def _result(plan: _Plan, artifact: Artifact, cached: bool, recalibrated: bool) -
 
 
 def quantize(config_path: str | Path, model: str | None = None, *, force: bool = False) -> QuantizeReport:
-    """Quantize every denoiser engines.yaml asks for in int8/fp8 (each fused LoRA gets its own variant).
+    """Quantize every denoiser variant engines.yaml builds in int8/fp8 (each fused LoRA is its own variant).
 
-    Runs every variant, commits those that pass, then raises QuantizeError listing all that failed
-    (the error's `.report` holds the full QuantizeReport).
+    The variants are those of the engine matrix (`spec.expand`). Quantized components other than the denoiser
+    (a ControlNet inheriting the UNet's precision, an int8 text encoder) are listed in `report.unsupported`.
+    Commits every variant that passes, then raises QuantizeError listing all that failed (the error's
+    `.report` holds the full QuantizeReport).
     """
     config = load_engines_file(config_path, check_sources=True)
     if model is not None and model not in config.models:
         raise ConfigError(f"{config.path}: no model {model!r} (models: {', '.join(config.models)})")
+    variants: dict[tuple, EngineSpec] = {}
+    for spec in expand(config):
+        if (model is None or spec.model == model) and Precision(spec.precision).is_quantized:
+            variants.setdefault((spec.model, spec.component, spec.controlnet, spec.precision, spec.lora_variant), spec)
     report = QuantizeReport()
-    for resolved in config.models.values():
-        if model is not None and resolved.name != model:
+    for spec in variants.values():
+        resolved = config.models[spec.model]
+        controlnet = f":{spec.controlnet}" if spec.controlnet else ""
+        lora = f".lora-{spec.lora_variant.name}" if spec.lora_variant else ""
+        label = f"{spec.model}.{spec.component}{controlnet}{lora}.{spec.precision}"
+        if Component(spec.component) is not family_info(resolved.family).denoiser:
+            report.unsupported.append(f"{label}: only the denoiser is quantized by this stage yet")
             continue
-        for component in resolved.components:
-            precision = resolved.precision_of(component)
-            if not precision.is_quantized:
-                continue
-            variants: list[LoraVariant | None] = [None]
-            if component.is_denoiser:
-                variants += [LoraVariant(name, ((name, f"file:{lora.path.name}", lora.scale),))
-                             for name, lora in sorted(resolved.loras.items()) if lora.mode is LoraMode.fused]
-            for variant in variants:
-                label = f"{resolved.name}.{component.value}{'.lora-' + variant.name if variant else ''}.{precision.value}"
-                try:
-                    report.artifacts.append(quantize_component(
-                        resolved, component, precision, variant, config.workspace, opset=config.build.opset,
-                        config_root=config.root, force=force))
-                except QuantizeError as exc:
-                    report.failures.append(f"{label}: {exc}")
+        try:
+            report.artifacts.append(quantize_component(
+                resolved, spec.component, spec.precision, spec.lora_variant, config.workspace,
+                opset=config.build.opset, config_root=config.root, force=force))
+        except QuantizeError as exc:
+            report.failures.append(f"{label}: {exc}")
     if report.failures:
         error = QuantizeError(f"{len(report.failures)} quantized variant(s) failed:\n" + "\n".join(report.failures))
         error.report = report
