@@ -41,7 +41,8 @@ def test_each_fused_lora_gets_its_own_calibrated_gated_variant(lora_run):
     base, styled = by_lora[None], by_lora["style"]
     assert base.key != styled.key and base.path != styled.path
     assert base.manifest["inputs"]["calibration"] != styled.manifest["inputs"]["calibration"]
-    assert report.unsupported == ["m.controlnet:canny.int8: only the denoiser is quantized by this stage yet"]
+    # the ControlNet of an int8 UNet defaults to fp16 (only denoisers are quantized): nothing unsupported
+    assert report.unsupported == []
     assert styled.gate["passed"]  # measured against the fp32 UNet with the LoRA fused
 
     # each artifact is closer to its own fp32 model than to the other one: the LoRA is in the weights

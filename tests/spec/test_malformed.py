@@ -57,6 +57,8 @@ CASES = [
     ("missing-family", "version: 1\nmodels:\n  m:\n    source: {source}\n", 3, ["models.m.family", "required"]),
     ("bad-version", "version: 2\nmodels:\n" + GOOD_MODEL, 1, ["version"]),
     ("bad-size-text", "version: 1\nmodels:\n" + GOOD_MODEL + "    buckets: ['big']\n", 6, ["models.m.buckets.0", "WIDTHxHEIGHT"]),
+    ("quantized-vae", "version: 1\nmodels:\n" + GOOD_MODEL + "    precision: {vae_decoder: int8}\n", 6,
+     ["models.m.precision.vae_decoder", "int8 is for denoisers"]),
     ("opset-too-old", "version: 1\nbuild: {opset: 13}\nmodels:\n" + GOOD_MODEL, 2, ["build.opset", "greater than or equal to 18"]),
 ]
 

@@ -193,6 +193,11 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         follows = precision[info.denoiser]
         precision[Component.controlnet] = Precision.fp16 if follows.is_quantized else follows
     denoiser_precision = precision[info.denoiser]
+    for component, chosen in (entry.precision or {}).items():
+        if chosen.is_quantized and not component.is_denoiser:
+            problems.add(base + ("precision", component.value),
+                         f"{chosen.value} is for denoisers ({info.denoiser.value}); quantize stage does not "
+                         f"quantize {component.value} — use fp16, bf16 or fp32")
 
     loras = {}
     for lora_name, lora in entry.loras.items():
