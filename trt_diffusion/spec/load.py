@@ -177,8 +177,8 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     buckets = []
     bucket_field = base + ("buckets",) if entry.buckets is not None else ("defaults", "buckets")
     for i, raw in enumerate(_merged(entry, defaults, "buckets")):
-        bucket = _parse_bucket(raw, bucket_field + (i,), info.latent_factor, entry.family, None)
-        if bucket is not None:
+        bucket = _bucket_from_raw(raw)
+        if bucket is not None and not _geometry_problems(bucket, info.latent_factor, entry.family):
             if bucket in buckets:
                 problems.add(bucket_field + (i,), f"bucket {bucket.label} is listed twice")
             buckets.append(bucket)
@@ -249,37 +249,36 @@ def _check_bucket_geometry(data: dict, problems: _Problems) -> None:
         if not isinstance(raw_buckets, list):
             raw_buckets = [raw_buckets]
         for i, raw in enumerate(raw_buckets):
-            _parse_bucket(raw, field_path + (i,), family_info(family).latent_factor, family, problems)
+            bucket = _bucket_from_raw(raw)
+            for label, message in _geometry_problems(bucket, family_info(family).latent_factor, family) if bucket else []:
+                problems.add(field_path + (i,) + ((label,) if label else ()), message)
 
 
-def _parse_bucket(raw, where, factor: int, family: Family, problems: _Problems | None) -> Bucket | None:
-    """Parse one bucket; report geometry problems when `problems` is given. None if it is unusable."""
-    if problems is None:
-        problems = _Problems(Path("-"), LocatedYaml(None))  # checked already: collect and drop
+def _bucket_from_raw(raw) -> Bucket | None:
+    """A bucket from its YAML or schema form; None when malformed (the schema reports that)."""
     try:
         if isinstance(raw, RangeBucket):
             raw = raw.model_dump()
         if isinstance(raw, dict):
-            bucket = Bucket(Size.parse(raw["min"]), Size.parse(raw["opt"]), Size.parse(raw["max"]))
-        else:
-            bucket = Bucket.static(Size.parse(raw))
+            return Bucket(Size.parse(raw["min"]), Size.parse(raw["opt"]), Size.parse(raw["max"]))
+        return Bucket.static(Size.parse(raw))
     except (ValueError, KeyError, TypeError):
-        return None  # malformed: the schema reports it
-    ok = True
-    for label, size in (("min", bucket.min), ("opt", bucket.opt), ("max", bucket.max)):
+        return None
+
+
+def _geometry_problems(bucket: Bucket, factor: int, family: Family) -> list[tuple[str | None, str]]:
+    """(sub-field or None, message) for sides off the latent grid and min > opt or opt > max."""
+    found = []
+    sizes = [("min", bucket.min), ("opt", bucket.opt), ("max", bucket.max)]
+    for label, size in sizes[:1] if bucket.is_static else sizes:
         if size.width % factor or size.height % factor:
-            field_path = where + (label,) if not bucket.is_static else where
-            problems.add(field_path, f"{size} is not a multiple of {factor} on each side "
-                                     f"(the {family.value} family's latent factor)")
-            ok = False
-        if bucket.is_static:
-            break
+            found.append((None if bucket.is_static else label, f"{size} is not a multiple of {factor} on each "
+                                                               f"side (the {family.value} family's latent factor)"))
     if not bucket.is_static:
-        for lo_name, lo, hi_name, hi in (("min", bucket.min, "opt", bucket.opt), ("opt", bucket.opt, "max", bucket.max)):
+        for (lo_name, lo), (hi_name, hi) in zip(sizes, sizes[1:]):
             if lo.width > hi.width or lo.height > hi.height:
-                problems.add(where + (lo_name,), f"{lo_name} {lo} is larger than {hi_name} {hi}")
-                ok = False
-    return bucket if ok else None
+                found.append((lo_name, f"{lo_name} {lo} is larger than {hi_name} {hi}"))
+    return found
 
 
 def _resolve_source(source, where, root: Path, problems: _Problems, check: bool, marker: str) -> ResolvedSource:

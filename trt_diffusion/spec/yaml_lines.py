@@ -44,24 +44,24 @@ def load_located_yaml(path: Path) -> LocatedYaml:
     if node is None:
         located.data = {}
         return located
-    located.data = _construct(node, (), located)
+    located.data = _construct(node, (), located, yaml.SafeLoader(""))
     return located
 
 
-def _construct(node: yaml.Node, path: Path_, located: LocatedYaml):
+def _construct(node: yaml.Node, path: Path_, located: LocatedYaml, scalars: yaml.SafeLoader):
+    """Plain data from the node tree, recording each path's line; `scalars` resolves scalar values."""
     located.lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         result: dict = {}
         for key_node, value_node in node.value:
-            key = yaml.SafeLoader(" ").construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else None
-            if isinstance(key, (list, dict)) or key is None and not isinstance(key_node, yaml.ScalarNode):
-                key = str(key)
+            # A mapping or list used as a key is not valid engines.yaml: name it so the schema rejects it.
+            key = scalars.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else "None"
             child = path + (key,)
             if key in result:
                 located.duplicates.append((child, key_node.start_mark.line + 1))
             located.lines[child] = key_node.start_mark.line + 1
-            result[key] = _construct(value_node, child, located)
+            result[key] = _construct(value_node, child, located, scalars)
         return result
     if isinstance(node, yaml.SequenceNode):
-        return [_construct(item, path + (i,), located) for i, item in enumerate(node.value)]
-    return yaml.SafeLoader(" ").construct_object(node)
+        return [_construct(item, path + (i,), located, scalars) for i, item in enumerate(node.value)]
+    return scalars.construct_object(node)
