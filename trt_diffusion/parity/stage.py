@@ -65,14 +65,15 @@ def run_parity(config: EnginesConfig, out_dir: Path, options: ParityOptions, *, 
                 if engines is None:
                     progress(f"{model_name} {target.value}: not built, skipped")
                     continue
-                table = table_from_engines(engines)
+                runners = {engine.spec.key: runner_for(engine) for engine in engines}  # one session per engine
+                table = table_from_engines(engines, lambda engine: runners[engine.spec.key])
                 reference = _reference(config, model_name, lora)
                 for bucket in model.buckets:
                     for controlnet in [None, *sorted(model.controlnets)]:
                         label = _variant_id(model_name, target.value, bucket.label, lora, controlnet)
                         progress(f"parity {label}")
                         result, pngs = _compare_variant(config, model_name, target.value, bucket, lora, controlnet,
-                                                        table, reference, engines, options, label)
+                                                        table, reference, engines, runners, options, label)
                         variants.append(result)
                         images.update(pngs)
     if not variants:
@@ -123,7 +124,8 @@ def _control_image(height: int, width: int, seed: int) -> np.ndarray:
     return image
 
 
-def _compare_variant(config, model_name, target, bucket, lora, controlnet, table, reference, engines, options, label):
+def _compare_variant(config, model_name, target, bucket, lora, controlnet, table, reference, engines, runners,
+                     options, label):
     model = config.models[model_name]
     family = model.family
     denoiser = family_info(family).denoiser
@@ -134,15 +136,17 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     engine_pipe = DiffusionPipeline(model.source.path, family, table)
     reference_pipe = DiffusionPipeline(model.source.path, family, reference)
     comparisons, pngs = [], {}
-    first_request = None
+    first_request = first_candidate = None
     for p, prompt in enumerate(options.prompts):
         for seed in options.seeds:
             request = GenerationRequest(
                 prompt=prompt, height=size.height, width=size.width, steps=options.steps,
                 guidance_scale=options.guidance_scale, seed=seed, controlnet=controlnet,
                 control_image=_control_image(size.height, size.width, seed) if controlnet else None)
-            first_request = first_request or request
-            candidate = engine_pipe.generate(request).images[0]
+            candidate = engine_pipe.generate(request).images
+            if first_request is None:
+                first_request, first_candidate = request, candidate
+            candidate = candidate[0]
             expected = reference_pipe.generate(request).images[0]
             stem = f"{label.replace('/', '__')}__p{p}_s{seed}"
             comparisons.append(compare_image(
@@ -150,10 +154,9 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
                 reference_png=f"{stem}_reference.png", candidate_png=f"{stem}_candidate.png",
                 compute_lpips=options.compute_lpips))
             pngs[f"{stem}_reference.png"], pngs[f"{stem}_candidate.png"] = expected, candidate
-    reproducible = bool(np.array_equal(engine_pipe.generate(first_request).images,
-                                       engine_pipe.generate(first_request).images))
+    reproducible = bool(np.array_equal(first_candidate, engine_pipe.generate(first_request).images))
     batch_independent = _batch_independent(engine_pipe, first_request, table, denoiser.value)
-    diffs, failures = _component_diffs(model, bucket, engines, reference, controlnet, precision)
+    diffs, failures = _component_diffs(model, bucket, engines, runners, reference, controlnet)
     result = VariantResult.from_parts(
         variant_id=label, model=model_name, target=target, precision=precision, bucket=bucket.label,
         thresholds=thresholds, images=comparisons, components=diffs, reproducible=reproducible,
@@ -173,7 +176,7 @@ def _batch_independent(pipe, request, table, denoiser) -> bool | None:
     return bool(np.abs(one - two).max() <= 1)
 
 
-def _component_diffs(model, bucket, engines: list[BuiltEngine], reference: RunnerTable, controlnet, precision):
+def _component_diffs(model, bucket, engines: list[BuiltEngine], runners: dict, reference: RunnerTable, controlnet):
     diffs, failures = [], []
     for engine in engines:
         spec = engine.spec
@@ -185,7 +188,7 @@ def _component_diffs(model, bucket, engines: list[BuiltEngine], reference: Runne
         model_config = load_model_config(model.source.path, model.family, component, controlnet_dir=cn_dir)
         geometry = Geometry(spec.batch, bucket.opt if spec.bucket else None)
         feeds = definition.dummy_inputs(model_config, dict(spec.build_options), geometry, seed=1)
-        got = runner_for(engine).run(feeds)
+        got = runners[spec.key].run(feeds)
         ref_runner = reference.find(spec.component, size=None, batch=spec.batch, controlnet=spec.controlnet)
         expected = ref_runner.run({k: v for k, v in feeds.items() if k in ref_runner.inputs})
         for output, value in expected.items():
