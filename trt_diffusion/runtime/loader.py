@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BuildError
-from ..families import Family
+from ..families import Component, Family
 from ..spec import EngineSpec, EnginesConfig, expand
 from .engines import RunnerTable
 
@@ -28,7 +28,7 @@ def built_engines(config: EnginesConfig, model_name: str, target: str, *, lora_v
     if model_name not in config.models:
         raise BuildError(f"no model named {model_name!r} in {config.path} (models: {', '.join(config.models)})")
     wanted = [s for s in (specs or expand(config)) if s.model == model_name and s.target == target
-              and (not s.component.startswith(("unet", "transformer")) or _variant_name(s) == lora_variant)]
+              and (not Component(s.component).is_denoiser or _variant_name(s) == lora_variant)]
     if not wanted:
         raise BuildError(f"{model_name} has no {target} engines in {config.path}")
     engines, missing = [], []

@@ -47,14 +47,10 @@ def _torch_runner(definition, module, config, options, name: str) -> TorchRunner
 
 
 def _present_components(model_dir: Path, family: Family) -> list[Component]:
+    """The text-to-image components the folder has (the VAE encoder and ControlNets are asked for)."""
     from ..families import family_info
-    from ..models.loading import read_model_index
+    from ..models.loading import SUBFOLDER, read_model_index
 
     index = read_model_index(model_dir)
-    present = []
-    for component in family_info(family).components:
-        folder = {"vae_encoder": "vae", "vae_decoder": "vae"}.get(component.value, component.value)
-        if component is not Component.vae_encoder and component is not Component.controlnet \
-                and index.get(folder, [None])[0]:
-            present.append(component)
-    return present
+    return [c for c in family_info(family).components
+            if c not in (Component.vae_encoder, Component.controlnet) and index.get(SUBFOLDER[c], [None])[0]]
