@@ -137,7 +137,7 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
     import time
 
     from .errors import RefitError
-    from .runtime.loader import _initializers_for, built_engines, refit_weights, runner_for
+    from .runtime.loader import initializers_for, built_engines, refit_weights, runner_for
 
     config = load_engines_file(config_path, check_sources=True)
     engines = [e for e in built_engines(config, model, target) if e.spec.refittable]
@@ -147,25 +147,26 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
     if base:
         loras = []
     weights = refit_weights(config, model, [(Path(p), s) for p, s in loras]) if loras else {}
+    # TensorRT refits need each plan's source ONNX (base weights, map check): look the exports up once.
+    sources = export(config_path, model=model) if target == "tensorrt" else None
     results = []
     for engine in engines:
         start = time.perf_counter()
         if target == "onnxruntime":
-            arrays = _initializers_for(engine, weights) if weights else {}
+            arrays = initializers_for(engine, weights) if weights else {}
             runner_for(engine, initializers=arrays)
         else:
-            arrays = _refit_tensorrt(config_path, engine, weights)
+            arrays = _refit_tensorrt(engine, sources.artifact_for(engine.spec), weights)
         results.append((engine.spec.name, len(arrays), time.perf_counter() - start))
     return results
 
 
-def _refit_tensorrt(config_path, engine, weights) -> dict:
+def _refit_tensorrt(engine, onnx_path: Path, weights) -> dict:
     """Refit a TensorRT plan from its base weights (so no earlier LoRA stays behind) and save it in place."""
     from .build import tensorrt_target
     from .build.tensorrt_config import atomic_write_bytes, manifest_path, read_base_weights
     from .lora import RefitMap, refit_weights_for_tensorrt
 
-    onnx_path = export(config_path, model=engine.spec.model, component=engine.spec.component).artifact_for(engine.spec)
     refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
     loaded = tensorrt_target.load_engine(engine.path)
     base_weights = read_base_weights(onnx_path)

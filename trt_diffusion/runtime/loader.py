@@ -94,7 +94,7 @@ def engine_runners(config: EnginesConfig, model_name: str, target: str, *, lora_
     def make(engine: BuiltEngine):
         if not engine.spec.refittable:
             return runner_for(engine)
-        return runner_for(engine, initializers=_initializers_for(engine, weights))
+        return runner_for(engine, initializers=initializers_for(engine, weights))
 
     return model.source.path, model.family, table_from_engines(engines, make)
 
@@ -107,7 +107,7 @@ def refit_weights(config: EnginesConfig, model_name: str, loras: list[tuple[Path
     return lora_deltas(base_denoiser(config, model_name), [(Path(p), float(s)) for p, s in loras])
 
 
-def _initializers_for(engine: BuiltEngine, weights) -> dict:
+def initializers_for(engine: BuiltEngine, weights) -> dict:
     from ..lora import RefitMap, refit_arrays
 
     if engine.spec.target != "onnxruntime":
