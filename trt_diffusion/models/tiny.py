@@ -244,6 +244,24 @@ def build_tiny_lora(pipe, seed: int = 0, rank: int = 4):
     return {k: v.detach().clone().contiguous() for k, v in state.items()}
 
 
+MARKER_FILE = "trt_diffusion_tiny.json"
+
+
+def _check_replaceable(out: Path) -> None:
+    """`--overwrite` deletes `out`: only a tiny model folder this tool wrote, never a place that holds
+    the working directory or the home folder."""
+    if out.is_symlink():
+        raise ConfigError(f"{out} is a symbolic link; --overwrite replaces only a folder `models tiny` wrote")
+    resolved = out.resolve()
+    for protected in (Path.cwd().resolve(), Path.home().resolve()):
+        if resolved == protected or resolved in protected.parents:
+            raise ConfigError(f"refusing to overwrite {out}: it is (or holds) the working directory or the home "
+                              "folder; choose another --out")
+    if not out.is_dir() or not (out / MARKER_FILE).is_file():
+        raise ConfigError(f"refusing to overwrite {out}: it was not written by `trt-diffusion models tiny` "
+                          f"(no {MARKER_FILE}); choose another --out or remove it yourself")
+
+
 def write_tiny_model(
     out_dir: str | os.PathLike, family: Family | str, *, seed: int = 0, size: str = "tiny",
     controlnet: bool = False, lora: bool = False, overwrite: bool = False,
@@ -253,9 +271,10 @@ def write_tiny_model(
     Written to a temporary sibling and renamed, so an interrupted run leaves no half model.
     """
     out = Path(out_dir)
-    if out.exists():
+    if out.exists() or out.is_symlink():
         if not overwrite:
             raise ConfigError(f"{out} already exists (use --overwrite to replace it)")
+        _check_replaceable(out)
     family = Family(family)
     pipe = build_tiny_pipeline(family, seed=seed, size=size)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -277,7 +296,7 @@ def write_tiny_model(
             key = "unet_lora_layers" if hasattr(pipe, "unet") else "transformer_lora_layers"
             pipe_cls.save_lora_weights(lora_dir, **{key: state}, safe_serialization=True)
             extras["lora"] = "lora/pytorch_lora_weights.safetensors"
-        (tmp / "trt_diffusion_tiny.json").write_text(json.dumps(extras, indent=2))
+        (tmp / MARKER_FILE).write_text(json.dumps(extras, indent=2))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
