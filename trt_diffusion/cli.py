@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrtDiffusionError as exc:
         if debug:
             traceback.print_exc()
-        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, markup=True, soft_wrap=True)
+        from rich.markup import escape  # user text (names, paths) is not markup: "[/bold]x" must print as is
+
+        err_console.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False, markup=True,
+                          soft_wrap=True)
         return 1
     except click.exceptions.Exit as exc:
         return exc.exit_code
