@@ -15,7 +15,7 @@ from PIL import Image
 from pydantic import ValidationError
 from rich.console import Console
 
-from trt_diffusion.parity import report as report_module
+from trt_diffusion.parity.report import files as report_files
 from trt_diffusion.parity.metrics import Thresholds, tensor_diff, thresholds_for
 from trt_diffusion.parity.report import (
     ComponentDiff,
@@ -329,7 +329,7 @@ def test_html_has_one_summary_row_per_variant_and_working_images(report, images,
 def test_html_escapes_text(report, images, tmp_path):
     text = write_report(report, images, tmp_path).html.read_text()
     assert "script" not in parse_page(text).tags
-    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; a cat" in text
+    assert "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt; &amp; a cat" in text  # markupsafe's escapes
 
 
 def test_failed_variant_lists_its_reasons_in_html(report, images, tmp_path):
@@ -358,9 +358,9 @@ def test_interrupted_write_keeps_the_old_file_and_leaves_no_temp(tmp_path, monke
     def fail_replace(source, destination):
         raise OSError("disk full")
 
-    monkeypatch.setattr(report_module.os, "replace", fail_replace)
+    monkeypatch.setattr(report_files.os, "replace", fail_replace)
     with pytest.raises(OSError, match="disk full"):
-        report_module._write_atomically(target, b"new")
+        report_files._write_atomically(target, b"new")
     assert target.read_text() == "old"
     assert sorted(os.listdir(tmp_path)) == ["parity.json"]
 

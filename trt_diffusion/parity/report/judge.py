@@ -1,0 +1,96 @@
+"""Judging: image metrics against a variant's thresholds, the reasons a variant fails, tool versions."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..metrics import Thresholds, lpips_distance, psnr, ssim
+from .model import ComponentDiff, ImageComparison
+
+# Package distributions whose versions a report records (those not installed are left out).
+_VERSIONED_DISTRIBUTIONS = (
+    "trt-diffusion", "torch", "diffusers", "transformers", "onnx", "onnxruntime", "tensorrt",
+    "nvidia-modelopt", "numpy", "scikit-image", "lpips",
+)
+
+
+def collect_tool_versions() -> dict[str, str]:
+    """Python and the installed versions of the packages that shape a parity result."""
+    versions = {"python": platform.python_version()}
+    for distribution in _VERSIONED_DISTRIBUTIONS:
+        try:
+            versions[distribution] = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def compare_image(
+    *,
+    prompt: str,
+    seed: int,
+    reference: np.ndarray,
+    candidate: np.ndarray,
+    thresholds: Thresholds,
+    reference_png: str,
+    candidate_png: str,
+    compute_lpips: bool = True,
+) -> ImageComparison:
+    """PSNR, SSIM and (when available) LPIPS of two uint8 HxWx3 images, judged against `thresholds`."""
+    psnr_db, ssim_value = psnr(reference, candidate), ssim(reference, candidate)
+    if compute_lpips:
+        lpips_result = lpips_distance(reference, candidate)
+        lpips_value, lpips_reason = lpips_result.value, lpips_result.reason
+    else:
+        lpips_value, lpips_reason = None, "LPIPS not computed: disabled for this run"
+    failures = thresholds.image_failures(psnr_db, ssim_value, lpips_value, lpips_reason)
+    return ImageComparison(
+        prompt=prompt,
+        seed=seed,
+        psnr_db=psnr_db,
+        ssim=ssim_value,
+        lpips=lpips_value,
+        lpips_reason=lpips_reason,
+        passed=not failures,
+        reference_png=reference_png,
+        candidate_png=candidate_png,
+    )
+
+
+def image_failures(image: ImageComparison, thresholds: Thresholds) -> list[str]:
+    return thresholds.image_failures(image.psnr_db, image.ssim, image.lpips, image.lpips_reason)
+
+
+def judge_image(image: ImageComparison, thresholds: Thresholds) -> ImageComparison:
+    return image.model_copy(update={"passed": not image_failures(image, thresholds)})
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def variant_failures(
+    images: Sequence[ImageComparison],
+    thresholds: Thresholds,
+    components: Iterable[ComponentDiff] = (),
+    reproducible: bool | None = None,
+    batch_independent: bool | None = None,
+) -> list[str]:
+    """Every reason a variant fails, in a stable order (empty when it passes)."""
+    reasons = [] if images else ["no images were compared"]
+    for index, image in enumerate(images):
+        failures = image_failures(image, thresholds)
+        if failures:
+            reasons.append(f"image {index} (seed {image.seed}, {_short(image.prompt)!r}): " + "; ".join(failures))
+    for diff in components:
+        if diff.nan_count or diff.inf_count:
+            reasons.append(f"{diff.component}.{diff.output}: {diff.nan_count} NaN and {diff.inf_count} inf values")
+    if reproducible is False:
+        reasons.append("not reproducible: the same seed gave different images on two runs")
+    if batch_independent is False:
+        reasons.append("batch-dependent: an image changed with the batch it was generated in")
+    return reasons

@@ -1,0 +1,204 @@
+"""The parity report's data model: pydantic models with their JSON Schema and consistency checks.
+
+Non-finite floats (PSNR of identical images is inf; a NaN-producing engine gives NaN) are written to
+JSON as the strings "Infinity", "-Infinity" and "NaN": plain JSON has no such numbers, a large
+sentinel would read as a real measurement, and these strings round-trip through
+`ParityReport.model_validate_json`, Python's `float()` and JavaScript's `Number()`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import PurePosixPath
+from typing import Annotated, Literal, Mapping, Sequence
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+
+from ..metrics import Thresholds, TensorDiff
+
+REPORT_SCHEMA_VERSION = 1
+
+
+def relative_png_name(name: str) -> str:
+    """A PNG path relative to the report folder: no absolute paths, no '..', no backslashes."""
+    path = PurePosixPath(name)
+    if not name or path.is_absolute() or ".." in path.parts or "\\" in name or str(path) != name:
+        raise ValueError(f"{name!r} must be a plain relative path inside the report folder")
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"{name!r} must be a .png file")
+    return name
+
+
+PngName = Annotated[str, AfterValidator(relative_png_name)]
+
+# A float that may be inf or NaN: serialized as "Infinity"/"-Infinity"/"NaN" (see module docstring),
+# and the JSON Schema says so.
+MetricFloat = Annotated[
+    float,
+    WithJsonSchema({"anyOf": [{"type": "number"}, {"enum": ["Infinity", "-Infinity", "NaN"]}]}),
+]
+
+
+class _ReportModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
+
+
+class ImageComparison(_ReportModel):
+    """One same-seed image pair: the reference pipeline's image against the engine pipeline's."""
+
+    prompt: str
+    seed: int = Field(description="the generator seed both pipelines used")
+    psnr_db: MetricFloat = Field(description='PSNR in dB over 8-bit RGB; "Infinity" when identical')
+    ssim: MetricFloat = Field(description="SSIM, 1.0 when identical")
+    lpips: MetricFloat | None = Field(
+        default=None, description="LPIPS (AlexNet), 0 when identical; null if not computed"
+    )
+    lpips_reason: str | None = Field(default=None, description="why lpips is null")
+    passed: bool = Field(description="whether this image meets the variant's thresholds")
+    reference_png: PngName = Field(description="the reference image, relative to the report folder")
+    candidate_png: PngName = Field(description="the engine's image, relative to the report folder")
+    diff_png: PngName | None = Field(default=None, description="the |diff| heatmap, written by write_report")
+
+    @model_validator(mode="after")
+    def _lpips_has_value_or_reason(self) -> "ImageComparison":
+        if self.lpips is None and not self.lpips_reason:
+            raise ValueError("lpips_reason is required when lpips is null")
+        return self
+
+
+class ComponentDiff(_ReportModel):
+    """One output of one component (e.g. unet.out_sample) against the PyTorch reference."""
+
+    component: str
+    output: str
+    shape: list[int]
+    max_abs: MetricFloat = Field(description="max |reference - candidate| over positions finite in both")
+    mean_abs: MetricFloat = Field(description="mean |reference - candidate| over positions finite in both")
+    max_rel: MetricFloat = Field(description="max_abs / max |reference|")
+    nan_count: int = Field(ge=0, description="NaN values in the candidate")
+    inf_count: int = Field(ge=0, description="+-inf values in the candidate")
+
+    @classmethod
+    def from_tensor_diff(cls, component: str, output: str, diff: TensorDiff) -> "ComponentDiff":
+        return cls(
+            component=component,
+            output=output,
+            shape=list(diff.shape),
+            max_abs=diff.max_abs,
+            mean_abs=diff.mean_abs,
+            max_rel=diff.max_rel,
+            nan_count=diff.nan_count,
+            inf_count=diff.inf_count,
+        )
+
+
+class VariantResult(_ReportModel):
+    """Everything compared for one engine variant (model x target x precision x bucket x lora/controlnet)."""
+
+    variant_id: str = Field(description="unique within the report")
+    model: str
+    target: str = Field(description="tensorrt or onnxruntime")
+    precision: str = Field(description="fp32, fp16, bf16, fp8 or int8; selects the default thresholds")
+    bucket: str = Field(description="the resolution bucket label, e.g. 512x512 or 512x512..1024x1024")
+    lora: str | None = None
+    controlnet: str | None = None
+    thresholds: Thresholds = Field(description="the bar the images were judged against")
+    images: list[ImageComparison] = Field(default_factory=list)
+    components: list[ComponentDiff] = Field(default_factory=list)
+    reproducible: bool | None = Field(
+        default=None, description="same seed twice gave identical images; null: not checked"
+    )
+    batch_independent: bool | None = Field(
+        default=None, description="images do not change with their batch; null: not checked"
+    )
+    passed: bool
+    failure_reasons: list[str] = Field(default_factory=list, description="empty exactly when passed")
+
+    @model_validator(mode="after")
+    def _verdict_matches_reasons(self) -> "VariantResult":
+        # A failure must say why, and a pass must not hide a failed image.
+        if self.passed and (self.failure_reasons or not all(image.passed for image in self.images)):
+            raise ValueError(f"variant {self.variant_id!r} is marked passed but has failures")
+        if not self.passed and not self.failure_reasons:
+            raise ValueError(f"variant {self.variant_id!r} is marked failed without a failure reason")
+        return self
+
+    @classmethod
+    def from_parts(
+        cls,
+        *,
+        variant_id: str,
+        model: str,
+        target: str,
+        precision: str,
+        bucket: str,
+        thresholds: Thresholds,
+        images: Sequence[ImageComparison],
+        components: Sequence[ComponentDiff] = (),
+        reproducible: bool | None = None,
+        batch_independent: bool | None = None,
+        lora: str | None = None,
+        controlnet: str | None = None,
+        extra_failures: Sequence[str] = (),
+    ) -> "VariantResult":
+        """Judge the parts against `thresholds`: sets each image's `passed`, the reasons and the verdict."""
+        from .judge import judge_image, variant_failures  # judge builds these models: imported on use
+
+        judged = [judge_image(image, thresholds) for image in images]
+        reasons = variant_failures(judged, thresholds, components, reproducible, batch_independent)
+        reasons += list(extra_failures)
+        return cls(
+            variant_id=variant_id,
+            model=model,
+            target=target,
+            precision=precision,
+            bucket=bucket,
+            lora=lora,
+            controlnet=controlnet,
+            thresholds=thresholds,
+            images=judged,
+            components=list(components),
+            reproducible=reproducible,
+            batch_independent=batch_independent,
+            passed=not reasons,
+            failure_reasons=reasons,
+        )
+
+
+class ParityReport(_ReportModel):
+    """The whole parity run: one VariantResult per engine variant. Passes only if every variant does."""
+
+    schema_version: Literal[1] = REPORT_SCHEMA_VERSION
+    created_at: datetime
+    tool_versions: dict[str, str] = Field(default_factory=dict)
+    variants: list[VariantResult]
+    passed: bool
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ParityReport":
+        ids = [variant.variant_id for variant in self.variants]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate variant ids: {duplicates}")
+        # An empty report does not pass: comparing nothing proves nothing.
+        expected = bool(self.variants) and all(variant.passed for variant in self.variants)
+        if self.passed != expected:
+            raise ValueError(f"report passed={self.passed} but its variants say {expected}")
+        return self
+
+    @classmethod
+    def from_variants(
+        cls,
+        variants: Sequence[VariantResult],
+        tool_versions: Mapping[str, str] | None = None,
+        created_at: datetime | None = None,
+    ) -> "ParityReport":
+        from .judge import collect_tool_versions
+
+        variants = list(variants)
+        return cls(
+            created_at=created_at or datetime.now(timezone.utc),
+            tool_versions=dict(collect_tool_versions() if tool_versions is None else tool_versions),
+            variants=variants,
+            passed=bool(variants) and all(variant.passed for variant in variants),
+        )
