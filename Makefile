@@ -7,8 +7,20 @@ CONFIG ?= engines.yaml
 BIN := $(VENV)/bin
 TD := $(BIN)/trt-diffusion
 PYTEST_ARGS ?=
+# Extra options for a target's trt-diffusion command: make build ARGS="--jobs 2", make serve SERVE_ARGS="--http-port 9000"
+ARGS ?=
+SERVE_ARGS ?=
+TINY := models/tiny-sd15
+# `models tiny` writes this file into the folder it then renames into place, so it exists only in a whole model.
+TINY_STAMP := $(TINY)/trt_diffusion_tiny.json
+REPO ?= triton_repo
+URL ?= 127.0.0.1:8000
+PROMPT ?= a lighthouse at dusk
+IMAGE ?= out.png
+REFIT_ARGS ?= --model sd15-tiny --base
 
-.PHONY: venv models build-engines plan test test-slow test-gpu parity package serve clean
+.PHONY: venv models build-engines plan export quantize build refit test test-slow test-gpu parity package serve \
+	generate clean
 
 # The CPU build of torch goes in first: anything looser pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -20,20 +32,48 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# The embedded default: a tiny seeded SD1.5-family pipeline with a ControlNet and a LoRA.
-models: venv
-	$(TD) models tiny --family sd15 --controlnet --lora --out models/tiny-sd15 --if-missing
+# The embedded default: a tiny seeded SD1.5-family pipeline with a ControlNet and a LoRA. A file target, so a
+# no-op make does not even start the command (which imports torch); delete the folder to write it again.
+models: $(TINY_STAMP)
+
+$(TINY_STAMP): | $(VENV)/.installed
+	$(TD) models tiny --family sd15 --controlnet --lora --out $(TINY) --if-missing
 
 plan: models
-	$(TD) plan $(CONFIG)
+	$(TD) plan $(CONFIG) $(ARGS)
+
+# One target per stage command; each stage reuses what is unchanged.
+export: models
+	$(TD) export $(CONFIG) $(ARGS)
+
+quantize: models
+	$(TD) quantize $(CONFIG) $(ARGS)
+
+build: models
+	$(TD) build $(CONFIG) $(ARGS)
+
+# make refit REFIT_ARGS="--model sd15-tiny --lora FILE[:SCALE]"; the default restores the base weights.
+refit: build-engines
+	$(TD) refit $(CONFIG) $(REFIT_ARGS)
 
 # plan -> export (verified against PyTorch) -> quantize (fp8/int8 entries) -> build, each reusing what is unchanged
 build-engines: models
 	$(TD) plan $(CONFIG)
 	$(TD) build $(CONFIG)
 
-parity: models
-	$(TD) parity $(CONFIG)
+parity: build-engines
+	$(TD) parity $(CONFIG) $(ARGS)
+
+# A Triton model repository from the built engines, then tritonserver on 127.0.0.1 (Ctrl-C stops it).
+package: build-engines
+	$(TD) package $(CONFIG) --out $(REPO) $(ARGS)
+
+serve: package
+	$(TD) serve --repo $(REPO) $(SERVE_ARGS)
+
+# Ask a running server (make serve, in another shell) for an image.
+generate: venv
+	$(TD) generate --url $(URL) --prompt "$(PROMPT)" -o $(IMAGE) $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
