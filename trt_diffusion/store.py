@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -60,6 +62,17 @@ def hash_inputs(inputs: Mapping[str, Any]) -> str:
 
 def safe_name(name: str) -> str:
     return _SAFE_NAME.sub("_", name)
+
+
+def inside(root: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """`path`, once it is checked to lie inside `root` (artifacts never leave their workspace).
+
+    Checked on the path as written ('..' folded), not through symbolic links: the workspace's owner may
+    link a folder of it to another disk; a name must not climb out of it."""
+    base, target = Path(os.path.abspath(root)), Path(os.path.abspath(path))
+    if target != base and base not in target.parents:
+        raise ConfigError(f"{path} is outside the workspace {base}; names in engines.yaml must not be paths")
+    return Path(path)
 
 
 @dataclass(frozen=True)
@@ -98,7 +111,7 @@ class ArtifactStore:
         self.root = Path(root)
 
     def folder(self, kind: str, name: str, input_hash: str) -> Path:
-        return self.root / safe_name(kind) / f"{safe_name(name)}.{input_hash[:KEY_LENGTH]}"
+        return inside(self.root, self.root / safe_name(kind) / f"{safe_name(name)}.{input_hash[:KEY_LENGTH]}")
 
     # --- reading -----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 SPEC_SCHEMA_VERSION = 1
@@ -115,7 +116,8 @@ class EngineSpec:
         if self.bucket:
             parts.append(self.bucket.label.replace("..", "-"))
         parts += [f"b{self.batch}", self.precision]
-        return ".".join(parts)
+        # One path component whatever the names hold (the schema already refuses unsafe names).
+        return re.sub(r"[^A-Za-z0-9._+-]", "_", ".".join(parts))
 
     def option(self, name: str, default=None):
         return dict(self.build_options).get(name, default)

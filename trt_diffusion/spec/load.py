@@ -133,6 +133,8 @@ def _data_path(data, loc: tuple) -> tuple:
     """Map pydantic's loc (which includes union branch tags) onto the path in the YAML data."""
     path, node = [], data
     for part in loc:
+        if part == "[key]":  # the key itself is wrong (a bad name): point at the key's line
+            break
         if isinstance(node, dict) and part in node:
             path.append(part)
             node = node[part]

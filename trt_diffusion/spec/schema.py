@@ -6,6 +6,7 @@ factor, refit LoRAs on quantized engines, ...) live in `validate.py`.
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 from typing import Annotated, Literal
 
@@ -79,6 +80,21 @@ def _static_bucket(value: str) -> str:
 BucketEntry = Annotated[str, AfterValidator(_static_bucket), Field(description="WIDTHxHEIGHT")] | RangeBucket
 
 
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _safe_name(value: str) -> str:
+    # Names become file and folder names (engines, ONNX, Triton models): one plain path component, never a path.
+    if not _NAME.fullmatch(value):
+        raise ValueError(f"name {value!r} is not allowed: use 1-64 letters, digits, '_', '-' or '.', starting with "
+                         "a letter or digit (names become file names)")
+    return value
+
+
+# A model, ControlNet or LoRA name (a key of engines.yaml).
+Name = Annotated[str, AfterValidator(_safe_name)]
+
+
 class ControlNetEntry(Strict):
     source: Source
 
@@ -147,15 +163,15 @@ class ModelSettings(Strict):
 class ModelEntry(ModelSettings):
     source: Source
     family: Family
-    controlnets: dict[str, ControlNetEntry] = Field(default_factory=dict)
-    loras: dict[str, LoraEntry] = Field(default_factory=dict)
+    controlnets: dict[Name, ControlNetEntry] = Field(default_factory=dict)
+    loras: dict[Name, LoraEntry] = Field(default_factory=dict)
 
 
 class EnginesFile(Strict):
     version: Literal[1]
     build: BuildSettings = BuildSettings()
     defaults: ModelSettings = ModelSettings()
-    models: dict[str, ModelEntry] = Field(min_length=1)
+    models: dict[Name, ModelEntry] = Field(min_length=1)
 
 
 BUILTIN_DEFAULTS = {
