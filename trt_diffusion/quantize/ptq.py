@@ -215,9 +215,13 @@ def restore_state(module: torch.nn.Module, path: Path) -> torch.nn.Module:
     """Put a saved calibration back onto a freshly loaded (and LoRA-fused) fp32 module, in place."""
     _, mto = _import_mtq()
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)  # our own file, in our workspace
-    except Exception as exc:  # a truncated or foreign file: recalibrate instead
+        # weights_only: tensors, dtypes and plain containers, never code. Whoever can write the workspace (a
+        # restored cache, a shared volume) must not get to run a pickle's code here.
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated, foreign or code-carrying file: recalibrate instead
         raise QuantizeError(f"{path}: unreadable calibration state ({exc})") from None
+    if not isinstance(saved, dict):
+        raise QuantizeError(f"{path}: not a calibration state")
     if saved.get("format") != STATE_FORMAT or saved.get("modelopt_version") != modelopt_version():
         raise QuantizeError(f"{path}: saved by another version (format {saved.get('format')}, "
                             f"modelopt {saved.get('modelopt_version')})")
