@@ -20,7 +20,8 @@ from .engines import RunnerTable
 from .schedulers import make_scheduler, scheduler_names
 
 MAX_STEPS = 1000
-MAX_PROMPT_CHARS = 4096
+MAX_PROMPT_CHARS = 4096  # PROMPT and NEGATIVE_PROMPT (the Triton models also cap their bytes before decoding)
+MAX_CONTROLNET_SCALE = 100.0
 
 
 @dataclass
@@ -115,6 +116,10 @@ class DiffusionPipeline:
         elif len(request.prompt) > MAX_PROMPT_CHARS:
             problems.append(f"PROMPT has {len(request.prompt)} characters (at most {MAX_PROMPT_CHARS}; "
                             "the text encoders read only the first 77 tokens anyway)")
+        if request.negative_prompt is not None and (not isinstance(request.negative_prompt, str)
+                                                    or len(request.negative_prompt) > MAX_PROMPT_CHARS):
+            length = len(request.negative_prompt) if isinstance(request.negative_prompt, str) else "?"
+            problems.append(f"NEGATIVE_PROMPT has {length} characters (at most {MAX_PROMPT_CHARS})")
         if not 1 <= request.steps <= MAX_STEPS:
             problems.append(f"STEPS must be between 1 and {MAX_STEPS}, got {request.steps}")
         if request.width % factor or request.height % factor or request.width <= 0 or request.height <= 0:
@@ -123,6 +128,8 @@ class DiffusionPipeline:
             problems.append(f"batch must be >= 1, got {request.batch}")
         if not np.isfinite(request.guidance_scale) or not 0 <= request.guidance_scale <= 100:
             problems.append(f"GUIDANCE_SCALE must be in [0, 100], got {request.guidance_scale}")
+        if not np.isfinite(request.controlnet_scale) or not 0 <= request.controlnet_scale <= MAX_CONTROLNET_SCALE:
+            problems.append(f"CONTROLNET_SCALE must be in [0, {MAX_CONTROLNET_SCALE}], got {request.controlnet_scale}")
         if request.scheduler not in scheduler_names(self.family.value):
             problems.append(f"unknown scheduler {request.scheduler!r}; choose one of "
                             f"{', '.join(scheduler_names(self.family.value))}")
