@@ -42,8 +42,11 @@ def load_group_module(group: ExportGroup, model: ResolvedModel) -> torch.nn.Modu
 
 def fuse_lora(module: torch.nn.Module, name: str, path: Path, scale: float, prefix: str) -> None:
     """Merge a diffusers/PEFT-named LoRA into the module's weights; parameter names stay unchanged."""
+    from ..lora.files import resolve_lora_path
+
     if not Path(path).is_file():
         raise ModelError(f"LoRA {name!r}: {path} not found")
+    path = resolve_lora_path(path)  # .safetensors only, as refit: a pickled .bin can run code on load
     try:
         module.load_lora_adapter(str(path), prefix=prefix, adapter_name=name)
     except Exception as exc:  # safetensors / peft errors on a corrupt or foreign file

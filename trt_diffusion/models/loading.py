@@ -68,14 +68,27 @@ def component_folder(model_dir: Path, component: Component) -> tuple[Path, type]
     return folder, _class_of(folder, entry)
 
 
+def require_safetensors(folder: Path) -> None:
+    """Weights are read from .safetensors only: pickled .bin/.ckpt/.pt files can run code when loaded."""
+    folder = Path(folder)
+    if folder.is_dir() and not any(folder.glob("*.safetensors")):
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".ckpt", ".pt", ".pth", ".pkl"))
+        found = f" (it has {', '.join(pickled[:3])})" if pickled else ""
+        raise ModelError(f"{folder} holds no .safetensors weights{found}: only safetensors files are read, "
+                         "pickled weights can run code when loaded; convert them with save_pretrained(..., "
+                         "safe_serialization=True)")
+
+
 def load_module(folder: Path, cls: type) -> torch.nn.Module:
-    """Load weights in fp32 (exports and references are made from fp32 weights)."""
+    """Load weights in fp32 (exports and references are made from fp32 weights), from safetensors only."""
     quiet_libraries()
+    require_safetensors(folder)
     try:
         if cls.__module__.startswith("transformers"):
-            module = cls.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager")
+            module = cls.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="eager",
+                                         use_safetensors=True)
         else:
-            module = cls.from_pretrained(folder, torch_dtype=torch.float32)
+            module = cls.from_pretrained(folder, torch_dtype=torch.float32, use_safetensors=True)
     except (OSError, ValueError, RuntimeError, EnvironmentError) as exc:
         raise ModelError(f"cannot load {folder}: {_first_line(exc)}") from None
     except Exception as exc:  # safetensors raises its own error type for corrupt files

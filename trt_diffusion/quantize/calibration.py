@@ -65,7 +65,8 @@ def load_pipeline(model_dir: Path):
 
     quiet_libraries()
     try:
-        pipe = diffusers.DiffusionPipeline.from_pretrained(str(model_dir), dtype=torch.float32)
+        # safetensors only: a pickled .bin can run code when loaded (models.loading.require_safetensors)
+        pipe = diffusers.DiffusionPipeline.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True)
     except (OSError, ValueError, EnvironmentError) as exc:
         raise ModelError(f"cannot load the pipeline in {model_dir}: {str(exc).strip().splitlines()[0]}") from None
     pipe.set_progress_bar_config(disable=True)
