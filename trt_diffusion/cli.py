@@ -181,12 +181,18 @@ def build_command(
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=True) as progress:
-        task = progress.add_task("build", total=None)
+    from .progress import task as progress_lines
 
-        def on_engine(status, spec) -> None:
+    with Progress(*columns, console=err_console, transient=True) as progress, \
+            progress_lines("build", detail="exports, then one engine per shape") as lines:
+        task = progress.add_task("build", total=None)
+        finished = []
+
+        def on_engine(status, spec) -> None:  # from the build threads when --jobs > 1
             progress.advance(task)
             progress.update(task, description=f"{spec.name}: {status}")
+            finished.append(spec.name)
+            lines.step(detail=f"{len(finished)} engines finished, last {spec.name}: {status}", force=True)
 
         report = api.build(config, target=target, model=model, component=component, jobs=jobs, progress=on_engine)
     table = Table(title=f"Engines for {config}")
@@ -312,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entrypoint() -> None:
+    """The console script: also prints live progress lines when stderr is not a terminal (CI logs)."""
+    from . import progress
+
+    if progress.plain_lines_wanted():
+        progress.show_plain_lines()
     sys.exit(main())
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import progress as live
 from ..errors import ModelError, QuantizeError
 from ..families import Family
 from ..models.quiet import quiet_libraries
@@ -123,8 +124,10 @@ class CallRecorder:
 
 def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], seeds: list[int], steps: int,
                  width: int, height: int, output_type: str = "latent", recorder: CallRecorder | None = None,
-                 max_sequence_length: int | None = None):
-    """Generate each prompt with its own seeded generator; optionally record the denoiser's calls."""
+                 max_sequence_length: int | None = None, progress_stage: str = "generate"):
+    """Generate each prompt with its own seeded generator; optionally record the denoiser's calls.
+
+    Each prompt is a live progress line (`progress_stage` k/n)."""
     denoiser = denoiser_of(pipe)
     handles = []
     if recorder is not None:
@@ -132,17 +135,19 @@ def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], see
         handles.append(denoiser.register_forward_hook(recorder.after, with_kwargs=True))
     images = []
     try:
-        for prompt, seed in zip(prompts, seeds):
-            if recorder is not None:
-                recorder.new_run()
-            generator = torch.Generator("cpu").manual_seed(seed)
-            extra = guidance_kwargs(family)
-            if max_sequence_length is not None:
-                extra["max_sequence_length"] = max_sequence_length
-            with torch.no_grad():
-                result = pipe(prompt, num_inference_steps=steps, generator=generator, width=width, height=height,
-                              output_type=output_type, **extra)
-            images.append(result.images[0] if output_type != "latent" else None)
+        with live.task(progress_stage, total=len(prompts), detail=f"{width}x{height}, {steps} steps") as lines:
+            for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
+                lines.step(index + 1, f"seed {seed}, {steps} steps at {width}x{height}")
+                if recorder is not None:
+                    recorder.new_run()
+                generator = torch.Generator("cpu").manual_seed(seed)
+                extra = guidance_kwargs(family)
+                if max_sequence_length is not None:
+                    extra["max_sequence_length"] = max_sequence_length
+                with torch.no_grad():
+                    result = pipe(prompt, num_inference_steps=steps, generator=generator, width=width, height=height,
+                                  output_type=output_type, **extra)
+                images.append(result.images[0] if output_type != "latent" else None)
     except (RuntimeError, ValueError) as exc:
         raise QuantizeError(f"the {family.value} pipeline failed while generating calibration data "
                             f"at {width}x{height}: {str(exc).strip().splitlines()[0]}") from exc
@@ -156,7 +161,7 @@ def capture_calls(pipe, family: Family, recipe: CalibrationRecipe) -> list[Call]
     """The denoiser calls of the recipe (samples x steps of them), in generation order."""
     recorder = CallRecorder()
     run_pipeline(pipe, family, recipe.prompts, recipe.seeds(), recipe.steps, recipe.width, recipe.height,
-                 recorder=recorder, max_sequence_length=recipe.max_sequence_length)
+                 recorder=recorder, max_sequence_length=recipe.max_sequence_length, progress_stage="calibration data")
     if not recorder.calls:
         raise QuantizeError("the pipeline never called the denoiser during calibration")
     return recorder.calls

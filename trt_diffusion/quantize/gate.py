@@ -137,7 +137,7 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
     recorder = CallRecorder(with_outputs=True)
     reference_images = run_pipeline(pipe, family, prompts, seeds, recipe.steps, recipe.width, recipe.height,
                                      output_type=output_type, recorder=recorder,
-                                     max_sequence_length=recipe.max_sequence_length)
+                                     max_sequence_length=recipe.max_sequence_length, progress_stage="gate: PyTorch")
     session = onnxruntime_session(onnx_path)
 
     psnrs, max_abs, nonfinite = [], 0.0, 0
@@ -156,7 +156,8 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
     if compare_images:
         with _onnx_denoiser(pipe, session, interface):
             candidate_images = run_pipeline(pipe, family, prompts, seeds, recipe.steps, recipe.width, recipe.height,
-                                            output_type="np", max_sequence_length=recipe.max_sequence_length)
+                                            output_type="np", max_sequence_length=recipe.max_sequence_length,
+                                            progress_stage="gate: Q/DQ ONNX")
         for ref_image, image in zip(reference_images, candidate_images):
             lp = lpips_distance(ref_image, image, data_range=1.0)
             images.append({"psnr_db": psnr(ref_image, image, data_range=1.0),

@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .. import progress as live
 from ..errors import QuantizeError
 from .defaults import CALIBRATION_PERCENTILE, SMOOTHQUANT_ALPHA
 from .exclusions import LayerSelection
@@ -97,8 +98,10 @@ def replay(calls: Iterable[Call]) -> Callable[[torch.nn.Module], None]:
     calls = list(calls)
 
     def forward_loop(module: torch.nn.Module) -> None:
-        with torch.no_grad():
-            for args, kwargs in calls:
+        # A line at most every 10 s: a full calibration is hundreds of calls.
+        with torch.no_grad(), live.task("calibration", total=len(calls), min_interval_s=10.0) as lines:
+            for index, (args, kwargs) in enumerate(calls):
+                lines.step(index + 1, "denoiser call (ModelOpt statistics)")
                 module(*args, **kwargs)
 
     return forward_loop

@@ -22,6 +22,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from .. import progress as live
 from ..errors import ConfigError, QuantizeError
 from ..export.inputs import folder_digest
 from ..export.modules import fuse_lora
@@ -221,19 +222,22 @@ def quantize_component(
     timings: dict[str, float] = {}
     started = time.perf_counter()
     interface = denoiser_interface(model, plan.component)
-    pipe, denoiser = _load_denoiser(plan)
+    with _step(plan, 1, "load the pipeline"):
+        pipe, denoiser = _load_denoiser(plan)
     selection = select_layers(denoiser, plan.exclude)
     if not selection.quantized:
         raise QuantizeError(f"{plan.name}: the exclusions leave no layer to quantize")
     timings["load_s"] = time.perf_counter() - started
 
-    pipe, denoiser, calibration, recalibrated, example = _calibrated(
-        pipe, denoiser, plan, selection, interface, store, timings, reuse=not force)
+    with _step(plan, 2, "calibration (runs the pipeline, then ModelOpt over the recorded calls)"):
+        pipe, denoiser, calibration, recalibrated, example = _calibrated(
+            pipe, denoiser, plan, selection, interface, store, timings, reuse=not force)
 
     with store.writer(ARTIFACT_KIND, plan.name, plan.input_hash) as writer:
         mark = time.perf_counter()
-        exported = export_quantized(denoiser, interface, example, writer.path / ONNX_FILE, plan.precision,
-                                    plan.opset)
+        with _step(plan, 3, "Q/DQ ONNX export"):
+            exported = export_quantized(denoiser, interface, example, writer.path / ONNX_FILE, plan.precision,
+                                        plan.opset)
         shutil.copyfile(calibration.file(STATE_FILE), writer.path / STATE_FILE)
         timings["export_s"] = time.perf_counter() - mark
 
@@ -242,9 +246,10 @@ def quantize_component(
         del pipe, denoiser
         gc.collect()
         mark = time.perf_counter()
-        pipe, _ = _load_denoiser(plan)
-        gate = run_gate(pipe, model.family, interface, writer.path / ONNX_FILE, plan.precision, plan.recipe,
-                        plan.thresholds, held_out_samples, compare_images=compare_images)
+        with _step(plan, 4, "quality gate (held-out generations, fp32 vs Q/DQ)"):
+            pipe, _ = _load_denoiser(plan)
+            gate = run_gate(pipe, model.family, interface, writer.path / ONNX_FILE, plan.precision, plan.recipe,
+                            plan.thresholds, held_out_samples, compare_images=compare_images)
         timings["gate_s"] = time.perf_counter() - mark
         if not gate.passed:  # leaving the writer with an exception commits nothing
             raise QuantizeError(f"{plan.name}: quality gate failed, nothing committed\n  "
@@ -257,6 +262,11 @@ def quantize_component(
         raise RuntimeError(f"{plan.name}: the committed artifact is not found in {store.root}")
     log.info("%s: %s", plan.name, gate.summary())
     return _result(plan, committed, cached=False, recalibrated=recalibrated)
+
+
+def _step(plan: _Plan, position: int, what: str) -> live.Task:
+    """Step `position` of the four of one variant (load, calibration, Q/DQ export, gate), as progress lines."""
+    return live.task("quantize", subject=plan.name, position=position, total=4, detail=what)
 
 
 def _load_denoiser(plan: _Plan):
