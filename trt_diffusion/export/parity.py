@@ -7,6 +7,9 @@ The reference is always the fp32 module. An output passes when
 and, for image outputs (pixels in [-1, 1]), PSNR >= min_psnr_db. Any NaN/Inf in the ONNX output where
 the reference is finite fails; in an fp16 graph it is reported as fp16 overflow (the classic fp16 VAE
 failure: black or NaN images), as are values pinned at fp16's largest magnitude.
+
+The PyTorch outputs can be computed first (`reference_outputs`) and the module freed before the ONNX
+Runtime session opens: the export stage never holds the torch weights and the session's at once.
 """
 
 from __future__ import annotations
@@ -86,21 +89,36 @@ def open_session(onnx_path: Path, label: str):
         raise ExportError(f"{label}: ONNX Runtime cannot load {onnx_path}: {str(exc).splitlines()[0]}") from exc
 
 
-def check_parity(onnx_path: Path, reference: torch.nn.Module, definition: ComponentDef, config: ModelConfig,
-                 options: Mapping[str, Any], geometries: Sequence[Geometry], precision: str, label: str,
-                 seed: int = 0) -> list[OutputParity]:
-    """Compare at every geometry; ExportError listing every failing output when any fails."""
+def reference_outputs(reference: torch.nn.Module, definition: ComponentDef, config: ModelConfig,
+                      options: Mapping[str, Any], geometries: Sequence[Geometry],
+                      seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """The fp32 module's outputs at every geometry, on the seeded inputs `check_parity` feeds ONNX Runtime."""
+    io = definition.io(config, options)
+    return [run_reference(reference, definition.dummy_inputs(config, options, geometry, seed), io.input_names,
+                          io.output_names) for geometry in geometries]
+
+
+def check_parity(onnx_path: Path, reference: torch.nn.Module | Sequence[Mapping[str, np.ndarray]],
+                 definition: ComponentDef, config: ModelConfig, options: Mapping[str, Any],
+                 geometries: Sequence[Geometry], precision: str, label: str, seed: int = 0) -> list[OutputParity]:
+    """Compare at every geometry; ExportError listing every failing output when any fails.
+
+    `reference` is the PyTorch module, or its outputs from `reference_outputs` (same geometries and seed).
+    """
     tolerance = TOLERANCES[precision]
     io = definition.io(config, options)
+    if isinstance(reference, torch.nn.Module):
+        reference = reference_outputs(reference, definition, config, options, geometries, seed)
+    if len(reference) != len(geometries):
+        raise ValueError(f"{label}: {len(reference)} reference outputs for {len(geometries)} geometries")
     session = open_session(onnx_path, label)
     records = []
-    for geometry in geometries:
+    for geometry, expected in zip(geometries, reference):
         feeds = definition.dummy_inputs(config, options, geometry, seed)
         try:
             got = dict(zip(io.output_names, session.run(io.output_names, feeds)))
         except Exception as exc:
             raise ExportError(f"{label}: ONNX Runtime failed at {geometry.label()}: {str(exc).splitlines()[0]}") from exc
-        expected = run_reference(reference, feeds, io.input_names, io.output_names)
         for name in io.output_names:
             records.append(compare_output(name, geometry, expected[name], got[name], tolerance, precision,
                                           image=name in io.image_outputs))

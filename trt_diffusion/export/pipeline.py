@@ -1,8 +1,14 @@
-"""Export one group: hash its inputs, reuse a verified artifact or export, clean, check parity, commit."""
+"""Export one group: hash its inputs, reuse a verified artifact or export, clean, check parity, commit.
+
+Memory: the stage never holds two copies of the weights. The fp32 module's reference outputs at every
+parity shape are computed first (a few MB), the module is exported (converted in place for fp16) and then
+freed, and only then are the graph passes run and the ONNX Runtime parity session opened, against those
+stored outputs. Peak RSS is about the larger of "module + exporter" and "ONNX Runtime session".
+"""
 
 from __future__ import annotations
 
-import copy
+import gc
 import logging
 import shutil
 import time
@@ -12,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .. import progress as live
 from ..components import ExportWrapper, get_component, load_model_config
 from ..spec.engine_spec import EngineSpec
 from ..spec.load import EnginesConfig
@@ -20,7 +27,7 @@ from .graph_passes import finalize_graph
 from .grouping import ExportGroup
 from .inputs import describe_inputs, tool_versions
 from .modules import load_group_module, lora_files, weights_folder
-from .parity import TOLERANCES, check_parity
+from .parity import TOLERANCES, check_parity, reference_outputs
 from .shapes import ExportShapes, export_shapes
 from .torch_export import export_module
 
@@ -33,7 +40,7 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class ExportEvent:
-    """Progress of one group: stage is hashing, exporting, cleaning, parity, cached or done."""
+    """Progress of one group: stage is hashing, reference, exporting, cleaning, parity, cached or done."""
 
     group: ExportGroup
     stage: str
@@ -92,12 +99,28 @@ class ExportReport:
         return self.by_spec[spec.key].onnx_path
 
 
+_STAGE_LINES = {
+    "hashing": "hashing inputs", "reference": "PyTorch reference outputs", "exporting": "torch.onnx.export",
+    "cleaning": "graph passes", "parity": "ONNX Runtime vs PyTorch", "cached": "unchanged (cached)",
+}
+
+
 def export_group(group: ExportGroup, config: EnginesConfig, store: ArtifactStore, *, index: int = 0, total: int = 1,
                  progress: ProgressCallback | None = None) -> ExportResult:
-    def report(stage: str, result: ExportResult | None = None) -> None:
-        if progress:
-            progress(ExportEvent(group, stage, index, total, result))
+    """Export `group` (or reuse its verified artifact); `progress` gets an ExportEvent per stage, and each
+    stage is also logged as a live progress line (`trt_diffusion.progress`)."""
+    with live.task("export", total=total, position=index + 1, subject=group.name, done_message=None) as lines:
+        def report(stage: str, result: ExportResult | None = None) -> None:
+            text = _STAGE_LINES.get(stage, stage)
+            lines.step(detail=text if result is None or result.cached else f"{text} ({result.seconds:.1f} s)")
+            if progress:
+                progress(ExportEvent(group, stage, index, total, result))
 
+        return _export_group(group, config, store, report)
+
+
+def _export_group(group: ExportGroup, config: EnginesConfig, store: ArtifactStore,
+                  report: Callable[..., None]) -> ExportResult:
     started = time.perf_counter()
     model = config.models[group.model]
     definition = get_component(group.family, group.component)
@@ -117,8 +140,8 @@ def export_group(group: ExportGroup, config: EnginesConfig, store: ArtifactStore
 
     with store.writer(ARTIFACT_KIND, group.name, input_hash) as writer:
         timings = {"hash_s": time.perf_counter() - started}
-        module = load_group_module(group, model)
-        manifest = _export_into(writer.path, group, definition, model_config, shapes, module, timings, report)
+        manifest = _export_into(writer.path, group, definition, model_config, shapes,
+                                lambda: load_group_module(group, model), timings, report)
         writer.manifest.update(manifest, inputs=inputs, specs=[s.key for s in group.specs])
     artifact = store.lookup(ARTIFACT_KIND, group.name, input_hash, verify=False)
     if artifact is None:  # just committed: anything else is a bug in the store
@@ -129,23 +152,35 @@ def export_group(group: ExportGroup, config: EnginesConfig, store: ArtifactStore
 
 
 def _export_into(folder: Path, group: ExportGroup, definition, model_config, shapes: ExportShapes,
-                 module: torch.nn.Module, timings: dict, report: Callable[[str], None]) -> dict:
+                 load_module: Callable[[], torch.nn.Module], timings: dict, report: Callable[[str], None]) -> dict:
+    """Export into `folder`. `load_module` gives the fp32 module; this function holds its only reference,
+    so the module is freed before the graph passes and the ONNX Runtime session (see the module docstring)."""
     options = group.options
     io = definition.io(model_config, options)
     label = group.name
+    tick = time.perf_counter()
+    module = load_module()
     parameter_names = {name for name, _ in module.named_parameters(remove_duplicate=False)}  # tied weights: every name
+    timings["load_s"] = time.perf_counter() - tick
+
+    report("reference")
+    tick = time.perf_counter()
+    expected = reference_outputs(definition.wrapper(module, model_config, options), definition, model_config,
+                                 options, shapes.parity)
+    timings["reference_s"] = time.perf_counter() - tick
 
     report("exporting")
     tick = time.perf_counter()
     dtype = COMPUTE_DTYPES[group.precision]
-    export_source = copy.deepcopy(module).to(dtype) if dtype != torch.float32 else module
+    export_source = module.to(dtype)  # in place: the fp32 weights are not needed any more
     wrapper = definition.wrapper(export_source, model_config, options, compute_dtype=dtype)
     example = definition.dummy_inputs(model_config, options, shapes.example)
     raw_dir = folder / ".raw"
     raw_dir.mkdir()
     with definition.export_context():
         export_module(wrapper, example, io, shapes, group.opset, raw_dir / ONNX_NAME, label)
-    del wrapper, export_source
+    del wrapper, export_source, module
+    release_memory()
     timings["export_s"] = time.perf_counter() - tick
 
     report("cleaning")
@@ -157,8 +192,7 @@ def _export_into(folder: Path, group: ExportGroup, definition, model_config, sha
 
     report("parity")
     tick = time.perf_counter()
-    reference = definition.wrapper(module, model_config, options)
-    checks = check_parity(folder / ONNX_NAME, reference, definition, model_config, options, shapes.parity,
+    checks = check_parity(folder / ONNX_NAME, expected, definition, model_config, options, shapes.parity,
                           group.precision, label)
     timings["parity_s"] = time.perf_counter() - tick
     return {
@@ -180,3 +214,18 @@ def _export_into(folder: Path, group: ExportGroup, definition, model_config, sha
         "timings": {k: round(v, 3) for k, v in timings.items()},
         "tools": tool_versions(),
     }
+
+
+def release_memory() -> None:
+    """Collect garbage (modules hold reference cycles) and hand freed heap pages back to the OS.
+
+    glibc keeps freed blocks below its mmap threshold in its arenas, so without `malloc_trim` a freed
+    module can keep counting toward RSS while the next step allocates anew.
+    """
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        pass
