@@ -3,6 +3,7 @@ and engines.yaml files that point at them."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,7 @@ def built_sd15(tmp_path_factory, tiny_sd15_dir, write_engines_yaml) -> Path:
     if report.failed:
         raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
     return config
+
+
+# Helpers shared by several test folders (the target conformance suite) live in tests/shared/.
+sys.path.insert(0, str(Path(__file__).parent / "shared"))

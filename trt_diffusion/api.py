@@ -54,21 +54,21 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     machine cannot build (TensorRT without TensorRT or a GPU) are skipped and said so in the report;
     asking for such a target explicitly is an error.
     """
-    from .build.stage import BuildReport, available_targets, build_specs
-    from .errors import ConfigError, MissingDependencyError
+    from .errors import MissingDependencyError
     from .export import select_specs
+    from .targets import check_target_name, get_target
+    from .targets.stage import BuildReport, build_specs
 
     config = load_engines_file(config_path, check_sources=True)
-    targets = available_targets()
     if target is not None:
-        if target not in targets:
-            raise ConfigError(f"unknown target {target!r}; choose one of {', '.join(targets)}")
-        if targets[target] is not None:
-            raise MissingDependencyError(f"cannot build the {target} target on this machine: {targets[target]}")
+        reason = get_target(check_target_name(target)).unavailable_reason()
+        if reason is not None:
+            raise MissingDependencyError(f"cannot build the {target} target on this machine: {reason}")
     wanted = [s for s in select_specs(config, model, component) if target is None or s.target == target]
     report = BuildReport()
-    for name, reason in targets.items():
-        if reason is not None and any(s.target == name for s in wanted):
+    for name in dict.fromkeys(s.target for s in wanted):
+        reason = get_target(name).unavailable_reason()
+        if reason is not None:
             report.skipped_targets[name] = reason
     wanted = [s for s in wanted if s.target not in report.skipped_targets]
     if wanted:
@@ -135,9 +135,11 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
     Returns [(engine name, weights changed, seconds)].
     """
     import time
+    from functools import cache
 
     from .errors import RefitError
-    from .runtime.loader import initializers_for, built_engines, refit_weights, runner_for
+    from .runtime.loader import built_engines, refit_weights
+    from .targets import get_target
 
     config = load_engines_file(config_path, check_sources=True)
     engines = [e for e in built_engines(config, model, target) if e.spec.refittable]
@@ -146,37 +148,16 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
                          "`refittable: true` in engines.yaml and rebuild")
     if base:
         loras = []
-    weights = refit_weights(config, model, [(Path(p), s) for p, s in loras]) if loras else {}
-    # TensorRT refits need each plan's source ONNX (base weights, map check): look the exports up once.
-    sources = export(config_path, model=model) if target == "tensorrt" else None
+    weights = refit_weights(config, model, [(Path(p), s) for p, s in loras]) if loras else None
+
+    @cache
+    def exports():  # only targets that refit from the source ONNX ask: export (cached) once per command
+        return export(config_path, model=model)
+
+    chosen = get_target(target)
     results = []
     for engine in engines:
         start = time.perf_counter()
-        if target == "onnxruntime":
-            arrays = initializers_for(engine, weights) if weights else {}
-            runner_for(engine, initializers=arrays)
-        else:
-            arrays = _refit_tensorrt(engine, sources.artifact_for(engine.spec), weights)
-        results.append((engine.spec.name, len(arrays), time.perf_counter() - start))
+        changed = chosen.refit(engine, weights, lambda spec=engine.spec: exports().artifact_for(spec))
+        results.append((engine.spec.name, changed, time.perf_counter() - start))
     return results
-
-
-def _refit_tensorrt(engine, onnx_path: Path, weights) -> dict:
-    """Refit a TensorRT plan from its base weights (so no earlier LoRA stays behind) and save it in place."""
-    from .build import tensorrt_target
-    from .build.tensorrt_config import atomic_write_bytes, manifest_path, read_base_weights
-    from .lora import RefitMap, refit_weights_for_tensorrt
-
-    refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
-    loaded = tensorrt_target.load_engine(engine.path)
-    base_weights = read_base_weights(onnx_path)
-    arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
-    if arrays:
-        tensorrt_target.refit_engine(loaded, arrays, base_weights)
-    else:
-        tensorrt_target.refit_to_base(loaded, base_weights, names=tensorrt_target.refittable_weight_names(loaded))
-    plan = loaded.engine.serialize()
-    atomic_write_bytes(engine.path, plan)
-    manifest = engine.manifest.model_copy(update={"plan_bytes": len(bytes(plan))})
-    manifest.write(manifest_path(engine.path))
-    return arrays

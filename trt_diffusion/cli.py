@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import TrtDiffusionError
+from .targets import target_names
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="diffusers models -> verified engines (TensorRT / ONNX Runtime) -> Triton.")
@@ -167,8 +168,9 @@ def quantize_command(
 @app.command("build")
 def build_command(
     config: ConfigArg,
-    target: Annotated[Optional[str], typer.Option("--target", help="tensorrt or onnxruntime (default: every "
-                                                  "target engines.yaml lists that this machine can build)")] = None,
+    target: Annotated[Optional[str], typer.Option("--target", help=f"{' | '.join(target_names())} (default: "
+                                                  "every target engines.yaml lists that this machine can build)")]
+    = None,
     model: Annotated[Optional[str], typer.Option("--model")] = None,
     component: Annotated[Optional[str], typer.Option("--component")] = None,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="parallel builds (default: build.jobs)")] = None,
@@ -177,7 +179,7 @@ def build_command(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from . import api
-    from .errors import BuildError
+    from .errors import BuildError, InternalError
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
@@ -209,6 +211,11 @@ def build_command(
         console.print(f"[yellow]skipped target {name}[/yellow]: {reason}", soft_wrap=True)
     console.print(f"[bold]{len(report.outcomes)} engines[/bold]: {len(report.built)} built, {len(report.cached)} "
                   f"unchanged, {len(report.failed)} failed")
+    if report.internal_failures:  # a bug, not bad input: show where it happened and exit 2
+        for outcome in report.internal_failures:
+            err_console.print(outcome.failure.traceback, highlight=False, markup=False, soft_wrap=True)
+        names = ", ".join(o.spec.name for o in report.internal_failures)
+        raise InternalError(f"{len(report.internal_failures)} engine(s) failed with an internal error: {names}")
     if report.failed:
         names = ", ".join(o.spec.name for o in report.failed)
         raise BuildError(f"{len(report.failed)} engine(s) failed to build: {names}")
@@ -255,7 +262,7 @@ def refit_command(
     model: Annotated[str, typer.Option("--model", help="the model whose refittable engines to refit")],
     lora: Annotated[Optional[list[str]], typer.Option("--lora", help="FILE[:SCALE]; repeat for several")] = None,
     base: Annotated[bool, typer.Option("--base", help="restore the base weights")] = False,
-    target: Annotated[str, typer.Option("--target")] = "onnxruntime",
+    target: Annotated[str, typer.Option("--target", help=" | ".join(target_names()))] = "onnxruntime",
 ):
     """Apply LoRAs to refittable engines without a rebuild (or restore the base weights)."""
     from . import api

@@ -52,3 +52,8 @@ class ServeError(TrtDiffusionError):
 
 class MissingDependencyError(TrtDiffusionError):
     """An optional dependency (TensorRT, a GPU) is needed for this step and is not present."""
+
+
+class InternalError(Exception):
+    """A bug in trt-diffusion found inside a stage that keeps going (one engine of many): not the user's
+    to fix. Deliberately not a TrtDiffusionError, so the CLI exits 2."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trt_diffusion.build.tensorrt_config import EngineManifest, TensorInfo, manifest_path
+from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo, manifest_path
 from trt_diffusion.errors import ServeError
 from trt_diffusion.runtime.loader import BuiltEngine
 from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
@@ -94,7 +94,7 @@ def test_contract_stages():
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"ort_backend": "tensorflow"}, "ort_backend must be one of"),
+    ({"engine_backend": "tensorflow"}, "engine_backend must be one of"),
     ({"max_queue_size": 0}, "max_queue_size must be at least 1"),
     ({"queue_timeout_s": 0}, "queue_timeout_s must be positive"),
     ({"warmup_data": "ones"}, "warmup_data must be one of"),

@@ -140,7 +140,7 @@ def test_dropped_warmup_is_caught(repo, tmp_path):
 
 def test_onnxruntime_backend_option_writes_container_configs(sd15_engines, tmp_path):
     report = package(sd15_engines.engines, sd15_engines.model_dir, "sd15", "sd15-tiny", tmp_path / "repo",
-                     PackageOptions(ort_backend="onnxruntime", ensemble=False))
+                     PackageOptions(engine_backend="native", ensemble=False))
     models = read_configs(tmp_path / "repo")
     for engine in report.engine_models():
         config = models[engine.name]

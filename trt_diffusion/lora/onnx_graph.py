@@ -65,10 +65,10 @@ _HASH_CACHE: dict[tuple, str] = {}
 def onnx_sha256(onnx_path: str | Path) -> str:
     """Hash of the model file and every external-data file it references (the build's input identity).
 
-    Same digest as `build.tensorrt_config.onnx_sha256`; cached per file size and mtime because a
+    Same digest as `targets.onnx_facts.onnx_sha256`; cached per file size and mtime because a
     full-size UNet takes seconds to hash and every refit checks it.
     """
-    from ..build.tensorrt_config import onnx_sha256 as full_hash
+    from ..targets.onnx_facts import onnx_sha256 as full_hash
 
     path = Path(onnx_path).resolve()
     model = load_structure(path)

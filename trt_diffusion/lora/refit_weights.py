@@ -77,7 +77,7 @@ def refit_arrays(
 def refit_weights_for_tensorrt(
     refit_map: RefitMap, weights: Mapping[str, torch.Tensor | np.ndarray], precision: str | None = None
 ) -> dict[str, np.ndarray]:
-    """What `build.tensorrt_target.refit_engine(engine, weights, base_weights)` consumes: ONNX initializer
+    """What `targets.tensorrt.engine.refit_engine(engine, weights, base_weights)` consumes: ONNX initializer
     name -> array, transposed where the map says, as `precision` (fp32/fp16/bf16; default the ONNX's own).
 
     `weights` are full fused values (from `lora_deltas`), not differences. Pass the engine's base weights

@@ -56,23 +56,23 @@ def run_parity(config: EnginesConfig, out_dir: Path, options: ParityOptions, *, 
     variants, images = [], {}
     for model_name, model in config.models.items():
         for target in model.targets:
-            if targets and target.value not in targets:
+            if targets and target not in targets:
                 continue
             lora_variants = [None] + sorted({s.lora_variant.name for s in specs if s.model == model_name
                                              and s.lora_variant is not None})
             for lora in lora_variants:
-                engines = _engines_or_none(config, model_name, target.value, lora, specs)
+                engines = _engines_or_none(config, model_name, target, lora, specs)
                 if engines is None:
-                    progress(f"{model_name} {target.value}: not built, skipped")
+                    progress(f"{model_name} {target}: not built, skipped")
                     continue
                 runners = {engine.spec.key: runner_for(engine) for engine in engines}  # one session per engine
                 table = table_from_engines(engines, lambda engine: runners[engine.spec.key])
                 reference = _reference(config, model_name, lora)
                 for bucket in model.buckets:
                     for controlnet in [None, *sorted(model.controlnets)]:
-                        label = _variant_id(model_name, target.value, bucket.label, lora, controlnet)
+                        label = _variant_id(model_name, target, bucket.label, lora, controlnet)
                         progress(f"parity {label}")
-                        result, pngs = _compare_variant(config, model_name, target.value, bucket, lora, controlnet,
+                        result, pngs = _compare_variant(config, model_name, target, bucket, lora, controlnet,
                                                         table, reference, engines, runners, options, label)
                         variants.append(result)
                         images.update(pngs)

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BuildError
 from ..families import Component, Family
 from ..spec import EngineSpec, EnginesConfig, expand
+from ..targets import get_target
+from ..targets.base import BuiltEngine
 from .engines import RunnerTable
-
-
-@dataclass(frozen=True)
-class BuiltEngine:
-    spec: EngineSpec
-    path: Path  # onnxruntime: the engine folder; tensorrt: the .plan file
-    manifest: object  # OrtEngineManifest | EngineManifest
 
 
 def _variant_name(spec: EngineSpec) -> str | None:
@@ -46,30 +40,12 @@ def built_engines(config: EnginesConfig, model_name: str, target: str, *, lora_v
 
 
 def _find(config: EnginesConfig, spec: EngineSpec) -> BuiltEngine | None:
-    if spec.target == "onnxruntime":
-        from ..build.onnxruntime_target import engine_dir, read_manifest
-
-        folder = engine_dir(config.workspace, spec)
-        manifest = read_manifest(folder)
-        return BuiltEngine(spec, folder, manifest) if manifest and manifest.spec_key == spec.key else None
-    from ..build.tensorrt_config import EngineManifest, engine_path, manifest_path
-
-    plan = engine_path(config.workspace, spec)
-    try:
-        manifest = EngineManifest.read(manifest_path(plan))
-    except Exception:  # missing or unreadable manifest: not built
-        return None
-    return BuiltEngine(spec, plan, manifest) if plan.is_file() and manifest.spec_key == spec.key else None
+    return get_target(spec.target).find(Path(config.workspace), spec)
 
 
-def runner_for(engine: BuiltEngine, *, initializers=None):
-    if engine.spec.target == "onnxruntime":
-        from ..build.onnxruntime_target import load_runner
-
-        return load_runner(engine.path, name=engine.spec.name, initializers=initializers)
-    from .runners import TensorRTRunner
-
-    return TensorRTRunner(engine.path, name=engine.spec.name)
+def runner_for(engine: BuiltEngine, *, weights=None):
+    """A runner over the engine; `weights` (fused LoRA weights, torch names) refit a refittable engine."""
+    return get_target(engine.spec.target).runner(engine, weights)
 
 
 def table_from_engines(engines: list[BuiltEngine], make_runner=runner_for) -> RunnerTable:
@@ -92,28 +68,14 @@ def engine_runners(config: EnginesConfig, model_name: str, target: str, *, lora_
     weights = refit_weights(config, model_name, loras)
 
     def make(engine: BuiltEngine):
-        if not engine.spec.refittable:
-            return runner_for(engine)
-        return runner_for(engine, initializers=initializers_for(engine, weights))
+        return runner_for(engine, weights=weights if engine.spec.refittable else None)
 
     return model.source.path, model.family, table_from_engines(engines, make)
 
 
 def refit_weights(config: EnginesConfig, model_name: str, loras: list[tuple[Path, float]]):
     """Fused denoiser weights (torch parameter name -> tensor) for these LoRAs at these scales."""
-    from ..build.stage import base_denoiser
     from ..lora import lora_deltas
+    from ..targets.stage import base_denoiser
 
     return lora_deltas(base_denoiser(config, model_name), [(Path(p), float(s)) for p, s in loras])
-
-
-def initializers_for(engine: BuiltEngine, weights) -> dict:
-    from ..lora import RefitMap, refit_arrays
-
-    if engine.spec.target != "onnxruntime":
-        raise BuildError("LoRA refit at load time is implemented for the onnxruntime target; for tensorrt use "
-                         "`trt-diffusion refit`")
-    from ..build.onnxruntime_target import MODEL_FILE
-
-    refit_map = RefitMap.load(engine.path, onnx_path=engine.path / MODEL_FILE)
-    return refit_arrays(refit_map, weights)

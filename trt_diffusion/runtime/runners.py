@@ -105,29 +105,6 @@ class TorchRunner:
                 for k, v in zip(self.output_names, outputs)}
 
 
-class TensorRTRunner:
-    """A TensorRT engine (imported lazily: TensorRT and a GPU are needed only when this is used).
-
-    Input checks come from the engine's manifest; `run_engine` checks shapes against its profile.
-    """
-
-    def __init__(self, plan_path: str | Path, *, name: str | None = None):
-        from ..build import tensorrt_target
-        from ..build.tensorrt_config import EngineManifest, manifest_path
-
-        self.path = Path(plan_path)
-        self.name = name or self.path.name
-        self._run = tensorrt_target.run_engine
-        self._engine = tensorrt_target.load_engine(self.path)
-        manifest = EngineManifest.read(manifest_path(self.path))
-        self.inputs = {t.name: TensorSpec(np.dtype(t.dtype), tuple(d if d >= 0 else None for d in t.shape))
-                       for t in manifest.inputs}
-
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        check_feeds(self.name, self.inputs, feeds)
-        return self._run(self._engine, feeds)
-
-
 class CallableRunner:
     """Adapter for a plain function (tests, composite runners)."""
 

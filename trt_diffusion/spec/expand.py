@@ -19,7 +19,7 @@ import json
 from ..families import Component
 from .engine_spec import EngineSpec, LoraVariant
 from .load import EnginesConfig, ResolvedModel
-from .schema import CfgMode, LoraMode, Target
+from .schema import CfgMode, LoraMode
 
 
 def denoiser_batches(model: ResolvedModel) -> dict[int, list[str]]:
@@ -44,11 +44,10 @@ def expand(config: EnginesConfig) -> list[EngineSpec]:
     return list(specs.values())  # file order: model, target, component, bucket
 
 
-def _build_options(config: EnginesConfig, model: ResolvedModel, target: Target, component: Component):
-    options = {"opset": config.build.opset}
-    if target is Target.tensorrt:
-        options["tensorrt_optimization_level"] = config.build.tensorrt.optimization_level
-        options["tensorrt_workspace_gb"] = config.build.tensorrt.workspace_gb
+def _build_options(config: EnginesConfig, model: ResolvedModel, target: str, component: Component):
+    from ..targets import get_target
+
+    options = {"opset": config.build.opset, **get_target(target).build_options(config)}
     if component is Component.unet and model.controlnets:
         options["controlnet_residuals"] = True  # the UNet takes the ControlNet's residuals as extra inputs
     if model.precision[component].is_quantized:
@@ -67,7 +66,7 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
         def make(component, batch, bucket, reasons, source=model.source.identity, **extra):
             return EngineSpec(
                 model=model.name, family=model.family.value, source=source,
-                component=component.value, target=target.value, precision=model.precision[component].value,
+                component=component.value, target=target, precision=model.precision[component].value,
                 batch=batch, bucket=bucket, build_options=_build_options(config, model, target, component),
                 reasons=tuple(reasons), **extra,
             )

@@ -12,7 +12,7 @@ from ..families import Component, Family, family_info
 from .engine_spec import Bucket, Size
 from .schema import (
     BUILTIN_DEFAULTS, BuildSettings, CfgMode, EnginesFile, HubSource, LoraEntry, LoraMode, ModelEntry,
-    ParityThresholds, Precision, QuantizationSettings, RangeBucket, Target,
+    ParityThresholds, Precision, QuantizationSettings, RangeBucket,
 )
 from .yaml_lines import LocatedYaml, load_located_yaml
 
@@ -41,7 +41,7 @@ class ResolvedModel:
     batch: tuple[int, ...]
     cfg: tuple[CfgMode, ...]
     precision: dict[Component, Precision]
-    targets: tuple[Target, ...]
+    targets: tuple[str, ...]
     refittable: bool
     controlnets: dict[str, ResolvedSource]
     loras: dict[str, ResolvedLora]
@@ -155,6 +155,10 @@ def _merged(entry: ModelEntry, defaults, name: str):
         value = getattr(defaults, name)
     if value is None:
         value = BUILTIN_DEFAULTS.get(name)
+    if value is None and name == "targets":
+        from ..targets import default_target_names
+
+        value = list(default_target_names())
     return value
 
 

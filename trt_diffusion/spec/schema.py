@@ -32,9 +32,17 @@ class Precision(str, Enum):
         return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}[self.value]
 
 
-class Target(str, Enum):
-    tensorrt = "tensorrt"
-    onnxruntime = "onnxruntime"
+def _known_target(value: str) -> str:
+    # The registry knows the targets by name without importing them (targets/__init__.py).
+    from ..targets import target_names
+
+    if value not in target_names():
+        raise ValueError(f"unknown target {value!r}; known targets: {', '.join(target_names())}")
+    return value
+
+
+# A registered target's name (the registry, not this schema, decides which exist).
+Target = Annotated[str, AfterValidator(_known_target)]
 
 
 class CfgMode(str, Enum):
@@ -178,7 +186,7 @@ BUILTIN_DEFAULTS = {
     "buckets": ["512x512"],
     "batch": [1],
     "cfg": [CfgMode.batched],
-    "targets": [Target.tensorrt, Target.onnxruntime],
+    "targets": None,  # targets.default_target_names(), read when a file is resolved
     "refittable": False,
     # fp32 VAE by default: fp16 VAEs overflow into black/NaN images.
     "precision": {Component.vae_encoder: Precision.fp32, Component.vae_decoder: Precision.fp32},

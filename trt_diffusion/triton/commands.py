@@ -18,17 +18,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..targets import check_target_name, target_names
+
 console = Console()
 
 
-class TargetChoice(str, Enum):
-    onnxruntime = "onnxruntime"
-    tensorrt = "tensorrt"
-
-
-class OrtBackend(str, Enum):
+class EngineBackend(str, Enum):
     python = "python"
-    onnxruntime = "onnxruntime"
+    native = "native"
 
 
 class WarmupData(str, Enum):
@@ -46,12 +43,13 @@ def package_command(
     out: Annotated[Path, typer.Option("--out", help="repository folder to write (replaced if we wrote it)")]
     = Path("triton_repo"),
     model: Annotated[Optional[str], typer.Option("--model", help="the model of engines.yaml to package")] = None,
-    target: Annotated[TargetChoice, typer.Option("--target", help="which built engines to serve")]
-    = TargetChoice.onnxruntime,
-    ort_backend: Annotated[OrtBackend, typer.Option(
-        "--ort-backend", help="python: ONNX Runtime inside python-backend models (runs on the tritonserver bundled "
-        "in nvidia-pytriton); onnxruntime: Triton's onnxruntime backend (NVIDIA's containers only)")]
-    = OrtBackend.python,
+    target: Annotated[str, typer.Option("--target", help="which built engines to serve: "
+                                        f"{' | '.join(target_names())}")] = "onnxruntime",
+    engine_backend: Annotated[EngineBackend, typer.Option(
+        "--engine-backend", help="python: the target's runner inside python-backend models (runs on the "
+        "tritonserver bundled in nvidia-pytriton); native: the target's own Triton backend (onnxruntime, "
+        "openvino: NVIDIA's containers). tensorrt engines are always served as tensorrt_plan")]
+    = EngineBackend.python,
     instances: Annotated[int, typer.Option("--instances", min=1, help="instances of the pipeline (denoise) models;"
                                            " 2 avoids a 500 ms stall of Triton 2.51's batcher with one")] = 2,
     engine_instances: Annotated[int, typer.Option("--engine-instances", min=1, help="instances per engine model")]
@@ -69,10 +67,10 @@ def package_command(
     from .repository import PackageOptions
     from .stage import package_stage
 
-    options = PackageOptions(ort_backend=ort_backend.value, pipeline_instances=instances,
+    options = PackageOptions(engine_backend=engine_backend.value, pipeline_instances=instances,
                              engine_instances=engine_instances, max_queue_size=max_queue_size,
                              queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble)
-    report = package_stage(config, out, target.value, model=model, options=options)
+    report = package_stage(config, out, check_target_name(target), model=model, options=options)
     table = Table(title=f"Triton repository {report.repo}")
     for column in ("model", "role", "backend", "component", "bucket", "batch", "warm-up shapes"):
         table.add_column(column)

@@ -74,19 +74,21 @@ def _warmup(config: ModelConfig, samples: Sequence[WarmupSample], random_floats:
                 data.zero_data = True
 
 
+PLAN_PLATFORM = "tensorrt_plan"  # Triton names TensorRT plans as a platform, not a backend
+
+
 def engine_config(name: str, *, inputs: Sequence[TensorDecl], outputs: Sequence[TensorDecl], backend: str,
-                  instances: int, kind: str, warmup: Sequence[WarmupSample], random_warmup: bool,
-                  parameters: dict[str, str]) -> ModelConfig:
-    """One engine: `backend` is python | onnxruntime | tensorrt (platform tensorrt_plan)."""
+                  model_file: str | None, instances: int, kind: str, warmup: Sequence[WarmupSample],
+                  random_warmup: bool, parameters: dict[str, str]) -> ModelConfig:
+    """One engine: `backend` is a Triton backend (python, onnxruntime, openvino, ...) or the platform
+    tensorrt_plan, as the engine's target says; `model_file` the file a non-python backend loads."""
     config = ModelConfig(name=name, max_batch_size=0)  # the engine's batch is part of its shape
-    if backend == "tensorrt":
-        config.platform = "tensorrt_plan"
-        config.default_model_filename = "model.plan"
-    elif backend == "onnxruntime":
-        config.backend = "onnxruntime"
-        config.default_model_filename = "model.onnx"
+    if backend == PLAN_PLATFORM:
+        config.platform = backend
     else:
-        config.backend = "python"
+        config.backend = backend
+    if backend != "python" and model_file:
+        config.default_model_filename = model_file
     _add_tensors(config.input, inputs, inputs=True)
     _add_tensors(config.output, outputs, inputs=False)
     _instances(config, instances, kind)

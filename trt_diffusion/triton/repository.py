@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from ..errors import ServeError
 from ..families import FAMILIES, Family
+from ..targets import get_target
 from . import configs, contract, naming
 from .configs import EnsembleStep, ModelConfig, QueuePolicy, WarmupSample
 from .contract import TensorDecl
@@ -34,7 +35,7 @@ from .report import PackagedModel, PackageReport
 from .validate import validate_repository
 
 VERSION = "1"
-ORT_BACKENDS = ("python", "onnxruntime")
+ENGINE_BACKENDS = ("python", "native")
 WARMUP_DATA = ("zero", "random")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".onnx", ".msgpack", ".h5", ".gguf")
 _SKELETON_DIRS = ("scheduler", "vae", "unet", "transformer", "tokenizer", "tokenizer_2", "tokenizer_3")
@@ -51,10 +52,10 @@ PIPELINE_MODEL_PY = _model_py("trt_diffusion.triton.backend.pipeline_model")
 
 @dataclass(frozen=True)
 class PackageOptions:
-    # python: a python-backend model runs ONNX Runtime (the only choice on the bundled CPU server);
-    # onnxruntime: `backend: "onnxruntime"` configs for NVIDIA's Triton containers.
-    ort_backend: str = "python"
-    ort_instance_kind: str = "KIND_CPU"  # for --ort-backend onnxruntime: KIND_CPU | KIND_GPU
+    # python: a python-backend model runs the target's runner (the only choice on the bundled CPU server);
+    # native: the target's own Triton backend (onnxruntime, openvino: NVIDIA's containers). Targets with no
+    # python runner in Triton (tensorrt: tensorrt_plan) always use their native one.
+    engine_backend: str = "python"
     # Instances of the entry model and of the ensemble's denoise stage. Two, not one: with a single instance,
     # Triton 2.51's dynamic batcher sometimes sleeps 500 ms before a request that arrives while the instance is
     # being released (a lost wake-up, measured: ~5% of back-to-back requests); a second instance avoids it.
@@ -68,10 +69,8 @@ class PackageOptions:
 
     def check(self) -> None:
         problems = []
-        if self.ort_backend not in ORT_BACKENDS:
-            problems.append(f"ort_backend must be one of {ORT_BACKENDS}, got {self.ort_backend!r}")
-        if self.ort_instance_kind not in ("KIND_CPU", "KIND_GPU"):
-            problems.append(f"ort_instance_kind must be KIND_CPU or KIND_GPU, got {self.ort_instance_kind!r}")
+        if self.engine_backend not in ENGINE_BACKENDS:
+            problems.append(f"engine_backend must be one of {ENGINE_BACKENDS}, got {self.engine_backend!r}")
         if self.warmup_data not in WARMUP_DATA:
             problems.append(f"warmup_data must be one of {WARMUP_DATA}, got {self.warmup_data!r}")
         for name in ("pipeline_instances", "engine_instances", "max_queue_size"):
@@ -92,6 +91,7 @@ class _ModelPlan:
     files: dict[str, Path] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
     skeleton: bool = False  # copy the model folder's configs and tokenizers into <version>/model/
+    notes: tuple[str, ...] = ()  # what the user must know to serve this model (from its target)
     description: PipelineDescription | None = None
 
 
@@ -124,7 +124,7 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
         ensemble=naming.ensemble_name(pipeline) if options.ensemble else None, family=family.value, target=target,
         sizes=sizes, request_sizes=request_sizes, controlnets=list(description.controlnets),
         models=[plan.record for plan in models], options=asdict(options), seconds=0.0,
-        notes=_notes(target, options))
+        notes=list(dict.fromkeys(note for plan in engines for note in plan.notes)))
     _check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -193,35 +193,23 @@ def _warmup_samples(name: str, manifest: Any, spec: Any) -> list[WarmupSample]:
     return list(samples.values())
 
 
-def _engine_files(engine: Any, backend: str) -> dict[str, Path]:
-    if backend == "tensorrt":
-        from ..build.tensorrt_config import manifest_path
-
-        return {"model.plan": Path(engine.path), "manifest.json": manifest_path(engine.path)}
-    folder = Path(engine.path)
-    files = {f.name: f for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".")}
-    if "model.onnx" not in files or "manifest.json" not in files:
-        raise ServeError(f"{folder} is not a complete onnxruntime engine (model.onnx and manifest.json needed)")
-    return files
-
-
 def _engine_plan(pipeline: str, engine: Any, options: PackageOptions) -> _ModelPlan:
     spec, manifest = engine.spec, engine.manifest
     name = naming.engine_model_name(pipeline, spec)
-    backend = "tensorrt" if spec.target == "tensorrt" else options.ort_backend
-    kind = {"tensorrt": "KIND_GPU", "onnxruntime": options.ort_instance_kind, "python": "KIND_CPU"}[backend]
+    served = get_target(spec.target).triton_model(engine, engine_backend=options.engine_backend)
     warmup = _warmup_samples(name, manifest, spec)
     config = configs.engine_config(
         name, inputs=_tensor_decls(manifest.inputs, name), outputs=_tensor_decls(manifest.outputs, name),
-        backend=backend, instances=options.engine_instances, kind=kind, warmup=warmup,
-        random_warmup=options.warmup_data == "random",
-        parameters={"engine": spec.name, "engine_key": spec.key, "component": spec.component})
+        backend=served.backend, model_file=served.model_file, instances=options.engine_instances,
+        kind=served.instance_kind, warmup=warmup, random_warmup=options.warmup_data == "random",
+        parameters={"engine": spec.name, "engine_key": spec.key, "component": spec.component,
+                    "target": spec.target})
     record = PackagedModel(
-        name=name, role="engine", backend={"tensorrt": "tensorrt_plan"}.get(backend, backend),
-        component=spec.component, bucket=spec.bucket.label if spec.bucket else None, batch=spec.batch,
-        controlnet=spec.controlnet, warmup_samples=len(warmup), source=str(engine.path))
-    texts = {"model.py": ENGINE_MODEL_PY} if backend == "python" else {}
-    return _ModelPlan(config, record, files=_engine_files(engine, backend), texts=texts)
+        name=name, role="engine", backend=served.backend, component=spec.component,
+        bucket=spec.bucket.label if spec.bucket else None, batch=spec.batch, controlnet=spec.controlnet,
+        warmup_samples=len(warmup), source=str(engine.path))
+    texts = {"model.py": ENGINE_MODEL_PY} if served.backend == "python" else {}
+    return _ModelPlan(config, record, files=dict(served.files), texts=texts, notes=served.notes)
 
 
 def _check_unique(names: list[str]) -> None:
@@ -362,12 +350,3 @@ def _swap_into_place(staging: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _notes(target: str, options: PackageOptions) -> list[str]:
-    notes = []
-    if target == "onnxruntime" and options.ort_backend == "onnxruntime":
-        notes.append("backend \"onnxruntime\" engine models need NVIDIA's Triton containers; the tritonserver "
-                     "bundled in nvidia-pytriton has only the python backend (package with --ort-backend python)")
-    if target == "tensorrt":
-        notes.append("platform tensorrt_plan needs NVIDIA's Triton containers with the TensorRT version and GPU "
-                     "the plans were built for")
-    return notes

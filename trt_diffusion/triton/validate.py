@@ -17,7 +17,6 @@ from .description import FILE_NAME as DESCRIPTION_FILE
 from .description import SKELETON_DIR, PipelineDescription
 
 VERSION = "1"
-_REQUIRED_FILES = {"python": ("model.py",), "onnxruntime": ("model.onnx",), "tensorrt_plan": ("model.plan",)}
 
 
 def read_configs(repo: Path) -> dict[str, ModelConfig]:
@@ -64,8 +63,12 @@ def validate_repository(repo: str | Path, manifests: dict[str, Any] | None = Non
 # ---------------------------------------------------------------------------- helpers
 
 
-def _backend(config: ModelConfig) -> str:
-    return "tensorrt_plan" if config.platform == "tensorrt_plan" else (config.backend or config.platform)
+def _required_files(config: ModelConfig) -> tuple[str, ...]:
+    """A python model needs its model.py; any other backend the file its config names (the targets set
+    `default_model_filename` for their Triton backends)."""
+    if config.backend == "python":
+        return ("model.py",)
+    return (config.default_model_filename,) if config.default_model_filename else ()
 
 
 def _copied_manifest(version: Path) -> Any:
@@ -117,7 +120,7 @@ def _engine_problems(folder: Path, config: ModelConfig, manifest: Any) -> list[s
     if config.max_batch_size != 0:
         problems.append(f"{where}: max_batch_size is {config.max_batch_size}; engines carry their batch in their "
                         "shapes (0)")
-    for file in _REQUIRED_FILES.get(_backend(config), ()):
+    for file in _required_files(config):
         if not (folder / VERSION / file).is_file():
             problems.append(f"{where}: {VERSION}/{file} is missing")
     inputs = {t.name: t for t in config.input}

@@ -1,7 +1,9 @@
-"""A python-backend model running one ONNX Runtime engine (the bundled server has no onnxruntime backend).
+"""A python-backend model running one engine through its target's runner (the bundled server has only
+the python backend).
 
-The engine files lie in the model's version folder; the session is created exactly as the in-process
-runner creates it (`onnxruntime_target.load_runner`), so both give the same numbers.
+The engine files lie in the model's version folder; the config's `target` parameter names the target,
+whose `runner_from_files` creates the runner exactly as the in-process pipeline does, so both give the
+same numbers.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from . import pb
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        from ...build.onnxruntime_target import load_runner
+        from ...targets import get_target
 
         config = json.loads(args["model_config"])
         self.name = config["name"]
         folder = Path(args["model_repository"]) / args["model_version"]
-        self.runner = load_runner(folder, name=self.name)
+        target = config["parameters"]["target"]["string_value"]
+        self.runner = get_target(target).runner_from_files(folder, self.name)
         self.output_names = [output["name"] for output in config["output"]]
 
     def execute(self, requests: list) -> list:

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import BuildError
 from ..spec.engine_spec import EngineSpec
-from .tensorrt_config import ProfileShapes, TensorInfo, onnx_sha256, validate_profile
+from .base import BuildRequest, BuiltEngine, TritonEngineModel
+from .onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
 
 TARGET = "onnxruntime"
 MANIFEST_SCHEMA_VERSION = 1
@@ -125,7 +126,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             stale.unlink(missing_ok=True)
         if before_commit is not None:
             before_commit(tmp)
-        inputs, outputs = _io_info(tmp / MODEL_FILE)
+        inputs, outputs = onnx_io(tmp / MODEL_FILE)
         manifest = OrtEngineManifest(
             spec_key=spec.key, spec_name=spec.name, onnxruntime_version=onnxruntime.__version__,
             input_hash=input_hash, onnx_sha256=source_sha, engine_sha256=onnx_sha256(tmp / MODEL_FILE),
@@ -188,24 +189,6 @@ def _optimize_offline(source: Path, target: Path) -> None:
     ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
 
 
-_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-                onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool",
-                onnx.TensorProto.BFLOAT16: "bfloat16"}
-
-
-def _io_info(path: Path) -> tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]:
-    model = onnx.load(str(path), load_external_data=False)
-
-    def info(value) -> TensorInfo:
-        tensor = value.type.tensor_type
-        shape = tuple(d.dim_value if d.dim_value else -1 for d in tensor.shape.dim)
-        return TensorInfo(name=value.name, dtype=_ONNX_DTYPES.get(tensor.elem_type, "float32"), shape=shape)
-
-    initializers = {i.name for i in model.graph.initializer}
-    inputs = tuple(info(v) for v in model.graph.input if v.name not in initializers)
-    return inputs, tuple(info(v) for v in model.graph.output)
-
-
 def session_options():
     import onnxruntime as ort
 
@@ -235,3 +218,69 @@ def load_runner(folder: str | Path, *, name: str | None = None, providers=None, 
     else:
         session = ort.InferenceSession(str(folder / MODEL_FILE), session_options(), providers=providers)
     return OnnxRuntimeRunner(folder / MODEL_FILE, name=name or folder.name, session=session)
+
+
+def _engine_files(folder: Path) -> dict[str, Path]:
+    files = {f.name: f for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".")}
+    if MODEL_FILE not in files or MANIFEST_FILE not in files:
+        raise BuildError(f"{folder} is not a complete onnxruntime engine ({MODEL_FILE} and {MANIFEST_FILE} needed)")
+    return files
+
+
+class OnnxRuntimeTarget:
+    """Engines as fixed-shape, offline-optimized ONNX, run by ONNX Runtime (CPU here; CUDA where installed)."""
+
+    name = TARGET
+
+    def unavailable_reason(self) -> str | None:
+        import importlib.util
+
+        return None if importlib.util.find_spec("onnxruntime") else "the onnxruntime package is not installed"
+
+    def build_options(self, config) -> dict:
+        return {}
+
+    def build(self, request: BuildRequest) -> tuple[Path, bool]:
+        writer = request.write_refit_map
+        before_commit = (lambda folder: writer(folder / MODEL_FILE, folder)) if writer else None
+        folder, _, cached = build_engine(request.onnx_path, request.spec, request.profile, request.workspace,
+                                         before_commit=before_commit)
+        return folder, cached
+
+    def is_current(self, request: BuildRequest) -> bool:
+        folder = engine_dir(request.workspace, request.spec)
+        return trusted_engine(folder, build_input_hash(onnx_sha256(request.onnx_path), request.spec)) is not None
+
+    def find(self, workspace: Path, spec: EngineSpec) -> BuiltEngine | None:
+        folder = engine_dir(workspace, spec)
+        manifest = read_manifest(folder)
+        return BuiltEngine(spec, folder, manifest) if manifest and manifest.spec_key == spec.key else None
+
+    def runner(self, engine: BuiltEngine, weights=None):
+        initializers = self._initializers(engine, weights) if weights else None
+        return load_runner(engine.path, name=engine.spec.name, initializers=initializers)
+
+    def refit(self, engine: BuiltEngine, weights, source_onnx) -> int:
+        # ONNX Runtime refits when a session is created: check the LoRA fits and build that session,
+        # exactly what a server does at load time. Nothing is written: the engine stays the base.
+        arrays = self._initializers(engine, weights) if weights else {}
+        load_runner(engine.path, name=engine.spec.name, initializers=arrays)
+        return len(arrays)
+
+    def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
+        files = _engine_files(Path(engine.path))
+        if engine_backend == "native":
+            return TritonEngineModel("onnxruntime", "KIND_CPU", files, MODEL_FILE, notes=(
+                'backend "onnxruntime" engine models need NVIDIA\'s Triton containers; the tritonserver bundled '
+                "in nvidia-pytriton has only the python backend (package with --engine-backend python)",))
+        return TritonEngineModel("python", "KIND_CPU", files)
+
+    def runner_from_files(self, folder: Path, name: str):
+        return load_runner(folder, name=name)
+
+    @staticmethod
+    def _initializers(engine: BuiltEngine, weights) -> dict:
+        from ..lora import RefitMap, refit_arrays
+
+        refit_map = RefitMap.load(engine.path, onnx_path=engine.path / MODEL_FILE)
+        return refit_arrays(refit_map, weights)

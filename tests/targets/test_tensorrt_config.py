@@ -12,7 +12,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from trt_diffusion.build.tensorrt_config import (
+from trt_diffusion.targets.tensorrt.config import (
     GIB,
     REBUILD_COMMAND,
     BuildFlags,
@@ -529,7 +529,7 @@ def test_base_weights_and_hash_follow_external_data(tmp_path):
 
 
 def _tensorrt_usable() -> bool:
-    from trt_diffusion.build.tensorrt_target import tensorrt_available
+    from trt_diffusion.targets.tensorrt.engine import tensorrt_available
 
     return tensorrt_available()[0]
 
@@ -538,13 +538,13 @@ needs_no_tensorrt = pytest.mark.skipif(_tensorrt_usable(), reason="this host has
 
 
 def test_target_module_imports_without_tensorrt():
-    module = importlib.import_module("trt_diffusion.build.tensorrt_target")
+    module = importlib.import_module("trt_diffusion.targets.tensorrt.engine")
     assert callable(module.build_engine)
 
 
 @needs_no_tensorrt
 def test_tensorrt_available_says_why_not():
-    from trt_diffusion.build.tensorrt_target import host_info, tensorrt_available
+    from trt_diffusion.targets.tensorrt.engine import host_info, tensorrt_available
 
     available, reason = tensorrt_available()
     assert available is False
@@ -555,7 +555,7 @@ def test_tensorrt_available_says_why_not():
 
 @needs_no_tensorrt
 def test_build_checks_its_inputs_before_needing_tensorrt(conv_onnx, tmp_path):
-    from trt_diffusion.build.tensorrt_target import build_engine
+    from trt_diffusion.targets.tensorrt.engine import build_engine
 
     good = {"sample": ((1, 4, 8, 8), (2, 4, 16, 16), (4, 4, 32, 32))}
     with pytest.raises(BuildError, match="dim 2 needs min <= opt <= max"):
@@ -577,7 +577,7 @@ def write_plan_and_manifest(tmp_path: Path, manifest: EngineManifest) -> Path:
 
 @needs_no_tensorrt
 def test_load_checks_compatibility_before_deserializing(tmp_path):
-    from trt_diffusion.build.tensorrt_target import load_engine
+    from trt_diffusion.targets.tensorrt.engine import load_engine
 
     plan = write_plan_and_manifest(tmp_path, make_manifest())
     with pytest.raises(BuildError, match="built with TensorRT 10.8.0.43 for sm_89"):
@@ -594,7 +594,7 @@ def test_load_checks_compatibility_before_deserializing(tmp_path):
 
 @needs_no_tensorrt
 def test_run_checks_feeds_before_loading(tmp_path):
-    from trt_diffusion.build.tensorrt_target import run_engine
+    from trt_diffusion.targets.tensorrt.engine import run_engine
 
     plan = write_plan_and_manifest(tmp_path, make_manifest())
     with pytest.raises(RuntimeInputError, match="missing input"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from trt_diffusion.build import onnxruntime_target as ort_target
+from trt_diffusion.targets import onnxruntime as ort_target
 from trt_diffusion.errors import RuntimeInputError
 from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
 
@@ -89,7 +89,7 @@ def test_killed_build_leaves_no_trusted_engine(tmp_path, dynamic_onnx):
     """SIGKILL while the engine is being written: the next run finds nothing to trust and rebuilds."""
     script = textwrap.dedent(f"""
         import os, signal, onnx
-        from trt_diffusion.build import onnxruntime_target as t
+        from trt_diffusion.targets import onnxruntime as t
         from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
         real = t._optimize_offline
         def dying(source, target):

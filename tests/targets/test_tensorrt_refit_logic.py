@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trt_diffusion.build import tensorrt_target as target
-from trt_diffusion.build.tensorrt_config import EngineManifest, TensorInfo
+from trt_diffusion.targets.tensorrt import engine as target
+from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo
 from trt_diffusion.errors import RefitError
 
 FUSED_GROUPS = [{"conv.weight", "conv.bias"}]  # e.g. a conv whose kernel and bias TensorRT fused

@@ -10,9 +10,10 @@ import torch
 import yaml
 
 from trt_diffusion import api
-from trt_diffusion.build import stage
+from trt_diffusion.targets import stage
 from trt_diffusion.cli import main
-from trt_diffusion.errors import RefitError
+from trt_diffusion.errors import BuildError, RefitError
+from trt_diffusion.targets import get_target
 from trt_diffusion.models.tiny import build_tiny_pipeline, build_tiny_lora
 from trt_diffusion.runtime.loader import engine_runners
 from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
@@ -71,24 +72,49 @@ def test_bucket_change_rebuilds_only_its_engines(tmp_path, built_sd15):
     assert len(report.cached) == 4  # the 64x64 engines and the text encoder
 
 
-def test_a_failing_engine_is_reported_and_the_others_build(tmp_path, built_sd15, monkeypatch, capsys):
+def _failing_vae_build(monkeypatch, exc: Exception):
+    target = get_target("onnxruntime")
+    real = target.build
+
+    def failing(request):
+        if request.spec.component == "vae_decoder":
+            raise exc
+        return real(request)
+
+    monkeypatch.setattr(target, "build", failing)
+
+
+def _fresh_workspace(tmp_path, built_sd15):
     data = yaml.safe_load(built_sd15.read_text())
     data["build"]["workspace"] = str(tmp_path / "build")
     path = tmp_path / "engines.yaml"
     path.write_text(yaml.safe_dump(data))
-    real = stage._build_one
+    return path
 
-    def failing(config, spec, onnx_path):
-        if spec.component == "vae_decoder":
-            raise RuntimeError("simulated builder crash")
-        return real(config, spec, onnx_path)
 
-    monkeypatch.setattr(stage, "_build_one", failing)
+def test_a_failing_engine_is_reported_and_the_others_build(tmp_path, built_sd15, monkeypatch, capsys):
+    """A tool's refusal (a TrtDiffusionError) is the user's to fix: one message, exit 1, no traceback."""
+    path = _fresh_workspace(tmp_path, built_sd15)
+    _failing_vae_build(monkeypatch, BuildError("simulated refusal: the builder ran out of memory"))
     assert main(["build", str(path)]) == 1
     captured = capsys.readouterr()
     out = " ".join(captured.out.split())
-    assert "simulated builder crash" in out and "3 built" in out and "1 failed" in out
+    assert "simulated refusal" in out and "3 built" in out and "1 failed" in out
     assert "sd15-tiny.vae_decoder.64x64.b1.fp32" in captured.err and "Traceback" not in captured.err
+
+
+def test_a_bug_in_a_target_exits_2_with_its_traceback(tmp_path, built_sd15, monkeypatch, capsys):
+    """Any other exception is a bug: the other engines still build, then exit 2 with the traceback."""
+    path = _fresh_workspace(tmp_path, built_sd15)
+    _failing_vae_build(monkeypatch, RuntimeError("simulated builder crash"))
+    report = api.build(path)
+    (failed,) = report.failed
+    assert failed.failure.internal and "simulated builder crash" in failed.failure.traceback
+    assert len(report.built) + len(report.cached) == 3
+    assert main(["build", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" in captured.err and "simulated builder crash" in captured.err
+    assert "internal error" in captured.err
 
 
 # ------------------------------------------------------------------------------------------- LoRA

@@ -2,7 +2,7 @@
 
 The only module of trt-diffusion that imports `tensorrt`, and only inside functions: importing this
 module needs neither TensorRT nor a GPU, and `tensorrt_available()` says why a host cannot build.
-Every decision (flags, profile checks, manifests, compatibility) lives in `tensorrt_config`; this
+Every decision (flags, profile checks, manifests, compatibility) lives in `config.py`; this
 module carries them out through Polygraphy's loaders (CreateConfig, EngineBytesFromNetwork,
 EngineFromBytes, TrtRunner) and TensorRT's Refitter.
 """
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import BuildError, MissingDependencyError, RefitError
-from ..spec.engine_spec import EngineSpec
-from .tensorrt_config import (
+from ...errors import BuildError, MissingDependencyError, RefitError
+from ...spec.engine_spec import EngineSpec
+from .config import (
     REBUILD_COMMAND,
     TRT_DTYPE_NAMES,
     BuildFlags,

@@ -1,7 +1,7 @@
 """TensorRT build decisions that need no TensorRT: profiles, flags, manifests, compatibility, paths.
 
 Everything here is pure Python (numpy, onnx, pydantic) so it is tested on CPU machines; the module
-that talks to TensorRT (`tensorrt_target`) only carries these decisions out.
+that talks to TensorRT (`engine.py`) only carries these decisions out.
 """
 
 from __future__ import annotations
@@ -22,22 +22,28 @@ import onnx
 from onnx import numpy_helper
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import BuildError, RefitError, RuntimeInputError
-from ..spec.engine_spec import EngineSpec
+from ...errors import BuildError, RefitError, RuntimeInputError
+from ...spec.engine_spec import EngineSpec
+from ..onnx_facts import (  # noqa: F401  (re-exported: the TensorRT build's ONNX facts)
+    ProfileShapes,
+    Shape,
+    TensorInfo,
+    atomic_write_bytes,
+    check_profile_against_inputs,
+    onnx_has_qdq,
+    onnx_input_shapes,
+    onnx_sha256,
+    read_base_weights,
+    validate_profile,
+)
 
 TARGET = "tensorrt"
 MANIFEST_SCHEMA_VERSION = 1
 REBUILD_COMMAND = "trt-diffusion build engines.yaml --target tensorrt"
 GIB = 1 << 30
 
-Shape = tuple[int, ...]
-# input name -> (min, opt, max) shape of the engine's single optimization profile
-ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]
-
 KNOWN_PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8")
 QUANTIZED_PRECISIONS = ("fp8", "int8")
-QDQ_OP_TYPES = frozenset({"QuantizeLinear", "DequantizeLinear"})
-TRT_CUSTOM_DOMAIN = "trt"  # ModelOpt's FP8 export emits trt::TRT_FP8QuantizeLinear / ...DequantizeLinear
 
 # TensorRT DataType member name -> the dtype name written in manifests (numpy's name where numpy has one)
 TRT_DTYPE_NAMES = {
@@ -54,176 +60,6 @@ TRT_DTYPE_NAMES = {
     "FP4": "float4e2m1",
     "E8M0": "float8e8m0",
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# Optimization profiles
-# ----------------------------------------------------------------------------------------------
-
-
-def _as_shape(value: Sequence[int], what: str) -> Shape:
-    try:
-        shape = tuple(int(d) for d in value)
-    except (TypeError, ValueError) as err:
-        raise BuildError(f"{what}: expected a sequence of integers, got {value!r}") from err
-    return shape
-
-
-def _profile_problems(name: str, min_shape: Shape, opt_shape: Shape, max_shape: Shape) -> list[str]:
-    shown = f"(min {min_shape}, opt {opt_shape}, max {max_shape})"
-    if not len(min_shape) == len(opt_shape) == len(max_shape):
-        return [f"input '{name}': min, opt and max have different ranks {shown}"]
-    problems = []
-    for axis, (lo, mid, hi) in enumerate(zip(min_shape, opt_shape, max_shape)):
-        if lo < 1:
-            problems.append(f"input '{name}': dim {axis} has min {lo}; every dimension must be at least 1 {shown}")
-        elif not lo <= mid <= hi:
-            problems.append(f"input '{name}': dim {axis} needs min <= opt <= max, got {lo}, {mid}, {hi} {shown}")
-    return problems
-
-
-def validate_profile(shapes: Mapping[str, Sequence[Sequence[int]]]) -> ProfileShapes:
-    """Check every input's (min, opt, max) and return them as tuples; BuildError lists every problem."""
-    normalized: ProfileShapes = {}
-    problems: list[str] = []
-    for name, triple in shapes.items():
-        if len(triple) != 3:
-            problems.append(f"input '{name}': expected (min, opt, max) shapes, got {len(triple)} shapes")
-            continue
-        min_shape, opt_shape, max_shape = (_as_shape(s, f"input '{name}'") for s in triple)
-        problems += _profile_problems(name, min_shape, opt_shape, max_shape)
-        normalized[name] = (min_shape, opt_shape, max_shape)
-    if problems:
-        raise BuildError("invalid optimization profile:\n  " + "\n  ".join(problems))
-    return normalized
-
-
-def onnx_input_shapes(onnx_path: str | Path) -> dict[str, Shape]:
-    """The ONNX graph's real inputs (initializers excluded), -1 for every symbolic or unknown dim."""
-    model = _load_onnx_structure(onnx_path)
-    initializers = {init.name for init in model.graph.initializer}
-    shapes: dict[str, Shape] = {}
-    for value in model.graph.input:
-        if value.name in initializers:  # IR < 4 lists initializers among the inputs
-            continue
-        dims = value.type.tensor_type.shape.dim
-        shapes[value.name] = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in dims)
-    return shapes
-
-
-def check_profile_against_inputs(shapes: ProfileShapes, input_shapes: Mapping[str, Shape]) -> None:
-    """The profile must name exactly the network's inputs, with their ranks and static dims.
-
-    Checked before TensorRT parses anything, so a wrong profile fails fast with names rather than
-    with TensorRT's "No valid profile found" deep in a build.
-    """
-    problems: list[str] = []
-    unknown = sorted(set(shapes) - set(input_shapes))
-    if unknown:
-        problems.append(f"profile names input(s) the ONNX does not have: {unknown} (its inputs: {sorted(input_shapes)})")
-    for name, declared in input_shapes.items():
-        dynamic = any(d < 0 for d in declared)
-        if name not in shapes:
-            if dynamic:
-                problems.append(f"input '{name}' has dynamic shape {declared} but no (min, opt, max) in the profile")
-            continue
-        for label, shape in zip(("min", "opt", "max"), shapes[name]):
-            if len(shape) != len(declared):
-                problems.append(f"input '{name}': {label} {shape} has rank {len(shape)}, the ONNX input {declared} has rank {len(declared)}")
-                break
-            fixed = [axis for axis, d in enumerate(declared) if d >= 0 and shape[axis] != d]
-            if fixed:
-                problems.append(f"input '{name}': {label} {shape} differs from the ONNX input's static dims {declared} at dim(s) {fixed}")
-    if problems:
-        raise BuildError("the optimization profile does not fit the ONNX inputs:\n  " + "\n  ".join(problems))
-
-
-# ----------------------------------------------------------------------------------------------
-# ONNX facts that decide the build
-# ----------------------------------------------------------------------------------------------
-
-
-def _load_onnx_structure(onnx_path: str | Path) -> onnx.ModelProto:
-    """The graph without its weights: cheap even for a multi-GB UNet."""
-    path = Path(onnx_path)
-    if not path.is_file():
-        raise BuildError(f"ONNX file not found: {path}")
-    try:
-        return onnx.load(str(path), load_external_data=False)
-    except Exception as err:  # protobuf raises several unrelated types on a corrupt file
-        raise BuildError(f"could not read ONNX file {path}: {err}") from err
-
-
-def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    for node in graph.node:
-        yield node
-        for attribute in node.attribute:  # If/Loop/Scan bodies
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _all_nodes(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for subgraph in attribute.graphs:
-                    yield from _all_nodes(subgraph)
-
-
-def _is_qdq_node(node: onnx.NodeProto) -> bool:
-    if node.op_type in QDQ_OP_TYPES:
-        return True
-    return node.domain == TRT_CUSTOM_DOMAIN and ("QuantizeLinear" in node.op_type or "DequantizeLinear" in node.op_type)
-
-
-def onnx_has_qdq(model_path: str | Path) -> bool:
-    """True when the ONNX carries explicit quantization (standard Q/DQ or TensorRT-domain FP8 nodes)."""
-    model = _load_onnx_structure(model_path)
-    nodes = list(_all_nodes(model.graph))
-    for function in model.functions:
-        nodes += function.node
-    return any(_is_qdq_node(node) for node in nodes)
-
-
-def _external_data_files(model: onnx.ModelProto) -> list[str]:
-    locations = set()
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            locations.update(entry.value for entry in tensor.external_data if entry.key == "location")
-    return sorted(locations)
-
-
-def _hash_file(digest: Any, path: Path) -> None:
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-
-
-def onnx_sha256(onnx_path: str | Path) -> str:
-    """Hash of the model file and every external-data file it references: the build's input identity."""
-    path = Path(onnx_path)
-    model = _load_onnx_structure(path)
-    digest = hashlib.sha256()
-    _hash_file(digest, path)
-    for location in _external_data_files(model):
-        data_path = path.parent / location
-        if not data_path.is_file():
-            raise BuildError(f"{path} references external data {location!r}, which is missing from {path.parent}")
-        digest.update(location.encode())
-        _hash_file(digest, data_path)
-    return digest.hexdigest()
-
-
-def read_base_weights(onnx_path: str | Path, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
-    """ONNX initializers by name (all floating-point ones when `names` is None): the weights a refit
-    restores. Only the requested tensors are read from external data."""
-    path = Path(onnx_path)
-    model = _load_onnx_structure(path)
-    by_name = {tensor.name: tensor for tensor in model.graph.initializer}
-    if names is None:
-        floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-        wanted = [name for name, tensor in by_name.items() if tensor.data_type in floating]
-    else:
-        wanted = list(dict.fromkeys(names))
-        missing = [name for name in wanted if name not in by_name]
-        if missing:
-            raise RefitError(f"{path} has no initializer(s) named {missing}")
-    return {name: numpy_helper.to_array(by_name[name], base_dir=str(path.parent)) for name in wanted}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,23 +176,6 @@ def manifest_path(plan_path: str | Path) -> Path:
     return plan_path.with_name(f"{stem}.manifest.json")
 
 
-def atomic_write_bytes(path: str | Path, data: Any) -> None:
-    """Write to a temporary name beside `path`, then rename: readers never see half a file.
-    `data` may be bytes or any buffer (TensorRT's IHostMemory included)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(memoryview(data))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-
-
 # ----------------------------------------------------------------------------------------------
 # The engine manifest
 # ----------------------------------------------------------------------------------------------
@@ -364,14 +183,6 @@ def atomic_write_bytes(path: str | Path, data: Any) -> None:
 
 def _utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-class TensorInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    dtype: str  # numpy's dtype name where numpy has one (see TRT_DTYPE_NAMES)
-    shape: Shape  # as the engine declares it: -1 for a dynamic dim
 
 
 class EngineManifest(BaseModel):

@@ -1,0 +1,167 @@
+"""A target defined here, in the test, registered at run time: the conformance suite runs for it, and it
+takes the tiny default through plan -> build -> parity -> package with no edit outside this file.
+
+It stores the exported ONNX as it is (one folder per engine, sealed by a JSON manifest) and runs it with
+ONNX Runtime: the simplest engine a target can make, enough to show the stages know targets only through
+the protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from target_conformance import TargetConformance
+
+from trt_diffusion import api
+from trt_diffusion.errors import BuildError, RefitError
+from trt_diffusion.targets import (BuildRequest, BuiltEngine, TritonEngineModel, register_target, target_names,
+                                   unregister_target)
+from trt_diffusion.targets.onnx_facts import TensorInfo, onnx_io, onnx_sha256
+
+NAME = "throwaway"
+THIS_FILE = Path(__file__).resolve()
+
+
+class ThrowawayManifest:
+    def __init__(self, raw: dict):
+        self.raw = raw
+        self.spec_key = raw["spec_key"]
+        self.inputs = tuple(TensorInfo(**t) for t in raw["inputs"])
+        self.outputs = tuple(TensorInfo(**t) for t in raw["outputs"])
+        self.profile_shapes = {k: tuple(tuple(s) for s in v) for k, v in raw["profile_shapes"].items()}
+
+
+class ThrowawayTarget:
+    name = NAME
+
+    def unavailable_reason(self):
+        return None
+
+    def build_options(self, config):
+        return {"throwaway_format": 1}
+
+    def _folder(self, workspace: Path, spec) -> Path:
+        return Path(workspace) / "engines" / NAME / f"{spec.name}.{spec.key}"
+
+    def _read(self, folder: Path) -> ThrowawayManifest | None:
+        try:
+            return ThrowawayManifest(json.loads((folder / "manifest.json").read_text()))
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def is_current(self, request: BuildRequest) -> bool:
+        folder = self._folder(request.workspace, request.spec)
+        manifest = self._read(folder)
+        if manifest is None or manifest.spec_key != request.spec.key:
+            return False
+        try:
+            engine_sha = onnx_sha256(folder / manifest.raw["model_file"])
+        except BuildError:  # missing or unreadable: not an engine to trust
+            return False
+        return manifest.raw["source_sha256"] == onnx_sha256(request.onnx_path) and manifest.raw["engine_sha256"] == engine_sha
+
+    def build(self, request: BuildRequest):
+        final = self._folder(request.workspace, request.spec)
+        if self.is_current(request):
+            return final, True
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        source = Path(request.onnx_path)
+        for file in source.parent.iterdir():  # the ONNX and its external data, under their own names
+            if file.is_file() and file.name.startswith(source.name):
+                shutil.copyfile(file, tmp / file.name)
+        if request.write_refit_map is not None:
+            request.write_refit_map(tmp / source.name, tmp)
+        inputs, outputs = onnx_io(tmp / source.name)
+        manifest = {"spec_key": request.spec.key, "source_sha256": onnx_sha256(source), "model_file": source.name,
+                    "engine_sha256": onnx_sha256(tmp / source.name),
+                    "inputs": [t.model_dump() for t in inputs], "outputs": [t.model_dump() for t in outputs],
+                    "profile_shapes": {k: [list(s) for s in v] for k, v in request.profile.items()}}
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        return final, False
+
+    def find(self, workspace, spec):
+        folder = self._folder(workspace, spec)
+        manifest = self._read(folder)
+        return BuiltEngine(spec, folder, manifest) if manifest and manifest.spec_key == spec.key else None
+
+    def runner(self, engine, weights=None):
+        if weights:
+            raise RefitError("the throwaway target does not refit")
+        return self.runner_from_files(engine.path, engine.spec.name)
+
+    def refit(self, engine, weights, source_onnx):
+        raise RefitError("the throwaway target does not refit")
+
+    def triton_model(self, engine, *, engine_backend):
+        files = {p.name: p for p in Path(engine.path).iterdir() if p.is_file()}
+        return TritonEngineModel("python", "KIND_CPU", files)
+
+    def runner_from_files(self, folder, name):
+        from trt_diffusion.runtime.runners import OnnxRuntimeRunner
+
+        model_file = json.loads((Path(folder) / "manifest.json").read_text())["model_file"]
+        return OnnxRuntimeRunner(Path(folder) / model_file, name=name)
+
+
+REGISTER = f"""
+import importlib.util
+from trt_diffusion.targets import register_target
+_spec = importlib.util.spec_from_file_location("throwaway_target_module", {str(THIS_FILE)!r})
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
+register_target({NAME!r}, _module.ThrowawayTarget())
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+    register_target(NAME, ThrowawayTarget())
+    yield
+    unregister_target(NAME)
+
+
+class TestThrowawayConformance(TargetConformance):
+    target_name = NAME
+    child_setup = REGISTER
+
+
+def test_plan_build_parity_package_with_a_target_the_tree_does_not_know(tmp_path, built_sd15):
+    assert NAME in target_names()
+    data = yaml.safe_load(built_sd15.read_text())
+    workspace = tmp_path / "build"
+    shutil.copytree(built_sd15.parent / "build" / "onnx", workspace / "onnx")  # reuse the verified exports
+    data["build"]["workspace"] = str(workspace)
+    data["models"]["sd15-tiny"]["targets"] = [NAME]
+    config = tmp_path / "engines.yaml"
+    config.write_text(yaml.safe_dump(data))
+
+    plan = api.plan(config, count_parameters=False)
+    assert {row.target for row in plan.rows} == {NAME}
+
+    report = api.build(config)
+    assert not report.failed and len(report.built) == 4, [o.error for o in report.failed]
+    assert all(o.path.parent == workspace / "engines" / NAME for o in report.outcomes)
+    assert all(dict(o.spec.build_options)["throwaway_format"] == 1 for o in report.outcomes)
+    assert len(api.build(config).cached) == 4
+
+    run = api.parity(config, out_dir=tmp_path / "parity", steps=2, seeds=[0])
+    assert run.report.passed and {v.target for v in run.report.variants} == {NAME}
+
+    from trt_diffusion.triton.stage import package_stage
+
+    packaged = package_stage(config, tmp_path / "repo", NAME)
+    engines = [m for m in packaged.models if m.role == "engine"]
+    assert len(engines) == 4 and all(m.backend == "python" for m in engines)
+    for model in engines:
+        version = tmp_path / "repo" / model.name / "1"
+        assert (version / "model.py").is_file() and (version / "manifest.json").is_file()

@@ -1,0 +1,141 @@
+"""The Target protocol: what every backend (tensorrt, onnxruntime, ...) answers, and the records it returns.
+
+Stages, the runtime and triton/ hold a `Target` from the registry (`targets.get_target(name)`) and call
+these methods; none of them compares a target's name. A target module imports its runtime only inside
+these methods, so knowing a target costs nothing until it is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..spec import EngineSpec, EnginesConfig
+    from .onnx_facts import ProfileShapes
+
+# (ONNX whose initializers the engine holds, file or folder to write to): saves where each denoiser
+# parameter lives among that ONNX's initializers. A target calls it before its manifest seals the engine.
+RefitMapWriter = Callable[[Path, Path], None]
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """Everything one engine is built from."""
+
+    spec: EngineSpec
+    onnx_path: Path  # the exported ONNX (the Q/DQ ONNX for fp8/int8 specs)
+    profile: ProfileShapes  # input -> (min, opt, max), from the component declaration
+    workspace: Path
+    timing_cache_dir: Path
+    write_refit_map: RefitMapWriter | None = None  # set for refittable specs
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    """A built engine found in the workspace, trusted through its manifest."""
+
+    spec: EngineSpec
+    path: Path  # what the target stores: a folder or a single file
+    manifest: Any  # the target's own manifest model
+
+
+@dataclass(frozen=True)
+class TritonEngineModel:
+    """How a target serves one engine in a Triton model repository."""
+
+    backend: str  # a Triton backend ("python", "onnxruntime", "openvino") or "tensorrt_plan" (a platform)
+    instance_kind: str  # KIND_CPU | KIND_GPU
+    files: Mapping[str, Path]  # file name in the model version folder -> source file
+    model_file: str | None = None  # the file a non-python backend loads (its default_model_filename)
+    notes: tuple[str, ...] = ()  # what the user must know (e.g. which Triton build has this backend)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one engine failed: data, not a sentence to re-parse. `internal` marks a bug in trt-diffusion
+    (the CLI exits 2 with `traceback`) as opposed to bad input or a tool's refusal (exit 1)."""
+
+    engine: str
+    key: str
+    message: str
+    internal: bool = False
+    traceback: str | None = None
+
+
+@dataclass
+class EngineOutcome:
+    spec: EngineSpec
+    path: Path | None
+    cached: bool = False
+    seconds: float = 0.0
+    failure: Failure | None = None
+
+    @property
+    def error(self) -> str | None:
+        return self.failure.message if self.failure else None
+
+    @property
+    def status(self) -> str:
+        return "FAILED" if self.failure else ("CACHED" if self.cached else "BUILT")
+
+
+@dataclass
+class BuildReport:
+    outcomes: list[EngineOutcome] = field(default_factory=list)
+    skipped_targets: dict[str, str] = field(default_factory=dict)  # target -> why it was not built here
+
+    @property
+    def failed(self) -> list[EngineOutcome]:
+        return [o for o in self.outcomes if o.failure]
+
+    @property
+    def internal_failures(self) -> list[EngineOutcome]:
+        return [o for o in self.failed if o.failure.internal]
+
+    @property
+    def built(self) -> list[EngineOutcome]:
+        return [o for o in self.outcomes if not o.failure and not o.cached]
+
+    @property
+    def cached(self) -> list[EngineOutcome]:
+        return [o for o in self.outcomes if o.cached]
+
+
+@runtime_checkable
+class Target(Protocol):
+    """One backend. Methods take the engine records above; none needs its runtime until it is called."""
+
+    name: str
+
+    def unavailable_reason(self) -> str | None:
+        """None when this host can build and run the target, else why not (checked without building)."""
+
+    def build_options(self, config: EnginesConfig) -> dict[str, Any]:
+        """engines.yaml build settings that change this target's engines (they enter every spec's key)."""
+
+    def build(self, request: BuildRequest) -> tuple[Path, bool]:
+        """Build (or reuse) the engine of `request.spec`: (path, cached). Atomic: an interrupted build
+        leaves nothing `find` trusts."""
+
+    def is_current(self, request: BuildRequest) -> bool:
+        """True when the engine in the workspace was built from exactly these inputs on this host."""
+
+    def find(self, workspace: Path, spec: EngineSpec) -> BuiltEngine | None:
+        """The built engine of `spec`, when its manifest names this spec; None otherwise."""
+
+    def runner(self, engine: BuiltEngine, weights: Mapping[str, Any] | None = None) -> Any:
+        """A Runner over the engine. `weights` (torch parameter name -> tensor) are the fused LoRA weights
+        of a refittable engine, applied from the base weights (no residue of an earlier LoRA)."""
+
+    def refit(self, engine: BuiltEngine, weights: Mapping[str, Any] | None, source_onnx: Callable[[], Path]) -> int:
+        """Apply `weights` (None: restore the base) to the engine; the number of weights replaced.
+        `source_onnx()` gives the ONNX the engine was built from (exported on demand)."""
+
+    def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
+        """The Triton model that serves this engine; `engine_backend` is "python" (a python-backend model
+        running this target's runner) or "native" (the target's own Triton backend)."""
+
+    def runner_from_files(self, folder: Path, name: str) -> Any:
+        """A Runner over the files `triton_model` put in a Triton model version folder (python backend)."""

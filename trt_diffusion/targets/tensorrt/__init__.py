@@ -1,0 +1,112 @@
+"""The `tensorrt` target: one strongly typed `.plan` per EngineSpec, refittable for LoRAs.
+
+`config.py` holds every decision that needs no TensorRT (flags, profiles, manifests, compatibility,
+refit bookkeeping) and is tested on CPU; `engine.py` is the only module of trt-diffusion that imports
+`tensorrt`, inside functions, so importing this package needs neither TensorRT nor a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..base import BuildRequest, BuiltEngine, TritonEngineModel
+
+
+class TensorRTTarget:
+    name = "tensorrt"
+
+    def unavailable_reason(self) -> str | None:
+        from .engine import tensorrt_available
+
+        ok, reason = tensorrt_available()
+        return None if ok else reason
+
+    def build_options(self, config) -> dict:
+        return {"tensorrt_optimization_level": config.build.tensorrt.optimization_level,
+                "tensorrt_workspace_gb": config.build.tensorrt.workspace_gb}
+
+    def build(self, request: BuildRequest) -> tuple[Path, bool]:
+        from . import config as trt_config
+        from . import engine
+
+        plan = trt_config.engine_path(request.workspace, request.spec)
+        if self.is_current(request):
+            return plan, True
+        refit_map = None
+        if request.write_refit_map is not None:  # TensorRT refits by ONNX initializer name: keep the map beside the plan
+            refit_map = plan.with_name(plan.name.removesuffix(".plan") + ".refit_map.json")
+            plan.parent.mkdir(parents=True, exist_ok=True)
+            request.write_refit_map(request.onnx_path, refit_map)
+        engine.build_engine(request.onnx_path, request.spec, request.profile, plan, request.timing_cache_dir,
+                            refit_map=str(refit_map) if refit_map else None)
+        return plan, False
+
+    def is_current(self, request: BuildRequest) -> bool:
+        """Reuse a plan only when its manifest records exactly these inputs on this TensorRT and GPU."""
+        from . import config as trt_config
+        from .engine import host_info
+
+        plan = trt_config.engine_path(request.workspace, request.spec)
+        try:
+            manifest = trt_config.EngineManifest.read(trt_config.manifest_path(plan))
+        except Exception:  # missing or unreadable: build
+            return False
+        if not plan.is_file() or plan.stat().st_size != manifest.plan_bytes:
+            return False
+        trt_version, compute_capability, _ = host_info()
+        flags = trt_config.BuildFlags.for_spec(request.spec, trt_config.onnx_has_qdq(request.onnx_path))
+        return trt_config.manifest_is_current(manifest, request.spec, trt_config.onnx_sha256(request.onnx_path),
+                                              flags, request.profile, trt_version, compute_capability)
+
+    def find(self, workspace: Path, spec) -> BuiltEngine | None:
+        from .config import EngineManifest, engine_path, manifest_path
+
+        plan = engine_path(workspace, spec)
+        try:
+            manifest = EngineManifest.read(manifest_path(plan))
+        except Exception:  # missing or unreadable manifest: not built
+            return None
+        return BuiltEngine(spec, plan, manifest) if plan.is_file() and manifest.spec_key == spec.key else None
+
+    def runner(self, engine: BuiltEngine, weights=None):
+        from ...errors import RefitError
+        from .runner import TensorRTRunner
+
+        if weights:
+            raise RefitError("LoRA refit at load time is not implemented for the tensorrt target; apply it with "
+                             "`trt-diffusion refit --target tensorrt`")
+        return TensorRTRunner(engine.path, name=engine.spec.name)
+
+    def refit(self, engine: BuiltEngine, weights, source_onnx) -> int:
+        """Refit the plan from its base weights (so no earlier LoRA stays behind) and save it in place."""
+        from ...lora import RefitMap, refit_weights_for_tensorrt
+        from . import engine as trt_engine
+        from .config import atomic_write_bytes, manifest_path, read_base_weights
+
+        onnx_path = source_onnx()
+        refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
+        loaded = trt_engine.load_engine(engine.path)
+        base_weights = read_base_weights(onnx_path)
+        arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
+        if arrays:
+            trt_engine.refit_engine(loaded, arrays, base_weights)
+        else:
+            trt_engine.refit_to_base(loaded, base_weights, names=trt_engine.refittable_weight_names(loaded))
+        plan = loaded.engine.serialize()
+        atomic_write_bytes(engine.path, plan)
+        manifest = engine.manifest.model_copy(update={"plan_bytes": len(bytes(plan))})
+        manifest.write(manifest_path(engine.path))
+        return len(arrays)
+
+    def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
+        from .config import manifest_path
+
+        files = {"model.plan": Path(engine.path), "manifest.json": manifest_path(engine.path)}
+        return TritonEngineModel("tensorrt_plan", "KIND_GPU", files, "model.plan", notes=(
+            "platform tensorrt_plan needs NVIDIA's Triton containers with the TensorRT version and GPU the plans "
+            "were built for",))
+
+    def runner_from_files(self, folder: Path, name: str):
+        from .runner import TensorRTRunner
+
+        return TensorRTRunner(Path(folder) / "model.plan", name=name)
