@@ -2,14 +2,15 @@
 
 Measures, each step in its own process so peak RSS belongs to that step alone:
 
-1. `api.export` of the UNet (dynamo=True, optimize=False): wall time per stage (hash, torch.onnx.export,
-   graph passes, ONNX Runtime parity) and RSS — resident size when the export starts (module loaded),
-   peak during torch.onnx.export, peak over the whole call;
+1. `api.export` of the UNet (dynamo=True, optimize=False): wall time per stage (hash, load, PyTorch
+   reference outputs, torch.onnx.export, graph passes, ONNX Runtime parity) and the resident memory of the
+   whole process tree (the export process and any children it starts), sampled every 50 ms: at the start
+   and peak of each stage, the peak over the whole call, and that peak over the fp32 weights' size;
 2. one UNet call at batch 2 on 32x32 latents (256x256 pixels): PyTorch eager vs ONNX Runtime, median of
    a few runs after a warm-up, and their ratio.
 
-Needs ~4 GB of disk for the model folder, ~4 GB for the ONNX, ~10 GB of memory, and a few minutes of
-two cores. Usage: `python scripts/bench_export.py [--workdir build/bench] [--runs 3] [--json out.json]`
+Needs ~4 GB of disk for the model folder, ~4 GB for the ONNX, ~6 GB of memory, and a few minutes of
+two cores. Usage: `python scripts/bench_export.py [--workdir build/bench] [--runs 3] [--no-latency] [--json out.json]`
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ BATCH = 2  # one classifier-free-guidance step
 
 
 class RssSampler:
-    """Samples this process's memory; `mark(stage)` attributes later samples to `stage`.
+    """Samples the memory of this process and all its descendants; `mark(stage)` attributes later samples
+    to `stage`.
 
-    Two figures per sample: resident set size, and its anonymous part (RSS minus file-backed pages).
-    diffusers memory-maps safetensors, so weights count toward RSS only as they are touched; the
-    anonymous part is what the export really allocates.
+    Two figures per sample, each summed over the process tree: resident set size, and its anonymous part
+    (RSS minus file-backed pages). diffusers memory-maps safetensors, so weights count toward RSS only as
+    they are touched; the anonymous part is what the export really allocates.
     """
 
     def __init__(self, interval_s: float = 0.05):
@@ -58,8 +60,14 @@ class RssSampler:
         return False
 
     def sample(self) -> tuple[int, int]:
-        info = self.process.memory_info()
-        return info.rss, info.rss - info.shared
+        rss = anonymous = 0
+        for process in [self.process, *self.process.children(recursive=True)]:
+            try:
+                info = process.memory_info()
+            except psutil.NoSuchProcess:  # a child that ended between listing and reading
+                continue
+            rss, anonymous = rss + info.rss, anonymous + info.rss - info.shared
+        return rss, anonymous
 
     def mark(self, stage: str) -> None:
         self.stage = stage
@@ -98,7 +106,12 @@ def write_engines_yaml(workdir: Path, model_dir: Path) -> Path:
     return config
 
 
-def measure_export(config: Path) -> dict:
+def fp32_weight_bytes(model_dir: Path) -> int:
+    """The UNet's weights as stored (fp32 safetensors)."""
+    return sum(path.stat().st_size for path in (model_dir / "unet").glob("*.safetensors"))
+
+
+def measure_export(config: Path, model_dir: Path) -> dict:
     from trt_diffusion import api
 
     with RssSampler() as sampler:
@@ -110,14 +123,22 @@ def measure_export(config: Path) -> dict:
     manifest = result.artifact.manifest
     import resource
 
+    weights = fp32_weight_bytes(model_dir)
+    peak = max(rss for rss, _ in sampler.peaks.values())
     return {
         "onnx": str(result.onnx_path), "cached": result.cached, "total_s": round(total_s, 1),
         "timings_s": manifest.get("timings", {}),
-        "memory": {
-            "torch_onnx_export": sampler.report("exporting"),  # module loaded (mmap'd) when it starts
-            "graph_passes": sampler.report("cleaning"),
-            "parity": sampler.report("parity"),  # ONNX Runtime session + PyTorch reference
-            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2),
+        "fp32_weights_gb": round(weights / GIB, 2),
+        "memory": {  # whole process tree
+            "hashing_and_load": sampler.report("hashing"),  # the module is loaded at the end of this stage
+            "reference_outputs": sampler.report("reference"),  # PyTorch at the parity shapes, module loaded
+            "torch_onnx_export": sampler.report("exporting"),
+            "graph_passes": sampler.report("cleaning"),  # torch module freed by now
+            "parity": sampler.report("parity"),  # the ONNX Runtime session against stored PyTorch outputs
+            "peak_rss_gb": round(peak / GIB, 2),
+            "peak_over_fp32_weights": round(peak / weights, 2) if weights else None,
+            "self_ru_maxrss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB, 2),
+            "children_ru_maxrss_gb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / GIB, 2),
         },
         "onnx_bytes": sum(o["bytes"] for o in manifest["outputs"]),
         "max_rel_error": result.max_rel_error,
@@ -182,6 +203,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--size", choices=["full", "tiny"], default="full", help="tiny: a quick check of this script")
+    parser.add_argument("--no-latency", action="store_true", help="skip the PyTorch vs ONNX Runtime timing")
     parser.add_argument("--step", choices=["export", "latency"], help=argparse.SUPPRESS)  # child processes
     parser.add_argument("--onnx", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -189,7 +211,7 @@ def main() -> None:
     model_dir = workdir / f"sd15-{args.size}"
 
     if args.step == "export":
-        sys.stdout.write(json.dumps(measure_export(write_engines_yaml(workdir, model_dir))) + "\n")
+        sys.stdout.write(json.dumps(measure_export(write_engines_yaml(workdir, model_dir), model_dir)) + "\n")
         return
     if args.step == "latency":
         sys.stdout.write(json.dumps(measure_latency(model_dir, args.onnx, args.runs)) + "\n")
@@ -205,9 +227,11 @@ def main() -> None:
                         "--out", str(model_dir), "--if-missing"], check=True)
     console.print("exporting the UNet (own process) ...")
     export = _child(["--workdir", str(workdir), "--size", args.size, "--step", "export"])
-    console.print("timing one UNet call, PyTorch vs ONNX Runtime (own process) ...")
-    latency = _child(["--workdir", str(workdir), "--size", args.size, "--step", "latency", "--onnx", export["onnx"],
-                      "--runs", str(args.runs)])
+    latency = None
+    if not args.no_latency:
+        console.print("timing one UNet call, PyTorch vs ONNX Runtime (own process) ...")
+        latency = _child(["--workdir", str(workdir), "--size", args.size, "--step", "latency", "--onnx",
+                          export["onnx"], "--runs", str(args.runs)])
     figures = {"machine": {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / GIB, 1)},
                "export": export, "latency": latency}
     console.print_json(json.dumps(figures))
