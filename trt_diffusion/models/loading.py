@@ -28,14 +28,40 @@ SUBFOLDER = {
 }
 
 
+# model_index.json names a module to import for each entry: only these, never any importable module.
+LIBRARIES = ("diffusers", "transformers")
+_MODEL_BASES = {"diffusers": ("diffusers", "ModelMixin"), "transformers": ("transformers", "PreTrainedModel")}
+
+
 def read_model_index(model_dir: Path) -> dict:
+    """model_index.json, once every entry is checked to name a diffusers or transformers class."""
     index = Path(model_dir) / "model_index.json"
     try:
-        return json.loads(index.read_text())
+        data = json.loads(index.read_text())
     except FileNotFoundError:
         raise ModelError(f"{model_dir} is not a diffusers folder: model_index.json is missing") from None
     except json.JSONDecodeError as exc:
         raise ModelError(f"{index}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{index}: not a JSON object")
+    for key, entry in data.items():
+        if isinstance(entry, list) and entry and entry[0] is not None:
+            _check_library(index, key, entry)
+    return data
+
+
+def _check_library(index: Path, key: str, entry: list) -> None:
+    """[library, class]: diffusers, transformers or one of diffusers' pipeline modules (older model_index.json
+    files name `stable_diffusion` for the safety checker), and a plain class name."""
+    import importlib.util
+
+    library, class_name = (entry + [None])[:2]
+    plain = isinstance(library, str) and library.isidentifier() and isinstance(class_name, str) \
+        and class_name.isidentifier()
+    if plain and library not in LIBRARIES:
+        plain = importlib.util.find_spec(f"diffusers.pipelines.{library}") is not None
+    if not plain:
+        raise ModelError(f"{index}: {key} names {entry!r}; only diffusers and transformers classes are loaded")
 
 
 def _class_of(folder: Path, library_and_class: list | None):
@@ -48,11 +74,18 @@ def _class_of(folder: Path, library_and_class: list | None):
         if class_name is None:
             raise ModelError(f"{folder}/config.json has no _class_name: not a diffusers model folder")
     else:
-        library, class_name = library_and_class
+        library, class_name = (list(library_and_class) + [None])[:2]
+    if library not in LIBRARIES or not isinstance(class_name, str) or not class_name.isidentifier():
+        raise ModelError(f"{folder}: {library}.{class_name} is not a diffusers or transformers model class")
     try:
-        return getattr(importlib.import_module(library), class_name)
+        cls = getattr(importlib.import_module(library), class_name)
     except (ImportError, AttributeError):
         raise ModelError(f"{folder}: class {library}.{class_name} is not available") from None
+    base_module, base_name = _MODEL_BASES[library]
+    base = getattr(importlib.import_module(base_module), base_name)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ModelError(f"{folder}: {library}.{class_name} is not a {base_module}.{base_name} (a model with weights)")
+    return cls
 
 
 def component_folder(model_dir: Path, component: Component) -> tuple[Path, type]:

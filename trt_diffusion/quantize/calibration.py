@@ -64,7 +64,10 @@ def load_pipeline(model_dir: Path):
     """The real diffusers pipeline of the folder, fp32 on CPU, without progress bars."""
     import diffusers
 
+    from ..models.loading import read_model_index
+
     quiet_libraries()
+    read_model_index(model_dir)  # diffusers imports the module each entry names: check them first
     try:
         # safetensors only: a pickled .bin can run code when loaded (models.loading.require_safetensors)
         pipe = diffusers.DiffusionPipeline.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True)
