@@ -27,7 +27,7 @@ def reference_runners(model_dir: str | Path, family: Family | str, components=No
     options = {"controlnet_residuals": True} if controlnets else {}
     for component in components or _present_components(model_dir, family):
         config = load_model_config(model_dir, family, component)
-        module = load_component(model_dir, component)
+        module = _with_default_attention(load_component(model_dir, component))
         table.add(component.value, _torch_runner(get_component(family, component), module, config, options,
                                                  f"torch:{component.value}"))
     for name, folder in (controlnets or {}).items():
@@ -36,6 +36,16 @@ def reference_runners(model_dir: str | Path, family: Family | str, components=No
                                f"torch:controlnet:{name}")
         table.add("controlnet", runner, controlnet=name)
     return table
+
+
+def _with_default_attention(module):
+    """Loading forces eager attention on transformers' text encoders (the export needs it: T5 under dynamo);
+    diffusers' pipelines load them with transformers' default (SDPA). Eager and SDPA embeddings differ by
+    ~1e-6, which moves pixels by a level after a few denoising steps, so the reference takes the default back
+    (`set_attn_implementation(None)` resolves it as `from_pretrained` does) and reproduces diffusers bit for bit."""
+    if hasattr(module, "set_attn_implementation"):
+        module.set_attn_implementation(None)
+    return module
 
 
 def _torch_runner(definition, module, config, options, name: str) -> TorchRunner:
