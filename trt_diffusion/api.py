@@ -55,9 +55,9 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     asking for such a target explicitly is an error.
     """
     from .errors import MissingDependencyError
-    from .export import select_specs
-    from .targets import check_target_name, get_target
-    from .targets.stage import BuildReport, build_specs
+    from .spec.selection import select_specs
+    from .targets import build_state, check_target_name, get_target
+    from .targets.base import BuildReport
 
     config = load_engines_file(config_path, check_sources=True)
     if target is not None:
@@ -71,11 +71,17 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
         if reason is not None:
             report.skipped_targets[name] = reason
     wanted = [s for s in wanted if s.target not in report.skipped_targets]
+    unchanged = build_state.unchanged_report(config, wanted, report.skipped_targets)
+    if unchanged is not None:  # nothing it was made from, nor anything it wrote, has changed
+        return unchanged
     if wanted:
+        from .targets.stage import build_specs
+
         exports = export(config_path, model=model, component=component)
         quantized = _quantized_sources(config, wanted)
         report.outcomes = build_specs(config, wanted, lambda spec: quantized.get(spec.key) or exports.artifact_for(spec),
                                       jobs=jobs or config.build.jobs, progress=progress)
+    build_state.record(config, report)
     return report
 
 

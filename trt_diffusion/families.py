@@ -85,3 +85,15 @@ FAMILIES: dict[Family, FamilyInfo] = {
 
 def family_info(family: Family | str) -> FamilyInfo:
     return FAMILIES[Family(family)]
+
+
+# The folder of a diffusers pipeline that holds each component (ControlNets have their own source).
+SUBFOLDER = {
+    Component.text_encoder: "text_encoder",
+    Component.text_encoder_2: "text_encoder_2",
+    Component.text_encoder_3: "text_encoder_3",
+    Component.unet: "unet",
+    Component.transformer: "transformer",
+    Component.vae_encoder: "vae",
+    Component.vae_decoder: "vae",
+}

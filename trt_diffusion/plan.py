@@ -21,6 +21,7 @@ class PlanRow:
     bytes_per_engine: int | None
     why: list[str] = field(default_factory=list)
     formula: str = ""
+    runs_as: str = ""  # what the target computes for this precision, here and on other hosts
 
     @property
     def disk_bytes(self) -> int | None:
@@ -75,8 +76,19 @@ def make_plan(config: EnginesConfig, count_parameters: bool = True) -> Plan:
         label = f"{component}:{controlnet}" if controlnet else component
         why = [r for s in members for r in s.reasons]
         rows.append(PlanRow(model_name, label, target, precision, len(members), params, per_engine, why,
-                            formula=_formula(members)))
+                            formula=_formula(members), runs_as=_runs_as(target, precision)))
     return Plan(config, specs, rows)
+
+
+def _runs_as(target: str, precision: str) -> str:
+    """A target that computes something host-dependent says what (its optional `plan_note`)."""
+    from .targets import get_target
+
+    try:
+        note = getattr(get_target(target), "plan_note", None)
+    except Exception:  # noqa: BLE001 - a target that cannot load is reported by `build`, not here
+        return ""
+    return note(precision) if note else ""
 
 
 def _formula(members: list[EngineSpec]) -> str:
@@ -96,11 +108,23 @@ def _formula(members: list[EngineSpec]) -> str:
     return " × ".join(parts)
 
 
+# The modules of the VAE each part exports (as models.loading.count_parameters counts them).
+_VAE_PARTS = {Component.vae_encoder: ("encoder.", "quant_conv."), Component.vae_decoder: ("decoder.", "post_quant_conv.")}
+
+
 def _parameters(config: EnginesConfig, model_name: str, component: Component, controlnet: str | None) -> int | None:
-    from .models.loading import parameter_count
+    """From the safetensors headers (no torch: `plan` answers at once); from the config on torch's meta
+    device only for a folder without safetensors weights."""
+    from .families import SUBFOLDER
+    from .models.weight_headers import stored_parameter_count
 
     model = config.models[model_name]
-    controlnet_dir = model.controlnets[controlnet].path if controlnet else None
     if not Path(model.source.path).is_dir():
         return None
-    return parameter_count(model.source.path, component, controlnet_dir)
+    folder = model.controlnets[controlnet].path if controlnet else Path(model.source.path) / SUBFOLDER[component]
+    count = stored_parameter_count(folder, _VAE_PARTS.get(component))
+    if count is not None:
+        return count
+    from .models.loading import parameter_count
+
+    return parameter_count(model.source.path, component, model.controlnets[controlnet].path if controlnet else None)

@@ -13,19 +13,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..families import Component
+from ..families import SUBFOLDER, Component  # noqa: F401  (SUBFOLDER re-exported)
 from .quiet import quiet_libraries
 
 # The folder of each component inside a diffusers pipeline folder (VAE halves share one).
-SUBFOLDER = {
-    Component.text_encoder: "text_encoder",
-    Component.text_encoder_2: "text_encoder_2",
-    Component.text_encoder_3: "text_encoder_3",
-    Component.unet: "unet",
-    Component.transformer: "transformer",
-    Component.vae_encoder: "vae",
-    Component.vae_decoder: "vae",
-}
 
 
 # model_index.json names a module to import for each entry: only these, never any importable module.

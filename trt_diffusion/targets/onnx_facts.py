@@ -9,16 +9,20 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import onnx
-from onnx import numpy_helper
+from typing import TYPE_CHECKING
+
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import BuildError, RefitError
+
+if TYPE_CHECKING:  # onnx and numpy are imported where used: listing targets (plan, the CLI) needs neither
+    import numpy as np
+    import onnx
 
 Shape = tuple[int, ...]
 # input name -> (min, opt, max) shape of the engine's single optimization profile
@@ -126,6 +130,8 @@ def check_profile_against_inputs(shapes: ProfileShapes, input_shapes: Mapping[st
 
 def _load_onnx_structure(onnx_path: str | Path) -> onnx.ModelProto:
     """The graph without its weights: cheap even for a multi-GB UNet."""
+    import onnx
+
     path = Path(onnx_path)
     if not path.is_file():
         raise BuildError(f"ONNX file not found: {path}")
@@ -136,6 +142,8 @@ def _load_onnx_structure(onnx_path: str | Path) -> onnx.ModelProto:
 
 
 def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    import onnx
+
     for node in graph.node:
         yield node
         for attribute in node.attribute:  # If/Loop/Scan bodies
@@ -162,6 +170,8 @@ def onnx_has_qdq(model_path: str | Path) -> bool:
 
 
 def _external_data_files(model: onnx.ModelProto) -> list[str]:
+    import onnx
+
     locations = set()
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -175,24 +185,80 @@ def _hash_file(digest: Any, path: Path) -> None:
             digest.update(chunk)
 
 
+_DIGESTS_LOCK = threading.Lock()
+_DIGESTS: dict[tuple, str] = {}
+
+
+def _file_identity(path: Path) -> tuple:
+    stat = path.stat()
+    return (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev)
+
+
 def onnx_sha256(onnx_path: str | Path) -> str:
-    """Hash of the model file and every external-data file it references: the build's input identity."""
+    """Hash of the model file and every external-data file it references: the build's input identity.
+
+    Computed once per process for a given set of files (keyed on each file's path, size, mtime and inode),
+    so a multi-GB ONNX that many engines are built from is read once per run, not twice per engine.
+    """
     path = Path(onnx_path)
     model = _load_onnx_structure(path)
-    digest = hashlib.sha256()
-    _hash_file(digest, path)
+    files = [(None, path)]
     for location in _external_data_files(model):
         data_path = path.parent / location
         if not data_path.is_file():
             raise BuildError(f"{path} references external data {location!r}, which is missing from {path.parent}")
-        digest.update(location.encode())
-        _hash_file(digest, data_path)
-    return digest.hexdigest()
+        files.append((location, data_path))
+    key = tuple((location, _file_identity(file)) for location, file in files)
+    with _DIGESTS_LOCK:
+        known = _DIGESTS.get(key)
+    if known is not None:
+        return known
+    digest = hashlib.sha256()
+    for location, file in files:
+        if location is not None:
+            digest.update(location.encode())
+        _hash_file(digest, file)
+    value = digest.hexdigest()
+    with _DIGESTS_LOCK:
+        _DIGESTS[key] = value
+    return value
+
+
+_FLOAT_DTYPES = {"FLOAT": "float32", "FLOAT16": "float16", "BFLOAT16": "bfloat16", "DOUBLE": "float64"}
+
+
+def _tensor_elements(tensor: onnx.TensorProto) -> int:
+    count = 1
+    for dim in tensor.dims:
+        count *= int(dim)
+    return count
+
+
+def onnx_compute_dtype(onnx_path: str | Path) -> str | None:
+    """The dtype of most float weights (by element count, initializers and Constant nodes): float32,
+    float16 or bfloat16 for graphs exported at that precision; None for a graph without float weights.
+    Read from the graph's structure only (external data is not loaded)."""
+    import onnx
+
+    model = _load_onnx_structure(onnx_path)
+    counts: dict[str, int] = {}
+    tensors = list(model.graph.initializer)
+    for node in _all_nodes(model.graph):
+        if node.op_type == "Constant":
+            tensors += [a.t for a in node.attribute if a.type == onnx.AttributeProto.TENSOR]
+    for tensor in tensors:
+        name = _FLOAT_DTYPES.get(onnx.TensorProto.DataType.Name(tensor.data_type))
+        if name is not None:
+            counts[name] = counts.get(name, 0) + _tensor_elements(tensor)
+    return max(counts, key=lambda n: counts[n]) if counts else None
 
 
 def read_base_weights(onnx_path: str | Path, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
     """ONNX initializers by name (all floating-point ones when `names` is None): the weights a refit
     restores. Only the requested tensors are read from external data."""
+    import onnx
+    from onnx import numpy_helper
+
     path = Path(onnx_path)
     model = _load_onnx_structure(path)
     by_name = {tensor.name: tensor for tensor in model.graph.initializer}
@@ -227,9 +293,8 @@ def atomic_write_bytes(path: str | Path, data: Any) -> None:
 
 
 
-_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-                onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool",
-                onnx.TensorProto.BFLOAT16: "bfloat16"}
+_ONNX_DTYPES = {"FLOAT": "float32", "FLOAT16": "float16", "INT64": "int64", "INT32": "int32", "BOOL": "bool",
+                "BFLOAT16": "bfloat16"}
 
 
 def onnx_io(onnx_path: str | Path) -> tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]:
@@ -239,7 +304,10 @@ def onnx_io(onnx_path: str | Path) -> tuple[tuple[TensorInfo, ...], tuple[Tensor
     def info(value) -> TensorInfo:
         tensor = value.type.tensor_type
         shape = tuple(d.dim_value if d.dim_value else -1 for d in tensor.shape.dim)
-        return TensorInfo(name=value.name, dtype=_ONNX_DTYPES.get(tensor.elem_type, "float32"), shape=shape)
+        import onnx
+
+        dtype = _ONNX_DTYPES.get(onnx.TensorProto.DataType.Name(tensor.elem_type), "float32")
+        return TensorInfo(name=value.name, dtype=dtype, shape=shape)
 
     initializers = {i.name for i in model.graph.initializer}
     inputs = tuple(info(v) for v in model.graph.input if v.name not in initializers)

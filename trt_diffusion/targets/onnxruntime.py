@@ -17,7 +17,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-import onnx
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import BuildError
@@ -94,6 +93,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
 
     `before_commit(folder)` may add files (a refit map) before the manifest seals the folder.
     """
+    import onnx  # here, not at the top: listing targets (plan, the CLI) must not load onnx
     import onnxruntime
 
     profile = validate_profile(profile)
@@ -147,7 +147,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
     return final, manifest, False
 
 
-def fix_dimensions(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:
+def fix_dimensions(model: "onnx.ModelProto", shapes: dict[str, tuple[int, ...]]) -> None:
     """Set every input's dims to the bucket's shape, and every other use of the same symbols."""
     symbols: dict[str, int] = {}
     for value in model.graph.input:
@@ -172,7 +172,9 @@ def fix_dimensions(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -
                 dim.dim_value = size
 
 
-def _save(model: onnx.ModelProto, path: Path) -> None:
+def _save(model: "onnx.ModelProto", path: Path) -> None:
+    import onnx
+
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=path.name + ".data", size_threshold=1024)
 

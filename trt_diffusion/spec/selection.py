@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from ..families import Component, family_info
-from ..spec.engine_spec import EngineSpec
-from ..spec.expand import expand
-from ..spec.load import EnginesConfig, ResolvedModel
+from .engine_spec import EngineSpec
+from .expand import expand
+from .load import EnginesConfig, ResolvedModel
 
 
 def select_specs(config: EnginesConfig, model: str | None = None, component: str | None = None) -> list[EngineSpec]:
