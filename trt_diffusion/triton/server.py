@@ -4,11 +4,16 @@ A system `tritonserver` on PATH is used when present (NVIDIA's containers: all b
 binary bundled in `nvidia-pytriton` runs, whose only backend is python (see shared FACTS): its backend
 folder is copied to a work folder with the python stub of this interpreter, and the stub finds this
 interpreter through PATH, so the venv's bin goes first.
+
+Triton's administrative APIs (shared memory, trace and log settings) are closed unless asked
+for (`admin_apis=True`): they need a header whose value is a random key made at each start. Any local client
+could otherwise register shared memory, turn on tracing into files or change the log settings.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -20,6 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ServeError
+
+
+# Triton's API groups a client needs the admin header for (`--http-restricted-api` / `--grpc-restricted-protocol`).
+# model-repository stays open: `generate` finds the pipeline through the index, and load/unload are refused
+# anyway (the server runs without --model-control-mode=explicit).
+RESTRICTED_APIS = ("shared-memory", "trace", "logging")
+ADMIN_HEADER = "trt-diffusion-admin"
 
 
 @dataclass
@@ -67,6 +79,8 @@ class TritonServer:
     ports: ServerPorts = field(default_factory=lambda: ServerPorts(free_port(), free_port(), free_port()))
     log_path: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    admin_apis: bool = False  # True: leave the shared-memory, trace and logging APIs open to every client
+    admin_key: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     process: subprocess.Popen | None = None
     started_s: float | None = None
 
@@ -93,9 +107,21 @@ class TritonServer:
             "--grpc-address=127.0.0.1", f"--grpc-port={self.ports.grpc}",
             "--metrics-address=127.0.0.1", f"--metrics-port={self.ports.metrics}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--strict-readiness=true",
-            "--exit-on-error=true", "--log-verbose=0", *self.extra_args,
+            "--exit-on-error=true", "--log-verbose=0", *self.restriction_args(), *self.extra_args,
         ]
         return args, env
+
+    def restriction_args(self) -> list[str]:
+        if self.admin_apis:
+            return []
+        apis = ",".join(RESTRICTED_APIS)
+        return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
+                f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
+
+    def admin_headers(self, protocol: str = "http") -> dict[str, str]:
+        """The header (HTTP) / metadata (gRPC: Triton prefixes the name) that opens the restricted APIs."""
+        name = ADMIN_HEADER if protocol == "http" else f"triton-grpc-protocol-{ADMIN_HEADER}"
+        return {name: self.admin_key}
 
     def start(self, timeout_s: float = 120.0) -> float:
         """Start and wait until every model is ready (after warm-up). Returns seconds to ready."""

@@ -95,13 +95,18 @@ def _ports(http_port: int | None, grpc_port: int | None, metrics_port: int | Non
 
 def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
           metrics_port: int | None = None, work_dir: str | Path | None = None, ready_timeout_s: float = 900.0,
-          first_request: bool = True, protocol: str = "grpc") -> tuple[TritonServer, WarmupReport]:
-    """Start a server on `repo` (bound to 127.0.0.1) and wait until it is ready and warm."""
+          first_request: bool = True, protocol: str = "grpc",
+          admin_apis: bool = False) -> tuple[TritonServer, WarmupReport]:
+    """Start a server on `repo` (bound to 127.0.0.1) and wait until it is ready and warm.
+
+    `admin_apis`: leave Triton's shared-memory, trace and logging APIs open to every client
+    (closed by default: see server.py)."""
     repo = Path(repo).resolve()
     report = PackageReport.read(repo)
     validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
     work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trt-diffusion-serve-"))
-    server = TritonServer(repo, work_dir, ports=_ports(http_port, grpc_port, metrics_port), extra_args=SERVER_ARGS)
+    server = TritonServer(repo, work_dir, ports=_ports(http_port, grpc_port, metrics_port), extra_args=SERVER_ARGS,
+                          admin_apis=admin_apis)
     seconds = server.start(timeout_s=ready_timeout_s)
     try:
         warmup = WarmupReport(str(repo), server.http_url, server.grpc_url, seconds, models_ready(server, report),
@@ -151,10 +156,12 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
 
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
           metrics_port: int | None = 8002, work_dir: str | Path | None = None, first_request: bool = True,
-          ready_timeout_s: float = 900.0, on_ready: Callable[[WarmupReport], None] | None = None) -> WarmupReport:
+          ready_timeout_s: float = 900.0, on_ready: Callable[[WarmupReport], None] | None = None,
+          admin_apis: bool = False) -> WarmupReport:
     """Start, report, then block until Ctrl-C / SIGTERM, and stop cleanly."""
     server, warmup = start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                           work_dir=work_dir, ready_timeout_s=ready_timeout_s, first_request=first_request)
+                           work_dir=work_dir, ready_timeout_s=ready_timeout_s, first_request=first_request,
+                           admin_apis=admin_apis)
     if on_ready:
         on_ready(warmup)
     # SIGTERM (systemd, docker stop) stops as Ctrl-C does; handlers can only be set from the main thread.
