@@ -1,30 +1,510 @@
-"""The runner over one TensorRT plan (TensorRT and a GPU are needed only when it is created)."""
+"""The production runner over one TensorRT plan, and the group the engines of one pipeline share.
+
+As NVIDIA's demo/Diffusion and the TensorRT developer guide run engines: one execution context per loaded
+engine, created once; device and pinned host buffers allocated once at the profile's largest shapes and
+kept between calls; asynchronous copies and `execute_async_v3` on one CUDA stream; an optional CUDA graph
+replayed for static-shape engines; and one activation allocation shared by all engines of a pipeline (they
+never run at once: the group's lock makes sure). torch CUDA tensors are taken and given back on the device.
+
+Lifecycle (DESIGN.md's house rule): `TensorRTRunner(...)` reads only the manifest; `with runner:` loads the
+engine and allocates; `run` outside a `with` loads lazily, and such engines are unloaded least recently
+used first when the group's GPU memory bound would be passed. Every decision (sizes, when to capture, what
+to unload) is a pure function of `device_memory.py`; this module only carries them out.
+"""
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...runtime.runners import TensorSpec, check_feeds
+from ...errors import RuntimeInputError
+from ...runtime.runners import TensorSpec
+from .config import EngineManifest, check_feeds, manifest_path, numpy_dtype_for
+from .cudart import Cuda, host_array
+from .device_memory import (
+    MEMORY_ENV,
+    EngineBudget,
+    GraphKey,
+    IOTensor,
+    Shape,
+    buffer_sizes,
+    describe_feed,
+    graph_capture_reason,
+    graph_is_valid,
+    max_input_shapes,
+    memory_bound_bytes,
+    needs_new_buffer,
+    outputs_on_device,
+    shared_activation_bytes,
+    tensor_bytes,
+)
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+    from .engine import TensorRTEngine
+
+Loader = Callable[[Path], "TensorRTEngine"]
+
+
+def _dims(dims: trt.Dims) -> Shape:
+    return tuple(int(dims[i]) for i in range(len(dims)))
+
+
+class EngineGroup:
+    """The engines of one pipeline on one GPU: one stream, one shared activation allocation, one bound on
+    the GPU memory loaded engines hold, one lock (so two of them never run at once)."""
+
+    def __init__(self, *, cuda: Cuda | None = None, bound_bytes: int | None = None):
+        self.lock = threading.RLock()
+        self._cuda = cuda
+        self._bound_bytes = bound_bytes
+        self.stream: Any = None
+        self.budget: EngineBudget | None = None
+        self.activation_pointer = 0
+        self.activation_bytes = 0
+        self.activation_generation = 0
+        self._needs: dict[str, int] = {}  # member key -> activation bytes it needs
+        self._members: dict[str, TensorRTRunner] = {}
+        self._event: Any = None
+        self.stats: Counter[str] = Counter()
+
+    @property
+    def cuda(self) -> Cuda:
+        if self._cuda is None:
+            self._cuda = Cuda()
+        return self._cuda
+
+    def _open(self) -> EngineBudget:
+        if self.budget is None:
+            if self._bound_bytes is None:
+                _, total = self.cuda.mem_get_info()
+                self._bound_bytes = memory_bound_bytes(total, os.environ.get(MEMORY_ENV))
+            self.budget = EngineBudget(self._bound_bytes)
+        if self.stream is None:
+            self.stream = self.cuda.stream_create()
+            self.stats["streams_created"] += 1
+        return self.budget
+
+    def event(self) -> Any:
+        if self._event is None:
+            self._event = self.cuda.event_create()
+        return self._event
+
+    @property
+    def members(self) -> list[str]:
+        return list(self._members)
+
+    def admit(self, runner: TensorRTRunner, resident_bytes: int) -> None:
+        """Make room for `runner` (unloading least recently used lazily loaded engines) before it loads."""
+        budget = self._open()
+        evict = budget.admit(runner.key, resident_bytes)
+        self._members[runner.key] = runner  # first, so the group stays open while others leave
+        for key in evict:
+            self._members[key].deactivate()
+
+    def bind_activation(self, runner: TensorRTRunner, context: trt.IExecutionContext, needed: int) -> None:
+        """Give `context` the shared activation memory, growing it (and rebinding every member) when
+        `needed` is more than it holds."""
+        self._needs[runner.key] = needed
+        size = shared_activation_bytes(self._needs)
+        if size > self.activation_bytes:
+            self.cuda.synchronize(self.stream)  # nothing may still run in the old allocation
+            if self.activation_pointer:
+                self.cuda.free(self.activation_pointer)
+                self.stats["activation_frees"] += 1
+            self.activation_pointer = self.cuda.malloc(size) if size else 0
+            self.activation_bytes = size
+            self.activation_generation += 1
+            self.stats["activation_allocations"] += 1
+            for key, member in self._members.items():
+                if key != runner.key and member.context is not None:
+                    member.context.set_device_memory(self.activation_pointer, self.activation_bytes)
+        if self.budget is not None:
+            self.budget.set_shared(self.activation_bytes)
+        context.set_device_memory(self.activation_pointer, self.activation_bytes)
+
+    def leave(self, runner: TensorRTRunner) -> None:
+        self._members.pop(runner.key, None)
+        self._needs.pop(runner.key, None)
+        if self.budget is not None:
+            self.budget.release(runner.key)
+        if not self._members:
+            self.close()
+
+    def close(self) -> None:
+        """Free the shared allocation, the event and the stream once no engine is loaded."""
+        for member in list(self._members.values()):
+            member.deactivate()
+        if self.stream is not None:
+            self.cuda.synchronize(self.stream)
+        if self.activation_pointer:
+            self.cuda.free(self.activation_pointer)
+            self.stats["activation_frees"] += 1
+        self.activation_pointer, self.activation_bytes = 0, 0
+        self._needs.clear()
+        if self._event is not None:
+            self.cuda.event_destroy(self._event)
+            self._event = None
+        if self.stream is not None:
+            self.cuda.stream_destroy(self.stream)
+            self.stream = None
+        if self.budget is not None:
+            self.budget.set_shared(0)
+
+
+_DEFAULT_GROUP: EngineGroup | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_group() -> EngineGroup:
+    """The process's group: the runners a target hands out (one pipeline, one GPU) share it."""
+    global _DEFAULT_GROUP
+    with _DEFAULT_LOCK:
+        if _DEFAULT_GROUP is None:
+            _DEFAULT_GROUP = EngineGroup()
+        return _DEFAULT_GROUP
+
+
+@dataclass
+class _Buffer:
+    tensor: IOTensor
+    capacity: int
+    device: int
+    host: int
+
+
+@dataclass
+class RunnerStats:
+    """What the runner allocated and how it ran: the gpu suite and the CPU tests assert on these."""
+
+    activations: int = 0
+    contexts_created: int = 0
+    device_allocations: int = 0
+    host_allocations: int = 0
+    graph_captures: int = 0
+    graph_launches: int = 0
+    eager_runs: int = 0
+    runs: int = 0
+    graph_skip_reason: str | None = None
+    extra: Counter[str] = field(default_factory=Counter)
+
+
+class _FeedView:
+    """What config.check_feeds reads of a feed (dtype, shape) for numpy arrays and torch tensors alike."""
+
+    def __init__(self, value: object):
+        info = describe_feed(value)
+        self.dtype: Any = numpy_dtype_for(info.dtype) or info.dtype
+        self.shape = info.shape
 
 
 class TensorRTRunner:
-    """A TensorRT engine. Input checks come from the engine's manifest; `run_engine` checks shapes
-    against its profile."""
+    """One TensorRT engine, run as a lifecycle. Inputs are checked against the manifest (names, dtypes,
+    the profile's shape ranges) before anything reaches TensorRT."""
 
-    def __init__(self, plan_path: str | Path, *, name: str | None = None):
-        from . import engine
-        from .config import EngineManifest, manifest_path
+    device_tensors = True  # takes torch CUDA tensors and gives them back without host copies
 
+    def __init__(self, plan_path: str | Path, *, name: str | None = None, group: EngineGroup | None = None,
+                 cuda_graph: bool = False, loader: Loader | None = None, trt_module: Any = None):
         self.path = Path(plan_path)
         self.name = name or self.path.name
-        self._run = engine.run_engine
-        self._engine = engine.load_engine(self.path)
-        manifest = EngineManifest.read(manifest_path(self.path))
-        self.inputs = {t.name: TensorSpec(np.dtype(t.dtype), tuple(d if d >= 0 else None for d in t.shape))
-                       for t in manifest.inputs}
+        self.key = f"{self.name}@{self.path}"
+        self.manifest = EngineManifest.read(manifest_path(self.path))
+        self.inputs = {t.name: TensorSpec(np.dtype(numpy_dtype_for(t.dtype) or np.float32),
+                                          tuple(d if d >= 0 else None for d in t.shape))
+                       for t in self.manifest.inputs}
+        self.output_names = [t.name for t in self.manifest.outputs]
+        self.cuda_graph = cuda_graph
+        self.stats = RunnerStats()
+        self._group = group
+        self._loader = loader
+        self._trt = trt_module
+        self.engine: TensorRTEngine | None = None
+        self.context: trt.IExecutionContext | None = None
+        self._buffers: dict[str, _Buffer] = {}
+        self._shapes: dict[str, Shape] = {}
+        self._output_shapes: dict[str, Shape] = {}
+        self._buffer_generation = 0
+        self._graph: Any = None
+        self._graph_key: GraphKey | None = None
+        self._warm_key: GraphKey | None = None
+        self._pending = False  # work queued on the stream that reads the pinned buffers
+        self._entered = 0
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        check_feeds(self.name, self.inputs, feeds)
-        return self._run(self._engine, feeds)
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def group(self) -> EngineGroup:
+        if self._group is None:
+            self._group = default_group()
+        return self._group
+
+    @property
+    def active(self) -> bool:
+        return self.context is not None
+
+    def __enter__(self) -> TensorRTRunner:
+        with self.group.lock:
+            self.activate()
+            self._entered += 1
+            assert self.group.budget is not None
+            self.group.budget.pin(self.key)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.group.lock:
+            self._entered -= 1
+            if self.group.budget is not None:
+                self.group.budget.unpin(self.key)
+            if self._entered == 0:
+                self.deactivate()
+
+    def _trt_mod(self) -> Any:
+        if self._trt is None:
+            from .engine import _require_tensorrt
+
+            self._trt = _require_tensorrt()
+        return self._trt
+
+    def activate(self) -> None:
+        """Load the engine, create its context, bind the shared activation memory, allocate the buffers."""
+        group = self.group
+        with group.lock:
+            if self.active:
+                if group.budget is not None:
+                    group.budget.touch(self.key)
+                return
+            trt_mod = self._trt_mod()
+            group.admit(self, self.manifest.plan_bytes)
+            try:
+                if self._loader is None:
+                    from .engine import load_engine
+
+                    self._loader = load_engine
+                self.engine = self._loader(self.path)
+                engine: trt.ICudaEngine = self.engine.engine
+                context = engine.create_execution_context(trt_mod.ExecutionContextAllocationStrategy.USER_MANAGED)
+                if context is None:
+                    raise RuntimeInputError(f"{self.name}: TensorRT could not create an execution context "
+                                            "(out of GPU memory?)")
+                self.context = context
+                self.stats.contexts_created += 1
+                group.bind_activation(self, context, int(engine.device_memory_size_v2))
+                self._allocate(self._io_tensors(trt_mod, engine, context))
+                self.stats.activations += 1
+                self.stats.graph_skip_reason = graph_capture_reason(self.cuda_graph, self.manifest.profile_shapes)
+            except BaseException:
+                self.deactivate()
+                raise
+
+    def _io_tensors(self, trt_mod: Any, engine: trt.ICudaEngine, context: trt.IExecutionContext) -> list[IOTensor]:
+        """Every I/O tensor at its largest shape: inputs from the profile, outputs as TensorRT infers
+        them with every input at its largest shape."""
+        from .engine import _dtype_name
+
+        largest = max_input_shapes(self.manifest.profile_shapes)
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        inputs = [n for n in names if engine.get_tensor_mode(n) == trt_mod.TensorIOMode.INPUT]
+        for name in inputs:
+            if name not in largest:
+                largest[name] = _dims(engine.get_tensor_profile_shape(name, 0)[2])
+            self._set_shape(context, name, largest[name])
+        tensors = []
+        for name in names:
+            shape = largest[name] if name in inputs else _dims(context.get_tensor_shape(name))
+            tensors.append(IOTensor(name, name in inputs, _dtype_name(engine.get_tensor_dtype(name)), shape))
+        return tensors
+
+    def _set_shape(self, context: trt.IExecutionContext, name: str, shape: Shape) -> None:
+        if not context.set_input_shape(name, shape):
+            raise RuntimeInputError(f"{self.name}: TensorRT refused shape {shape} for input {name}")
+        self._shapes[name] = shape
+
+    def _allocate(self, tensors: list[IOTensor]) -> None:
+        cuda = self.group.cuda
+        assert self.context is not None
+        for tensor, size in zip(tensors, buffer_sizes(tensors).values()):
+            old = self._buffers.get(tensor.name)
+            if old is not None and not needs_new_buffer(old.capacity, size):
+                continue
+            if old is not None:
+                self._free(old)
+            buffer = _Buffer(tensor, size, cuda.malloc(size), cuda.malloc_host(size))
+            self.stats.device_allocations += 1
+            self.stats.host_allocations += 1
+            self._buffers[tensor.name] = buffer
+            if not self.context.set_tensor_address(tensor.name, buffer.device):
+                raise RuntimeInputError(f"{self.name}: TensorRT refused the buffer of {tensor.name}")
+            self._buffer_generation += 1
+            if not tensor.is_input:
+                self._output_shapes[tensor.name] = tensor.max_shape
+
+    def _free(self, buffer: _Buffer) -> None:
+        cuda = self.group.cuda
+        cuda.free(buffer.device)
+        cuda.free_host(buffer.host)
+
+    def deactivate(self) -> None:
+        """Free everything activation made; the runner can be activated again."""
+        group = self.group
+        with group.lock:
+            if group.stream is not None and (self._pending or self.active):
+                group.cuda.synchronize(group.stream)
+            self._pending = False
+            if self._graph is not None:
+                group.cuda.graph_destroy(self._graph)
+                self._graph, self._graph_key = None, None
+            self._warm_key = None
+            for buffer in self._buffers.values():
+                self._free(buffer)
+            self._buffers.clear()
+            self._shapes.clear()
+            self._output_shapes.clear()
+            self.context = None
+            self.engine = None
+            group.leave(self)
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """One inference. numpy in, numpy out; a torch CUDA tensor among the feeds: torch CUDA tensors out."""
+        check_feeds(self.manifest, {k: _FeedView(v) for k, v in feeds.items()})
+        group = self.group
+        with group.lock:
+            self.activate()
+            assert group.budget is not None
+            group.budget.pin(self.key)
+            try:
+                return self._run(feeds)
+            finally:
+                group.budget.unpin(self.key)
+
+    def _run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        group, cuda = self.group, self.group.cuda
+        context = self.context
+        assert context is not None
+        stream = group.stream
+        on_device = outputs_on_device(feeds)
+        shapes = {name: describe_feed(value).shape for name, value in feeds.items()}
+        if shapes != {k: self._shapes.get(k) for k in shapes}:
+            for name, shape in shapes.items():
+                self._set_shape(context, name, shape)
+            self._output_shapes = {n: _dims(context.get_tensor_shape(n)) for n in self.output_names}
+            self._grow_outputs()
+        if self._pending:  # the last call's copies may still read the pinned buffers about to be rewritten
+            cuda.synchronize(stream)
+            self._pending = False
+        torch_stream = None
+        keep: list[Any] = []  # device sources stay referenced until their copies are queued behind the stream's end
+        for name, value in feeds.items():
+            buffer = self._buffers[name]
+            nbytes = tensor_bytes(shapes[name], buffer.tensor.dtype)
+            if describe_feed(value).on_device:
+                if torch_stream is None:
+                    torch_stream = _torch_stream()
+                    cuda.wait(stream, torch_stream, group.event())  # the producer's work comes first
+                source = value.contiguous()
+                keep.append(source)
+                cuda.copy_on_device(buffer.device, int(source.data_ptr()), nbytes, stream)
+            else:
+                array = np.ascontiguousarray(value)
+                host_array(buffer.host, nbytes, array.dtype, array.shape)[...] = array
+                cuda.copy_to_device(buffer.device, buffer.host, nbytes, stream)
+        self._execute(context, stream, shapes)
+        self.stats.runs += 1
+        if on_device:
+            outputs = self._device_outputs(stream, torch_stream)
+            self._pending = True
+            del keep
+            return outputs
+        return self._host_outputs(stream)
+
+    def _grow_outputs(self) -> None:
+        """Shapes inside the profile fit the buffers made at activation; grow one only if TensorRT infers
+        a larger output than the largest-shape inference did (data-dependent shapes)."""
+        grown = [IOTensor(n, False, self._buffers[n].tensor.dtype, s) for n, s in self._output_shapes.items()
+                 if needs_new_buffer(self._buffers[n].capacity, tensor_bytes(s, self._buffers[n].tensor.dtype))]
+        if grown:
+            self.group.cuda.synchronize(self.group.stream)
+            self._allocate(grown)
+
+    def _execute(self, context: trt.IExecutionContext, stream: Any, shapes: dict[str, Shape]) -> None:
+        cuda = self.group.cuda
+        handle = cuda.stream_handle(stream)
+        if self.stats.graph_skip_reason is None:
+            key = GraphKey.of(shapes, self.group.activation_generation, self._buffer_generation)
+            if graph_is_valid(self._graph_key, key):
+                cuda.graph_launch(self._graph, stream)
+                self.stats.graph_launches += 1
+                return
+            if self._warm_key == key:  # one eager run with these addresses came first, as TensorRT asks
+                self._capture(context, stream, handle, key)
+                cuda.graph_launch(self._graph, stream)
+                self.stats.graph_launches += 1
+                return
+            self._warm_key = key
+        if not context.execute_async_v3(handle):
+            raise RuntimeInputError(f"{self.name}: TensorRT failed to enqueue the engine (see its log)")
+        self.stats.eager_runs += 1
+
+    def _capture(self, context: trt.IExecutionContext, stream: Any, handle: int, key: GraphKey) -> None:
+        cuda = self.group.cuda
+        if self._graph is not None:
+            cuda.graph_destroy(self._graph)
+            self._graph, self._graph_key = None, None
+        cuda.begin_capture(stream)
+        try:
+            ok = context.execute_async_v3(handle)
+        except BaseException:
+            cuda.abort_capture(stream)
+            raise
+        if not ok:
+            cuda.abort_capture(stream)
+            raise RuntimeInputError(f"{self.name}: TensorRT failed to enqueue the engine while capturing a graph")
+        self._graph = cuda.end_capture(stream)
+        self._graph_key = key
+        self.stats.graph_captures += 1
+
+    def _host_outputs(self, stream: Any) -> dict[str, Any]:
+        cuda = self.group.cuda
+        for name in self.output_names:
+            buffer = self._buffers[name]
+            cuda.copy_to_host(buffer.host, buffer.device, tensor_bytes(self._output_shapes[name], buffer.tensor.dtype),
+                              stream)
+        cuda.synchronize(stream)
+        outputs = {}
+        for name in self.output_names:
+            buffer = self._buffers[name]
+            dtype = numpy_dtype_for(buffer.tensor.dtype)
+            if dtype is None:
+                raise RuntimeInputError(f"{self.name}: output {name} is {buffer.tensor.dtype}, which numpy cannot hold")
+            shape = self._output_shapes[name]
+            outputs[name] = host_array(buffer.host, tensor_bytes(shape, buffer.tensor.dtype), dtype, shape).copy()
+        return outputs
+
+    def _device_outputs(self, stream: Any, torch_stream: Any) -> dict[str, Any]:
+        import torch
+
+        cuda, outputs = self.group.cuda, {}
+        for name in self.output_names:
+            buffer = self._buffers[name]
+            shape = self._output_shapes[name]
+            out = torch.empty(shape, dtype=getattr(torch, buffer.tensor.dtype), device="cuda")
+            cuda.copy_on_device(int(out.data_ptr()), buffer.device, tensor_bytes(shape, buffer.tensor.dtype), stream)
+            outputs[name] = out
+        cuda.wait(torch_stream if torch_stream is not None else _torch_stream(), stream, self.group.event())
+        return outputs
+
+
+def _torch_stream() -> int:
+    import torch
+
+    return int(torch.cuda.current_stream().cuda_stream)

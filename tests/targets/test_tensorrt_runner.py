@@ -1,0 +1,329 @@
+"""The TensorRT runner's bookkeeping, on CPU.
+
+NO REAL PART OF TENSORRT OR CUDA RUNS IN THIS FILE: neither can be installed or run on these machines.
+The runner is driven through a stand-in generated from the `tensorrt-stubs` .pyi (tests/shared/
+tensorrt_stub_fake.py: every class and member taken from TensorRT's real Python API, unknown names refused)
+over a fake CUDA runtime with cuda-python's call names. What this proves: contexts and buffers are made
+once, reused and freed; the engines of one group share one activation allocation sized to the largest;
+CUDA graphs are captured only for static shapes and replayed; the GPU memory bound unloads the least
+recently used engine; wrong feeds fail before anything loads. What it cannot prove (the gpu suite,
+tests/targets/test_tensorrt_gpu.py, does on a GPU host): that TensorRT and CUDA behave as the fake does.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from trt_diffusion.errors import RuntimeInputError
+from trt_diffusion.targets.tensorrt import device_memory as dm
+from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo, manifest_path
+from trt_diffusion.targets.tensorrt.cudart import Cuda
+
+fake = pytest.importorskip("tensorrt_stub_fake")
+if fake.stub_path() is None:
+    pytest.skip(f"tensorrt-stubs are not installed (pip install --no-deps {fake.STUB_PACKAGE})", allow_module_level=True)
+
+from trt_diffusion.targets.tensorrt.runner import EngineGroup, TensorRTRunner  # noqa: E402
+
+STATIC = {"sample": ((2, 4, 8, 8),) * 3}
+DYNAMIC = {"sample": ((1, 4, 8, 8), (2, 4, 8, 8), (4, 4, 16, 16))}
+
+
+# ---------------------------------------------------------------------------------------------- pure decisions
+
+
+def test_sizes_are_aligned_and_exact():
+    assert dm.align_up(0) == 0 and dm.align_up(1) == 256 and dm.align_up(256) == 256 and dm.align_up(257) == 512
+    assert dm.tensor_bytes((2, 4, 64, 64), "float16") == 65536
+    assert dm.tensor_bytes((3, 5), "float32") == 60
+    assert dm.tensor_bytes((3,), "int4") == 2  # packed nibbles, rounded up
+    tensors = [dm.IOTensor("sample", True, "float32", (2, 4, 8, 8)), dm.IOTensor("out", False, "float16", (3, 5))]
+    assert dm.buffer_sizes(tensors) == {"sample": 2048, "out": 256}
+    with pytest.raises(ValueError, match="unknown dimension"):
+        dm.tensor_bytes((-1, 4), "float32")
+
+
+def test_shared_activation_is_the_largest_need():
+    assert dm.shared_activation_bytes({"unet": 3_000_000_000, "vae": 5_000_000_001, "clip": 10}) == 5_000_000_256
+    assert dm.shared_activation_bytes({}) == 0
+
+
+def test_graph_capture_only_for_static_profiles():
+    assert dm.is_static_profile(STATIC) and not dm.is_static_profile(DYNAMIC)
+    assert dm.graph_capture_reason(True, STATIC) is None
+    assert "dynamic-shape" in dm.graph_capture_reason(True, DYNAMIC)
+    assert "not requested" in dm.graph_capture_reason(False, STATIC)
+    key = dm.GraphKey.of({"sample": (2, 4, 8, 8)}, 1, 1)
+    assert dm.graph_is_valid(key, dm.GraphKey.of({"sample": (2, 4, 8, 8)}, 1, 1))
+    assert not dm.graph_is_valid(key, dm.GraphKey.of({"sample": (2, 4, 8, 8)}, 2, 1))  # activation reallocated
+    assert not dm.graph_is_valid(key, dm.GraphKey.of({"sample": (2, 4, 8, 8)}, 1, 2))  # a buffer reallocated
+    assert not dm.graph_is_valid(None, key)
+
+
+def test_memory_bound_from_env_or_device():
+    assert dm.memory_bound_bytes(80 << 30) == int((80 << 30) * 0.9)
+    assert dm.memory_bound_bytes(80 << 30, "12.5") == int(12.5 * (1 << 30))
+    with pytest.raises(dm.MemoryBudgetError, match=dm.MEMORY_ENV):
+        dm.memory_bound_bytes(80 << 30, "lots")
+    with pytest.raises(dm.MemoryBudgetError, match="positive"):
+        dm.memory_bound_bytes(80 << 30, "0")
+
+
+def test_budget_evicts_least_recently_used_and_never_pinned():
+    budget = dm.EngineBudget(100)
+    assert budget.admit("a", 40) == [] and budget.admit("b", 40) == []
+    budget.touch("a")  # b is now least recently used
+    assert budget.admit("c", 40) == ["b"]
+    assert budget.loaded == ["a", "c"]
+    budget.pin("a")
+    assert budget.admit("d", 50) == ["c"]  # a is pinned: c goes instead
+    with pytest.raises(dm.MemoryBudgetError, match=r"engine e needs .* a \(0.00 GiB\)"):
+        budget.admit("e", 90)
+    budget.unpin("a")
+    budget.set_shared(10)
+    assert budget.admit("e", 90) == ["a", "d"]
+    assert budget.used_bytes == 100
+    with pytest.raises(dm.MemoryBudgetError):
+        dm.EngineBudget(10).admit("huge", 11)
+
+
+def test_feeds_are_described_without_torch_cuda():
+    import torch
+
+    info = dm.describe_feed(np.zeros((2, 3), np.float16))
+    assert (info.dtype, info.shape, info.on_device) == ("float16", (2, 3), False)
+    info = dm.describe_feed(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert (info.dtype, info.shape, info.on_device) == ("bfloat16", (2, 3), False)
+    assert not dm.outputs_on_device({"x": torch.zeros(1), "y": np.zeros(1)})
+
+
+# ---------------------------------------------------------------------------------------------- the stand-in
+
+
+def test_fake_is_generated_from_the_stubs_and_refuses_other_names():
+    trt = fake.FakeTensorRT()
+    assert {"ICudaEngine", "IExecutionContext", "Refitter", "Runtime"} <= set(trt.classes)
+    assert trt.ExecutionContextAllocationStrategy.USER_MANAGED.name == "USER_MANAGED"
+    context_cls = trt.classes["IExecutionContext"]
+    assert {"execute_async_v3", "set_device_memory", "set_tensor_address", "set_input_shape"} <= set(context_cls.members)
+    engine = trt.engine(_description(STATIC), fake.FakeCudart())
+    context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+    with pytest.raises(AttributeError, match="not in the TensorRT stubs"):
+        context.set_device_memry(0, 0)  # a misspelling fails as it would on TensorRT
+    with pytest.raises(AttributeError, match="not in the TensorRT stubs"):
+        engine.get_binding_shape(0)  # removed in TensorRT 10
+    with pytest.raises(NotImplementedError, match="infer_shapes"):
+        context.infer_shapes()
+    with pytest.raises(TypeError, match="stream_handle"):
+        context.execute_async_v3(object())  # TensorRT takes an int handle, not a stream object
+    with pytest.raises(fake.StubMismatch, match="does not match the stub"):
+        fake.make_class(context_cls, {"set_device_memory": lambda self, pointer, size: None})
+    with pytest.raises(fake.StubMismatch, match="no member"):
+        fake.make_class(context_cls, {"set_device_memry": lambda self, memory, size: None})
+
+
+# ---------------------------------------------------------------------------------------------- the runner
+
+
+def _description(profile, activation_bytes=1 << 20):
+    (low, opt, high), = profile.values()
+    return fake.EngineDescription(
+        inputs={"sample": ("FLOAT", low, opt, high)}, outputs={"out": "FLOAT"},
+        output_shape=lambda shapes: {"out": shapes.get("sample", high)},
+        compute=lambda feeds: {"out": feeds["sample"] * 2 + 1}, activation_bytes=activation_bytes)
+
+
+def _plan(tmp_path: Path, name: str, profile, plan_bytes: int = 1000) -> Path:
+    plan = tmp_path / f"{name}.plan"
+    plan.write_bytes(b"\0" * plan_bytes)
+    shape = tuple(d if lo == hi else -1 for d, lo, hi in zip(profile["sample"][2], *profile["sample"][::2]))
+    EngineManifest(
+        spec_key=name, spec_name=name, tensorrt_version="10.13.0.35", compute_capability=(8, 9), device_name="fake",
+        flags={}, profile_shapes=profile, onnx_sha256="0" * 64, plan_bytes=plan_bytes, build_seconds=0.0,
+        inputs=(TensorInfo(name="sample", dtype="float32", shape=shape),),
+        outputs=(TensorInfo(name="out", dtype="float32", shape=shape),),
+    ).write(manifest_path(plan))
+    return plan
+
+
+class Rig:
+    """One fake GPU: the stub-generated TensorRT, the fake CUDA runtime, a group, runners over fake plans."""
+
+    def __init__(self, tmp_path: Path, bound_bytes: int = 1 << 30):
+        self.tmp_path = tmp_path
+        self.trt = fake.FakeTensorRT()
+        self.cudart = fake.FakeCudart()
+        self.group = EngineGroup(cuda=Cuda(self.cudart), bound_bytes=bound_bytes)
+        self.loads: list[str] = []
+
+    def runner(self, name, profile=STATIC, *, activation_bytes=1 << 20, plan_bytes=1000, cuda_graph=False):
+        plan = _plan(self.tmp_path, name, profile, plan_bytes)
+        description = _description(profile, activation_bytes)
+
+        def load(path):
+            self.loads.append(name)
+            return SimpleNamespace(engine=self.trt.engine(description, self.cudart),
+                                   manifest=EngineManifest.read(manifest_path(path)))
+
+        return TensorRTRunner(plan, name=name, group=self.group, cuda_graph=cuda_graph, loader=load, trt_module=self.trt)
+
+
+def _sample(shape=(2, 4, 8, 8), seed=0):
+    return {"sample": np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
+
+
+def test_creating_a_runner_loads_and_allocates_nothing(tmp_path):
+    rig = Rig(tmp_path)
+    runner = rig.runner("unet")
+    assert rig.loads == [] and sum(rig.cudart.calls.values()) == 0
+    assert list(runner.inputs) == ["sample"] and runner.inputs["sample"].shape == (2, 4, 8, 8)
+
+
+def test_one_context_and_one_set_of_buffers_over_many_calls(tmp_path):
+    rig = Rig(tmp_path)
+    runner = rig.runner("unet")
+    for seed in range(5):
+        feeds = _sample(seed=seed)
+        out = runner.run(feeds)["out"]
+        np.testing.assert_array_equal(out, feeds["sample"] * 2 + 1)  # through pinned host + device buffers
+    assert rig.loads == ["unet"] and len(rig.trt.contexts) == 1
+    assert (runner.stats.contexts_created, runner.stats.activations, runner.stats.runs) == (1, 1, 5)
+    assert runner.stats.device_allocations == runner.stats.host_allocations == 2  # one buffer per I/O tensor
+    assert rig.cudart.calls["cudaMalloc"] == 3  # the two buffers + the shared activation allocation
+    assert rig.cudart.calls["cudaMallocHost"] == 2 and rig.cudart.calls["cudaStreamCreateWithFlags"] == 1
+    assert rig.cudart.calls["cudaMemcpyAsync(HtoD)"] == rig.cudart.calls["cudaMemcpyAsync(DtoH)"] == 5
+    assert rig.trt.contexts[0]._calls["execute_async_v3"] == 5
+
+
+def test_deactivate_frees_everything_and_can_activate_again(tmp_path):
+    rig = Rig(tmp_path)
+    with rig.runner("unet") as runner:
+        assert runner.active and rig.cudart.live_device == 3 and rig.cudart.live_host == 2
+        runner.run(_sample())
+    assert not runner.active
+    assert rig.cudart.live_device == 0 and rig.cudart.live_host == 0 and not rig.cudart.streams
+    assert rig.group.activation_bytes == 0 and rig.group.members == []
+    np.testing.assert_array_equal(runner.run(_sample(seed=3))["out"], _sample(seed=3)["sample"] * 2 + 1)
+    assert runner.stats.activations == 2 and rig.loads == ["unet", "unet"]
+
+
+def test_dynamic_shapes_reuse_the_buffers_sized_for_the_profile_max(tmp_path):
+    rig = Rig(tmp_path)
+    runner = rig.runner("unet", DYNAMIC)
+    for shape in [(1, 4, 8, 8), (4, 4, 16, 16), (3, 4, 8, 12), (1, 4, 8, 8)]:
+        feeds = _sample(shape)
+        out = runner.run(feeds)["out"]
+        assert out.shape == shape
+        np.testing.assert_array_equal(out, feeds["sample"] * 2 + 1)
+    assert runner.stats.device_allocations == 2 and runner.stats.contexts_created == 1
+    assert runner._buffers["sample"].capacity == dm.align_up(dm.tensor_bytes((4, 4, 16, 16), "float32"))
+
+
+def test_wrong_feeds_fail_before_anything_loads(tmp_path):
+    rig = Rig(tmp_path)
+    runner = rig.runner("unet")
+    with pytest.raises(RuntimeInputError, match=r"sample: dtype float16, expected float32"):
+        runner.run({"sample": np.zeros((2, 4, 8, 8), np.float16)})
+    with pytest.raises(RuntimeInputError, match=r"outside the engine's profile"):
+        runner.run(_sample((2, 4, 8, 16)))
+    with pytest.raises(RuntimeInputError, match=r"missing input"):
+        runner.run({})
+    assert rig.loads == [] and sum(rig.cudart.calls.values()) == 0
+
+
+def test_engines_of_a_group_share_one_activation_allocation(tmp_path):
+    rig = Rig(tmp_path)
+    small = rig.runner("text_encoder", activation_bytes=1000)
+    large = rig.runner("unet", activation_bytes=5000)
+    small.run(_sample())
+    first = rig.group.activation_pointer
+    assert rig.group.activation_bytes == 1024 and small.context._activation == (first, 1024)
+    large.run(_sample())  # a larger need: one new allocation, the earlier context rebound to it
+    pointer = rig.group.activation_pointer
+    assert pointer != first and rig.group.activation_bytes == 5120
+    assert small.context._activation == large.context._activation == (pointer, 5120)
+    assert rig.group.stats["activation_allocations"] == 2 and rig.group.stats["activation_frees"] == 1
+    small.run(_sample())  # runs in the shared allocation (the fake refuses a too-small one)
+    assert rig.cudart.live_device == 1 + 2 * 2  # one activation allocation, two buffers per engine
+
+
+def test_cuda_graph_captured_once_for_static_shapes_and_replayed(tmp_path):
+    rig = Rig(tmp_path)
+    graph = rig.runner("unet", cuda_graph=True)
+    eager = rig.runner("unet_eager")
+    for seed in range(4):
+        feeds = _sample(seed=seed)
+        np.testing.assert_array_equal(graph.run(feeds)["out"], eager.run(feeds)["out"])  # replay == eager
+    # first call eager (TensorRT's deferred work happens outside a capture), then one capture, then launches
+    assert (graph.stats.eager_runs, graph.stats.graph_captures, graph.stats.graph_launches) == (1, 1, 3)
+    assert rig.cudart.calls["cudaGraphInstantiate"] == 1 and eager.stats.graph_captures == 0
+
+
+def test_no_cuda_graph_for_a_dynamic_profile(tmp_path):
+    rig = Rig(tmp_path)
+    runner = rig.runner("unet", DYNAMIC, cuda_graph=True)
+    for _ in range(3):
+        runner.run(_sample((2, 4, 8, 8)))
+    assert runner.stats.graph_captures == 0 and runner.stats.eager_runs == 3
+    assert "dynamic-shape" in runner.stats.graph_skip_reason
+
+
+def test_graph_recaptured_after_the_shared_activation_moves(tmp_path):
+    rig = Rig(tmp_path)
+    runner = rig.runner("unet", cuda_graph=True, activation_bytes=1000)
+    for _ in range(3):
+        runner.run(_sample())
+    rig.runner("vae", activation_bytes=9000).run(_sample())  # the shared allocation grows and moves
+    feeds = _sample(seed=9)
+    for _ in range(2):
+        np.testing.assert_array_equal(runner.run(feeds)["out"], feeds["sample"] * 2 + 1)
+    assert runner.stats.graph_captures == 2  # the old graph recorded the old address: never replayed
+
+
+def test_memory_bound_unloads_the_least_recently_used_engine(tmp_path):
+    rig = Rig(tmp_path, bound_bytes=1 << 30)
+    a = rig.runner("unet.512", plan_bytes=600 << 20)
+    b = rig.runner("unet.1024", plan_bytes=600 << 20)
+    a.run(_sample())
+    b.run(_sample())  # both do not fit: a (least recently used, not running) is unloaded first
+    assert not a.active and b.active and rig.group.members == [b.key]
+    assert rig.cudart.live_device == 1 + 2 and rig.cudart.live_host == 2  # a's buffers are freed
+    a.run(_sample())
+    assert a.active and not b.active and rig.loads == ["unet.512", "unet.1024", "unet.512"]
+
+
+def test_an_engine_entered_with_with_is_never_unloaded(tmp_path):
+    rig = Rig(tmp_path, bound_bytes=1 << 30)
+    a = rig.runner("unet.512", plan_bytes=600 << 20)
+    b = rig.runner("unet.1024", plan_bytes=600 << 20)
+    with a:
+        with pytest.raises(dm.MemoryBudgetError, match=r"engine unet.1024@.* needs .*held in use. Raise TRT_DIFFUSION_TENSORRT_MEMORY_GB"):
+            b.run(_sample())
+        assert a.active and not b.active
+    assert rig.cudart.live_device == 0 and rig.cudart.live_host == 0
+
+
+# ---------------------------------------------------------------------------------------------- cuda-python names
+
+
+def _cudart_calls() -> set[str]:
+    """Every `self._rt.<name>` the Cuda wrapper calls, read from its source."""
+    source = Path(importlib.import_module("trt_diffusion.targets.tensorrt.cudart").__file__).read_text()
+    return {node.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "_rt"}
+
+
+def test_the_fake_cuda_runtime_has_every_call_the_wrapper_makes():
+    assert _cudart_calls() <= set(dir(fake.FakeCudart)), _cudart_calls() - set(dir(fake.FakeCudart))
+
+
+def test_the_wrapper_and_the_fake_name_only_real_cuda_python_calls():
+    runtime = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python is not installed (the tensorrt extra)")
+    missing = sorted(n for n in _cudart_calls() | set(fake.CUDART_NAMES) if not hasattr(runtime, n))
+    assert not missing, f"not in cuda-python's cuda.bindings.runtime: {missing}"
