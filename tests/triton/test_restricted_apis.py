@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trt_diffusion.triton.server import TritonServer
+from trt_diffusion.triton.stage import start_server
 
 pytestmark = pytest.mark.triton
 
@@ -18,11 +19,10 @@ GRPC_ADMIN = ["get_system_shared_memory_status", "get_trace_settings", "get_log_
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("restricted")
     (root / "repo").mkdir()
-    closed = TritonServer(root / "repo", root / "closed")
-    opened = TritonServer(root / "repo", root / "open", admin_apis=True)
-    closed.start(timeout_s=60)
+    # start_server picks the ports and picks again if another process takes one before tritonserver binds it
+    closed, _ = start_server(root / "repo", root / "closed", (None, None, None), 60, admin_apis=False)
     try:
-        opened.start(timeout_s=60)
+        opened, _ = start_server(root / "repo", root / "open", (None, None, None), 60, admin_apis=True)
         try:
             yield closed, opened
         finally:

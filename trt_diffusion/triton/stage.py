@@ -105,9 +105,8 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
     report = PackageReport.read(repo)
     validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
     work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trt-diffusion-serve-"))
-    server = TritonServer(repo, work_dir, ports=_ports(http_port, grpc_port, metrics_port), extra_args=SERVER_ARGS,
-                          admin_apis=admin_apis)
-    seconds = server.start(timeout_s=ready_timeout_s)
+    server, seconds = start_server(repo, work_dir, (http_port, grpc_port, metrics_port), ready_timeout_s,
+                                    admin_apis)
     try:
         warmup = WarmupReport(str(repo), server.http_url, server.grpc_url, seconds, models_ready(server, report),
                               log=str(server.log_path))
@@ -121,6 +120,25 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
         server.stop()
         raise
     return server, warmup
+
+
+# free_port() finds a port and frees it again before tritonserver binds it: another process may take it in between.
+PORT_ATTEMPTS = 4
+
+
+def start_server(repo: Path, work_dir: Path, wanted: tuple[int | None, int | None, int | None],
+                  ready_timeout_s: float, admin_apis: bool) -> tuple[TritonServer, float]:
+    """Start on the wanted ports, picking free ones for those not given; when tritonserver finds a port it was
+    given by us already taken, pick again (a port the user chose and lost is their error, reported as is)."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        server = TritonServer(repo, work_dir, ports=_ports(*wanted), extra_args=SERVER_ARGS, admin_apis=admin_apis)
+        try:
+            return server, server.start(timeout_s=ready_timeout_s)
+        except ServeError as err:
+            picked = [port for port, want in zip(asdict(server.ports).values(), wanted) if want is None]
+            if attempt == PORT_ATTEMPTS or not any(f":{port}' already in use" in str(err) for port in picked):
+                raise
+    raise AssertionError("unreachable")
 
 
 def models_ready(server: TritonServer, report: PackageReport) -> dict[str, bool]:
