@@ -20,17 +20,24 @@ from trt_diffusion.targets.tensorrt.config import (
     TensorInfo,
     check_engine_compatible,
     check_feeds,
+    RefitRecord,
+    check_hardware,
+    check_onnx_precision,
     check_profile_against_inputs,
     engine_path,
     manifest_is_current,
     manifest_path,
+    network_creation_flags,
+    onnx_compute_dtype,
     onnx_has_qdq,
     onnx_input_shapes,
     onnx_sha256,
     prepare_refit_weights,
     read_base_weights,
+    timing_cache_lock,
     timing_cache_path,
     validate_profile,
+    versions_compatible,
     weights_for_refit,
 )
 from trt_diffusion.errors import BuildError, MissingDependencyError, RefitError, RuntimeInputError
@@ -239,29 +246,71 @@ def test_missing_or_corrupt_onnx_is_a_build_error(tmp_path):
         onnx_has_qdq(corrupt)
 
 
-def test_fp16_spec_sets_fp16_only(conv_onnx):
-    flags = BuildFlags.for_spec(make_spec("fp16"), onnx_has_qdq(conv_onnx))
-    assert flags == BuildFlags(precision="fp16", fp16=True, bf16=False, tf32=True, strongly_typed=False,
-                               refit=False, strip_plan=False, builder_optimization_level=3, workspace_bytes=8 * GIB)
+def test_every_precision_builds_strongly_typed_without_precision_flags(conv_onnx, qdq_onnx):
+    """Precision comes from the ONNX: no spec sets a builder precision flag, on TensorRT 10 or 11."""
+    for precision, onnx_path in [("fp32", conv_onnx), ("fp16", conv_onnx), ("bf16", conv_onnx),
+                                 ("fp8", qdq_onnx), ("int8", qdq_onnx)]:
+        flags = BuildFlags.for_spec(make_spec(precision), onnx_has_qdq(onnx_path))
+        assert flags == BuildFlags(precision=precision, tf32=True, strongly_typed=True, refit=False, strip_plan=False,
+                                   version_compatible=False, builder_optimization_level=3, workspace_bytes=8 * GIB)
+        assert flags.builder_flags() == ()
+        assert flags.cleared_builder_flags() == ()
+    refit = BuildFlags.for_spec(make_spec("fp16", refittable=True, options={"tensorrt_tf32": False,
+                                                                            "tensorrt_version_compatible": True}), False)
+    assert refit.builder_flags() == ("REFIT", "VERSION_COMPATIBLE")
+    assert refit.cleared_builder_flags() == ("TF32",)
 
 
-def test_bf16_and_fp32_specs():
-    bf16 = BuildFlags.for_spec(make_spec("bf16"), False)
-    assert (bf16.bf16, bf16.fp16, bf16.strongly_typed) == (True, False, False)
-    fp32 = BuildFlags.for_spec(make_spec("fp32"), False)
-    assert (fp32.fp16, fp32.bf16, fp32.strongly_typed) == (False, False, False)
+def test_network_is_created_strongly_typed_on_10_and_by_default_on_11():
+    assert network_creation_flags("10.8.0.43") == ("STRONGLY_TYPED",)
+    assert network_creation_flags("10.13.3.9") == ("STRONGLY_TYPED",)
+    assert network_creation_flags("11.0.0.114") == ()  # always strongly typed; the flag is deprecated there
+    assert network_creation_flags("11.4.1") == ()
+
+
+def test_the_onnx_dtype_must_be_the_engines_precision(tmp_path):
+    """Strong typing: an fp16 engine from an fp32 graph would silently be an fp32 engine."""
+    check_onnx_precision(make_spec("fp32"), "float32")
+    check_onnx_precision(make_spec("fp16"), "float16")
+    check_onnx_precision(make_spec("bf16"), "bfloat16")
+    check_onnx_precision(make_spec("int8"), "float16")  # Q/DQ over the fp16 graph
+    check_onnx_precision(make_spec("fp8"), "float16")
+    check_onnx_precision(make_spec("fp16"), None)  # no float weights at all
+    with pytest.raises(BuildError, match="a fp16 TensorRT engine is built strongly typed from an float16 ONNX, but "
+                                         "this ONNX's weights are float32"):
+        check_onnx_precision(make_spec("fp16"), "float32")
+    with pytest.raises(BuildError, match="Q/DQ ONNX over the fp16 graph, but this ONNX's weights are float32"):
+        check_onnx_precision(make_spec("int8"), "float32")
+    with pytest.raises(BuildError, match="weights are float16"):
+        check_onnx_precision(make_spec("bf16"), "float16")
+
+    fp16 = conv_model()
+    for tensor in fp16.graph.initializer:
+        if tensor.data_type == TensorProto.FLOAT:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+    assert onnx_compute_dtype(save(conv_model(), tmp_path / "fp32.onnx")) == "float32"
+    assert onnx_compute_dtype(save(fp16, tmp_path / "fp16.onnx", external=True)) == "float16"
+    assert onnx_compute_dtype(save(qdq_model(), tmp_path / "qdq.onnx")) == "float32"  # its fp32 scales
+
+
+def test_hardware_gate_names_engine_precision_and_gpu():
+    check_hardware(make_spec("fp8"), (8, 9), "NVIDIA L40S")
+    check_hardware(make_spec("fp8"), (9, 0), "NVIDIA H100")
+    check_hardware(make_spec("bf16"), (8, 0), "NVIDIA A100")
+    for precision in ("fp32", "fp16", "int8"):
+        check_hardware(make_spec(precision), (7, 5), "Tesla T4")
+    spec = make_spec("fp8")
+    with pytest.raises(BuildError) as raised:
+        check_hardware(spec, (8, 6), "NVIDIA RTX A6000")
+    assert str(raised.value).startswith(f"{spec.name}: precision fp8 needs a GPU of compute capability 8.9 or newer; "
+                                        "this host's GPU is NVIDIA RTX A6000 (sm_86, compute capability 8.6)")
+    with pytest.raises(BuildError, match=r"precision bf16 needs a GPU of compute capability 8.0 .* Tesla T4 \(sm_75"):
+        check_hardware(make_spec("bf16"), (7, 5), "Tesla T4")
 
 
 def test_refittable_spec_sets_refit():
     assert BuildFlags.for_spec(make_spec("fp16", refittable=True), False).refit is True
     assert BuildFlags.for_spec(make_spec("fp16", refittable=False), False).refit is False
-
-
-def test_qdq_onnx_builds_strongly_typed_without_precision_flags(qdq_onnx):
-    for precision in ("int8", "fp8"):
-        flags = BuildFlags.for_spec(make_spec(precision), onnx_has_qdq(qdq_onnx))
-        assert flags.strongly_typed is True
-        assert (flags.fp16, flags.bf16) == (False, False)
 
 
 def test_precision_and_qdq_must_agree(qdq_onnx):
@@ -304,12 +353,63 @@ def test_onnxruntime_spec_is_not_a_tensorrt_build():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_timing_cache_is_per_compute_capability_and_trt_minor(tmp_path):
-    assert timing_cache_path(tmp_path, (9, 0), "10.13.0.35") == tmp_path / "sm90-trt10.13.timing.cache"
-    assert timing_cache_path(tmp_path, (8, 9), "10.13.2.6") == tmp_path / "sm89-trt10.13.timing.cache"
-    assert timing_cache_path(tmp_path, (10, 0), "10.8.0") == tmp_path / "sm100-trt10.8.timing.cache"
+def test_timing_cache_is_keyed_on_the_full_trt_version_and_the_device(tmp_path):
+    assert timing_cache_path(tmp_path, (9, 0), "10.13.0.35", "NVIDIA H100 80GB HBM3") == (
+        tmp_path / "sm90-nvidia-h100-80gb-hbm3-trt10.13.0.35.timing.cache")
+    # combine() needs the exact build: another build number is another cache
+    assert timing_cache_path(tmp_path, (9, 0), "10.13.0.36", "NVIDIA H100 80GB HBM3") != (
+        timing_cache_path(tmp_path, (9, 0), "10.13.0.35", "NVIDIA H100 80GB HBM3"))
+    # set_timing_cache() rejects another device's cache, even of the same compute capability
+    assert timing_cache_path(tmp_path, (8, 9), "10.13.0.35", "NVIDIA L40S") != (
+        timing_cache_path(tmp_path, (8, 9), "10.13.0.35", "NVIDIA GeForce RTX 4090"))
+    assert timing_cache_path(tmp_path, (10, 0), "11.0.0", "NVIDIA B200").name == "sm100-nvidia-b200-trt11.0.0.timing.cache"
     with pytest.raises(BuildError, match="not a TensorRT version"):
-        timing_cache_path(tmp_path, (9, 0), "latest")
+        timing_cache_path(tmp_path, (9, 0), "latest", "NVIDIA H100")
+
+
+def test_timing_cache_lock_excludes_threads_of_one_process(tmp_path):
+    """fcntl locks belong to the process: without the in-process lock two threads would both hold it."""
+    import threading
+    import time
+
+    cache = tmp_path / "cache" / "sm90-x-trt10.13.0.35.timing.cache"
+    inside, overlaps, start = [], [], threading.Barrier(4)
+
+    def job(index: int) -> None:
+        start.wait()
+        for _ in range(5):
+            with timing_cache_lock(cache):
+                inside.append(index)
+                if len(inside) > 1:
+                    overlaps.append(tuple(inside))
+                time.sleep(0.002)
+                inside.remove(index)
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert overlaps == []
+    assert (cache.parent / (cache.name + ".lock")).is_file()
+    # another path has its own lock: holding one does not block the other
+    with timing_cache_lock(cache):
+        with timing_cache_lock(tmp_path / "other.timing.cache"):
+            pass
+
+
+def test_timing_cache_lock_excludes_other_processes(tmp_path):
+    import subprocess
+    import sys
+
+    cache = tmp_path / "shared.timing.cache"
+    code = ("import sys, fcntl; f = open(sys.argv[1], 'a+b'); "
+            "fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)")
+    with timing_cache_lock(cache):
+        held = subprocess.run([sys.executable, "-c", code, str(cache) + ".lock"], capture_output=True, timeout=60)
+    assert held.returncode != 0 and b"BlockingIOError" in held.stderr
+    free = subprocess.run([sys.executable, "-c", code, str(cache) + ".lock"], capture_output=True, timeout=60)
+    assert free.returncode == 0
 
 
 def test_engine_path_layout(tmp_path):
@@ -348,7 +448,7 @@ def test_manifest_round_trip(tmp_path):
     manifest = make_manifest()
     assert EngineManifest.from_json(manifest.to_json()) == manifest
     raw = json.loads(manifest.to_json())
-    assert raw["schema_version"] == 1 and raw["target"] == "tensorrt"
+    assert raw["schema_version"] == 2 and raw["target"] == "tensorrt" and raw["refit"] is None
     assert raw["profile_shapes"]["sample"] == [[2, 4, 64, 64]] * 3
     assert raw["flags"]["refit"] is True and raw["created_at"].endswith("+00:00")
 
@@ -363,9 +463,9 @@ def test_unreadable_manifests_are_build_errors(tmp_path):
         EngineManifest.read(tmp_path / "absent.manifest.json")
     with pytest.raises(BuildError, match="not valid JSON"):
         EngineManifest.from_json("{")
-    newer = json.loads(make_manifest().to_json()) | {"schema_version": 2}
-    with pytest.raises(BuildError, match="schema_version 2; this trt-diffusion reads 1"):
-        EngineManifest.from_json(json.dumps(newer))
+    older = json.loads(make_manifest().to_json()) | {"schema_version": 1}  # v1 did not record refits: never trusted
+    with pytest.raises(BuildError, match="schema_version 1; this trt-diffusion reads 2"):
+        EngineManifest.from_json(json.dumps(older))
     broken = json.loads(make_manifest().to_json())
     del broken["onnx_sha256"]
     with pytest.raises(BuildError, match="malformed"):
@@ -384,6 +484,8 @@ def test_manifest_is_current_only_for_identical_inputs():
     assert not manifest_is_current(**{**args, "trt_version": "10.8.1"})
     assert not manifest_is_current(**{**args, "compute_capability": (9, 0)})
     assert not manifest_is_current(**{**args, "spec": make_spec("fp16", refittable=False)})
+    refitted = manifest.model_copy(update={"refit": RefitRecord(weights_sha256="ef" * 32, names=("conv.weight",))})
+    assert not manifest_is_current(**{**args, "manifest": refitted})  # a LoRA'd plan is not the built engine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,14 +515,33 @@ def test_compatibility_is_exact_to_the_patch():
     assert "exact TensorRT version" not in str(raised.value)  # only the GPU differs
 
 
-def test_version_compatible_engines_accept_newer_runtimes_of_the_same_major():
+def test_version_compatible_engines_accept_newer_runtimes_of_the_same_major_and_10_on_11():
     flags = BuildFlags.for_spec(make_spec(options={"tensorrt_version_compatible": True}), False)
     manifest = make_manifest(tensorrt_version="10.8.0.43", compute_capability=(9, 0), flags=flags.to_dict())
+    check_engine_compatible(manifest, "10.8.0.43", (9, 0))
     check_engine_compatible(manifest, "10.13.0.35", (9, 0))
-    with pytest.raises(BuildError, match="version-compatible engine"):
+    check_engine_compatible(manifest, "11.0.0.114", (9, 0))  # support matrix: TensorRT 10 VC engines on 11
+    check_engine_compatible(manifest, "11.4.1", (9, 0))
+    with pytest.raises(BuildError, match="version-compatible engine loads only on the TensorRT version it was built "
+                                         "with or a newer one of the same major"):
         check_engine_compatible(manifest, "10.7.0", (9, 0))
     with pytest.raises(BuildError, match="version-compatible engine"):
-        check_engine_compatible(manifest, "11.0.0", (9, 0))
+        check_engine_compatible(manifest, "12.0.0", (9, 0))  # no other cross-major pair is supported
+    eleven = make_manifest(tensorrt_version="11.1.0", compute_capability=(9, 0), flags=flags.to_dict())
+    check_engine_compatible(eleven, "11.4.0", (9, 0))
+    with pytest.raises(BuildError, match="version-compatible engine"):
+        check_engine_compatible(eleven, "10.13.0.35", (9, 0))  # never onto an older runtime
+    with pytest.raises(BuildError, match="version-compatible engine"):
+        check_engine_compatible(eleven, "11.0.0", (9, 0))
+
+
+def test_version_matrix():
+    cases = [  # (built, runtime, version_compatible) -> loads
+        ("10.8.0", "10.8.0.43", False, True), ("10.8.0", "10.8.1", False, False), ("10.8.0", "11.0.0", False, False),
+        ("10.8.0", "10.13.0", True, True), ("10.13.0", "10.8.0", True, False), ("10.8.0", "11.3.0", True, True),
+        ("11.0.0", "10.16.1", True, False), ("11.0.0", "12.0.0", True, False), ("8.6.1", "10.8.0", True, False),
+    ]
+    assert [versions_compatible(b, r, vc) for b, r, vc, _ in cases] == [ok for *_, ok in cases]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,8 +684,10 @@ def test_build_checks_its_inputs_before_needing_tensorrt(conv_onnx, tmp_path):
                      tmp_path / "e.plan", tmp_path / "cache")
     with pytest.raises(BuildError, match="precision int8 needs an ONNX with Q/DQ"):
         build_engine(conv_onnx, make_spec("int8"), good, tmp_path / "e.plan", tmp_path / "cache")
-    with pytest.raises(MissingDependencyError):
+    with pytest.raises(BuildError, match="weights are float32"):
         build_engine(conv_onnx, make_spec("fp16"), good, tmp_path / "e.plan", tmp_path / "cache")
+    with pytest.raises(MissingDependencyError):
+        build_engine(conv_onnx, make_spec("fp32"), good, tmp_path / "e.plan", tmp_path / "cache")
     assert not (tmp_path / "e.plan").exists()
 
 
@@ -599,3 +722,21 @@ def test_run_checks_feeds_before_loading(tmp_path):
     plan = write_plan_and_manifest(tmp_path, make_manifest())
     with pytest.raises(RuntimeInputError, match="missing input"):
         run_engine(plan, {"sample": np.zeros((2, 4, 64, 64), np.float16)})
+
+
+@needs_no_tensorrt
+def test_hardware_gate_runs_before_tensorrt_is_started(monkeypatch, qdq_onnx, tmp_path):
+    from trt_diffusion.targets.tensorrt import engine
+
+    fp16_qdq = qdq_model()
+    for tensor in fp16_qdq.graph.initializer:
+        if tensor.data_type == TensorProto.FLOAT:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
+    onnx_path = save(fp16_qdq, tmp_path / "fp16_qdq.onnx")
+    monkeypatch.setattr(engine, "_probe_cuda_device", lambda: (engine.CudaDevice((8, 6), "NVIDIA RTX A6000"), ()))
+    started = []
+    monkeypatch.setattr(engine, "_require_tensorrt", lambda: started.append(True))
+    profile = {"sample": ((2, 4, 8, 8),) * 3}
+    with pytest.raises(BuildError, match="precision fp8 needs a GPU of compute capability 8.9"):
+        engine.build_engine(onnx_path, make_spec("fp8"), profile, tmp_path / "e.plan", tmp_path / "cache")
+    assert started == []  # refused before TensorRT was imported

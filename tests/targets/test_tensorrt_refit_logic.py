@@ -16,7 +16,9 @@ import types
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
+from onnx import helper, numpy_helper
 
 from trt_diffusion.targets.tensorrt import engine as target
 from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo
@@ -92,6 +94,36 @@ class Refitter:
         return True
 
 
+class OnnxParserRefitter:
+    """Like TensorRT's: sets every weight the engine can refit from the ONNX file: initializers and
+    Constant-node values alike (TensorRT also names weights its parser made); an error for any it lacks."""
+
+    def __init__(self, refitter: Refitter, logger):
+        self.refitter, self.errors, self.keep = refitter, [], []
+
+    @property
+    def num_errors(self) -> int:
+        return len(self.errors)
+
+    def get_error(self, index: int) -> str:
+        return self.errors[index]
+
+    def refit_from_file(self, path: str) -> bool:
+        model = onnx.load(path)
+        values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        for node in model.graph.node:
+            if node.op_type == "Constant":
+                values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+        for name in self.refitter.get_all_weights():
+            if name not in values:
+                self.errors.append(f"the ONNX has no weight {name}")
+                continue
+            array = np.ascontiguousarray(values[name], np.float32)
+            self.keep.append(array)
+            self.refitter.set_named_weights(name, Weights(FLOAT, array.ctypes.data, array.size))
+        return not self.errors
+
+
 def fake_tensorrt() -> types.ModuleType:
     module = types.ModuleType("tensorrt")
     module.__version__ = "10.13.0.35"
@@ -99,6 +131,7 @@ def fake_tensorrt() -> types.ModuleType:
     module.ILogger = ILogger
     module.Weights = Weights
     module.Refitter = Refitter
+    module.OnnxParserRefitter = OnnxParserRefitter
     module.init_libnvinfer_plugins = lambda logger, namespace: True
     return module
 
@@ -106,7 +139,7 @@ def fake_tensorrt() -> types.ModuleType:
 @pytest.fixture(autouse=True)
 def tensorrt_stand_in(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt())
-    monkeypatch.setattr(target, "_RECORDING_LOGGER", None)
+    monkeypatch.setattr(target, "_LOGGER", None)
 
 
 def base_weights() -> dict[str, np.ndarray]:
@@ -213,3 +246,150 @@ def test_restore_needs_every_refitted_base_weight():
         target.refit_to_base(engine, partial_base)
     target.refit_to_base(engine, base, names=target.refittable_weight_names(engine))
     assert_weights(engine, base)
+
+
+# ---------------------------------------------------------------------------------------------
+# refit --base through OnnxParserRefitter, and the refit record across save and load
+# ---------------------------------------------------------------------------------------------
+
+CONSTANT_WEIGHT = "const::scale_3"  # a Constant-node value TensorRT refits, which is no ONNX initializer
+
+
+def engine_weights() -> dict[str, np.ndarray]:
+    return {**base_weights(), CONSTANT_WEIGHT: np.linspace(0.5, 1.5, 8, dtype=np.float32)}
+
+
+def base_onnx(path: Path) -> Path:
+    """An ONNX holding the engine's base weights: three initializers and one Constant node."""
+    weights = base_weights()
+    constant = helper.make_node("Constant", [], [CONSTANT_WEIGHT],
+                                value=numpy_helper.from_array(engine_weights()[CONSTANT_WEIGHT]))
+    graph = helper.make_graph(
+        [constant, helper.make_node("Identity", [CONSTANT_WEIGHT], ["out"])], "base", [],
+        [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [8])],
+        initializer=[numpy_helper.from_array(array, name) for name, array in weights.items()])
+    onnx.save(helper.make_model(graph), str(path))
+    return path
+
+
+def test_refit_from_base_restores_weights_no_initializer_list_holds(tmp_path):
+    from trt_diffusion.targets.onnx_facts import read_base_weights
+
+    onnx_path = base_onnx(tmp_path / "model.onnx")
+    engine = make_engine()
+    engine.engine = FakeEngine(engine_weights())
+    lora_a = perturbed(engine_weights(), seed=1)  # touches the Constant-node weight too
+    target.refit_engine(engine, lora_a)
+    # the initializers alone cannot restore it: that was `refit --base` before OnnxParserRefitter
+    with pytest.raises(RefitError, match=r"the base weights lack \['const::scale_3'\]"):
+        target.refit_to_base(engine, read_base_weights(onnx_path))
+
+    target.refit_from_base(engine, onnx_path)
+    assert_weights(engine, engine_weights())
+    assert engine.refitted_names == set()
+
+    lora_b = perturbed(base_weights(), seed=2, names=["conv.weight", "conv.bias"])
+    target.refit_engine(engine, lora_a)
+    target.refit_from_base(engine, onnx_path, lora_b)  # B over base: nothing of A stays
+    assert_weights(engine, {**engine_weights(), **lora_b})
+    assert engine.refitted_names == set(lora_b)
+
+
+def test_refit_from_a_foreign_onnx_is_refused_with_the_parser_words(tmp_path):
+    graph = helper.make_graph([], "other", [], [], initializer=[
+        numpy_helper.from_array(np.zeros(8, np.float32), "conv.bias")])
+    other = tmp_path / "other.onnx"
+    onnx.save(helper.make_model(graph), str(other))
+    with pytest.raises(RefitError, match=r"cannot restore engine .* the ONNX has no weight conv.weight"):
+        target.refit_from_base(make_engine(), other)
+
+
+class PickledPlans:
+    """Plans as bytes that carry their weights, so a saved plan loads back with what it was saved with."""
+
+    @staticmethod
+    def serialize(engine: FakeEngine) -> bytes:
+        import pickle
+
+        return pickle.dumps(engine.weights)
+
+    @staticmethod
+    def deserialize(plan: bytes, manifest) -> FakeEngine:
+        import pickle
+
+        return FakeEngine(pickle.loads(plan))
+
+
+@pytest.fixture
+def built_plan(tmp_path, monkeypatch):
+    """A refittable plan and manifest as `build` leaves them, a host that loads it, and the target."""
+    import trt_diffusion.targets.tensorrt as trt_target
+    from trt_diffusion.targets.base import BuiltEngine
+    from trt_diffusion.targets.tensorrt.config import manifest_path
+
+    monkeypatch.setattr(FakeEngine, "serialize", lambda self: PickledPlans.serialize(self), raising=False)
+    monkeypatch.setattr(target, "_deserialize", PickledPlans.deserialize)
+    monkeypatch.setattr(target, "_require_tensorrt", lambda: sys.modules["tensorrt"])
+    monkeypatch.setattr(target, "host_info", lambda: ("10.13.0.35", (9, 0), "NVIDIA H200"))
+    lora = types.ModuleType("trt_diffusion.lora")  # the LoRA -> initializer mapping is tested in tests/lora
+    lora.RefitMap = types.SimpleNamespace(load=lambda path, onnx_path: None)
+    lora.refit_weights_for_tensorrt = lambda refit_map, weights, precision: dict(weights)
+    monkeypatch.setitem(sys.modules, "trt_diffusion.lora", lora)
+
+    plan = tmp_path / "engines" / "tiny.plan"
+    plan.parent.mkdir()
+    plan.write_bytes(PickledPlans.serialize(FakeEngine(engine_weights())))
+    manifest = make_engine().manifest.model_copy(update={"plan_bytes": plan.stat().st_size})
+    manifest.write(manifest_path(plan))
+    onnx_path = base_onnx(tmp_path / "model.onnx")
+
+    def reload() -> BuiltEngine:
+        from trt_diffusion.targets.tensorrt.config import EngineManifest
+
+        return BuiltEngine(spec=types.SimpleNamespace(precision="fp32", name="tiny"), path=plan,
+                           manifest=EngineManifest.read(manifest_path(plan)))
+
+    return trt_target.TensorRTTarget(), reload, onnx_path
+
+
+def test_a_refitted_lora_is_recorded_and_replaced_from_base_by_the_next_refit(built_plan):
+    from trt_diffusion.targets.tensorrt.config import weights_digest
+
+    trt_target, reload, onnx_path = built_plan
+    lora_a = perturbed(engine_weights(), seed=1)  # every weight, the Constant-node one included
+    assert trt_target.refit(reload(), lora_a, lambda: onnx_path) == 4
+
+    saved = reload().manifest  # what a later process sees
+    assert not saved.is_base and saved.refit.in_progress is False
+    assert saved.refit.names == tuple(sorted(lora_a)) and saved.refit.weights_sha256 == weights_digest(lora_a)
+    loaded = target.load_engine(reload().path)
+    assert_weights(loaded, lora_a)
+    assert loaded.refitted_names == set(lora_a)  # restore on load covers A's weights
+
+    lora_b = perturbed(base_weights(), seed=2, names=["conv.weight", "conv.bias"])
+    trt_target.refit(reload(), lora_b, lambda: onnx_path)  # a new process: only the plan and manifest survive
+    assert_weights(target.load_engine(reload().path), {**engine_weights(), **lora_b})  # none of A left
+    assert reload().manifest.refit.names == ("conv.bias", "conv.weight")
+
+    assert trt_target.refit(reload(), None, lambda: onnx_path) == 0  # refit --base
+    assert reload().manifest.is_base and reload().manifest.refit is None
+    assert_weights(target.load_engine(reload().path), engine_weights())
+
+
+def test_an_interrupted_refit_never_leaves_a_plan_that_passes_for_base(built_plan, monkeypatch):
+    from trt_diffusion.targets.tensorrt import config
+
+    trt_target, reload, onnx_path = built_plan
+    real_write = config.atomic_write_bytes
+
+    def crash_on_plan(path, data):
+        if str(path).endswith(".plan"):
+            raise KeyboardInterrupt("killed while writing the plan")
+        real_write(path, data)
+
+    monkeypatch.setattr(config, "atomic_write_bytes", crash_on_plan)
+    with pytest.raises(KeyboardInterrupt):
+        trt_target.refit(reload(), perturbed(engine_weights(), seed=1), lambda: onnx_path)
+    manifest = reload().manifest
+    assert manifest.refit is not None and manifest.refit.in_progress is True
+    assert not manifest.is_base  # `build` rebuilds it; the next `refit` restores every weight from the ONNX

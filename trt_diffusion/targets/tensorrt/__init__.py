@@ -29,6 +29,7 @@ class TensorRTTarget:
         from . import config as trt_config
         from . import engine
 
+        engine.check_can_build(request.spec)  # the hardware gate, before TensorRT is started
         plan = trt_config.engine_path(request.workspace, request.spec)
         if self.is_current(request):
             return plan, True
@@ -42,7 +43,8 @@ class TensorRTTarget:
         return plan, False
 
     def is_current(self, request: BuildRequest) -> bool:
-        """Reuse a plan only when its manifest records exactly these inputs on this TensorRT and GPU."""
+        """Reuse a plan only when its manifest records exactly these inputs on this TensorRT and GPU, and
+        the plan still holds the weights it was built with (a refitted plan is never taken for a build)."""
         from . import config as trt_config
         from .engine import host_info
 
@@ -78,24 +80,17 @@ class TensorRTTarget:
         return TensorRTRunner(engine.path, name=engine.spec.name)
 
     def refit(self, engine: BuiltEngine, weights, source_onnx) -> int:
-        """Refit the plan from its base weights (so no earlier LoRA stays behind) and save it in place."""
+        """Refit the plan from its base ONNX (so no earlier LoRA stays behind), then `weights` over it, and
+        save it in place with the manifest recording what it now holds (`refit`: None means base again)."""
         from ...lora import RefitMap, refit_weights_for_tensorrt
         from . import engine as trt_engine
-        from .config import atomic_write_bytes, manifest_path, read_base_weights
 
         onnx_path = source_onnx()
         refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
-        loaded = trt_engine.load_engine(engine.path)
-        base_weights = read_base_weights(onnx_path)
         arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
-        if arrays:
-            trt_engine.refit_engine(loaded, arrays, base_weights)
-        else:
-            trt_engine.refit_to_base(loaded, base_weights, names=trt_engine.refittable_weight_names(loaded))
-        plan = loaded.engine.serialize()
-        atomic_write_bytes(engine.path, plan)
-        manifest = engine.manifest.model_copy(update={"plan_bytes": len(bytes(plan))})
-        manifest.write(manifest_path(engine.path))
+        loaded = trt_engine.load_engine(engine.path)
+        trt_engine.refit_from_base(loaded, onnx_path, arrays)
+        save_refitted_plan(engine.path, loaded.manifest, loaded.engine.serialize(), arrays)
         return len(arrays)
 
     def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
@@ -110,3 +105,23 @@ class TensorRTTarget:
         from .runner import TensorRTRunner
 
         return TensorRTRunner(Path(folder) / "model.plan", name=name)
+
+
+def save_refitted_plan(plan_path: Path, manifest, plan, weights) -> None:
+    """Replace a plan with its refitted form, the manifest saying what it holds at every moment.
+
+    Order: (1) the manifest marks a refit in progress (the plan is no base any more), (2) the plan is
+    replaced, (3) the manifest records the weights applied, or `refit: None` when they are the base
+    ones. An interruption after (1) or (2) leaves a plan that `build` rebuilds and `refit` restores from
+    its ONNX; it never passes for a base engine. `plan` is any buffer (TensorRT's IHostMemory).
+    """
+    from .config import RefitRecord, atomic_write_bytes, manifest_path, weights_digest
+
+    nbytes = memoryview(plan).nbytes
+    record = RefitRecord(weights_sha256=weights_digest(weights), names=tuple(sorted(weights))) if weights else None
+    pending = RefitRecord(weights_sha256=record.weights_sha256 if record else "", names=record.names if record else (),
+                          in_progress=True)
+    manifest_file = manifest_path(plan_path)
+    manifest.model_copy(update={"refit": pending, "plan_bytes": nbytes}).write(manifest_file)
+    atomic_write_bytes(plan_path, plan)
+    manifest.model_copy(update={"refit": record, "plan_bytes": nbytes}).write(manifest_file)

@@ -6,11 +6,13 @@ that talks to TensorRT (`engine.py`) only carries these decisions out.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import re
-import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -18,8 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...errors import BuildError, RefitError, RuntimeInputError
@@ -30,6 +30,7 @@ from ..onnx_facts import (  # noqa: F401  (re-exported: the TensorRT build's ONN
     TensorInfo,
     atomic_write_bytes,
     check_profile_against_inputs,
+    onnx_compute_dtype,
     onnx_has_qdq,
     onnx_input_shapes,
     onnx_sha256,
@@ -38,7 +39,7 @@ from ..onnx_facts import (  # noqa: F401  (re-exported: the TensorRT build's ONN
 )
 
 TARGET = "tensorrt"
-MANIFEST_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 2  # 2: `refit` records what a refit wrote into the plan
 REBUILD_COMMAND = "trt-diffusion build engines.yaml --target tensorrt"
 GIB = 1 << 30
 
@@ -103,14 +104,18 @@ def _check_precision(spec: EngineSpec, has_qdq: bool) -> None:
 
 @dataclass(frozen=True)
 class BuildFlags:
-    """The builder settings of one engine, decided from its spec and its ONNX."""
+    """The builder settings of one engine, decided from its spec and its ONNX.
+
+    Every engine is strongly typed, on TensorRT 10 and 11 alike (TensorRT 11 has no other mode): the
+    ONNX's own dtypes decide the precision of every layer, so no precision flag exists here. An fp16
+    engine is built from an fp16 ONNX, a bf16 engine from a bf16 ONNX (both with fp32 I/O), an fp8/int8
+    engine from a Q/DQ ONNX over fp16 (see `TENSORRT_ONNX_PRECISION`).
+    """
 
     precision: str
-    fp16: bool = False
-    bf16: bool = False
+    # fp32 layers may use TF32 math (TensorRT's default); off where fp32 must match a reference to 1e-4
     tf32: bool = True
-    # Q/DQ networks: tensor types come from the graph, so no precision flag may be set
-    strongly_typed: bool = False
+    strongly_typed: bool = True  # always: recorded so a manifest says how its plan was built
     refit: bool = False
     strip_plan: bool = False
     version_compatible: bool = False
@@ -124,10 +129,7 @@ class BuildFlags:
         _check_precision(spec, onnx_has_qdq)
         return cls(
             precision=spec.precision,
-            fp16=spec.precision == "fp16",
-            bf16=spec.precision == "bf16",
-            tf32=bool(spec.option("tensorrt_tf32", True)),  # off where fp32 must match a reference to 1e-4
-            strongly_typed=onnx_has_qdq,
+            tf32=bool(spec.option("tensorrt_tf32", True)),
             refit=spec.refittable,
             version_compatible=bool(spec.option("tensorrt_version_compatible", False)),
             builder_optimization_level=_option_int(spec, "tensorrt_optimization_level", 3, 0, 5),
@@ -136,6 +138,70 @@ class BuildFlags:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def builder_flags(self) -> tuple[str, ...]:
+        """`tensorrt.BuilderFlag` members to set, by name; the same on TensorRT 10 and 11 (none of them a
+        precision flag: those are gone in 11, see tests/targets/test_tensorrt_removed_api.py)."""
+        names = []
+        if self.refit:
+            names.append("REFIT")
+        if self.strip_plan:
+            names.append("STRIP_PLAN")
+        if self.version_compatible:
+            names.append("VERSION_COMPATIBLE")
+        return tuple(names)
+
+    def cleared_builder_flags(self) -> tuple[str, ...]:
+        """`tensorrt.BuilderFlag` members to clear (TF32 is on by default in a builder config)."""
+        return () if self.tf32 else ("TF32",)
+
+
+def network_creation_flags(trt_version: str) -> tuple[str, ...]:
+    """`tensorrt.NetworkDefinitionCreationFlag` members for `create_network`, by name.
+
+    TensorRT 10 builds weakly typed unless STRONGLY_TYPED is set; TensorRT 11 networks are always strongly
+    typed and the flag is deprecated there (accepted and ignored), so it is not set.
+    """
+    return ("STRONGLY_TYPED",) if parse_trt_version(trt_version)[0] < 11 else ()
+
+
+# The ONNX a tensorrt engine of each precision is built from (strong typing: the graph's dtypes are the
+# engine's). fp8/int8: Q/DQ nodes over the fp16 graph, so the layers left unquantized run in fp16, not fp32.
+TENSORRT_ONNX_PRECISION = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "fp8": "fp16", "int8": "fp16"}
+ONNX_PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def check_onnx_precision(spec: EngineSpec, compute_dtype: str | None) -> None:
+    """A strongly typed engine runs in the ONNX's dtypes: refuse an ONNX whose float weights are not the
+    dtype the spec's precision needs (an "fp16" engine from an fp32 graph would silently be fp32).
+    `compute_dtype` is `onnx_compute_dtype(onnx)`; None (no float weights) passes."""
+    wanted = ONNX_PRECISION_DTYPES[TENSORRT_ONNX_PRECISION[spec.precision]]
+    if compute_dtype is not None and compute_dtype != wanted:
+        graph = "a Q/DQ ONNX over the fp16 graph" if spec.precision in QUANTIZED_PRECISIONS else f"an {wanted} ONNX"
+        raise BuildError(
+            f"{spec.name}: a {spec.precision} TensorRT engine is built strongly typed from {graph}, but this ONNX's "
+            f"weights are {compute_dtype}: re-export it (`trt-diffusion export`) so its precision matches the spec"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# The hardware gate: checked on the CUDA device before TensorRT is started
+# ----------------------------------------------------------------------------------------------
+
+# The lowest compute capability whose tensor cores run each precision (TensorRT support matrix):
+# BF16 from Ampere (8.0), FP8 from Ada / Hopper (8.9). fp32, fp16 and int8 run on every GPU TensorRT 10/11 supports.
+PRECISION_MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {"bf16": (8, 0), "fp8": (8, 9)}
+
+
+def check_hardware(spec: EngineSpec, compute_capability: tuple[int, int], device_name: str) -> None:
+    """BuildError naming the engine, its precision and the GPU when this GPU cannot run the precision."""
+    needed = PRECISION_MIN_COMPUTE_CAPABILITY.get(spec.precision)
+    if needed is not None and tuple(compute_capability) < needed:
+        raise BuildError(
+            f"{spec.name}: precision {spec.precision} needs a GPU of compute capability {needed[0]}.{needed[1]} or "
+            f"newer; this host's GPU is {device_name} ({sm_name(compute_capability)}, compute capability "
+            f"{compute_capability[0]}.{compute_capability[1]}). Build it on such a GPU or choose another precision"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,12 +223,51 @@ def sm_name(compute_capability: Sequence[int]) -> str:
     return f"sm_{major}{minor}"
 
 
-def timing_cache_path(cache_dir: str | Path, compute_capability: tuple[int, int], trt_version: str) -> Path:
-    """One timing cache per GPU compute capability and TensorRT major.minor: tactics timed on one
-    architecture or TensorRT release say nothing about another."""
-    major, minor, _ = parse_trt_version(trt_version)
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower() or "unknown"
+
+
+def timing_cache_path(cache_dir: str | Path, compute_capability: tuple[int, int], trt_version: str,
+                      device_name: str) -> Path:
+    """One timing cache per GPU (compute capability and device name) and full TensorRT version.
+
+    `ITimingCache.combine` skips a cache from any other TensorRT build (it needs the exact version, build
+    number included) and `set_timing_cache` rejects one timed on another device, so a cache shared across
+    either would be replaced on every build: `sm89-nvidia-l40s-trt10.13.0.35.timing.cache`.
+    """
+    parse_trt_version(trt_version)  # refuse what is not a version
     cc_major, cc_minor = compute_capability
-    return Path(cache_dir) / f"sm{cc_major}{cc_minor}-trt{major}.{minor}.timing.cache"
+    return Path(cache_dir) / f"sm{cc_major}{cc_minor}-{_slug(device_name)}-trt{_slug(str(trt_version))}.timing.cache"
+
+
+_CACHE_LOCKS_GUARD = threading.Lock()
+_CACHE_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _thread_lock_for(path: Path) -> threading.Lock:
+    key = os.path.realpath(path)
+    with _CACHE_LOCKS_GUARD:
+        return _CACHE_LOCKS.setdefault(key, threading.Lock())
+
+
+@contextlib.contextmanager
+def timing_cache_lock(cache_path: str | Path) -> Iterator[None]:
+    """Exclusive use of one timing cache file: threads of this process (`build --jobs N` runs threads) and
+    other processes alike.
+
+    An `fcntl` lock alone does not exclude threads: POSIX record locks belong to the process, so a second
+    thread of the same process "acquires" it at once (that is why Polygraphy's LockFile is not enough).
+    The in-process lock is taken first, then the file lock on `<cache>.lock`.
+    """
+    path = Path(cache_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _thread_lock_for(path):
+        with open(path.with_name(path.name + ".lock"), "a+b") as handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def engine_path(workspace: str | Path, spec: EngineSpec) -> Path:
@@ -185,6 +290,29 @@ def _utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+class RefitRecord(BaseModel):
+    """What `trt-diffusion refit` wrote into a plan saved in place: the plan no longer holds its base weights."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weights_sha256: str  # `weights_digest` of the weights given, by ONNX initializer name
+    names: tuple[str, ...]  # the ONNX initializer names that differ from the base ONNX
+    # True while a refit is being saved: written before the plan is replaced, so a refit interrupted between
+    # the two files leaves a plan that is never taken for its base (the next refit restores it from the ONNX)
+    in_progress: bool = False
+    refitted_at: str = Field(default_factory=lambda: _utc_now())
+
+
+def weights_digest(weights: Mapping[str, np.ndarray]) -> str:
+    """Content hash of refit weights (names, dtypes, shapes, values), independent of their order."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        array = np.ascontiguousarray(weights[name])
+        digest.update(f"{name}\0{array.dtype.str}\0{array.shape}\0".encode())
+        digest.update(array.reshape(-1).view(np.uint8).tobytes())
+    return digest.hexdigest()
+
+
 class EngineManifest(BaseModel):
     """What a .plan was built from and for; read before the plan is ever deserialized."""
 
@@ -203,6 +331,8 @@ class EngineManifest(BaseModel):
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
     refit_map: str | None = None
+    # None: the plan holds the weights it was built with (the base). Set by `refit`, cleared by a restore.
+    refit: RefitRecord | None = None
     plan_bytes: int
     build_seconds: float
     created_at: str = Field(default_factory=_utc_now)
@@ -237,6 +367,11 @@ class EngineManifest(BaseModel):
             raise BuildError(f"engine manifest {path} is missing: rebuild with `{REBUILD_COMMAND}`")
         return cls.from_json(path.read_text(), source=f"engine manifest {path}")
 
+    @property
+    def is_base(self) -> bool:
+        """True when the plan holds its base weights; a refitted plan never passes for a built one."""
+        return self.refit is None
+
     def input(self, name: str) -> TensorInfo | None:
         return next((info for info in self.inputs if info.name == name), None)
 
@@ -253,7 +388,8 @@ def manifest_is_current(
     """True when an existing engine was built from exactly these inputs on this kind of host:
     the only reason a build may be skipped."""
     return (
-        manifest.spec_key == spec.key
+        manifest.is_base  # a LoRA refitted into the plan is not the engine `build` would make
+        and manifest.spec_key == spec.key
         and manifest.onnx_sha256 == onnx_digest
         and manifest.flags == flags.to_dict()
         and manifest.profile_shapes == validate_profile(profile_shapes)
@@ -267,11 +403,23 @@ def manifest_is_current(
 # ----------------------------------------------------------------------------------------------
 
 
-def _versions_compatible(built: str, runtime: str, version_compatible: bool) -> bool:
+def versions_compatible(built: str, runtime: str, version_compatible: bool) -> bool:
+    """May a plan built with TensorRT `built` be deserialized by TensorRT `runtime`?
+
+    Without VERSION_COMPATIBLE: only by the exact version it was built with (major.minor.patch). With it:
+    by the same or a newer runtime of the same major, and across one major boundary the support matrix
+    names: TensorRT 10 version-compatible engines run on a TensorRT 11 runtime. Never by an older runtime.
+    """
     built_version, runtime_version = parse_trt_version(built), parse_trt_version(runtime)
-    if version_compatible:  # built with VERSION_COMPATIBLE: same major, same or newer runtime
-        return built_version[0] == runtime_version[0] and runtime_version >= built_version
-    return built_version == runtime_version
+    if not version_compatible:
+        return built_version == runtime_version
+    if runtime_version < built_version:
+        return False
+    return runtime_version[0] == built_version[0] or (built_version[0], runtime_version[0]) in CROSS_MAJOR_COMPATIBLE
+
+
+# (built major, runtime major) pairs the TensorRT support matrix allows for version-compatible engines
+CROSS_MAJOR_COMPATIBLE = frozenset({(10, 11)})
 
 
 def check_engine_compatible(
@@ -283,7 +431,7 @@ def check_engine_compatible(
     """Refuse an engine built for another TensorRT version or GPU architecture, before TensorRT
     fails to deserialize it with a message that names neither."""
     version_compatible = bool(manifest.flags.get("version_compatible", False))
-    version_ok = _versions_compatible(manifest.tensorrt_version, runtime_trt_version, version_compatible)
+    version_ok = versions_compatible(manifest.tensorrt_version, runtime_trt_version, version_compatible)
     cc_ok = tuple(manifest.compute_capability) == tuple(runtime_compute_capability)
     if version_ok and cc_ok:
         return
@@ -293,7 +441,8 @@ def check_engine_compatible(
     rules = []
     if not version_ok:
         rules.append(
-            "a version-compatible engine loads only on the same TensorRT major version, at or after the one it was built with"
+            "a version-compatible engine loads only on the TensorRT version it was built with or a newer one of the "
+            "same major (a TensorRT 10 one also on TensorRT 11)"
             if version_compatible
             else "a TensorRT engine loads only on the exact TensorRT version (major.minor.patch) it was built with"
         )

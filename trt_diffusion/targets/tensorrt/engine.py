@@ -2,9 +2,12 @@
 
 The only module of trt-diffusion that imports `tensorrt`, and only inside functions: importing this
 module needs neither TensorRT nor a GPU, and `tensorrt_available()` says why a host cannot build.
-Every decision (flags, profile checks, manifests, compatibility) lives in `config.py`; this
-module carries them out through Polygraphy's loaders (CreateConfig, EngineBytesFromNetwork,
-EngineFromBytes, TrtRunner) and TensorRT's Refitter.
+Every decision (flags, profile checks, manifests, compatibility, the hardware gate) lives in `config.py`;
+this module carries them out through TensorRT's own API (Builder, OnnxParser, Runtime, Refitter,
+OnnxParserRefitter), typed against the TensorRT stubs: tests/targets/test_tensorrt_typecheck.py runs mypy
+over it, so a misspelled or removed TensorRT name fails the default test suite.
+
+Builds are strongly typed on TensorRT 10 and 11: precision comes from the ONNX (see config.BuildFlags).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,17 +37,25 @@ from .config import (
     atomic_write_bytes,
     check_engine_compatible,
     check_feeds,
+    check_hardware,
+    check_onnx_precision,
     check_profile_against_inputs,
     manifest_path,
+    network_creation_flags,
+    onnx_compute_dtype,
     onnx_has_qdq,
     onnx_input_shapes,
     onnx_sha256,
     prepare_refit_weights,
     sm_name,
+    timing_cache_lock,
     timing_cache_path,
     validate_profile,
     weights_for_refit,
 )
+
+if TYPE_CHECKING:  # the annotations below are TensorRT's own types (tensorrt-stubs in the test extra)
+    import tensorrt as trt
 
 LOG = logging.getLogger(__name__)
 
@@ -60,7 +72,7 @@ HostInfo = tuple[str, tuple[int, int], str]  # (TensorRT version, compute capabi
 # ----------------------------------------------------------------------------------------------
 
 
-def _import_tensorrt() -> tuple[Any, str]:
+def _import_tensorrt() -> tuple[ModuleType | None, str]:
     """(the tensorrt module, "") or (None, why it cannot be used)."""
     try:
         import tensorrt as trt
@@ -72,7 +84,7 @@ def _import_tensorrt() -> tuple[Any, str]:
     return trt, ""
 
 
-def _require_tensorrt() -> Any:
+def _require_tensorrt() -> ModuleType:
     trt, reason = _import_tensorrt()
     if trt is None:
         raise MissingDependencyError(f"{reason}; {INSTALL_HINT}")
@@ -94,14 +106,14 @@ def _device_from_cuda_python() -> CudaDevice | str:
         except ImportError as err:
             return f"cuda-python is not installed ({err})"
     success = cudart.cudaError_t.cudaSuccess
-    err, count = cudart.cudaGetDeviceCount()
-    if err != success:
-        return f"the CUDA runtime reports {err.name}"
+    status, count = cudart.cudaGetDeviceCount()
+    if status != success:
+        return f"the CUDA runtime reports {status.name}"
     if count == 0:
         return "the CUDA runtime sees no device"
-    err, props = cudart.cudaGetDeviceProperties(0)
-    if err != success:
-        return f"cudaGetDeviceProperties failed with {err.name}"
+    status, props = cudart.cudaGetDeviceProperties(0)
+    if status != success:
+        return f"cudaGetDeviceProperties failed with {status.name}"
     name = props.name.split(b"\0", 1)[0].decode(errors="replace") if isinstance(props.name, bytes) else str(props.name)
     return CudaDevice((int(props.major), int(props.minor)), name)
 
@@ -157,11 +169,37 @@ def host_info() -> HostInfo:
 # TensorRT's log: forwarded to `logging`, recent errors kept for our error messages
 # ----------------------------------------------------------------------------------------------
 
+
+class _ErrorLog:
+    """The last TensorRT errors, numbered, so one operation can quote the errors it caused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self._errors: deque[tuple[int, str]] = deque(maxlen=50)
+
+    def add(self, message: str) -> None:
+        with self._lock:
+            self._errors.append((self._count, message))
+            self._count += 1
+
+    def mark(self) -> int:
+        with self._lock:
+            return self._count
+
+    def since(self, mark: int) -> list[str]:
+        with self._lock:
+            return [message for index, message in self._errors if index >= mark]
+
+
+_ERRORS = _ErrorLog()
 _LOGGER_LOCK = threading.Lock()
-_RECORDING_LOGGER: Any = None
+_LOGGER: trt.ILogger | None = None
 
 
-def _make_recording_logger(trt: Any) -> Any:
+def _make_logger() -> trt.ILogger:
+    import tensorrt as trt
+
     severity = trt.ILogger.Severity
     levels = {
         severity.INTERNAL_ERROR: logging.CRITICAL,
@@ -177,60 +215,65 @@ def _make_recording_logger(trt: Any) -> Any:
 
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
-            self._lock = threading.Lock()
-            self._count = 0
-            self._errors: deque[tuple[int, str]] = deque(maxlen=50)
 
-        def log(self, level: Any, msg: str) -> None:
+        def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
             try:
-                if level in errors:
-                    with self._lock:
-                        self._errors.append((self._count, msg))
-                        self._count += 1
-                python_level = levels.get(level, logging.DEBUG)
+                if severity in errors:
+                    _ERRORS.add(msg)
+                python_level = levels.get(severity, logging.DEBUG)
                 if LOG.isEnabledFor(python_level):
                     LOG.log(python_level, "TensorRT: %s", msg)
             except Exception:  # noqa: BLE001 - an exception must not cross into TensorRT
                 pass
 
-        def mark(self) -> int:
-            with self._lock:
-                return self._count
-
-        def errors_since(self, mark: int) -> list[str]:
-            with self._lock:
-                return [msg for index, msg in self._errors if index >= mark]
-
     return RecordingLogger()
 
 
-def _trt_logger(trt: Any) -> Any:
+def _trt_logger() -> trt.ILogger:
     """One logger for the process: TensorRT treats the first logger it is given as the global one."""
-    global _RECORDING_LOGGER
+    import tensorrt as trt
+
+    global _LOGGER
     with _LOGGER_LOCK:
-        if _RECORDING_LOGGER is None:
-            _RECORDING_LOGGER = _make_recording_logger(trt)
-            trt.init_libnvinfer_plugins(_RECORDING_LOGGER, "")
-        return _RECORDING_LOGGER
+        if _LOGGER is None:
+            _LOGGER = _make_logger()
+            trt.init_libnvinfer_plugins(_LOGGER, "")
+        return _LOGGER
 
 
-def _with_trt_errors(message: str, logger: Any, mark: int) -> str:
-    said = logger.errors_since(mark)
+def _with_trt_errors(message: str, mark: int) -> str:
+    said = _ERRORS.since(mark)
     return message + ("\nTensorRT said:\n  " + "\n  ".join(said) if said else "")
 
 
-def _polygraphy_exception() -> type[Exception]:
-    from polygraphy.exception import PolygraphyException
-
-    return PolygraphyException
-
-
 # ----------------------------------------------------------------------------------------------
-# Build
+# Build: strongly typed on TensorRT 10 and 11, straight through TensorRT's builder API
 # ----------------------------------------------------------------------------------------------
 
 
-def _parser_error_text(error: Any) -> str:
+def _builder_flag(name: str) -> trt.BuilderFlag:
+    """The BuilderFlag members `BuildFlags` may name: none of them a precision flag (gone in TensorRT 11)."""
+    import tensorrt as trt
+
+    return {
+        "REFIT": trt.BuilderFlag.REFIT,
+        "STRIP_PLAN": trt.BuilderFlag.STRIP_PLAN,
+        "VERSION_COMPATIBLE": trt.BuilderFlag.VERSION_COMPATIBLE,
+        "TF32": trt.BuilderFlag.TF32,
+    }[name]
+
+
+def _network_flags(trt_version: str) -> int:
+    import tensorrt as trt
+
+    known = {"STRONGLY_TYPED": trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED}
+    bits = 0
+    for name in network_creation_flags(trt_version):
+        bits |= 1 << int(known[name])
+    return bits
+
+
+def _parser_error_text(error: trt.ParserError) -> str:
     try:
         node = f" (node {error.node_name() or error.node()}, {error.node_operator()})" if error.node() >= 0 else ""
         return f"{error.desc()}{node}"
@@ -238,13 +281,14 @@ def _parser_error_text(error: Any) -> str:
         return str(error)
 
 
-def _parse_onnx(trt: Any, onnx_path: Path, strongly_typed: bool, spec_name: str) -> tuple[Any, Any, Any]:
-    """(builder, network, parser). Not Polygraphy's NetworkFromOnnxPath: it logs the parser's
-    errors and raises a generic message, and a BuildError must carry the parser's own words."""
-    logger = _trt_logger(trt)
+def _parse_onnx(onnx_path: Path, trt_version: str,
+                spec_name: str) -> tuple[trt.Builder, trt.INetworkDefinition, trt.OnnxParser]:
+    """(builder, network, parser); a BuildError carries the parser's own words."""
+    import tensorrt as trt
+
+    logger = _trt_logger()
     builder = trt.Builder(logger)
-    creation_flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly_typed else 0
-    network = builder.create_network(creation_flags)
+    network = builder.create_network(_network_flags(trt_version))
     parser = trt.OnnxParser(network, logger)
     parsed = parser.parse_from_file(str(onnx_path))  # from a path, so external data is found beside it
     errors = [_parser_error_text(parser.get_error(i)) for i in range(parser.num_errors)]
@@ -254,69 +298,74 @@ def _parse_onnx(trt: Any, onnx_path: Path, strongly_typed: bool, spec_name: str)
     return builder, network, parser
 
 
-def _create_config(
-    trt: Any, builder: Any, network: Any, flags: BuildFlags, shapes: ProfileShapes, cache_path: Path, spec_name: str
-) -> Any:
-    from polygraphy.backend.trt import CreateConfig, Profile
+def _create_config(builder: trt.Builder, flags: BuildFlags, shapes: ProfileShapes, cache_path: Path,
+                   spec_name: str) -> trt.IBuilderConfig:
+    import tensorrt as trt
 
-    profile = Profile()
+    mark = _ERRORS.mark()
+    config = builder.create_builder_config()
+    for name in flags.builder_flags():
+        config.set_flag(_builder_flag(name))
+    for name in flags.cleared_builder_flags():
+        config.clear_flag(_builder_flag(name))
+    config.builder_optimization_level = flags.builder_optimization_level
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, flags.workspace_bytes)
+    profile = builder.create_optimization_profile()
     for name, (min_shape, opt_shape, max_shape) in shapes.items():
-        profile.add(name, min=min_shape, opt=opt_shape, max=max_shape)
-    create_config = CreateConfig(
-        tf32=flags.tf32,
-        fp16=flags.fp16,
-        bf16=flags.bf16,
-        profiles=[profile],
-        refittable=flags.refit,
-        strip_plan=flags.strip_plan,
-        version_compatible=flags.version_compatible,
-        builder_optimization_level=flags.builder_optimization_level,
-        memory_pool_limits={trt.MemoryPoolType.WORKSPACE: flags.workspace_bytes},
-        load_timing_cache=str(cache_path) if cache_path.is_file() else None,
-    )
-    logger = _trt_logger(trt)
-    mark = logger.mark()
-    try:
-        # Called here rather than inside EngineBytesFromNetwork: the timing cache is read back from it.
-        return create_config(builder, network)
-    except _polygraphy_exception() as err:
-        raise BuildError(_with_trt_errors(f"{spec_name}: TensorRT rejected the builder configuration: {err}", logger, mark)) from err
+        profile.set_shape(name, trt.Dims(list(min_shape)), trt.Dims(list(opt_shape)), trt.Dims(list(max_shape)))
+    if config.add_optimization_profile(profile) < 0:
+        raise BuildError(_with_trt_errors(f"{spec_name}: TensorRT rejected the optimization profile {shapes}", mark))
+    # the file is replaced atomically under the cache lock, so reading it needs no lock
+    cached = cache_path.read_bytes() if cache_path.is_file() else b""
+    cache = config.create_timing_cache(cached)
+    if not config.set_timing_cache(cache, ignore_mismatch=False):
+        LOG.warning("timing cache %s does not fit this TensorRT and GPU; building without it", cache_path)
+        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
+    return config
 
 
-def _build_plan(trt: Any, builder: Any, network: Any, parser: Any, config: Any, spec_name: str) -> Any:
-    from polygraphy.backend.trt import EngineBytesFromNetwork
-
-    logger = _trt_logger(trt)
-    mark = logger.mark()
-    try:
-        return EngineBytesFromNetwork((builder, network, parser), config=config)()
-    except _polygraphy_exception() as err:
-        raise BuildError(_with_trt_errors(f"{spec_name}: TensorRT could not build the engine: {err}", logger, mark)) from err
+def _build_plan(builder: trt.Builder, network: trt.INetworkDefinition, config: trt.IBuilderConfig,
+                spec_name: str) -> trt.IHostMemory:
+    mark = _ERRORS.mark()
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise BuildError(_with_trt_errors(f"{spec_name}: TensorRT could not build the engine", mark))
+    return plan
 
 
-def _save_timing_cache(config: Any, cache_path: Path) -> None:
-    """Merge this build's timings into the shared cache file: under a lock, since parallel builds
-    share it, and through a temporary file, so an interrupted write never corrupts it."""
-    from polygraphy import util as polygraphy_util
-
+def _save_timing_cache(config: trt.IBuilderConfig, cache_path: Path) -> None:
+    """Merge this build's timings into the shared cache file, under `timing_cache_lock` (parallel builds
+    in threads and processes share it) and through a temporary file, so a reader never sees half of it."""
     cache = config.get_timing_cache()
     if cache is None:
         return
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    with polygraphy_util.LockFile(str(cache_path)):
+    with timing_cache_lock(cache_path):
         if cache_path.is_file():  # timings another build added since this one started
             on_disk = config.create_timing_cache(cache_path.read_bytes())
             if not cache.combine(on_disk, ignore_mismatch=False):
-                LOG.warning("timing cache %s was written by another TensorRT or GPU; replacing it", cache_path)
+                LOG.warning("timing cache %s was written by another TensorRT build or GPU; replacing it", cache_path)
         atomic_write_bytes(cache_path, cache.serialize())
 
 
-def _dtype_name(trt_dtype: Any) -> str:
+def _dtype_name(trt_dtype: trt.DataType) -> str:
     return TRT_DTYPE_NAMES.get(trt_dtype.name, trt_dtype.name.lower())
 
 
-def _tensor_infos(tensors: Iterable[Any]) -> tuple[TensorInfo, ...]:
-    return tuple(TensorInfo(name=t.name, dtype=_dtype_name(t.dtype), shape=tuple(t.shape)) for t in tensors)
+def _tensor_infos(tensors: Iterable[trt.ITensor]) -> tuple[TensorInfo, ...]:
+    def shape(dims: trt.Dims) -> tuple[int, ...]:
+        return tuple(dims[i] for i in range(len(dims)))
+
+    return tuple(TensorInfo(name=t.name, dtype=_dtype_name(t.dtype), shape=shape(t.shape)) for t in tensors)
+
+
+def check_can_build(spec: EngineSpec) -> CudaDevice:
+    """The hardware gate, before TensorRT is started: BuildError naming the engine, its precision and the
+    GPU when this GPU cannot run the precision (BF16 needs compute capability 8.0, FP8 8.9)."""
+    device, reasons = _probe_cuda_device()
+    if device is None:
+        raise MissingDependencyError("no CUDA device: " + "; ".join(reasons) + f"; {INSTALL_HINT}")
+    check_hardware(spec, device.compute_capability, device.name)
+    return device
 
 
 def build_engine(
@@ -327,24 +376,27 @@ def build_engine(
     timing_cache_dir: str | Path,
     refit_map: str | Path | None = None,
 ) -> EngineManifest:
-    """Build one engine: the plan at `out_path`, its manifest beside it, the timing cache updated.
+    """Build one strongly typed engine: the plan at `out_path`, its manifest beside it, the timing cache updated.
 
-    Everything that can be checked without TensorRT (profile, ONNX inputs, precision vs Q/DQ) is
-    checked first, so a wrong request fails the same way on a CPU host.
+    Everything that can be checked without TensorRT (profile, ONNX inputs, precision vs Q/DQ and vs the
+    ONNX's dtypes, the GPU's compute capability) is checked first, so a wrong request fails the same way
+    on a CPU host and never starts a TensorRT builder.
     """
     onnx_path, out_path = Path(onnx_path), Path(out_path)
     shapes = validate_profile(profile_shapes)
     check_profile_against_inputs(shapes, onnx_input_shapes(onnx_path))
     flags = BuildFlags.for_spec(spec, onnx_has_qdq(onnx_path))
-    trt = _require_tensorrt()
+    check_onnx_precision(spec, onnx_compute_dtype(onnx_path))
+    check_can_build(spec)
+    _require_tensorrt()
     trt_version, compute_capability, device_name = host_info()
     digest = onnx_sha256(onnx_path)
-    cache_path = timing_cache_path(timing_cache_dir, compute_capability, trt_version)
+    cache_path = timing_cache_path(timing_cache_dir, compute_capability, trt_version, device_name)
 
     started = time.perf_counter()
-    builder, network, parser = _parse_onnx(trt, onnx_path, flags.strongly_typed, spec.name)
-    config = _create_config(trt, builder, network, flags, shapes, cache_path, spec.name)
-    plan = _build_plan(trt, builder, network, parser, config, spec.name)
+    builder, network, _parser = _parse_onnx(onnx_path, trt_version, spec.name)
+    config = _create_config(builder, flags, shapes, cache_path, spec.name)
+    plan = _build_plan(builder, network, config, spec.name)
     build_seconds = time.perf_counter() - started
 
     manifest_file = manifest_path(out_path)
@@ -367,7 +419,7 @@ def build_engine(
         inputs=_tensor_infos(network.get_input(i) for i in range(network.num_inputs)),
         outputs=_tensor_infos(network.get_output(i) for i in range(network.num_outputs)),
         refit_map=str(refit_map) if refit_map is not None else None,
-        plan_bytes=out_path.stat().st_size,
+        plan_bytes=plan.nbytes,
         build_seconds=round(build_seconds, 3),
     )
     manifest.write(manifest_file)
@@ -382,12 +434,13 @@ def build_engine(
 
 @dataclass
 class TensorRTEngine:
-    """A deserialized engine with its manifest; `refitted_names` are the weights that differ from
-    the plan's (base) weights because of a refit in this process."""
+    """A deserialized engine with its manifest; `refitted_names` are the weights that differ from the
+    base ONNX's: those a refit saved into the plan (from its manifest, so a restore on load covers them)
+    and those refitted in this process since."""
 
     plan_path: Path
     manifest: EngineManifest
-    engine: Any  # trt.ICudaEngine
+    engine: trt.ICudaEngine
     refitted_names: set[str] = field(default_factory=set)
 
 
@@ -402,15 +455,20 @@ def _check_plan_file(plan_path: Path, manifest: EngineManifest) -> None:
         )
 
 
-def _deserialize(trt: Any, plan: bytes, spec_name: str) -> Any:
-    from polygraphy.backend.trt import EngineFromBytes
+def _deserialize(plan: bytes, manifest: EngineManifest) -> trt.ICudaEngine:
+    import tensorrt as trt
 
-    logger = _trt_logger(trt)
-    mark = logger.mark()
-    try:
-        return EngineFromBytes(plan, runtime=trt.Runtime(logger))()
-    except _polygraphy_exception() as err:
-        raise BuildError(_with_trt_errors(f"engine {spec_name} could not be deserialized: {err}", logger, mark)) from err
+    mark = _ERRORS.mark()
+    runtime = trt.Runtime(_trt_logger())
+    if manifest.flags.get("version_compatible"):
+        # a version-compatible plan carries its lean runtime (host code): allowed only for our own plans,
+        # which the manifest check above has just matched
+        runtime.engine_host_code_allowed = True
+    engine = runtime.deserialize_cuda_engine(plan)
+    if engine is None:
+        raise BuildError(_with_trt_errors(
+            f"engine {manifest.spec_name} could not be deserialized: rebuild with `{REBUILD_COMMAND}`", mark))
+    return engine
 
 
 def load_engine(plan_path: str | Path, host: HostInfo | None = None) -> TensorRTEngine:
@@ -424,9 +482,10 @@ def load_engine(plan_path: str | Path, host: HostInfo | None = None) -> TensorRT
     trt_version, compute_capability, device_name = host if host is not None else host_info()
     check_engine_compatible(manifest, trt_version, compute_capability, device_name)
     _check_plan_file(plan_path, manifest)
-    trt = _require_tensorrt()
-    engine = _deserialize(trt, plan_path.read_bytes(), manifest.spec_name)
-    return TensorRTEngine(plan_path=plan_path, manifest=manifest, engine=engine)
+    _require_tensorrt()
+    engine = _deserialize(plan_path.read_bytes(), manifest)
+    refitted = set(manifest.refit.names) if manifest.refit is not None else set()
+    return TensorRTEngine(plan_path=plan_path, manifest=manifest, engine=engine, refitted_names=refitted)
 
 
 def run_engine(engine: TensorRTEngine | str | Path, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -451,20 +510,21 @@ def run_engine(engine: TensorRTEngine | str | Path, feeds: Mapping[str, np.ndarr
 # ----------------------------------------------------------------------------------------------
 
 
-def _refitter(engine: TensorRTEngine) -> tuple[Any, Any]:
+def _refitter(engine: TensorRTEngine) -> trt.Refitter:
     if not engine.manifest.flags.get("refit"):
         raise RefitError(f"engine {engine.manifest.spec_name} was not built refittable (refittable: false in its spec)")
-    trt = _require_tensorrt()
-    return trt, trt.Refitter(engine.engine, _trt_logger(trt))
+    _require_tensorrt()
+    import tensorrt as trt
+
+    return trt.Refitter(engine.engine, _trt_logger())
 
 
 def refittable_weight_names(engine: TensorRTEngine) -> list[str]:
     """Names (ONNX initializer names) of every weight the engine can refit."""
-    _, refitter = _refitter(engine)
-    return sorted(name for name in refitter.get_all_weights() if name)
+    return sorted(name for name in _refitter(engine).get_all_weights() if name)
 
 
-def _prototypes(refitter: Any, names: Iterable[str]) -> dict[str, tuple[str, int]]:
+def _prototypes(refitter: trt.Refitter, names: Iterable[str]) -> dict[str, tuple[str, int]]:
     prototypes = {}
     for name in names:
         prototype = refitter.get_weights_prototype(name)
@@ -472,19 +532,36 @@ def _prototypes(refitter: Any, names: Iterable[str]) -> dict[str, tuple[str, int
     return prototypes
 
 
-def _as_trt_weights(trt: Any, refitter: Any, name: str, array: np.ndarray) -> Any:
+def _as_trt_weights(refitter: trt.Refitter, name: str, array: np.ndarray) -> trt.Weights:
     # by pointer, typed as the engine's own weights: no numpy-to-TensorRT dtype mapping (bfloat16 has
     # none); `array` must stay alive until refit_cuda_engine returns, as Weights do not copy
+    import tensorrt as trt
+
     return trt.Weights(refitter.get_weights_prototype(name).dtype, array.ctypes.data, array.size)
 
 
-def _set_named_weights(trt: Any, refitter: Any, prepared: Mapping[str, np.ndarray], engine_name: str) -> None:
+def _set_named_weights(refitter: trt.Refitter, prepared: Mapping[str, np.ndarray], engine_name: str) -> None:
     rejected = [
         name for name, array in prepared.items()
-        if not refitter.set_named_weights(name, _as_trt_weights(trt, refitter, name, array))
+        if not refitter.set_named_weights(name, _as_trt_weights(refitter, name, array))
     ]
     if rejected:
         raise RefitError(f"TensorRT rejected weight(s) {rejected} for engine {engine_name}")
+
+
+def _refit_cuda_engine(engine: TensorRTEngine, refitter: trt.Refitter, written: Iterable[str]) -> None:
+    name = engine.manifest.spec_name
+    missing = sorted(n or "<unnamed>" for n in refitter.get_missing_weights())
+    if missing:
+        raise RefitError(
+            f"cannot refit engine {name}: TensorRT also needs weight(s) {missing} "
+            "(fused with the ones given); pass base_weights or include them"
+        )
+    mark = _ERRORS.mark()
+    if not refitter.refit_cuda_engine():
+        # TensorRT may have written some of them: count all as changed so a restore covers them
+        engine.refitted_names |= set(written)
+        raise RefitError(_with_trt_errors(f"TensorRT failed to refit engine {name}", mark))
 
 
 def refit_engine(
@@ -496,41 +573,31 @@ def refit_engine(
 
     With `base_weights`, weights changed by an earlier refit but absent here return to base in
     the same refit, and weights TensorRT fused with the given ones are filled from base. Without
-    them, any such weight is a RefitError rather than a silent residue.
+    them, any such weight is a RefitError rather than a silent residue. (`refit_from_base` restores
+    every weight from the ONNX file instead: what `trt-diffusion refit` uses.)
     """
     name = engine.manifest.spec_name
     wanted = weights_for_refit(name, engine.refitted_names, weights, base_weights)
     if not wanted:
         return
-    trt, refitter = _refitter(engine)
+    refitter = _refitter(engine)
     # `prepared` holds the arrays TensorRT reads from until refit_cuda_engine returns (Weights do not copy)
     prepared = prepare_refit_weights(name, _prototypes(refitter, wanted), wanted)
-    _set_named_weights(trt, refitter, prepared, name)
-    prepared.update(_fill_missing_weights(trt, refitter, name, base_weights))
-    missing = sorted(n or "<unnamed>" for n in refitter.get_missing_weights())
-    if missing:
-        raise RefitError(
-            f"cannot refit engine {name}: TensorRT also needs weight(s) {missing} "
-            "(fused with the ones given); pass base_weights or include them"
-        )
-    logger = _trt_logger(trt)
-    mark = logger.mark()
-    if not refitter.refit_cuda_engine():
-        # TensorRT may have written some of them: count all as changed so a restore covers them
-        engine.refitted_names |= set(wanted)
-        raise RefitError(_with_trt_errors(f"TensorRT failed to refit engine {name}", logger, mark))
+    _set_named_weights(refitter, prepared, name)
+    prepared.update(_fill_missing_weights(refitter, name, base_weights))
+    _refit_cuda_engine(engine, refitter, wanted)
     engine.refitted_names = set(weights)
 
 
 def _fill_missing_weights(
-    trt: Any, refitter: Any, engine_name: str, base_weights: Mapping[str, np.ndarray] | None
+    refitter: trt.Refitter, engine_name: str, base_weights: Mapping[str, np.ndarray] | None
 ) -> dict[str, np.ndarray]:
     missing = [n for n in refitter.get_missing_weights() if n]
     if not missing or base_weights is None:
         return {}
     fill = {n: base_weights[n] for n in missing if n in base_weights}
     prepared = prepare_refit_weights(engine_name, _prototypes(refitter, fill), fill)
-    _set_named_weights(trt, refitter, prepared, engine_name)
+    _set_named_weights(refitter, prepared, engine_name)
     return prepared
 
 
@@ -539,11 +606,43 @@ def refit_to_base(
     base_weights: Mapping[str, np.ndarray],
     names: Iterable[str] | None = None,
 ) -> None:
-    """Restore base weights: by default those refitted in this process (enough, since a loaded plan
-    holds base weights); pass `names=refittable_weight_names(engine)` to restore everything."""
+    """Restore base weights: by default those refitted since the plan was built (its manifest's record
+    and this process's refits); pass `names=refittable_weight_names(engine)` to restore everything."""
     restore = sorted(engine.refitted_names if names is None else set(names))
     absent = [n for n in restore if n not in base_weights]
     if absent:
         raise RefitError(f"cannot restore engine {engine.manifest.spec_name}: the base weights lack {absent[:10]}")
     refit_engine(engine, {n: base_weights[n] for n in restore}, base_weights)
     engine.refitted_names = set()
+
+
+def refit_from_base(
+    engine: TensorRTEngine,
+    base_onnx: str | Path,
+    weights: Mapping[str, np.ndarray] | None = None,
+) -> None:
+    """Every refittable weight from the base ONNX, then `weights` over them, in one refit.
+
+    `OnnxParserRefitter.refit_from_file` sets each weight the engine can refit from the ONNX the plan was
+    built from: initializers, Constant-node values and the weights the parser itself made (folded or fused
+    ones that have no initializer of their own), which no list of ONNX initializers covers. So nothing of
+    an earlier LoRA can stay behind, whatever the manifest says. `weights` (ONNX initializer names, e.g.
+    LoRA-fused weights) then replace their base values before `refit_cuda_engine`.
+    """
+    import tensorrt as trt
+
+    name = engine.manifest.spec_name
+    refitter = _refitter(engine)
+    parser_refitter = trt.OnnxParserRefitter(refitter, _trt_logger())
+    mark = _ERRORS.mark()
+    if not parser_refitter.refit_from_file(str(base_onnx)):
+        said = [_parser_error_text(parser_refitter.get_error(i)) for i in range(parser_refitter.num_errors)]
+        raise RefitError(_with_trt_errors(
+            f"cannot restore engine {name} from {base_onnx}: " + ("; ".join(said) or "the ONNX refitter gave no reason")
+            + " (is it the ONNX the engine was built from?)", mark))
+    # `prepared` and `parser_refitter` hold the weights TensorRT reads until refit_cuda_engine returns
+    prepared = prepare_refit_weights(name, _prototypes(refitter, weights), weights) if weights else {}
+    _set_named_weights(refitter, prepared, name)
+    _refit_cuda_engine(engine, refitter, refitter.get_all_weights())
+    del parser_refitter
+    engine.refitted_names = set(prepared)
