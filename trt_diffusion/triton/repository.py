@@ -314,8 +314,41 @@ def _place(source: Path, target: Path, link: bool) -> None:
     shutil.copy2(source, target)
 
 
+def _link_roots(model_dir: Path) -> list[Path]:
+    """Where a link in the model folder may point: the folder itself, and for a Hugging Face cache snapshot
+    (`models--org--name/snapshots/<sha>/`, every file a link) the cache's `blobs/` beside it."""
+    roots = [model_dir.resolve()]
+    if model_dir.parent.name == "snapshots":
+        roots.append((model_dir.parent.parent / "blobs").resolve())
+    return roots
+
+
+def _check_links(model_dir: Path, paths: list[Path], seen: set[Path] | None = None) -> None:
+    """Refuse a symbolic link that leaves the model folder (`tokenizer/notes.txt -> ~/secret.env` would be
+    copied, contents and all, into a repository that is shipped); links inside it are copied as files."""
+    roots, seen = _link_roots(model_dir), set() if seen is None else seen
+    for path in paths:
+        for entry in [path, *(path.rglob("*") if path.is_dir() and not path.is_symlink() else [])]:
+            if not entry.is_symlink():
+                continue
+            resolved = entry.resolve()
+            if not resolved.exists():
+                raise ServeError(f"{entry} is a broken symbolic link; fix or remove it before packaging")
+            if not any(resolved == root or root in resolved.parents for root in roots):
+                raise ServeError(f"{entry} is a symbolic link to {resolved}, outside the model folder {model_dir}: "
+                                 "refusing to copy it into the repository")
+            if resolved.is_dir():
+                holder = entry.parent.resolve()
+                if resolved == holder or resolved in holder.parents or resolved in seen:
+                    raise ServeError(f"{entry} is a symbolic link to a folder that holds it: a loop")
+                seen.add(resolved)
+                _check_links(model_dir, [resolved], seen)
+
+
 def copy_model_skeleton(model_dir: Path, target: Path, family: Family) -> None:
-    """The model folder without weights: what DiffusionPipeline reads (configs, scheduler, tokenizers)."""
+    """The model folder without weights: what DiffusionPipeline reads (configs, scheduler, tokenizers).
+
+    Symbolic links are followed only inside the model folder (see `_check_links`)."""
     index = model_dir / "model_index.json"
     denoiser = FAMILIES[family].denoiser.value
     required = [index, model_dir / "scheduler" / "scheduler_config.json", model_dir / "vae" / "config.json",
@@ -323,6 +356,7 @@ def copy_model_skeleton(model_dir: Path, target: Path, family: Family) -> None:
     missing = [str(p) for p in required if not p.is_file()]
     if missing:
         raise ServeError(f"the model folder {model_dir} lacks {missing}: the pipeline models need them")
+    _check_links(model_dir, [index, *(model_dir / sub for sub in _SKELETON_DIRS)])
     target.mkdir(parents=True)
     shutil.copy2(index, target / index.name)
     for sub in _SKELETON_DIRS:
