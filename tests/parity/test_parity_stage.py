@@ -75,6 +75,7 @@ def test_a_corrupted_engine_fails_parity_naming_the_component(tmp_path, built_sd
     code = main(["parity", str(path), "--steps", "2", "--out", str(tmp_path / "report")])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 1
-    assert "failed parity" in err and "sd15-tiny.unet.64x64.b2.fp32" in err
+    assert "failed parity" in err and "failing engines: sd15-tiny.unet.64x64.b2.fp32" in err
     report = json.loads((tmp_path / "report" / "parity.json").read_text())
     assert report["passed"] is False
+    assert {name for v in report["variants"] for name in v["failing_engines"]} == {"sd15-tiny.unet.64x64.b2.fp32"}

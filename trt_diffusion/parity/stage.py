@@ -156,11 +156,12 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
             pngs[f"{stem}_reference.png"], pngs[f"{stem}_candidate.png"] = expected, candidate
     reproducible = bool(np.array_equal(first_candidate, engine_pipe.generate(first_request).images))
     batch_independent = _batch_independent(engine_pipe, first_request, table, denoiser.value)
-    diffs, failures = _component_diffs(model, bucket, engines, runners, reference, controlnet)
+    diffs, failures, failing_engines = _component_diffs(model, bucket, engines, runners, reference, controlnet)
     result = VariantResult.from_parts(
         variant_id=label, model=model_name, target=target, precision=precision, bucket=bucket.label,
         thresholds=thresholds, images=comparisons, components=diffs, reproducible=reproducible,
-        batch_independent=batch_independent, lora=lora, controlnet=controlnet, extra_failures=failures)
+        batch_independent=batch_independent, lora=lora, controlnet=controlnet, extra_failures=failures,
+        failing_engines=failing_engines)
     return result, pngs
 
 
@@ -177,7 +178,7 @@ def _batch_independent(pipe, request, table, denoiser) -> bool | None:
 
 
 def _component_diffs(model, bucket, engines: list[BuiltEngine], runners: dict, reference: RunnerTable, controlnet):
-    diffs, failures = [], []
+    diffs, failures, failing_engines = [], [], []
     for engine in engines:
         spec = engine.spec
         if spec.bucket not in (None, bucket) or spec.controlnet not in (None, controlnet):
@@ -198,4 +199,5 @@ def _component_diffs(model, bucket, engines: list[BuiltEngine], runners: dict, r
             if not diff.is_finite or diff.max_rel > limit:
                 failures.append(f"component {spec.name} output {output}: max relative error {diff.max_rel:.3g} "
                                 f"> {limit:g} (max abs {diff.max_abs:.3g})")
-    return diffs, failures
+                failing_engines.append(spec.name)
+    return diffs, failures, failing_engines

@@ -97,7 +97,7 @@ class VariantResult(_ReportModel):
 
     variant_id: str = Field(description="unique within the report")
     model: str
-    target: str = Field(description="tensorrt or onnxruntime")
+    target: str = Field(description="the target the engines were built for (tensorrt, onnxruntime, openvino, ...)")
     precision: str = Field(description="fp32, fp16, bf16, fp8 or int8; selects the default thresholds")
     bucket: str = Field(description="the resolution bucket label, e.g. 512x512 or 512x512..1024x1024")
     lora: str | None = None
@@ -113,6 +113,9 @@ class VariantResult(_ReportModel):
     )
     passed: bool
     failure_reasons: list[str] = Field(default_factory=list, description="empty exactly when passed")
+    failing_engines: list[str] = Field(
+        default_factory=list, description="engines whose own outputs diverge from their PyTorch module"
+    )
 
     @model_validator(mode="after")
     def _verdict_matches_reasons(self) -> "VariantResult":
@@ -140,6 +143,7 @@ class VariantResult(_ReportModel):
         lora: str | None = None,
         controlnet: str | None = None,
         extra_failures: Sequence[str] = (),
+        failing_engines: Sequence[str] = (),
     ) -> "VariantResult":
         """Judge the parts against `thresholds`: sets each image's `passed`, the reasons and the verdict."""
         from .judge import judge_image, variant_failures  # judge builds these models: imported on use
@@ -162,6 +166,7 @@ class VariantResult(_ReportModel):
             batch_independent=batch_independent,
             passed=not reasons,
             failure_reasons=reasons,
+            failing_engines=list(dict.fromkeys(failing_engines)),
         )
 
 
