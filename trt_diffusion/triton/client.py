@@ -72,10 +72,33 @@ def client_module(protocol: str):
 
 def strip_scheme(url: str) -> str:
     """tritonclient wants host:port; accept http://host:port too."""
-    for scheme in ("http://", "https://", "grpc://"):
-        if url.startswith(scheme):
-            return url[len(scheme):].rstrip("/")
-    return url.rstrip("/")
+    return parse_url(url)[0]
+
+
+# scheme -> (TLS?, protocols it may carry). No scheme: plain text, as tritonclient's own default.
+_SCHEMES = {"http": (False, ("http", "grpc")), "https": (True, ("http", "grpc")),
+            "grpc": (False, ("grpc",)), "grpcs": (True, ("grpc",))}
+
+
+def parse_url(url: str, protocol: str | None = None) -> tuple[str, bool]:
+    """(host:port[/path], TLS?) of a server URL. https:// and grpcs:// mean TLS, with certificates verified;
+    a scheme this client cannot honour is refused rather than silently sent as plain text."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.rstrip("/"), False
+    if scheme.lower() not in _SCHEMES:
+        raise ServeError(f"--url {url}: unknown scheme {scheme}://; use host:port, http://, https://, grpc:// "
+                         "or grpcs://")
+    tls, protocols = _SCHEMES[scheme.lower()]
+    if protocol is not None and protocol not in protocols:
+        raise ServeError(f"--url {url}: a {scheme}:// address does not speak {protocol}; use --protocol "
+                         f"{protocols[0]} or another URL")
+    rest = rest.rstrip("/")
+    if protocol == "grpc" and "/" in rest:
+        raise ServeError(f"--url {url}: a gRPC address is host:port, without a path")
+    if not rest:
+        raise ServeError(f"--url {url}: no host:port")
+    return rest, tls
 
 
 def make_inputs(module, tensors: dict[str, np.ndarray]) -> list:
@@ -89,11 +112,17 @@ def make_inputs(module, tensors: dict[str, np.ndarray]) -> list:
 
 def connect(url: str, protocol: str = "http", timeout_s: float = 300.0):
     module = client_module(protocol)
-    url = strip_scheme(url)
+    address, tls = parse_url(url, protocol)
     if protocol == "http":
+        tls_options = {}
+        if tls:  # verify the certificate and the host name (tritonclient's bare default wraps without a context)
+            import gevent.ssl
+
+            tls_options = {"ssl": True, "ssl_context_factory": gevent.ssl.create_default_context}
         # network_timeout bounds the whole response; one connection is enough for one request at a time
-        return module.InferenceServerClient(url, connection_timeout=min(timeout_s, 60.0), network_timeout=timeout_s)
-    return module.InferenceServerClient(url)
+        return module.InferenceServerClient(address, connection_timeout=min(timeout_s, 60.0),
+                                            network_timeout=timeout_s, **tls_options)
+    return module.InferenceServerClient(address, ssl=tls)  # gRPC TLS: the system's root certificates
 
 
 def server_error(err: Exception, url: str, pipeline: str) -> ServeError:
