@@ -81,7 +81,15 @@ test: venv
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
+# A GPU host that reaches NVIDIA's index: TensorRT and cuda-python (the tensorrt extra), then the gpu suite.
+# Without TensorRT, cuda-python or a CUDA device it stops first with one line naming what is missing.
+NVIDIA_INDEX ?= https://pypi.nvidia.com
 test-gpu: venv
+	@mkdir -p build; note=""; \
+	if ! $(BIN)/pip install -q --retries 1 --timeout 30 -e '.[tensorrt,test]' --extra-index-url $(NVIDIA_INDEX) \
+		> build/test-gpu-install.log 2>&1; then \
+		note="pip could not install .[tensorrt,test] from $(NVIDIA_INDEX): see build/test-gpu-install.log"; fi; \
+	$(BIN)/python -m trt_diffusion.targets.tensorrt.host_check --note "$$note"
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
 
 clean:

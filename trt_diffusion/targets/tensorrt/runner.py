@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .engine import TensorRTEngine
 
 Loader = Callable[[Path], "TensorRTEngine"]
+CUDA_GRAPH_ENV = "TRT_DIFFUSION_TENSORRT_CUDA_GRAPH"  # 1: runners the target hands out replay CUDA graphs
 
 
 def _dims(dims: trt.Dims) -> Shape:
@@ -213,7 +214,7 @@ class TensorRTRunner:
     device_tensors = True  # takes torch CUDA tensors and gives them back without host copies
 
     def __init__(self, plan_path: str | Path, *, name: str | None = None, group: EngineGroup | None = None,
-                 cuda_graph: bool = False, loader: Loader | None = None, trt_module: Any = None):
+                 cuda_graph: bool | None = None, loader: Loader | None = None, trt_module: Any = None):
         self.path = Path(plan_path)
         self.name = name or self.path.name
         self.key = f"{self.name}@{self.path}"
@@ -222,7 +223,8 @@ class TensorRTRunner:
                                           tuple(d if d >= 0 else None for d in t.shape))
                        for t in self.manifest.inputs}
         self.output_names = [t.name for t in self.manifest.outputs]
-        self.cuda_graph = cuda_graph
+        # None: as CUDA_GRAPH_ENV says (off by default); captured only for static-shape engines in any case
+        self.cuda_graph = cuda_graph if cuda_graph is not None else os.environ.get(CUDA_GRAPH_ENV, "") in ("1", "true")
         self.stats = RunnerStats()
         self._group = group
         self._loader = loader
