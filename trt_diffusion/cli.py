@@ -73,7 +73,7 @@ def plan(config: ConfigArg, as_json: Annotated[bool, typer.Option("--json", help
     for row in result.rows:
         params = f"{row.parameters / 1e6:.2f}M" if row.parameters is not None else "?"
         table.add_row(row.model, row.component, row.target, row.precision, str(row.engines), params,
-                      _human_bytes(row.disk_bytes), row.formula)
+                      _human_bytes(row.disk_bytes), row.formula + (f"; {row.runs_as}" if row.runs_as else ""))
     console.print(table)
     console.print("batch shapes are the engine's batch: the image batch, doubled where CFG runs batched. "
                   "`--json` lists every engine with its key and reasons.")

@@ -12,3 +12,7 @@ class TestOnnxRuntimeConformance(TargetConformance):
 
 class TestTensorRTConformance(TargetConformance):
     target_name = "tensorrt"
+
+
+class TestOpenVINOConformance(TargetConformance):
+    target_name = "openvino"

@@ -50,6 +50,7 @@ class TritonEngineModel:
     files: Mapping[str, Path]  # file name in the model version folder -> source file
     model_file: str | None = None  # the file a non-python backend loads (its default_model_filename)
     notes: tuple[str, ...] = ()  # what the user must know (e.g. which Triton build has this backend)
+    parameters: Mapping[str, str] = field(default_factory=dict)  # the backend's config.pbtxt parameters
 
 
 @dataclass(frozen=True)

@@ -202,8 +202,8 @@ def _engine_plan(pipeline: str, engine: Any, options: PackageOptions) -> _ModelP
         name, inputs=_tensor_decls(manifest.inputs, name), outputs=_tensor_decls(manifest.outputs, name),
         backend=served.backend, model_file=served.model_file, instances=options.engine_instances,
         kind=served.instance_kind, warmup=warmup, random_warmup=options.warmup_data == "random",
-        parameters={"engine": spec.name, "engine_key": spec.key, "component": spec.component,
-                    "target": spec.target})
+        parameters={**served.parameters, "engine": spec.name, "engine_key": spec.key,
+                    "component": spec.component, "target": spec.target})
     record = PackagedModel(
         name=name, role="engine", backend=served.backend, component=spec.component,
         bucket=spec.bucket.label if spec.bucket else None, batch=spec.batch, controlnet=spec.controlnet,
