@@ -1,13 +1,23 @@
-"""The TensorRT target on a real GPU: build a tiny conv+matmul engine, run it against ONNX Runtime,
-refit it (A -> B -> A), and refuse a plan whose manifest names another TensorRT or GPU.
+"""The TensorRT target on a real GPU: strongly typed builds per precision, refit through the CLI, the
+production runner (reuse, CUDA graphs, shared activation memory, torch CUDA tensors), and a Triton
+`tensorrt_plan` repository.
 
-Marked `gpu`: left out of the default run; `-m gpu` on a host without TensorRT or a CUDA device fails
-every test with the reason (a GPU suite that skips itself protects nothing). These engines are tiny so
-the whole module runs in well under a minute on a GPU host.
+Marked `gpu`: left out of the default run; `make test-gpu` installs `.[tensorrt,test]` and stops with one line
+when TensorRT, cuda-python or a device is missing, and `-m gpu` on such a host fails every test with the reason
+(a GPU suite that skips itself protects nothing). Capabilities a GPU may lack are skipped with the reason:
+bf16 (compute capability 8.0), fp8 (8.9), torch built without CUDA, a tritonserver with the TensorRT backend.
+The engines are tiny, so the module runs in a few minutes on a GPU host (the CLI tests export a tiny model).
+
+None of this has run on a GPU yet: no GPU host with TensorRT was available where it was written.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -18,30 +28,33 @@ from onnx import TensorProto, helper, numpy_helper
 pytestmark = pytest.mark.gpu
 
 from trt_diffusion.targets.tensorrt import engine as target  # noqa: E402
+from trt_diffusion.targets.tensorrt.host_check import missing  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _tensorrt_and_a_gpu():
-    available, reason = target.tensorrt_available()
-    if not available:
-        pytest.fail(f"the gpu suite needs TensorRT and a CUDA device: {reason}", pytrace=False)
+    problems = missing()
+    if problems:
+        pytest.fail(f"the gpu suite needs TensorRT, cuda-python and a CUDA device: {'; '.join(problems)}", pytrace=False)
 
 
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
+from trt_diffusion.errors import BuildError, RefitError, RuntimeInputError  # noqa: E402
+from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size  # noqa: E402
 from trt_diffusion.targets.tensorrt.config import (  # noqa: E402
     REBUILD_COMMAND,
+    EngineManifest,
     engine_path,
     manifest_path,
     read_base_weights,
-    timing_cache_path,
 )
-from trt_diffusion.errors import BuildError, RefitError, RuntimeInputError  # noqa: E402
-from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size  # noqa: E402
+from trt_diffusion.targets.tensorrt.runner import EngineGroup, TensorRTRunner  # noqa: E402
 
 STATIC = {"sample": ((2, 4, 8, 8),) * 3}
 RANGE = {"sample": ((1, 4, 8, 8), (2, 4, 16, 16), (4, 4, 32, 32))}
+REPO = Path(__file__).resolve().parents[2]
 
 
 class TinyConvMatmul(torch.nn.Module):
@@ -56,14 +69,21 @@ class TinyConvMatmul(torch.nn.Module):
         return self.proj(tokens)  # exported as MatMul with a transposed, renamed weight
 
 
-@pytest.fixture(scope="module")
-def tiny_onnx(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    model = TinyConvMatmul().eval()
-    path = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
+class CastIO(torch.nn.Module):
+    """fp32 in and out around a module held in `dtype`: how the project exports fp16/bf16 graphs."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module, self.dtype = module.to(dtype), dtype
+
+    def forward(self, sample: torch.Tensor) -> torch.Tensor:
+        return self.module(sample.to(self.dtype)).float()
+
+
+def _export(module: torch.nn.Module, path: Path) -> Path:
     with torch.no_grad():
         torch.onnx.export(
-            model, (torch.randn(2, 4, 8, 8),), str(path),
+            module.eval(), (torch.randn(2, 4, 8, 8),), str(path),
             input_names=["sample"], output_names=["out"],
             dynamic_axes={"sample": {0: "batch", 2: "height", 3: "width"}, "out": {0: "batch", 1: "tokens"}},
             opset_version=17, dynamo=False,
@@ -71,48 +91,88 @@ def tiny_onnx(tmp_path_factory) -> Path:
     return path
 
 
+def _tiny_module() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyConvMatmul().eval()
+
+
 @pytest.fixture(scope="module")
-def qdq_onnx(tmp_path_factory) -> Path:
-    """x -> Q -> DQ -> Conv(DQ(int8 weight)): explicit int8 quantization."""
-    rng = np.random.default_rng(1)
+def tiny_onnx(tmp_path_factory) -> Path:
+    return _export(_tiny_module(), tmp_path_factory.mktemp("onnx") / "tiny.onnx")
+
+
+@pytest.fixture(scope="module")
+def fp16_onnx(tmp_path_factory) -> Path:
+    return _export(CastIO(_tiny_module(), torch.float16), tmp_path_factory.mktemp("onnx") / "tiny_fp16.onnx")
+
+
+@pytest.fixture(scope="module")
+def bf16_onnx(tmp_path_factory) -> Path:
+    return _export(CastIO(_tiny_module(), torch.bfloat16), tmp_path_factory.mktemp("onnx") / "tiny_bf16.onnx")
+
+
+def _conv_weight() -> np.ndarray:
+    return np.random.default_rng(1).standard_normal((8, 4, 3, 3)).astype(np.float32) * 0.2
+
+
+def qdq_over_fp16(path: Path, quantized: int) -> Path:
+    """fp32 in -> fp16 -> Q/DQ (int8 or fp8 E4M3) on activations and weights -> fp16 Conv -> fp32 out: the
+    graph ModelOpt gives for fp8/int8 TensorRT engines (Q/DQ over the fp16 model)."""
+    zero = (helper.make_tensor("zp", TensorProto.INT8, [], [0]) if quantized == TensorProto.INT8
+            else helper.make_tensor("zp", TensorProto.FLOAT8E4M3FN, [], [0.0]))
     initializers = [
-        numpy_helper.from_array(np.array(0.05, np.float32), "x.scale"),
-        numpy_helper.from_array(np.array(0, np.int8), "x.zero_point"),
-        numpy_helper.from_array(rng.integers(-127, 128, (8, 4, 3, 3)).astype(np.int8), "conv.weight_q"),
-        numpy_helper.from_array(np.array(0.01, np.float32), "w.scale"),
-        numpy_helper.from_array(np.array(0, np.int8), "w.zero_point"),
+        numpy_helper.from_array(np.array(0.05 if quantized == TensorProto.INT8 else 0.01, np.float16), "x.scale"),
+        numpy_helper.from_array(_conv_weight().astype(np.float16), "conv.weight"),
+        numpy_helper.from_array(np.array(0.005 if quantized == TensorProto.INT8 else 0.002, np.float16), "w.scale"),
+        zero,
     ]
     nodes = [
-        helper.make_node("QuantizeLinear", ["sample", "x.scale", "x.zero_point"], ["x_q"]),
-        helper.make_node("DequantizeLinear", ["x_q", "x.scale", "x.zero_point"], ["x_dq"]),
-        helper.make_node("DequantizeLinear", ["conv.weight_q", "w.scale", "w.zero_point"], ["w_dq"]),
-        helper.make_node("Conv", ["x_dq", "w_dq"], ["out"], pads=[1, 1, 1, 1]),
+        helper.make_node("Cast", ["sample"], ["x16"], to=TensorProto.FLOAT16),
+        helper.make_node("QuantizeLinear", ["x16", "x.scale", "zp"], ["x_q"]),
+        helper.make_node("DequantizeLinear", ["x_q", "x.scale", "zp"], ["x_dq"]),
+        helper.make_node("QuantizeLinear", ["conv.weight", "w.scale", "zp"], ["w_q"]),
+        helper.make_node("DequantizeLinear", ["w_q", "w.scale", "zp"], ["w_dq"]),
+        helper.make_node("Conv", ["x_dq", "w_dq"], ["y16"], pads=[1, 1, 1, 1]),
+        helper.make_node("Cast", ["y16"], ["out"], to=TensorProto.FLOAT),
     ]
     graph = helper.make_graph(
-        nodes, "tiny_qdq",
+        nodes, "tiny_qdq_fp16",
         [helper.make_tensor_value_info("sample", TensorProto.FLOAT, [2, 4, 8, 8])],
         [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 8, 8, 8])],
         initializer=initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
-    path = tmp_path_factory.mktemp("onnx") / "qdq.onnx"
+    onnx.checker.check_model(model)
     onnx.save(model, str(path))
     return path
 
 
-def tiny_spec(precision: str, refittable: bool = False) -> EngineSpec:
+def conv_reference(feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """The unquantized fp32 conv the Q/DQ graphs approximate."""
+    sample = torch.from_numpy(feeds["sample"])
+    return torch.nn.functional.conv2d(sample, torch.from_numpy(_conv_weight()), padding=1).numpy()
+
+
+def tiny_spec(precision: str, refittable: bool = False, *, model: str = "tiny") -> EngineSpec:
     return EngineSpec(
-        model="tiny", family="sd15", source="tests/tiny", component="unet", target="tensorrt",
+        model=model, family="sd15", source="tests/tiny", component="unet", target="tensorrt",
         precision=precision, batch=2, bucket=Bucket.static(Size(64, 64)), refittable=refittable,
         # TF32 off: fp32 engines are compared with ONNX Runtime to 1e-4
         build_options=(("tensorrt_optimization_level", 3), ("tensorrt_tf32", False), ("tensorrt_workspace_gb", 1)),
     )
 
 
-def build(workspace: Path, onnx_path: Path, spec: EngineSpec, profile: dict) -> tuple[Path, object]:
+def build(workspace: Path, onnx_path: Path, spec: EngineSpec, profile: dict) -> tuple[Path, EngineManifest]:
+    target.check_can_build(spec)
     plan = engine_path(workspace, spec)
     manifest = target.build_engine(onnx_path, spec, profile, plan, workspace / "timing-cache")
     return plan, manifest
+
+
+def needs_compute_capability(major: int, minor: int, precision: str) -> None:
+    _, capability, name = target.host_info()
+    if tuple(capability) < (major, minor):
+        pytest.skip(f"{precision} needs compute capability {major}.{minor}; {name} has {capability[0]}.{capability[1]}")
 
 
 def onnxruntime_out(onnx_path: Path, feeds: dict[str, np.ndarray]) -> np.ndarray:
@@ -124,115 +184,277 @@ def sample(shape, seed: int = 0) -> dict[str, np.ndarray]:
     return {"sample": np.random.default_rng(seed).standard_normal(shape).astype(np.float32)}
 
 
-def with_initializers(onnx_path: Path, weights: dict[str, np.ndarray], out: Path) -> Path:
-    model = onnx.load(str(onnx_path))
-    for index, tensor in enumerate(model.graph.initializer):
-        if tensor.name in weights:
-            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(weights[tensor.name], tensor.name))
-    onnx.save(model, str(out))
-    return out
+def relative_rms(got: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((got - expected) ** 2)) / np.sqrt(np.mean(expected ** 2)))
+
+
+# ---------------------------------------------------------------------------------------------- builds per precision
 
 
 def test_fp32_engine_matches_onnxruntime(tiny_onnx, tmp_path):
     import tensorrt as trt
 
     plan, manifest = build(tmp_path, tiny_onnx, tiny_spec("fp32"), STATIC)
-    trt_version, compute_capability, _ = target.host_info()
-    assert plan.is_file() and manifest_path(plan).is_file()
-    assert manifest.tensorrt_version == trt.__version__
-    assert tuple(manifest.compute_capability) == compute_capability
-    assert (manifest.flags["fp16"], manifest.flags["strongly_typed"], manifest.flags["refit"]) == (False, False, False)
+    assert manifest.tensorrt_version == trt.__version__ and manifest.plan_bytes == plan.stat().st_size
     assert [(t.name, t.dtype) for t in manifest.inputs] == [("sample", "float32")]
-    assert [(t.name, t.dtype) for t in manifest.outputs] == [("out", "float32")]
-    assert manifest.plan_bytes == plan.stat().st_size
-    assert timing_cache_path(tmp_path / "timing-cache", compute_capability, trt_version).stat().st_size > 0
-
     feeds = sample((2, 4, 8, 8))
-    got = target.run_engine(plan, feeds)["out"]
-    np.testing.assert_allclose(got, onnxruntime_out(tiny_onnx, feeds), atol=1e-4, rtol=0)
+    with TensorRTRunner(plan) as runner:
+        np.testing.assert_allclose(runner.run(feeds)["out"], onnxruntime_out(tiny_onnx, feeds), atol=1e-4, rtol=0)
 
 
-def test_fp16_range_engine_matches_onnxruntime(tiny_onnx, tmp_path):
-    plan, manifest = build(tmp_path, tiny_onnx, tiny_spec("fp16"), RANGE)
-    assert manifest.flags["fp16"] is True
-    assert manifest.profile_shapes["sample"] == RANGE["sample"]
-    engine = target.load_engine(plan)
-    for seed, shape in enumerate([(1, 4, 8, 8), (2, 4, 16, 16), (4, 4, 32, 32), (3, 4, 8, 24)]):
-        feeds = sample(shape, seed)
-        expected = onnxruntime_out(tiny_onnx, feeds)
-        got = target.run_engine(engine, feeds)["out"]
-        assert got.shape == expected.shape
-        np.testing.assert_allclose(got.astype(np.float32), expected, atol=1e-2, rtol=0)
-    with pytest.raises(RuntimeInputError, match=r"outside the engine's profile \(1, 4, 8, 8\)..\(4, 4, 32, 32\)"):
-        target.run_engine(engine, sample((8, 4, 8, 8)))
+def test_fp16_engine_from_an_fp16_onnx(tiny_onnx, fp16_onnx, tmp_path):
+    plan, manifest = build(tmp_path, fp16_onnx, tiny_spec("fp16"), RANGE)
+    assert manifest.flags["strongly_typed"] is True and manifest.flags["precision"] == "fp16"
+    assert [(t.name, t.dtype) for t in manifest.inputs] == [("sample", "float32")]  # fp32 I/O around fp16
+    with TensorRTRunner(plan) as runner:
+        for seed, shape in enumerate([(1, 4, 8, 8), (2, 4, 16, 16), (4, 4, 32, 32), (3, 4, 8, 24)]):
+            feeds = sample(shape, seed)
+            expected = onnxruntime_out(tiny_onnx, feeds)
+            got = runner.run(feeds)["out"]
+            assert got.shape == expected.shape
+            np.testing.assert_allclose(got, expected, atol=2e-2, rtol=0)
+        with pytest.raises(RuntimeInputError, match=r"outside the engine's profile \(1, 4, 8, 8\)..\(4, 4, 32, 32\)"):
+            runner.run(sample((8, 4, 8, 8)))
+    with pytest.raises(BuildError, match="weights are float32"):  # an fp16 engine from an fp32 graph is refused
+        build(tmp_path / "refused", tiny_onnx, tiny_spec("fp16"), STATIC)
 
 
-def test_refit_to_b_and_back_to_a(tiny_onnx, tmp_path):
-    plan, _ = build(tmp_path, tiny_onnx, tiny_spec("fp32", refittable=True), STATIC)
-    engine = target.load_engine(plan)
-    base = read_base_weights(tiny_onnx)
-    refittable = target.refittable_weight_names(engine)
-    assert "conv.weight" in refittable
-    assert set(base) <= set(refittable), "refit maps assume every ONNX float initializer is refittable by name"
-
+def test_bf16_engine_from_a_bf16_onnx(tiny_onnx, bf16_onnx, tmp_path):
+    needs_compute_capability(8, 0, "bf16")
+    plan, manifest = build(tmp_path, bf16_onnx, tiny_spec("bf16"), STATIC)
+    assert manifest.flags["precision"] == "bf16"
     feeds = sample((2, 4, 8, 8))
-    outputs_a = target.run_engine(engine, feeds)["out"]
-    np.testing.assert_allclose(outputs_a, onnxruntime_out(tiny_onnx, feeds), atol=1e-4, rtol=0)
-
-    rng = np.random.default_rng(7)
-    weights_b = {n: (w + 0.1 * rng.standard_normal(w.shape)).astype(w.dtype) for n, w in base.items()}
-    expected_b = onnxruntime_out(with_initializers(tiny_onnx, weights_b, tmp_path / "tiny_b.onnx"), feeds)
-    assert np.abs(expected_b - outputs_a).max() > 0.1  # B really changes the output
-
-    target.refit_engine(engine, weights_b)
-    np.testing.assert_allclose(target.run_engine(engine, feeds)["out"], expected_b, atol=1e-4, rtol=0)
-
-    with pytest.raises(RefitError, match="changed by an earlier refit"):
-        target.refit_engine(engine, {"conv.weight": base["conv.weight"]})  # would leave B's other weights
-
-    target.refit_to_base(engine, base)
-    np.testing.assert_array_equal(target.run_engine(engine, feeds)["out"], outputs_a)
+    with TensorRTRunner(plan) as runner:
+        got = runner.run(feeds)["out"]
+    expected = onnxruntime_out(tiny_onnx, feeds)
+    assert relative_rms(got, expected) < 2e-2  # bf16 has 8 bits of mantissa
 
 
-def test_non_refittable_engine_refuses_refit(tiny_onnx, tmp_path):
-    plan, _ = build(tmp_path, tiny_onnx, tiny_spec("fp16"), STATIC)
-    with pytest.raises(RefitError, match="not built refittable"):
-        target.refit_engine(target.load_engine(plan), read_base_weights(tiny_onnx))
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_qdq_over_fp16_builds_a_quantized_engine(precision, tmp_path):
+    if precision == "fp8":
+        needs_compute_capability(8, 9, "fp8")
+    quantized = TensorProto.INT8 if precision == "int8" else TensorProto.FLOAT8E4M3FN
+    onnx_path = qdq_over_fp16(tmp_path / f"{precision}.onnx", quantized)
+    plan, manifest = build(tmp_path, onnx_path, tiny_spec(precision), STATIC)
+    assert manifest.flags["strongly_typed"] is True and manifest.flags["precision"] == precision
+    feeds = sample((2, 4, 8, 8))
+    with TensorRTRunner(plan) as runner:
+        got = runner.run(feeds)["out"]
+    error = relative_rms(got, conv_reference(feeds))
+    assert error < (0.05 if precision == "int8" else 0.1), f"{precision} engine: relative RMS error {error:.3f}"
+    assert error > 0, "a quantized engine that equals fp32 exactly did not quantize"
 
 
 def test_plan_with_mismatched_manifest_is_refused(tiny_onnx, tmp_path):
     plan, manifest = build(tmp_path, tiny_onnx, tiny_spec("fp32"), STATIC)
-    target.load_engine(plan)  # as built, it loads
-
+    target.load_engine(plan)
     manifest.model_copy(update={"tensorrt_version": "9.3.0.1"}).write(manifest_path(plan))
     with pytest.raises(BuildError, match=r"built with TensorRT 9.3.0.1") as raised:
-        target.load_engine(plan)
+        TensorRTRunner(plan).activate()
     assert REBUILD_COMMAND in str(raised.value)
 
-    manifest.model_copy(update={"compute_capability": (1, 0)}).write(manifest_path(plan))
-    with pytest.raises(BuildError, match=r"for sm_10 .*compute capability"):
-        target.load_engine(plan)
+
+# ---------------------------------------------------------------------------------------------- refit
 
 
-def test_qdq_onnx_builds_a_strongly_typed_engine(qdq_onnx, tmp_path):
-    plan, manifest = build(tmp_path, qdq_onnx, tiny_spec("int8"), STATIC)
-    assert manifest.flags["strongly_typed"] is True
-    assert (manifest.flags["fp16"], manifest.flags["bf16"]) == (False, False)
+def test_refit_to_b_and_back_to_a_in_process(tiny_onnx, tmp_path):
+    plan, _ = build(tmp_path, tiny_onnx, tiny_spec("fp32", refittable=True), STATIC)
+    engine = target.load_engine(plan)
+    base = read_base_weights(tiny_onnx)
     feeds = sample((2, 4, 8, 8))
-    np.testing.assert_allclose(target.run_engine(plan, feeds)["out"], onnxruntime_out(qdq_onnx, feeds), atol=1e-3, rtol=0)
+    outputs_a = target.run_engine(engine, feeds)["out"]
+    rng = np.random.default_rng(7)
+    weights_b = {n: (w + 0.1 * rng.standard_normal(w.shape)).astype(w.dtype) for n, w in base.items()}
+    target.refit_engine(engine, weights_b, base)
+    assert np.abs(target.run_engine(engine, feeds)["out"] - outputs_a).max() > 0.1
+    target.refit_to_base(engine, base)
+    np.testing.assert_array_equal(target.run_engine(engine, feeds)["out"], outputs_a)
+    fixed, _ = build(tmp_path / "fixed", tiny_onnx, tiny_spec("fp32", model="fixed"), STATIC)
+    with pytest.raises(RefitError, match="not built refittable"):
+        target.refit_engine(target.load_engine(fixed), base)
 
 
-def test_parser_errors_name_the_spec_and_quote_tensorrt(tmp_path):
-    graph = helper.make_graph(
-        [helper.make_node("NoSuchOp", ["sample"], ["out"], domain="com.example")], "unsupported",
-        [helper.make_tensor_value_info("sample", TensorProto.FLOAT, [2, 4, 8, 8])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4, 8, 8])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
-    path = tmp_path / "unsupported.onnx"
-    onnx.save(model, str(path))
-    spec = tiny_spec("fp32")
-    with pytest.raises(BuildError, match=r"could not parse") as raised:
-        build(tmp_path, path, spec, STATIC)
-    assert spec.name in str(raised.value) and "NoSuchOp" in str(raised.value)
-    assert not engine_path(tmp_path, spec).exists()
+@pytest.fixture(scope="module")
+def cli_project(tmp_path_factory) -> Path:
+    """A tiny SD1.5 model with a LoRA and an engines.yaml whose refittable UNet is a TensorRT engine, built
+    through the CLI."""
+    root = tmp_path_factory.mktemp("cli")
+    cli(root, "models", "tiny", "--out", "models/tiny", "--lora")
+    (root / "engines.yaml").write_text(textwrap.dedent("""\
+        version: 1
+        build: {workspace: build, opset: 20, jobs: 1}
+        defaults: {targets: [tensorrt], cfg: batched, batch: [1]}
+        models:
+          tiny:
+            source: models/tiny
+            family: sd15
+            components: [text_encoder, unet, vae_decoder]
+            buckets: ["64x64"]
+            precision: {text_encoder: fp32, unet: fp32, vae_decoder: fp32}
+            loras:
+              style: {source: models/tiny/lora/pytorch_lora_weights.safetensors, mode: refit, scale: 1.0}
+        """))
+    cli(root, "build", "engines.yaml", "--target", "tensorrt")
+    return root
+
+
+def cli(root: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "trt_diffusion", *args], cwd=root, capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, "TRT_DIFFUSION_PROGRESS": "off"})
+    assert done.returncode == 0, f"trt-diffusion {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def unet_outputs(root: Path) -> np.ndarray:
+    """The refittable UNet plan, loaded afresh from disk (as a new process would), on fixed feeds."""
+    plans = sorted((root / "build").rglob("*unet*.plan"))
+    assert len(plans) == 1, plans
+    runner = TensorRTRunner(plans[0], group=EngineGroup())
+    manifest = runner.manifest
+    rng = np.random.default_rng(3)
+    feeds = {t.name: rng.standard_normal(manifest.profile_shapes[t.name][0]).astype(np.float32)
+             for t in manifest.inputs}
+    with runner:
+        return runner.run(feeds)["noise_pred"]
+
+
+def test_refit_a_b_a_through_the_cli_survives_save_and_reload(cli_project):
+    lora = "models/tiny/lora/pytorch_lora_weights.safetensors"
+    base = unet_outputs(cli_project)
+    cli(cli_project, "refit", "engines.yaml", "--model", "tiny", "--target", "tensorrt", "--lora", f"{lora}:1.0")
+    outputs_a = unet_outputs(cli_project)
+    cli(cli_project, "refit", "engines.yaml", "--model", "tiny", "--target", "tensorrt", "--lora", f"{lora}:0.4")
+    outputs_b = unet_outputs(cli_project)
+    cli(cli_project, "refit", "engines.yaml", "--model", "tiny", "--target", "tensorrt", "--lora", f"{lora}:1.0")
+    assert np.abs(outputs_a - base).max() > 1e-3 and np.abs(outputs_b - outputs_a).max() > 1e-3
+    np.testing.assert_array_equal(unet_outputs(cli_project), outputs_a)  # no residue of B
+
+
+def test_refit_base_through_the_cli_restores_the_built_engine(cli_project):
+    lora = "models/tiny/lora/pytorch_lora_weights.safetensors"
+    cli(cli_project, "refit", "engines.yaml", "--model", "tiny", "--target", "tensorrt", "--base")
+    base = unet_outputs(cli_project)
+    cli(cli_project, "refit", "engines.yaml", "--model", "tiny", "--target", "tensorrt", "--lora", f"{lora}:1.0")
+    assert np.abs(unet_outputs(cli_project) - base).max() > 1e-3
+    cli(cli_project, "refit", "engines.yaml", "--model", "tiny", "--target", "tensorrt", "--base")
+    np.testing.assert_array_equal(unet_outputs(cli_project), base)
+
+
+# ---------------------------------------------------------------------------------------------- the runner
+
+
+def test_runner_reuses_its_context_and_allocations(tiny_onnx, tmp_path):
+    plan, _ = build(tmp_path, tiny_onnx, tiny_spec("fp32"), RANGE)
+    runner = TensorRTRunner(plan, group=EngineGroup())
+    reference = target.run_engine(target.load_engine(plan), sample((2, 4, 16, 16)))["out"]
+    with runner:
+        after_activation = (runner.stats.contexts_created, runner.stats.device_allocations,
+                            runner.stats.host_allocations, runner.group.stats["activation_allocations"])
+        free_before, _ = runner.group.cuda.mem_get_info()
+        for seed in range(20):
+            shape = [(2, 4, 16, 16), (1, 4, 8, 8), (4, 4, 32, 32)][seed % 3]
+            runner.run(sample(shape, seed))
+        free_after, _ = runner.group.cuda.mem_get_info()
+        np.testing.assert_allclose(runner.run(sample((2, 4, 16, 16)))["out"], reference, atol=1e-4, rtol=0)
+        assert (runner.stats.contexts_created, runner.stats.device_allocations, runner.stats.host_allocations,
+                runner.group.stats["activation_allocations"]) == after_activation == (1, 2, 2, 1)
+        assert abs(free_before - free_after) < (16 << 20), "device memory grew while running"
+    assert not runner.active and runner.group.activation_bytes == 0
+
+
+def test_cuda_graph_replay_equals_eager(tiny_onnx, tmp_path):
+    plan, _ = build(tmp_path, tiny_onnx, tiny_spec("fp32"), STATIC)
+    group = EngineGroup()
+    with TensorRTRunner(plan, group=group, cuda_graph=True) as graph, TensorRTRunner(plan, name="eager", group=group) as eager:
+        for seed in range(5):
+            feeds = sample((2, 4, 8, 8), seed)
+            np.testing.assert_array_equal(graph.run(feeds)["out"], eager.run(feeds)["out"])
+    assert (graph.stats.eager_runs, graph.stats.graph_captures, graph.stats.graph_launches) == (1, 1, 4)
+    assert eager.stats.graph_captures == 0
+
+
+def test_engines_of_a_group_share_activation_memory(tiny_onnx, fp16_onnx, tmp_path):
+    small, _ = build(tmp_path, tiny_onnx, tiny_spec("fp32"), STATIC)
+    large, _ = build(tmp_path, fp16_onnx, tiny_spec("fp16", model="large"), RANGE)
+    group = EngineGroup()
+    with TensorRTRunner(small, group=group) as a, TensorRTRunner(large, group=group) as b:
+        needs = [int(r.engine.engine.device_memory_size_v2) for r in (a, b)]
+        assert group.activation_bytes == max(-(-n // 256) * 256 for n in needs)
+        assert group.stats["activation_allocations"] <= 2  # once, or grown once when the larger joined
+        free_before, _ = group.cuda.mem_get_info()
+        for seed in range(3):  # alternate: both run in the one allocation
+            a.run(sample((2, 4, 8, 8), seed))
+            b.run(sample((4, 4, 32, 32), seed))
+        assert group.cuda.mem_get_info()[0] == pytest.approx(free_before, abs=16 << 20)
+
+
+def test_torch_cuda_tensors_in_and_out_without_host_copies(tiny_onnx, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip(f"torch has no CUDA here (build: CUDA {torch.version.cuda or 'none'})")
+    plan, _ = build(tmp_path, tiny_onnx, tiny_spec("fp32"), STATIC)
+    feeds = sample((2, 4, 8, 8))
+    with TensorRTRunner(plan, group=EngineGroup()) as runner:
+        on_device = runner.run({"sample": torch.from_numpy(feeds["sample"]).cuda()})["out"]
+        assert isinstance(on_device, torch.Tensor) and on_device.is_cuda
+        np.testing.assert_array_equal(on_device.cpu().numpy(), runner.run(feeds)["out"])
+
+
+# ---------------------------------------------------------------------------------------------- Triton
+
+
+def test_triton_tensorrt_plan_repository_is_served(tiny_onnx, tmp_path):
+    server = shutil.which("tritonserver")
+    backends = Path(os.environ.get("TRITON_BACKENDS", "/opt/tritonserver/backends"))
+    if server is None or not (backends / "tensorrt").is_dir():
+        pytest.skip("no tritonserver with the TensorRT backend here (NVIDIA's Triton containers have one; "
+                    "set TRITON_BACKENDS to its backends folder)")
+    from trt_diffusion.targets import get_target
+    from trt_diffusion.targets.base import BuiltEngine
+
+    plan, manifest = build(tmp_path / "ws", tiny_onnx, tiny_spec("fp32"), STATIC)
+    model = get_target("tensorrt").triton_model(BuiltEngine(tiny_spec("fp32"), plan, manifest), engine_backend="native")
+    assert model.backend == "tensorrt_plan"
+    version = tmp_path / "repo" / "tiny_unet" / "1"
+    version.mkdir(parents=True)
+    for name, source in model.files.items():
+        shutil.copy(source, version / name)
+    (version.parent / "config.pbtxt").write_text(textwrap.dedent("""\
+        name: "tiny_unet"
+        platform: "tensorrt_plan"
+        max_batch_size: 0
+        input [{ name: "sample", data_type: TYPE_FP32, dims: [2, 4, 8, 8] }]
+        output [{ name: "out", data_type: TYPE_FP32, dims: [2, 64, 16] }]
+        instance_group [{ kind: KIND_GPU, count: 1 }]
+        """))
+    from trt_diffusion.triton.server import free_port
+
+    http = free_port()
+    process = subprocess.Popen([server, f"--model-repository={tmp_path / 'repo'}", f"--backend-directory={backends}",
+                                f"--http-port={http}", f"--grpc-port={free_port()}", f"--metrics-port={free_port()}",
+                                "--http-address=127.0.0.1", "--grpc-address=127.0.0.1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{http}")
+        for _ in range(120):
+            try:
+                if client.is_model_ready("tiny_unet"):
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            import time
+
+            time.sleep(0.5)
+        else:
+            pytest.fail("tritonserver did not load the tensorrt_plan model:\n" + process.stdout.read1().decode())
+        feeds = sample((2, 4, 8, 8))
+        request = httpclient.InferInput("sample", [2, 4, 8, 8], "FP32")
+        request.set_data_from_numpy(feeds["sample"])
+        got = client.infer("tiny_unet", [request]).as_numpy("out")
+        np.testing.assert_allclose(got, onnxruntime_out(tiny_onnx, feeds), atol=1e-4, rtol=0)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
