@@ -4,9 +4,10 @@ An ONNX does not depend on the target, the engine's batch or bucket, or the Tens
 per (model, component, ControlNet, residual inputs, fused-LoRA variant, ONNX precision, opset) serves all
 its engines, with dynamic axes covering every bucket and batch of the group; engines fix the shapes.
 
-ONNX precision: fp16 specs get an fp16 graph; fp32, bf16, fp8 and int8 specs share the fp32 graph
-(bf16 is a TensorRT builder flag on an fp32 graph; fp8/int8 are made from the fp32 graph by the
-quantize stage).
+ONNX precision: the spec's target says which graph its engines need (`Target.onnx_precision`, when the
+target declares it): the tensorrt target builds strongly typed, so its bf16 engines get a bf16 graph
+(fp32 I/O). Otherwise fp16 specs get an fp16 graph and fp32, bf16, fp8 and int8 specs share the fp32
+graph (fp8/int8 Q/DQ graphs are made by the quantize stage).
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ EXPORT_OPTIONS = ("opset", "controlnet_residuals")
 DEFAULT_OPSET = 20
 
 
-def onnx_precision(precision: str) -> str:
+def onnx_precision(precision: str, target: str | None = None) -> str:
+    """fp32 | fp16 | bf16: the precision of the ONNX a `precision` engine of `target` is exported as."""
+    if target is not None:
+        from ..errors import TrtDiffusionError
+        from ..targets import get_target
+
+        try:
+            declared = getattr(get_target(target), "onnx_precision", None)
+        except TrtDiffusionError:  # unknown or unloadable target: the spec check reports it elsewhere
+            declared = None
+        if declared is not None:
+            return declared(precision)
     return "fp16" if precision in FP16_ONNX else "fp32"
 
 
@@ -42,7 +54,7 @@ def export_group_key(spec: EngineSpec) -> str:
         "model": spec.model, "family": spec.family, "source": spec.source, "component": spec.component,
         "controlnet": spec.controlnet, "controlnet_source": spec.controlnet_source,
         "lora": [list(s) for s in lora.sources] if lora else None,
-        "precision": onnx_precision(spec.precision), "options": export_options(spec),
+        "precision": onnx_precision(spec.precision, spec.target), "options": export_options(spec),
     }
     return hash_inputs(fields)[:16]
 
@@ -80,7 +92,7 @@ class ExportGroup:
 
     @property
     def precision(self) -> str:
-        return onnx_precision(self.first.precision)
+        return onnx_precision(self.first.precision, self.first.target)
 
     @property
     def options(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 ARTIFACT_KIND = "onnx"
 ONNX_NAME = "model.onnx"
-COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

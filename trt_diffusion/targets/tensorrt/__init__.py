@@ -15,11 +15,21 @@ from ..base import BuildRequest, BuiltEngine, TritonEngineModel
 class TensorRTTarget:
     name = "tensorrt"
 
+    def farm_needs(self, spec) -> dict:
+        """Ray task options of a build: one GPU (an engine is specific to the GPU it is built on)."""
+        return {"num_gpus": 1}
+
     def unavailable_reason(self) -> str | None:
         from .engine import tensorrt_available
 
         ok, reason = tensorrt_available()
         return None if ok else reason
+
+    def onnx_precision(self, precision: str) -> str:
+        """The ONNX export a `precision` engine is built from (strongly typed: the graph's dtypes are the
+        engine's): fp32, fp16 and bf16 graphs (fp32 I/O) for those precisions; fp8/int8 engines are built
+        from the quantize stage's Q/DQ graph, converted to Q/DQ over fp16 (`qdq_fp16.py`)."""
+        return precision if precision in ("fp32", "fp16", "bf16") else "fp32"
 
     def build_options(self, config) -> dict:
         return {"tensorrt_optimization_level": config.build.tensorrt.optimization_level,
