@@ -28,7 +28,7 @@ class TensorRTTarget:
     def onnx_precision(self, precision: str) -> str:
         """The ONNX export a `precision` engine is built from (strongly typed: the graph's dtypes are the
         engine's): fp32, fp16 and bf16 graphs (fp32 I/O) for those precisions; fp8/int8 engines are built
-        from the quantize stage's Q/DQ graph, converted to Q/DQ over fp16 (`qdq_fp16.py`)."""
+        from the quantize stage's Q/DQ graph, converted to Q/DQ over fp16 (`engine_onnx`, `qdq_fp16.py`)."""
         return precision if precision in ("fp32", "fp16", "bf16") else "fp32"
 
     def build_options(self, config) -> dict:
@@ -48,9 +48,20 @@ class TensorRTTarget:
             refit_map = plan.with_name(plan.name.removesuffix(".plan") + ".refit_map.json")
             plan.parent.mkdir(parents=True, exist_ok=True)
             request.write_refit_map(request.onnx_path, refit_map)
-        engine.build_engine(request.onnx_path, request.spec, request.profile, plan, request.timing_cache_dir,
+        engine.build_engine(self.engine_onnx(request), request.spec, request.profile, plan, request.timing_cache_dir,
                             refit_map=str(refit_map) if refit_map else None)
         return plan, False
+
+    def engine_onnx(self, request: BuildRequest) -> Path:
+        """The ONNX the engine is built from: the request's, except that an fp8/int8 engine from the quantize
+        stage's Q/DQ graph over fp32 is built from its Q/DQ-over-fp16 form (made once, in the workspace)."""
+        from .config import QUANTIZED_PRECISIONS, onnx_compute_dtype
+
+        if request.spec.precision in QUANTIZED_PRECISIONS and onnx_compute_dtype(request.onnx_path) == "float32":
+            from .qdq_fp16 import qdq_fp16_onnx
+
+            return qdq_fp16_onnx(request.onnx_path, Path(request.workspace) / "engines" / "tensorrt" / "qdq-fp16")
+        return Path(request.onnx_path)
 
     def is_current(self, request: BuildRequest) -> bool:
         """Reuse a plan only when its manifest records exactly these inputs on this TensorRT and GPU, and
@@ -66,8 +77,9 @@ class TensorRTTarget:
         if not plan.is_file() or plan.stat().st_size != manifest.plan_bytes:
             return False
         trt_version, compute_capability, _ = host_info()
-        flags = trt_config.BuildFlags.for_spec(request.spec, trt_config.onnx_has_qdq(request.onnx_path))
-        return trt_config.manifest_is_current(manifest, request.spec, trt_config.onnx_sha256(request.onnx_path),
+        onnx_path = self.engine_onnx(request)
+        flags = trt_config.BuildFlags.for_spec(request.spec, trt_config.onnx_has_qdq(onnx_path))
+        return trt_config.manifest_is_current(manifest, request.spec, trt_config.onnx_sha256(onnx_path),
                                               flags, request.profile, trt_version, compute_capability)
 
     def find(self, workspace: Path, spec) -> BuiltEngine | None:
