@@ -740,3 +740,24 @@ def test_hardware_gate_runs_before_tensorrt_is_started(monkeypatch, qdq_onnx, tm
     with pytest.raises(BuildError, match="precision fp8 needs a GPU of compute capability 8.9"):
         engine.build_engine(onnx_path, make_spec("fp8"), profile, tmp_path / "e.plan", tmp_path / "cache")
     assert started == []  # refused before TensorRT was imported
+
+
+def test_a_multi_gb_onnx_is_hashed_once_per_run(monkeypatch, tmp_path):
+    """is_current and build_engine both need the digest, for every engine (one per shape) of one ONNX."""
+    from trt_diffusion.targets import onnx_facts
+
+    path = save(conv_model(), tmp_path / "model.onnx", external=True)
+    reads = []
+    real = onnx_facts._hash_file
+    monkeypatch.setattr(onnx_facts, "_hash_file", lambda digest, file: (reads.append(Path(file).name), real(digest, file)))
+    first = onnx_sha256(path)
+    assert [onnx_sha256(path) for _ in range(5)] == [first] * 5
+    assert reads == ["model.onnx", "model.onnx.data"]  # each file read once
+    data = tmp_path / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:-4] + b"\x01\x02\x03\x04")  # same size, new content and mtime
+    import os
+
+    stat = data.stat()
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert onnx_sha256(path) != first
+    assert reads[2:] == ["model.onnx", "model.onnx.data"]
