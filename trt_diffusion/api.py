@@ -134,7 +134,8 @@ def parity(config_path: str | Path, *, out_dir: str | Path | None = None, prompt
 
 def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, float]], *,
           target: str = "onnxruntime", base: bool = False):
-    """Apply LoRAs (file, scale) to every refittable denoiser engine of `model`, or restore the base.
+    """Apply LoRAs (file, scale) to every refittable engine of `model` (the denoiser's part to the denoiser
+    engines, the text encoders' parts to the text-encoder engines), or restore the base.
 
     onnxruntime: checks the LoRA fits every engine and creates the refitted sessions (what a server does at
     load time); tensorrt: refits the engines in place with TensorRT's Refitter and saves them.
@@ -154,7 +155,8 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
                          "`refittable: true` in engines.yaml and rebuild")
     if base:
         loras = []
-    weights = refit_weights(config, model, [(Path(p), s) for p, s in loras]) if loras else None
+    weights = refit_weights(config, model, [(Path(p), s) for p, s in loras],
+                            refittable={e.spec.component for e in engines}) if loras else {}
 
     @cache
     def exports():  # only targets that refit from the source ONNX ask: export (cached) once per command
@@ -164,6 +166,8 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
     results = []
     for engine in engines:
         start = time.perf_counter()
-        changed = chosen.refit(engine, weights, lambda spec=engine.spec: exports().artifact_for(spec))
+        # every refittable engine is refitted, from base: one the LoRAs do not touch goes back to its base weights
+        changed = chosen.refit(engine, weights.get(engine.spec.component) or None,
+                               lambda spec=engine.spec: exports().artifact_for(spec))
         results.append((engine.spec.name, changed, time.perf_counter() - start))
     return results

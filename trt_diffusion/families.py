@@ -97,3 +97,13 @@ SUBFOLDER = {
     Component.vae_encoder: "vae",
     Component.vae_decoder: "vae",
 }
+
+
+# The text encoders a LoRA may change, as diffusers' LoRA loaders load them (`_lora_loadable_modules`):
+# the CLIP ones. T5 parts are not loaded by diffusers and are refused by name, never dropped.
+LORA_TEXT_ENCODERS: dict[Family, tuple[Component, ...]] = {
+    Family.sd15: (Component.text_encoder,),
+    Family.sdxl: (Component.text_encoder, Component.text_encoder_2),
+    Family.sd3: (Component.text_encoder, Component.text_encoder_2),
+    Family.flux: (Component.text_encoder,),
+}

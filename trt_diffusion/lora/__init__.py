@@ -3,6 +3,7 @@ map them onto ONNX initializers (refit maps) and refit the onnxruntime target; t
 consumes `refit_weights_for_tensorrt`.
 """
 
+from .components import pipeline_lora_weights
 from .deltas import LoraWithScale, base_parameters, lora_deltas
 from .files import LoraFile, LoraNaming, read_lora_file
 from .naming import LoraLayer, lora_layers
@@ -28,6 +29,7 @@ __all__ = [
     "lora_deltas",
     "lora_layers",
     "onnxruntime_session",
+    "pipeline_lora_weights",
     "read_lora_file",
     "refit_arrays",
     "refit_weights_for_tensorrt",

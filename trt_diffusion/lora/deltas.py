@@ -164,6 +164,7 @@ def lora_deltas(
     *,
     component: str | None = None,
     config: Any = None,
+    report_unapplied: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The fused values of every parameter the LoRAs change: `W + sum(scale * up @ down * alpha / rank)`.
 
@@ -172,7 +173,8 @@ def lora_deltas(
     checked in full first: keys that match no weight, or whose shapes do not fit, raise one RefitError.
     Weights for other components (text encoders) are reported in a warning and not applied.
     `component` is the LoRA key prefix to apply (default: `unet`/`transformer`/`controlnet` from the
-    model's class); `config` (default `model.config`) maps kohya SDXL block names.
+    model's class); `config` (default `model.config`) maps kohya SDXL block names. `report_unapplied=False`
+    when the caller applies (or refuses) the other components' parts itself (`components.py`).
     """
     params = base_parameters(model)
     component = component or infer_component(model)
@@ -182,7 +184,8 @@ def lora_deltas(
         lora = as_lora_file(source)
         scale = _check_scale(lora, scale)
         plan.append((scale, _matched_layers(lora, component, params, config)))
-        _report_unapplied(lora, component)
+        if report_unapplied:
+            _report_unapplied(lora, component)
     fused: dict[str, torch.Tensor] = {}
     for scale, matched in plan:
         if scale == 0.0:

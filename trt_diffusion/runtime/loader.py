@@ -60,22 +60,52 @@ def table_from_engines(engines: list[BuiltEngine], make_runner=runner_for) -> Ru
 def engine_runners(config: EnginesConfig, model_name: str, target: str, *, lora_variant: str | None = None,
                    loras: list[tuple[Path, float]] | None = None) -> tuple[Path, Family, RunnerTable]:
     """Runners over the built engines of a model. `loras` (file, scale) are refitted into the refittable
-    denoiser engines: computed from the base weights every time, so switching LoRAs leaves no residue."""
+    engines: the denoiser's part into the denoiser, the text encoders' parts into the text encoders; computed
+    from the base weights every time, so switching LoRAs leaves no residue. A part no refittable engine takes
+    raises RefitError (nothing is dropped)."""
     engines = built_engines(config, model_name, target, lora_variant=lora_variant)
     model = config.models[model_name]
     if not loras:
         return model.source.path, model.family, table_from_engines(engines)
-    weights = refit_weights(config, model_name, loras)
+    weights = refit_weights(config, model_name, loras, refittable={e.spec.component for e in engines
+                                                                   if e.spec.refittable})
 
     def make(engine: BuiltEngine):
-        return runner_for(engine, weights=weights if engine.spec.refittable else None)
+        return runner_for(engine, weights=weights.get(engine.spec.component) if engine.spec.refittable else None)
 
     return model.source.path, model.family, table_from_engines(engines, make)
 
 
-def refit_weights(config: EnginesConfig, model_name: str, loras: list[tuple[Path, float]]):
-    """Fused denoiser weights (torch parameter name -> tensor) for these LoRAs at these scales."""
-    from ..lora import lora_deltas
-    from ..targets.stage import base_denoiser
+def refit_weights(config: EnginesConfig, model_name: str, loras: list[tuple[Path, float]],
+                  refittable=None) -> dict[str, dict]:
+    """Fused weights per component (component -> torch parameter name -> tensor) for these LoRAs at these
+    scales. `refittable`: the components whose engines take weights (default: the denoiser and the
+    LoRA-capable text encoders the model builds). Components no LoRA touches are absent."""
+    from functools import partial
 
-    return lora_deltas(base_denoiser(config, model_name), [(Path(p), float(s)) for p, s in loras])
+    from ..families import LORA_TEXT_ENCODERS, family_info
+    from ..lora import pipeline_lora_weights
+    from ..targets.stage import base_module
+
+    model = config.models[model_name]
+    info = family_info(model.family)
+    capable = (info.denoiser, *LORA_TEXT_ENCODERS[model.family])
+    if refittable is None:
+        refittable = {c.value for c in capable if c in model.components}
+    refittable = {Component(c).value for c in refittable}
+    refusals = {}
+    for component in (*info.components, Component.controlnet):
+        if component.value in refittable:
+            continue
+        if component not in capable:
+            refusals[component.value] = (f"the {model.family.value} family's {component.value} takes no LoRA "
+                                         "weights here (diffusers does not load them either)")
+        elif component not in model.components:
+            refusals[component.value] = (f"{model_name} builds no {component.value} engine (components: "
+                                         f"{', '.join(c.value for c in model.components)}); add it to take this part")
+        else:
+            refusals[component.value] = (f"the {component.value} engines of {model_name} are not refittable; "
+                                         "rebuild them with a `mode: refit` LoRA or `refittable: true` in engines.yaml")
+    modules = {c: partial(base_module, config, model_name, c) for c in sorted(refittable)}
+    return pipeline_lora_weights(modules, [(Path(p), float(s)) for p, s in loras], denoiser=info.denoiser.value,
+                                 refusals=refusals)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from ..families import Component
+from ..families import LORA_TEXT_ENCODERS, Component
 from .engine_spec import EngineSpec, LoraVariant
 from .load import EnginesConfig, ResolvedModel
 from .schema import CfgMode, LoraMode
@@ -73,8 +73,10 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
 
         for component in model.components:
             if component.is_text_encoder:  # prompt and negative prompt are encoded in separate calls
+                # a refittable model's LoRA-capable (CLIP) text encoders take a LoRA's text-encoder part by refit
+                te_refit = model.refittable and component in LORA_TEXT_ENCODERS[model.family]
                 for batch, why in image_batches.items():
-                    yield make(component, batch, None, why)
+                    yield make(component, batch, None, why, refittable=te_refit)
             elif component.is_denoiser:
                 for variant in fused:
                     for bucket in model.buckets:

@@ -99,7 +99,7 @@ def build_request(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> B
         def writer(onnx: Path, destination: Path) -> None:
             from ..lora import build_refit_map
 
-            build_refit_map(onnx, base_denoiser(config, spec.model)).save(destination)
+            build_refit_map(onnx, base_module(config, spec.model, spec.component)).save(destination)
 
     return BuildRequest(spec=spec, onnx_path=Path(onnx_path), profile=profile_for(config, spec),
                         workspace=Path(config.workspace), timing_cache_dir=Path(config.timing_cache_dir),
@@ -107,17 +107,25 @@ def build_request(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> B
 
 
 _module_lock = threading.Lock()
-_denoisers: dict[str, object] = {}
+_modules: dict[tuple[str, str, str], object] = {}
 
 
-def base_denoiser(config: EnginesConfig, model_name: str):
-    """The denoiser's torch module with the base weights (loaded once per model): refit maps are built
-    from it and LoRAs are fused against it."""
-    from ..families import family_info
+def base_module(config: EnginesConfig, model_name: str, component: str):
+    """A component's torch module with the base weights (loaded once per model and component): refit maps
+    are built from it and LoRAs are fused against it (the denoiser, and the text encoders a LoRA changes)."""
+    from ..families import Component
     from ..models.loading import load_component
 
     with _module_lock:
-        if model_name not in _denoisers:
-            model = config.models[model_name]
-            _denoisers[model_name] = load_component(model.source.path, family_info(model.family).denoiser)
-        return _denoisers[model_name]
+        source = config.models[model_name].source.path
+        key = (model_name, str(source), Component(component).value)  # the same name may mean other weights
+        if key not in _modules:
+            _modules[key] = load_component(source, Component(component))
+        return _modules[key]
+
+
+def base_denoiser(config: EnginesConfig, model_name: str):
+    """The denoiser's torch module with the base weights (see `base_module`)."""
+    from ..families import family_info
+
+    return base_module(config, model_name, family_info(config.models[model_name].family).denoiser.value)
