@@ -108,9 +108,9 @@ def serve_command(
         console.print("Ctrl-C stops the server.")
 
     console.print(f"starting tritonserver on {repo} …")
-    serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, first_request=first_request,
-          on_ready=announce)
-    console.print("stopped")
+    warmup = serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                   first_request=first_request, on_ready=announce)
+    console.print("stopped" if warmup else "stopped before the server was ready (tritonserver and its stubs too)")
 
 
 def generate_command(

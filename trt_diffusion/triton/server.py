@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ServeError
+from .signals import deferred_stop_signals
 
 
 # Triton's API groups a client needs the admin header for (`--http-restricted-api` / `--grpc-restricted-protocol`).
@@ -83,6 +84,7 @@ class TritonServer:
     admin_key: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     process: subprocess.Popen | None = None
     started_s: float | None = None
+    remove_work_dir: bool = False  # True: stop() deletes work_dir (a temporary folder made for this server)
 
     @property
     def http_url(self) -> str:
@@ -132,8 +134,12 @@ class TritonServer:
         args, env = self.command()
         log = open(self.log_path, "wb")
         start = time.perf_counter()
-        # A new session: stopping the server also stops its python stubs.
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # A new session: stopping the server also stops its python stubs. A Ctrl-C / SIGTERM arriving while
+        # the child starts is held until it is recorded in LIVE_SERVERS, where whoever stops it finds it.
+        with deferred_stop_signals():
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+            LIVE_SERVERS[id(self)] = self
         log.close()
         try:
             self._wait_ready(timeout_s)
@@ -171,14 +177,21 @@ class TritonServer:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        """Stop the server and every process of its session (the python stubs); a second Ctrl-C / SIGTERM
+        meanwhile is held until this is done, so a stop is never abandoned half-way."""
+        with deferred_stop_signals():
+            if self.process is not None:
+                if self.process.poll() is None:
+                    _signal_group(self.process.pid, signal.SIGTERM)
+                    try:
+                        self.process.wait(timeout=timeout_s)
+                    except subprocess.TimeoutExpired:
+                        _signal_group(self.process.pid, signal.SIGKILL)
+                        self.process.wait()
+                _stop_group(self.process.pid, timeout_s)  # stubs still exiting after the server
+            LIVE_SERVERS.pop(id(self), None)
+            if self.remove_work_dir:
+                shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def __enter__(self) -> "TritonServer":
         self.start()
@@ -186,3 +199,37 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# Servers started and not yet stopped by this process (id -> server): `serve` stops what it started even when
+# a stop signal came between a start and the line that would have kept the server in a variable.
+LIVE_SERVERS: dict[int, TritonServer] = {}
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, from /proc (Linux); [] where /proc is not there."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _stop_group(pgid: int, timeout_s: float) -> None:
+    """Wait for the rest of the server's session to exit after SIGTERM; SIGKILL what is left after the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if group_members(pgid):
+        _signal_group(pgid, signal.SIGKILL)

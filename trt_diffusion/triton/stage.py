@@ -8,10 +8,9 @@ a user would see, in a WarmupReport.
 from __future__ import annotations
 
 import json
-import signal
+import shutil
 import socket
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from ..spec.engine_spec import Size
 from .repository import PackageOptions, package
 from .report import PackageReport
 from .server import ServerPorts, TritonServer, free_port
+from .signals import stop_signals_interrupt
 from .validate import validate_repository
 
 # Our configs are complete: skip the python backend's auto-complete pass, which starts one extra stub per model.
@@ -104,9 +104,16 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
     repo = Path(repo).resolve()
     report = PackageReport.read(repo)
     validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
+    temporary = work_dir is None  # a folder made here is removed when the server stops (or fails to start)
     work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trt-diffusion-serve-"))
-    server, seconds = start_server(repo, work_dir, (http_port, grpc_port, metrics_port), ready_timeout_s,
-                                    admin_apis)
+    try:
+        server, seconds = start_server(repo, work_dir, (http_port, grpc_port, metrics_port), ready_timeout_s,
+                                        admin_apis)
+    except BaseException:
+        if temporary:
+            shutil.rmtree(work_dir, ignore_errors=True)
+        raise
+    server.remove_work_dir = temporary
     try:
         warmup = WarmupReport(str(repo), server.http_url, server.grpc_url, seconds, models_ready(server, report),
                               log=str(server.log_path))
@@ -175,28 +182,31 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
           metrics_port: int | None = 8002, work_dir: str | Path | None = None, first_request: bool = True,
           ready_timeout_s: float = 900.0, on_ready: Callable[[WarmupReport], None] | None = None,
-          admin_apis: bool = False) -> WarmupReport:
-    """Start, report, then block until Ctrl-C / SIGTERM, and stop cleanly."""
-    server, warmup = start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                           work_dir=work_dir, ready_timeout_s=ready_timeout_s, first_request=first_request,
-                           admin_apis=admin_apis)
-    if on_ready:
-        on_ready(warmup)
-    # SIGTERM (systemd, docker stop) stops as Ctrl-C does; handlers can only be set from the main thread.
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
-    try:
-        while server.is_alive():
-            time.sleep(0.5)
-        raise ServeError(f"tritonserver exited unexpectedly with {server.process.returncode}:\n{server.log_tail()}")
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
-        server.stop()
+          admin_apis: bool = False) -> WarmupReport | None:
+    """Start, report, then block until Ctrl-C / SIGTERM, and stop cleanly.
+
+    A stop while starting, while the first requests are timed or while serving stops tritonserver and its stubs
+    and removes the temporary work folder; it returns None when the server was stopped before it was ready."""
+    from .server import LIVE_SERVERS
+
+    # SIGTERM (systemd, docker stop) stops as Ctrl-C does, from the first moment: with Python's default SIGTERM
+    # the process would end without stopping the server it started. (Handlers need the main thread.)
+    with stop_signals_interrupt():
+        already = set(LIVE_SERVERS)
+        warmup = None
+        try:
+            server, warmup = start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                                   work_dir=work_dir, ready_timeout_s=ready_timeout_s, first_request=first_request,
+                                   admin_apis=admin_apis)
+            if on_ready:
+                on_ready(warmup)
+            while server.is_alive():
+                time.sleep(0.5)
+            raise ServeError(f"tritonserver exited unexpectedly with {server.process.returncode}:\n"
+                             f"{server.log_tail()}")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            for key in set(LIVE_SERVERS) - already:  # whatever this call started, wherever the stop came
+                LIVE_SERVERS[key].stop()
     return warmup
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
