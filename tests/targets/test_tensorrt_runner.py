@@ -327,3 +327,33 @@ def test_the_wrapper_and_the_fake_name_only_real_cuda_python_calls():
     runtime = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python is not installed (the tensorrt extra)")
     missing = sorted(n for n in _cudart_calls() | set(fake.CUDART_NAMES) if not hasattr(runtime, n))
     assert not missing, f"not in cuda-python's cuda.bindings.runtime: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+
+
+def test_pipeline_keeps_latents_on_the_host_unless_every_denoiser_runner_takes_device_tensors(monkeypatch, tmp_path):
+    """The device path is chosen only for runners that say `device_tensors` and only where torch has CUDA
+    (never here); everything else keeps the host path that tests/runtime checks bit for bit against diffusers."""
+    import torch
+
+    from trt_diffusion.runtime.engines import RunnerTable
+    from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+    from trt_diffusion.runtime.runners import CallableRunner
+
+    rig = Rig(tmp_path)
+    request = GenerationRequest(prompt="x", height=64, width=64)
+
+    def device(*runners):
+        table = RunnerTable()
+        for runner in runners:
+            table.add("unet", runner)
+        return DiffusionPipeline._latent_device(SimpleNamespace(runners=table, denoiser="unet"), request)
+
+    trt_runner, host_runner = rig.runner("unet"), CallableRunner(lambda f: f, {}, name="host")
+    assert device(trt_runner) is None  # torch without CUDA on this machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert device(trt_runner) == "cuda"
+    assert device(trt_runner, host_runner) is None  # one runner on the host: the host path for all
+    request.controlnet = "canny"
+    assert device(trt_runner) is None  # ControlNet residuals are computed on the host

@@ -231,10 +231,14 @@ class DiffusionPipeline:
         h, w = size.latent(self.vae_scale_factor)
         channels = self.denoiser_config["in_channels"]
         latents = torch.randn((batch, channels, h, w), generator=generator, dtype=torch.float32)
+        device = self._latent_device(request)  # None: the host path, numpy between runner and scheduler
+        timestep_kwargs = {} if device is None else {"device": device}
+        if device is not None:
+            latents = latents.to(device)  # same seeded noise, drawn on the host
         if self.family is Family.sd3:
-            scheduler.set_timesteps(request.steps)
+            scheduler.set_timesteps(request.steps, **timestep_kwargs)
         else:
-            scheduler.set_timesteps(request.steps)
+            scheduler.set_timesteps(request.steps, **timestep_kwargs)
             latents = latents * scheduler.init_noise_sigma
         step_kwargs = _step_kwargs(scheduler, generator)
         cfg_mode = self._cfg_mode(size, batch) if do_cfg else "none"
@@ -246,7 +250,7 @@ class DiffusionPipeline:
                 model_in = _scale_input(scheduler, torch.cat([latents] * 2), t)
                 noise = self._denoise(model_in, t, _cat(negative, positive), _cat_extra(extra), size, request,
                                       None if control is None else np.concatenate([control] * 2))
-                uncond, cond = np.split(noise, 2)
+                uncond, cond = noise.chunk(2) if isinstance(noise, torch.Tensor) else np.split(noise, 2)
             elif cfg_mode == "split":
                 model_in = _scale_input(scheduler, latents, t)
                 uncond = self._denoise(model_in, t, negative, extra, size, request, control)
@@ -255,13 +259,24 @@ class DiffusionPipeline:
                 model_in = _scale_input(scheduler, latents, t)
                 cond = self._denoise(model_in, t, positive, extra, size, request, control)
                 uncond = None
-            noise_pred = torch.from_numpy(cond)
+            noise_pred = _as_torch(cond)
             if uncond is not None:
-                uncond_t = torch.from_numpy(uncond)
+                uncond_t = _as_torch(uncond)
                 noise_pred = uncond_t + request.guidance_scale * (noise_pred - uncond_t)
             latents = scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
             timings.step_s.append(time.perf_counter() - start)
-        return latents, cfg_mode
+        return (latents if device is None else latents.cpu()), cfg_mode
+
+    def _latent_device(self, request: GenerationRequest) -> str | None:
+        """"cuda" when every denoiser runner takes and gives torch CUDA tensors (`device_tensors`, the
+        TensorRT runner) and torch has CUDA: the latents then stay on the GPU between steps. None (the
+        host path, unchanged) otherwise, and with ControlNet residuals, which are computed on the host."""
+        runners = [e.runner for e in self.runners.entries if e.component == self.denoiser]
+        if request.controlnet is not None or not runners or not all(getattr(r, "device_tensors", False) for r in runners):
+            return None
+        if any("mid_block_residual" in r.inputs for r in runners) or not torch.cuda.is_available():
+            return None
+        return "cuda"
 
     def _cfg_mode(self, size: Size, batch: int) -> str:
         batches = self.runners.batches(self.denoiser, size)
@@ -280,7 +295,8 @@ class DiffusionPipeline:
         return {"time_ids": time_ids}
 
     def _denoise(self, model_in, t, cond: _Conditioning, extra, size, request, control) -> np.ndarray:
-        sample = model_in.numpy().astype(np.float32)
+        # on the device path the sample stays a torch CUDA tensor and the runner gives one back
+        sample = model_in.numpy().astype(np.float32) if not model_in.is_cuda else model_in.float().contiguous()
         batch = sample.shape[0]
         timestep = np.full((batch,), float(t), np.float32)
         if self.family is Family.sd3:
@@ -295,7 +311,8 @@ class DiffusionPipeline:
         needed = set(runner.inputs)
         if control is not None or "mid_block_residual" in needed:
             feeds.update(self._residuals(feeds, runner, size, request, control))
-        return runner.run({k: np.ascontiguousarray(v) for k, v in feeds.items()})["noise_pred"]
+        return runner.run({k: v if isinstance(v, torch.Tensor) else np.ascontiguousarray(v)
+                           for k, v in feeds.items()})["noise_pred"]
 
     def _residuals(self, unet_feeds, unet_runner, size, request, control) -> dict[str, np.ndarray]:
         names = [n for n in unet_runner.inputs if "residual" in n]
@@ -365,6 +382,11 @@ class DiffusionPipeline:
         image = runner.run({"latent": np.ascontiguousarray(latents.numpy(), dtype=np.float32)})["images"]
         image = np.clip(image / 2 + 0.5, 0.0, 1.0)  # diffusers' postprocess: denormalize, then uint8
         return (np.transpose(image, (0, 2, 3, 1)) * 255).round().astype(np.uint8)
+
+
+def _as_torch(value) -> torch.Tensor:
+    """A runner's output as a torch tensor: numpy shares its memory (the host path), a tensor stays."""
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
 
 
 def _scale_input(scheduler, sample: torch.Tensor, t) -> torch.Tensor:
