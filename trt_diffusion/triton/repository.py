@@ -65,7 +65,7 @@ class PackageOptions:
     queue_timeout_s: float = 60.0  # a request that waits longer in the queue is refused
     warmup_data: str = "zero"  # zero | random (floating inputs only; token ids stay zero)
     ensemble: bool = True  # also write <pipeline>_ensemble and its three stage models
-    link_files: bool = True  # hard-link engine files into the repository where the filesystem allows
+    link_files: bool = True  # share engine bytes (reflink, else hard link except ONNX external data) where possible
 
     def check(self) -> None:
         problems = []
@@ -292,8 +292,9 @@ def _write_model(root: Path, plan: _ModelPlan, model_dir: Path, family: Family, 
     version = folder / VERSION
     version.mkdir(parents=True)  # ensembles need an (empty) version folder too
     (folder / "config.pbtxt").write_text(configs.to_text(plan.config))
+    unlinkable = _onnx_external_data(plan.files)
     for name, source in plan.files.items():
-        _place(source, version / name, options.link_files)
+        _place(source, version / name, options.link_files, hard_link=name not in unlinkable)
     for name, text in plan.texts.items():
         (version / name).write_text(text)
     if plan.description is not None:
@@ -302,16 +303,68 @@ def _write_model(root: Path, plan: _ModelPlan, model_dir: Path, family: Family, 
         copy_model_skeleton(model_dir, version / SKELETON_DIR, family)
 
 
-def _place(source: Path, target: Path, link: bool) -> None:
+def _place(source: Path, target: Path, link: bool, hard_link: bool = True) -> None:
+    """Share the engine's bytes where that leaves every file readable: a reflink (copy-on-write clone: one
+    inode each, the data shared) where the filesystem has them, else a hard link for files no loader minds,
+    else a copy. ONNX external data is never hard-linked: onnx >= 1.20 (`onnx.load`, `onnx.checker`, and so
+    ModelOpt and any user's ONNX tooling) refuses a data file with several links ("potential hardlink
+    attack"), the packaged copy and the engine folder's own alike."""
     if not source.is_file():
         raise ServeError(f"engine file {source} is missing; rebuild the engine")
     if link:
-        try:
-            os.link(source, target)  # engines are GBs: share the inode (builds replace files by renaming)
+        if _reflink(source, target):
             return
-        except OSError:
-            pass  # another filesystem, or links not allowed: copy
+        if hard_link:
+            try:
+                os.link(source, target)  # engines are GBs: share the inode (builds replace files by renaming)
+                return
+            except OSError:
+                pass  # another filesystem, or links not allowed: copy
     shutil.copy2(source, target)
+
+
+_FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+
+
+def _reflink(source: Path, target: Path) -> bool:
+    """A copy-on-write clone of `source` (Btrfs, XFS, overlay on them...); False where the filesystem has none."""
+    import fcntl
+
+    try:
+        with open(source, "rb") as src, open(target, "xb") as dst:
+            try:
+                fcntl.ioctl(dst.fileno(), _FICLONE, src.fileno())
+            except OSError:
+                failed = True
+            else:
+                failed = False
+        if failed:
+            target.unlink()
+            return False
+        shutil.copystat(source, target)
+        return True
+    except OSError:
+        target.unlink(missing_ok=True)
+        return False
+
+
+def _onnx_external_data(files: dict[str, Path]) -> set[str]:
+    """Names of the files that the ONNX files among `files` keep their tensors in (external data)."""
+    onnx_files = {name: path for name, path in files.items() if name.endswith(".onnx")}
+    if not onnx_files:
+        return set()
+    try:
+        import onnx
+        from onnx.external_data_helper import _get_all_tensors, uses_external_data
+    except ImportError:  # cannot tell: treat every file beside the graph as its data
+        return set(files) - set(onnx_files)
+    locations = set()
+    for path in onnx_files.values():
+        model = onnx.load(str(path), load_external_data=False)
+        for tensor in _get_all_tensors(model):
+            if uses_external_data(tensor):
+                locations.update(e.value for e in tensor.external_data if e.key == "location")
+    return {name for name in files if name in locations}
 
 
 def _link_roots(model_dir: Path) -> list[Path]:
