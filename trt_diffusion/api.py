@@ -35,24 +35,41 @@ def export(config_path: str | Path, model: str | None = None, component: str | N
     One ONNX per export group (see export/grouping.py); `report.artifact_for(spec)` is the ONNX a spec's
     engine is built from. Artifacts live in `<workspace>/onnx/<name>.<key>/`.
     """
-    from .export import ExportReport, export_group, group_specs, select_specs
-    from .store import ArtifactStore
+    from .spec.selection import select_specs
 
     config = load_engines_file(config_path, check_sources=True)
-    groups = group_specs(select_specs(config, model, component))
+    return export_specs(config, select_specs(config, model, component), progress=progress)
+
+
+def export_specs(config, specs, progress: ProgressCallback | None = None) -> ExportReport:
+    """Export the ONNX graphs these specs' engines are built from (verified artifacts are reused)."""
+    from .export import ExportReport, export_group, group_specs
+    from .store import ArtifactStore
+
+    groups = group_specs(specs)
     store = ArtifactStore(config.workspace)
     results = [export_group(group, config, store, index=i, total=len(groups), progress=progress)
                for i, group in enumerate(groups)]
     return ExportReport(results)
 
 
+def engine_sources(config, specs):
+    """spec -> the ONNX its engine is built from: exported (and for fp8/int8, quantized and gated) first."""
+    exports = export_specs(config, specs)
+    quantized = _quantized_sources(config, specs)
+    return lambda spec: quantized.get(spec.key) or exports.artifact_for(spec)
+
+
 def build(config_path: str | Path, *, target: str | None = None, model: str | None = None,
-          component: str | None = None, jobs: int | None = None, progress=None):
+          component: str | None = None, jobs: int | None = None, shard: tuple[int, int] | None = None,
+          ray: str | None = None, progress=None):
     """Build every engine engines.yaml asks for, on every target this machine can build.
 
     Exports first (cached when unchanged); engines whose inputs are unchanged are reused. Targets this
     machine cannot build (TensorRT without TensorRT or a GPU) are skipped and said so in the report;
-    asking for such a target explicitly is an error.
+    asking for such a target explicitly is an error. `shard=(i, n)` builds the i-th of n deterministic
+    parts of the matrix (by key) for CI matrices; `ray` ("auto" or HOST:PORT) builds one Ray task per
+    engine on a cluster sharing the workspace.
     """
     from .errors import MissingDependencyError
     from .spec.selection import select_specs
@@ -71,18 +88,42 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
         if reason is not None:
             report.skipped_targets[name] = reason
     wanted = [s for s in wanted if s.target not in report.skipped_targets]
+    if shard is not None:
+        from .targets.shards import shard_specs
+
+        wanted = shard_specs(wanted, *shard)
     unchanged = build_state.unchanged_report(config, wanted, report.skipped_targets)
     if unchanged is not None:  # nothing it was made from, nor anything it wrote, has changed
         return unchanged
-    if wanted:
+    if wanted and ray is not None:
+        from .targets.ray_executor import build_on_ray
+
+        report.outcomes = build_on_ray(config, wanted, address=ray, progress=progress)
+    elif wanted:
         from .targets.stage import build_specs
 
-        exports = export(config_path, model=model, component=component)
-        quantized = _quantized_sources(config, wanted)
-        report.outcomes = build_specs(config, wanted, lambda spec: quantized.get(spec.key) or exports.artifact_for(spec),
+        report.outcomes = build_specs(config, wanted, engine_sources(config, wanted),
                                       jobs=jobs or config.build.jobs, progress=progress)
     build_state.record(config, report)
     return report
+
+
+def manifest(config_path: str | Path, *, verify: bool = True, out: str | Path | None = None) -> dict:
+    """The release manifest: every engine's key, provenance (host, CPU/GPU, tool versions, build time, size)
+    and the sha256 of its files, verified against the workspace; written to `out` (default
+    <workspace>/release-manifest.json)."""
+    import json
+
+    from .spec import expand
+    from .targets.onnx_facts import atomic_write_bytes
+    from .targets.provenance import release_manifest
+
+    config = load_engines_file(config_path, check_sources=True)
+    result = release_manifest(config, expand(config), verify=verify)
+    path = Path(out) if out else config.workspace / "release-manifest.json"
+    atomic_write_bytes(path, json.dumps(result, indent=2).encode())
+    result["path"] = str(path)
+    return result
 
 
 def _quantized_sources(config, specs) -> dict[str, Path]:
@@ -171,3 +212,19 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
                                lambda spec=engine.spec: exports().artifact_for(spec))
         results.append((engine.spec.name, changed, time.perf_counter() - start))
     return results
+
+
+def preflight(config_path: str | Path, *, url: str | None = None, protocol: str = "grpc",
+              metrics_url: str | None = None, only: list[str] | None = None, skip: list[str] | None = None,
+              save_baseline: bool = False, model: str | None = None, target: str | None = None,
+              out_dir: str | Path | None = None, in_process: bool = False, deployment=None, progress=None):
+    """The pre-launch checklist (docs/preflight.md) against a server preflight starts on loopback from the built
+    engines, the one at `url`, or in process; writes preflight.json + preflight.html. The report's `passed`
+    says whether every check passed (the CLI exits 1 when not)."""
+    from .preflight.run import run_preflight
+
+    config = load_engines_file(config_path, check_sources=True)
+    return run_preflight(config, url=url, protocol=protocol, metrics_url=metrics_url, only=only, skip=skip,
+                         save_baseline=save_baseline, model=model, target=target,
+                         out_dir=Path(out_dir) if out_dir else None, in_process=in_process, deployment=deployment,
+                         progress=progress)

@@ -174,6 +174,10 @@ def build_command(
     model: Annotated[Optional[str], typer.Option("--model")] = None,
     component: Annotated[Optional[str], typer.Option("--component")] = None,
     jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="parallel builds (default: build.jobs)")] = None,
+    shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: build the I-th of N deterministic parts of "
+                                                 "the matrix (CI matrices sharing one workspace)")] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", help="auto or HOST:PORT: one Ray task per engine on a "
+                                               "cluster sharing the workspace (extra: farm)")] = None,
 ):
     """Build one engine per shape (exporting first); unchanged engines are reused."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -196,7 +200,10 @@ def build_command(
             finished.append(spec.name)
             lines.step(detail=f"{len(finished)} engines finished, last {spec.name}: {status}", force=True)
 
-        report = api.build(config, target=target, model=model, component=component, jobs=jobs, progress=on_engine)
+        from .targets.shards import parse_shard
+
+        report = api.build(config, target=target, model=model, component=component, jobs=jobs,
+                           shard=parse_shard(shard) if shard else None, ray=ray, progress=on_engine)
     table = Table(title=f"Engines for {config}")
     for column in ("engine", "target", "status", "seconds"):
         table.add_column(column, justify="right" if column == "seconds" else "left", no_wrap=column != "status")
@@ -242,8 +249,8 @@ def parity_command(
     console.print(f"report: {run.files.html}  (JSON: {run.files.json})")
     if not run.report.passed:
         failed = [v for v in run.report.variants if not v.passed]
-        components = sorted({r.split()[1] for v in failed for r in v.failure_reasons if r.startswith("component ")})
-        blame = f" — failing components: {', '.join(components)}" if components else ""
+        engines = sorted({name for v in failed for name in v.failing_engines})
+        blame = f" — failing engines: {', '.join(engines)}" if engines else ""
         details = "; ".join(f"{v.variant_id}: {v.failure_reasons[0]}" for v in failed[:3]) + blame
         raise ParityError(f"{len(failed)} of {len(run.report.variants)} variants failed parity: {details}")
 
@@ -254,6 +261,70 @@ def _parse_lora(text: str) -> tuple[Path, float]:
         return Path(path), float(scale)
     except ValueError:
         raise typer.BadParameter(f"--lora {text!r}: expected FILE or FILE:SCALE (e.g. style.safetensors:0.8)")
+
+
+@app.command("manifest")
+def manifest_command(
+    config: ConfigArg,
+    out: Annotated[Optional[Path], typer.Option("--out", help="where to write it (default "
+                                                "<workspace>/release-manifest.json)")] = None,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="check every file's sha256")] = True,
+):
+    """The release manifest of every engine (provenance + sha256), verified; exit 1 if a file changed."""
+    from . import api
+    from .errors import BuildError
+
+    result = api.manifest(config, verify=verify, out=out)
+    table = Table(title=f"release manifest ({result['path']})")
+    for column in ("engine", "target", "status", "built by", "built at", "size"):
+        table.add_column(column)
+    for entry in result["engines"]:
+        status = {"ok": "[green]ok[/green]", "modified": "[red]MODIFIED[/red]"}.get(entry["status"], entry["status"])
+        host = entry.get("built_by", {}).get("host", "") if entry.get("built_by") else ""
+        table.add_row(entry["name"], entry["target"], status, host, entry.get("built_at", ""),
+                      _human_bytes(entry.get("bytes")))
+    console.print(table)
+    counts = result["counts"]
+    console.print(", ".join(f"{n} {status}" for status, n in counts.items()))
+    modified = [e for e in result["engines"] if e["status"] == "modified"]
+    if modified:
+        details = "; ".join(f"{e['name']}: {', '.join(e['problems'][:2])}" for e in modified[:3])
+        raise BuildError(f"{len(modified)} engine(s) differ from what their build recorded: {details}")
+
+
+@app.command("refit")
+def refit_command(
+    config: ConfigArg,
+    model: Annotated[str, typer.Option("--model", help="the model whose refittable engines to refit")],
+    lora: Annotated[Optional[list[str]], typer.Option("--lora", help="FILE[:SCALE]; repeat for several")] = None,
+    base: Annotated[bool, typer.Option("--base", help="restore the base weights")] = False,
+    target: Annotated[str, typer.Option("--target", help=" | ".join(target_names()))] = "onnxruntime",
+):
+    """Apply LoRAs to refittable engines without a rebuild (or restore the base weights)."""
+    from . import api
+    from .errors import ConfigError
+
+    if not lora and not base:
+        raise ConfigError("give --lora FILE[:SCALE] (repeatable) or --base")
+    loras = [_parse_lora(text) for text in lora or []]
+    results = api.refit(config, model, loras, target=target, base=base)
+    table = Table(title=f"refit {model} ({target})")
+    for column in ("engine", "weights replaced", "seconds"):
+        table.add_column(column)
+    for name, count, seconds in results:
+        table.add_row(name, str(count), f"{seconds:.2f}")
+    console.print(table)
+
+
+def _register_triton_commands() -> None:
+    from .triton.commands import generate_command, package_command, serve_command
+
+    app.command("package")(package_command)
+    app.command("serve")(serve_command)
+    app.command("generate")(generate_command)
+
+
+_register_triton_commands()
 
 
 @app.command("refit")

@@ -137,6 +137,14 @@ class TensorRTSettings(Strict):
     workspace_gb: float = Field(8.0, gt=0)
 
 
+class FarmSettings(Strict):
+    """`build --ray`: which Ray resources an engine's task asks for, keyed by target or target/component
+    (the more specific key wins), e.g. {"onnxruntime/unet": {"big_memory": 1}, "onnxruntime": {"cpu": 1}}."""
+
+    resources: dict[str, dict[str, Annotated[float, Field(gt=0)]]] = Field(default_factory=dict)
+    max_retries: int = Field(2, ge=0, le=10)  # a task whose worker dies is retried this often, then reported
+
+
 class BuildSettings(Strict):
     workspace: str = "build"
     timing_cache: str | None = None  # default: <workspace>/timing-cache
@@ -144,6 +152,7 @@ class BuildSettings(Strict):
     jobs: int = Field(1, ge=1)
     memory_budget_gb: float = Field(16.0, gt=0)
     tensorrt: TensorRTSettings = TensorRTSettings()
+    farm: FarmSettings = FarmSettings()
 
 
 PrecisionMap = dict[Component, Precision]

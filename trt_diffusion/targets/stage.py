@@ -54,9 +54,9 @@ def build_specs(config: EnginesConfig, specs: list[EngineSpec], onnx_for: Callab
         start = time.perf_counter()
         try:
             onnx_path = onnx_for(spec)
-            held = budget.acquire(_memory_estimate(onnx_path))
+            held = budget.acquire(memory_estimate(onnx_path))
             try:
-                path, cached = get_target(spec.target).build(build_request(config, spec, onnx_path))
+                path, cached = build_one(config, spec, onnx_path)
             finally:
                 budget.release(held)
             outcome = EngineOutcome(spec, path, cached, time.perf_counter() - start)
@@ -80,7 +80,7 @@ def build_specs(config: EnginesConfig, specs: list[EngineSpec], onnx_for: Callab
     return outcomes
 
 
-def _memory_estimate(onnx_path: Path) -> int:
+def memory_estimate(onnx_path: Path) -> int:
     """Building holds the weights about three times (graph, optimizer copy, output)."""
     data = sum(p.stat().st_size for p in Path(onnx_path).parent.glob("*") if p.is_file())
     return 3 * data
@@ -91,6 +91,22 @@ def profile_for(config: EnginesConfig, spec: EngineSpec):
     cn_dir = model.controlnets[spec.controlnet].path if spec.controlnet else None
     model_config = load_model_config(model.source.path, model.family, spec.component, controlnet_dir=cn_dir)
     return get_component(model.family, spec.component).profile(spec, model_config)
+
+
+def build_one(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> tuple[Path, bool]:
+    """Build one engine holding its key's lock (threads, processes and hosts sharing the workspace build a
+    key once: a waiter finds the engine current and reuses it), recording its provenance when built."""
+    from .locks import engine_lock
+    from .provenance import record_provenance
+
+    target = get_target(spec.target)
+    request = build_request(config, spec, onnx_path)
+    start = time.perf_counter()
+    with engine_lock(config.workspace, spec.key):
+        path, cached = target.build(request)
+        if not cached:
+            record_provenance(config.workspace, spec, path, time.perf_counter() - start)
+    return path, cached
 
 
 def build_request(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> BuildRequest:

@@ -1,0 +1,104 @@
+"""One builder per engine at a time, across threads, processes and hosts sharing a workspace.
+
+`<workspace>/locks/<key>.lock` is created with O_EXCL and holds who took it (host, pid, time). Its holder
+touches it while it builds (a heartbeat); a lock is stale when its holder is a dead process on this host,
+or when nobody has touched it for `stale_after_s` (a builder on another host that died). A stale lock is
+broken by renaming it aside first, so two waiters cannot both break it and both build. A waiter that
+gets the lock re-checks whether the engine is now current: the other builder's result is reused, not
+rebuilt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+STALE_AFTER_S = 600.0  # no heartbeat for this long: the holder is gone
+HEARTBEAT_S = 10.0
+POLL_S = 0.2
+
+
+def lock_path(workspace: Path, key: str) -> Path:
+    return Path(workspace) / "locks" / f"{key}.lock"
+
+
+def _holder() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "thread": threading.get_ident(), "since": time.time()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_stale(path: Path, stale_after_s: float = STALE_AFTER_S, now: float | None = None) -> bool:
+    """A lock whose holder died on this host, or that no holder has touched for `stale_after_s`."""
+    try:
+        holder = json.loads(path.read_text())
+        touched = path.stat().st_mtime
+    except (OSError, ValueError):
+        return False  # being written or just removed: look again
+    now = time.time() if now is None else now
+    if holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", -1))):
+        return True
+    return now - touched > stale_after_s
+
+
+def _try_create(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as handle:
+        json.dump(_holder(), handle)
+    return True
+
+
+def _break(path: Path) -> None:
+    aside = path.with_name(f"{path.name}.stale-{os.getpid()}-{time.time_ns()}")
+    try:
+        os.rename(path, aside)  # only one waiter wins this rename
+    except OSError:
+        return
+    aside.unlink(missing_ok=True)
+
+
+@contextmanager
+def engine_lock(workspace: Path, key: str, *, stale_after_s: float = STALE_AFTER_S,
+                heartbeat_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """Hold the build lock of one engine key for the duration of the block (waiting while another holds it)."""
+    path = lock_path(workspace, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while not _try_create(path):
+        if is_stale(path, stale_after_s):
+            _break(path)
+        else:
+            time.sleep(POLL_S)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(heartbeat_s):
+            try:
+                os.utime(path)
+            except OSError:
+                return
+
+    beater = threading.Thread(target=beat, name=f"lock-heartbeat-{key}", daemon=True)
+    beater.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beater.join()
+        path.unlink(missing_ok=True)
