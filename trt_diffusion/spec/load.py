@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..families import Component, Family, family_info
 from .engine_spec import Bucket, Size
 from .schema import (
-    BUILTIN_DEFAULTS, BuildSettings, CfgMode, EnginesFile, HubSource, LoraEntry, LoraMode, ModelEntry,
+    BUILTIN_DEFAULTS, BuildSettings, CfgMode, EnginesFile, FileSource, HubSource, LoraEntry, LoraMode, ModelEntry,
     ParityThresholds, Precision, QuantizationSettings, RangeBucket,
 )
 from .yaml_lines import LocatedYaml, load_located_yaml
@@ -142,7 +142,7 @@ def _data_path(data, loc: tuple) -> tuple:
             path.append(part)
             node = node[part]
         elif isinstance(node, (dict, list)) and part not in ("str", "int", "float", "bool") and not str(part).startswith(
-            ("function-", "RangeBucket", "HubSource", "constrained-", "list[", "dict[")
+            ("function-", "RangeBucket", "HubSource", "FileSource", "constrained-", "list[", "dict[")
         ):
             path.append(part)  # a missing key: point at its parent's line, name the key
             node = None
@@ -223,11 +223,19 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     if refittable and denoiser_precision.is_quantized and not any(l.mode is LoraMode.refit for l in loras.values()):
         problems.add(base + ("refittable",), f"{denoiser_precision.value} engines are not refittable")
 
-    source = _resolve_source(entry.source, base + ("source",), root, problems, check_sources, "model_index.json")
+    if isinstance(entry.source, FileSource):
+        source = _resolve_file_source(entry.source, entry.family.value, base + ("source",), root,
+                                      parsed.build.workspace, problems, check_sources)
+    else:
+        source = _resolve_source(entry.source, base + ("source",), root, problems, check_sources, "model_index.json")
+    for cn_name, cn in entry.controlnets.items():
+        if isinstance(cn.source, FileSource):
+            problems.add(base + ("controlnets", cn_name, "source"), "single-file ControlNets are not supported; "
+                                                                    "give a diffusers folder")
     controlnets = {
         cn_name: _resolve_source(cn.source, base + ("controlnets", cn_name, "source"), root, problems,
                                  check_sources, "config.json")
-        for cn_name, cn in entry.controlnets.items()
+        for cn_name, cn in entry.controlnets.items() if not isinstance(cn.source, FileSource)
     }
     parity = dict(defaults.parity or {})
     parity.update(entry.parity or {})
@@ -302,6 +310,36 @@ def _resolve_source(source, where, root: Path, problems: _Problems, check: bool,
         elif not (path / marker).is_file():
             problems.add(where, f"{source!r} is not a diffusers folder: {marker} is missing in {path}")
     return ResolvedSource(identity, path)
+
+
+def _resolve_file_source(source: FileSource, family: str, where, root: Path, workspace: str, problems: _Problems,
+                         check: bool) -> ResolvedSource:
+    """A single-file checkpoint: the diffusers folder it is converted to, once, in `<workspace>/checkpoints/`
+    (see models/single_file.py; torch and diffusers are imported only when that folder is not current)."""
+    import hashlib
+
+    from ..errors import ModelError
+    from ..models import single_file
+
+    file = (root / source.file).resolve()
+    config = (root / source.config).resolve() if source.config else None
+    identity = f"file:{Path(source.file).as_posix()}" + (f"+config:{Path(source.config).as_posix()}" if config else "")
+    digest = hashlib.sha256(f"{file}\n{config}".encode()).hexdigest()[:12]
+    folder = (root / workspace / "checkpoints" / f"{file.stem}.{digest}").resolve()
+    try:
+        if check or file.suffix != ".safetensors":  # a pickled file is refused even when sources are not read
+            single_file.check_single_file(file)
+        if check:
+            if config is not None and not (config / "model_index.json").is_file():
+                problems.add(where + ("config",), f"{source.config!r} is not a diffusers folder: model_index.json "
+                                                  f"is missing in {config}")
+            else:
+                config_dir = config or single_file.reference_config_dir(family)
+                if not single_file.is_converted(folder, file, config_dir):
+                    single_file.convert_single_file(file, folder, family=family, config=config)
+    except ModelError as exc:
+        problems.add(where + ("file",), str(exc))
+    return ResolvedSource(identity, folder)
 
 
 def _hub_snapshot(source: HubSource, where, problems: _Problems) -> Path | None:

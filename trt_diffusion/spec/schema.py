@@ -65,7 +65,13 @@ class HubSource(Strict):
     revision: str = Field(description="a commit sha or tag; pinned so builds are reproducible")
 
 
-Source = str | HubSource
+class FileSource(Strict):
+    file: str = Field(description="a single-file checkpoint (.safetensors, original A1111/ComfyUI layout)")
+    config: str | None = Field(None, description="a diffusers folder whose configs and tokenizers to use; "
+                                                 "default: the family's reference configs shipped with the package")
+
+
+Source = str | HubSource | FileSource
 
 
 class RangeBucket(Strict):
