@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -25,10 +24,11 @@ def test_tiny_model_loads_and_generates(tiny_model_factory, family):
     pipe = DiffusionPipeline.from_pretrained(folder)
     assert type(pipe).__name__ == PIPELINES[family]
     kwargs = {"max_sequence_length": 32} if family in ("sd3", "flux") else {}
-    start = time.perf_counter()
+    # tiny by construction (what keeps every test over these models cheap), not by a stopwatch
+    weights = sum(f.stat().st_size for f in folder.rglob("*.safetensors") if "lora" not in f.parts)
+    assert weights < 4_000_000, weights
     image = pipe("a red cube on a table", num_inference_steps=3, height=64, width=64, output_type="np",
                  generator=torch.Generator().manual_seed(0), **kwargs).images[0]
-    assert time.perf_counter() - start < 20
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
     assert image.std() > 0.01  # not a flat image: the weights really do something
 
