@@ -82,7 +82,10 @@ def test_refit_through_transposed_initializers_of_a_legacy_export(legacy_onnx, b
     session = apply_refit_onnxruntime(legacy_onnx, refit_map, weights)
     expected = helpers.torch_output(helpers.fused_with_diffusers(base_unet, [(lora_a, 1.0)]), inputs)
     np.testing.assert_allclose(_run(session, inputs), expected, rtol=0, atol=ORT_TOLERANCE)
-    assert np.array_equal(_run(restore_base(legacy_onnx), inputs), _run(restore_base(legacy_onnx), inputs))
+    # After the refit, the base again: torch's base output, which the LoRA is far from (so this can fail)
+    base = helpers.torch_output(base_unet, inputs)
+    np.testing.assert_allclose(_run(restore_base(legacy_onnx), inputs), base, rtol=0, atol=ORT_TOLERANCE)
+    assert np.abs(expected - base).max() > 100 * ORT_TOLERANCE
 
 
 def test_map_of_another_onnx_is_refused(legacy_onnx, dynamo_map, base_unet, lora_a):
