@@ -9,6 +9,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from .schedulers import make_scheduler, scheduler_names
 MAX_STEPS = 1000
 MAX_PROMPT_CHARS = 4096  # PROMPT and NEGATIVE_PROMPT (the Triton models also cap their bytes before decoding)
 MAX_CONTROLNET_SCALE = 100.0
+MAX_DYNAMIC_ROWS = 8  # requests' rows per denoiser call where the engine's batch is dynamic
 
 
 @dataclass
@@ -45,6 +47,8 @@ class StageTimings:
     text_encode_s: float = 0.0
     step_s: list[float] = field(default_factory=list)
     vae_decode_s: float = 0.0
+    batch: int = 1  # requests whose rows shared the denoiser calls (generate_batch)
+    wait_s: float = 0.0  # time spent, before this request's batch started, on other batches of the same call
 
     @property
     def total_s(self) -> float:
@@ -52,7 +56,7 @@ class StageTimings:
 
     def to_json(self) -> dict:
         return {"text_encode_s": self.text_encode_s, "steps_s": self.step_s, "vae_decode_s": self.vae_decode_s,
-                "total_s": self.total_s}
+                "total_s": self.total_s, "batch": self.batch, "wait_s": self.wait_s}
 
 
 @dataclass
@@ -75,6 +79,26 @@ Conditioning = _Conditioning
 class PromptEncoding:
     positive: Conditioning
     negative: Conditioning | None  # None where CFG does not run
+
+
+# (step index, number of steps, latents of each request of the batch): called after every scheduler step
+StepCallback = Callable[[int, int, list[torch.Tensor]], None]
+
+
+@dataclass
+class _Item:
+    """One request's own state in a denoising batch: its generator, scheduler and latents."""
+
+    request: GenerationRequest
+    encoding: PromptEncoding
+    generator: torch.Generator
+    scheduler: object
+    latents: torch.Tensor
+    step_kwargs: dict
+
+    @property
+    def rows(self) -> int:
+        return self.request.batch
 
 
 def _tokenizer(model_dir: Path, subfolder: str):
@@ -149,17 +173,102 @@ class DiffusionPipeline:
             raise RuntimeInputError(f"size {size} is not served; supported sizes: {', '.join(supported)}")
         return size
 
-    def generate(self, request: GenerationRequest) -> Generation:
+    def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
         size = self.validate(request)
         timings = StageTimings()
         start = time.perf_counter()
         encoding = self.encode(request)
         timings.text_encode_s = time.perf_counter() - start
-        latents, cfg_mode = self.denoise(request, encoding, timings)
+        latents, cfg_mode = self.denoise(request, encoding, timings, on_step)
         start = time.perf_counter()
         images = self.decode(latents, size, request.batch)
         timings.vae_decode_s = time.perf_counter() - start
         return Generation(images, timings, cfg_mode)
+
+    # ---------------------------------------------------------------- batches of requests
+
+    def batch_key(self, request: GenerationRequest) -> tuple:
+        """Requests with equal keys can share denoiser calls: same latent shape, step count and scheduler
+        (so the same timesteps), CFG on or off, same ControlNet and scale (one conditioning_scale per call).
+        Prompts, negative prompts, seeds and guidance scales are each request's own."""
+        cfg = self.family is not Family.flux and request.guidance_scale > 1.0
+        controlnet = (request.controlnet, request.controlnet_scale) if request.controlnet else None
+        key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet)
+        if self.family is Family.flux:  # FLUX: one request per batch (its loop is not batched across requests)
+            key += (id(request),)
+        return key
+
+    def batch_rows(self, request: GenerationRequest) -> set[int] | None:
+        """Row counts (sums of requests' `batch`) a batch like `request` can run with, in the CFG mode the request
+        alone would use (so a batched row is computed as the unbatched one); None: any up to MAX_DYNAMIC_ROWS."""
+        size = Size(request.width, request.height)
+        batches = self.runners.batches(self.denoiser, size)
+        if None in batches:
+            return None
+        cfg = self.family is not Family.flux and request.guidance_scale > 1.0
+        if not cfg:
+            return {b for b in batches if b}
+        if 2 * request.batch in batches:  # batched CFG, as the request alone
+            return {b // 2 for b in batches if b and b % 2 == 0}
+        return {b for b in batches if b}  # split CFG
+
+    def plan_batches(self, requests: list[GenerationRequest]
+                     ) -> tuple[dict[int, RuntimeInputError], list[list[int]]]:
+        """(errors by index, batches of indices). A request that fails validation is answered alone; the others are
+        grouped by `batch_key` and each group split over the engine batches there are (3 = 2 + 1)."""
+        errors: dict[int, RuntimeInputError] = {}
+        groups: dict[tuple, list[int]] = {}
+        for index, request in enumerate(requests):
+            try:
+                self.validate(request)
+            except RuntimeInputError as err:
+                errors[index] = err
+                continue
+            groups.setdefault(self.batch_key(request), []).append(index)
+        batches = []
+        for indices in groups.values():
+            feasible = self.batch_rows(requests[indices[0]])
+            batches += _split_rows([requests[i].batch for i in indices], feasible, indices)
+        return errors, batches
+
+    def generate_batch(self, requests: list[GenerationRequest], on_step: StepCallback | None = None
+                       ) -> list[Generation | RuntimeInputError]:
+        """Each request's Generation (or its RuntimeInputError), running requests that share a `batch_key` through
+        one denoiser call per step. Every image equals the one `generate` gives the request alone: each request
+        keeps its own generator, scheduler, prompts and guidance; only the engine calls are shared."""
+        errors, batches = self.plan_batches(requests)
+        results: list = [errors.get(i) for i in range(len(requests))]
+        start = time.perf_counter()
+        for indices in batches:
+            wait = time.perf_counter() - start
+            for index, generation in zip(indices, self.generate_together([requests[i] for i in indices], on_step)):
+                generation.timings.wait_s = wait
+                results[index] = generation
+        return results
+
+    def generate_together(self, requests: list[GenerationRequest], on_step: StepCallback | None = None
+                          ) -> list[Generation]:
+        """One batch of `plan_batches`: requests of one `batch_key` whose rows an engine batch serves."""
+        if len(requests) == 1 or self.family is Family.flux:
+            return [self.generate(r, on_step) for r in requests]
+        size = self.validate(requests[0])
+        timings = [StageTimings(batch=len(requests)) for _ in requests]
+        encodings = []
+        for request, timing in zip(requests, timings):
+            start = time.perf_counter()
+            encodings.append(self.encode(request))
+            timing.text_encode_s = time.perf_counter() - start
+        items = [self._item(request, encoding, size) for request, encoding in zip(requests, encodings)]
+        steps = StageTimings()
+        latents, cfg_mode = self._denoise_items(items, size, steps, on_step)
+        generations = []
+        for request, timing, latent in zip(requests, timings, latents):
+            timing.step_s = list(steps.step_s)
+            start = time.perf_counter()
+            images = self.decode(latent, size, request.batch)
+            timing.vae_decode_s = time.perf_counter() - start
+            generations.append(Generation(images, timing, cfg_mode))
+        return generations
 
     def encode(self, request: GenerationRequest) -> PromptEncoding:
         """Text encoders for the prompt (and the negative prompt where CFG runs)."""
@@ -170,15 +279,17 @@ class DiffusionPipeline:
         return PromptEncoding(positive, negative)
 
     def denoise(self, request: GenerationRequest, encoding: PromptEncoding,
-                timings: StageTimings | None = None) -> tuple[torch.Tensor, str]:
+                timings: StageTimings | None = None, on_step: StepCallback | None = None
+                ) -> tuple[torch.Tensor, str]:
         """The scheduler loop from seeded noise to final latents, with a fresh scheduler for this request."""
         size = Size(request.width, request.height)
         timings = timings or StageTimings()
-        generator = torch.Generator().manual_seed(int(request.seed))
-        scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
         if self.family is Family.flux:
-            return self._flux(request, size, scheduler, generator, timings, encoding.positive)
-        return self._cfg_family(request, size, scheduler, generator, timings, encoding)
+            generator = torch.Generator().manual_seed(int(request.seed))
+            scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
+            return self._flux(request, size, scheduler, generator, timings, encoding.positive, on_step)
+        latents, cfg_mode = self._denoise_items([self._item(request, encoding, size)], size, timings, on_step)
+        return latents[0], cfg_mode
 
     # ---------------------------------------------------------------- text
 
@@ -223,60 +334,61 @@ class DiffusionPipeline:
 
     # ---------------------------------------------------------------- denoising (UNet families, SD3)
 
-    def _cfg_family(self, request, size, scheduler, generator, timings, encoding: PromptEncoding):
-        batch = request.batch
-        positive, negative = encoding.positive, encoding.negative
-        do_cfg = negative is not None
-
+    def _item(self, request: GenerationRequest, encoding: PromptEncoding, size: Size) -> _Item:
+        """A request's seeded noise and its own scheduler, set up as diffusers does."""
+        generator = torch.Generator().manual_seed(int(request.seed))
+        scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
         h, w = size.latent(self.vae_scale_factor)
         channels = self.denoiser_config["in_channels"]
-        latents = torch.randn((batch, channels, h, w), generator=generator, dtype=torch.float32)
-        device = self._latent_device(request)  # None: the host path, numpy between runner and scheduler
-        timestep_kwargs = {} if device is None else {"device": device}
-        if device is not None:
-            latents = latents.to(device)  # same seeded noise, drawn on the host
-        if self.family is Family.sd3:
-            scheduler.set_timesteps(request.steps, **timestep_kwargs)
-        else:
-            scheduler.set_timesteps(request.steps, **timestep_kwargs)
+        latents = torch.randn((request.batch, channels, h, w), generator=generator, dtype=torch.float32)
+        scheduler.set_timesteps(request.steps)
+        if self.family is not Family.sd3:
             latents = latents * scheduler.init_noise_sigma
-        step_kwargs = _step_kwargs(scheduler, generator)
-        cfg_mode = self._cfg_mode(size, batch) if do_cfg else "none"
-        control = self._control_image(request, batch) if request.controlnet else None
-        extra = self._added_conditioning(size, batch)
-        for t in scheduler.timesteps:
-            start = time.perf_counter()
-            if cfg_mode == "batched":
-                model_in = _scale_input(scheduler, torch.cat([latents] * 2), t)
-                noise = self._denoise(model_in, t, _cat(negative, positive), _cat_extra(extra), size, request,
-                                      None if control is None else np.concatenate([control] * 2))
-                uncond, cond = noise.chunk(2) if isinstance(noise, torch.Tensor) else np.split(noise, 2)
-            elif cfg_mode == "split":
-                model_in = _scale_input(scheduler, latents, t)
-                uncond = self._denoise(model_in, t, negative, extra, size, request, control)
-                cond = self._denoise(model_in, t, positive, extra, size, request, control)
-            else:
-                model_in = _scale_input(scheduler, latents, t)
-                cond = self._denoise(model_in, t, positive, extra, size, request, control)
-                uncond = None
-            noise_pred = _as_torch(cond)
-            if uncond is not None:
-                uncond_t = _as_torch(uncond)
-                noise_pred = uncond_t + request.guidance_scale * (noise_pred - uncond_t)
-            latents = scheduler.step(noise_pred, t, latents, **step_kwargs, return_dict=False)[0]
-            timings.step_s.append(time.perf_counter() - start)
-        return (latents if device is None else latents.cpu()), cfg_mode
+        return _Item(request, encoding, generator, scheduler, latents, _step_kwargs(scheduler, generator))
 
-    def _latent_device(self, request: GenerationRequest) -> str | None:
-        """"cuda" when every denoiser runner takes and gives torch CUDA tensors (`device_tensors`, the
-        TensorRT runner) and torch has CUDA: the latents then stay on the GPU between steps. None (the
-        host path, unchanged) otherwise, and with ControlNet residuals, which are computed on the host."""
-        runners = [e.runner for e in self.runners.entries if e.component == self.denoiser]
-        if request.controlnet is not None or not runners or not all(getattr(r, "device_tensors", False) for r in runners):
-            return None
-        if any("mid_block_residual" in r.inputs for r in runners) or not torch.cuda.is_available():
-            return None
-        return "cuda"
+    def _denoise_items(self, items: list[_Item], size: Size, timings: StageTimings,
+                       on_step: StepCallback | None = None) -> tuple[list[torch.Tensor], str]:
+        """The scheduler loop for requests of one batch_key (UNet families, SD3): one denoiser call per step (two
+        with split CFG) over every request's rows; guidance and scheduler steps per request, on its own rows."""
+        first = items[0].request
+        rows = sum(item.rows for item in items)
+        do_cfg = items[0].encoding.negative is not None
+        cfg_mode = self._cfg_mode(size, rows) if do_cfg else "none"
+        positive = _cat_all([item.encoding.positive for item in items])
+        negative = _cat_all([item.encoding.negative for item in items]) if do_cfg else None
+        control = None
+        if first.controlnet:
+            control = np.concatenate([self._control_image(item.request, item.rows) for item in items])
+        extra = self._added_conditioning(size, rows)
+        offsets = np.cumsum([0] + [item.rows for item in items])
+        timesteps = items[0].scheduler.timesteps
+        for index, t in enumerate(timesteps):
+            start = time.perf_counter()
+            scaled = [_scale_input(item.scheduler, item.latents, t) for item in items]
+            if cfg_mode == "batched":
+                model_in = torch.cat(scaled * 2)
+                noise = self._denoise(model_in, t, _cat(negative, positive), _cat_extra(extra), size, first,
+                                      None if control is None else np.concatenate([control] * 2))
+                uncond, cond = np.split(noise, 2)
+            elif cfg_mode == "split":
+                model_in = torch.cat(scaled)
+                uncond = self._denoise(model_in, t, negative, extra, size, first, control)
+                cond = self._denoise(model_in, t, positive, extra, size, first, control)
+            else:
+                model_in = torch.cat(scaled)
+                cond = self._denoise(model_in, t, positive, extra, size, first, control)
+                uncond = None
+            for item, lo, hi in zip(items, offsets[:-1], offsets[1:]):
+                noise_pred = torch.from_numpy(cond[lo:hi] if len(items) > 1 else cond)
+                if uncond is not None:
+                    uncond_t = torch.from_numpy(uncond[lo:hi] if len(items) > 1 else uncond)
+                    noise_pred = uncond_t + item.request.guidance_scale * (noise_pred - uncond_t)
+                item.latents = item.scheduler.step(noise_pred, t, item.latents, **item.step_kwargs,
+                                                   return_dict=False)[0]
+            timings.step_s.append(time.perf_counter() - start)
+            if on_step is not None:
+                on_step(index, len(timesteps), [item.latents for item in items])
+        return [item.latents for item in items], cfg_mode
 
     def _cfg_mode(self, size: Size, batch: int) -> str:
         batches = self.runners.batches(self.denoiser, size)
@@ -340,7 +452,7 @@ class DiffusionPipeline:
 
     # ---------------------------------------------------------------- FLUX
 
-    def _flux(self, request, size, scheduler, generator, timings, positive: Conditioning):
+    def _flux(self, request, size, scheduler, generator, timings, positive: Conditioning, on_step=None):
         from diffusers import FluxPipeline
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
@@ -370,6 +482,8 @@ class DiffusionPipeline:
             noise = runner.run({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()})["noise_pred"]
             latents = scheduler.step(torch.from_numpy(noise), t, latents, return_dict=False)[0]
             timings.step_s.append(time.perf_counter() - start)
+            if on_step is not None:
+                on_step(len(timings.step_s) - 1, len(scheduler.timesteps), [latents])
         latents = FluxPipeline._unpack_latents(latents, size.height, size.width, self.vae_scale_factor)
         return latents, "none"
 
@@ -410,6 +524,36 @@ def _step_kwargs(scheduler, generator) -> dict:
 def _cat(negative: _Conditioning, positive: _Conditioning) -> _Conditioning:
     pooled = None if positive.pooled is None else np.concatenate([negative.pooled, positive.pooled])
     return _Conditioning(np.concatenate([negative.embeds, positive.embeds]), pooled)
+
+
+def _cat_all(parts: list[_Conditioning]) -> _Conditioning:
+    if len(parts) == 1:
+        return parts[0]
+    pooled = None if parts[0].pooled is None else np.concatenate([p.pooled for p in parts])
+    return _Conditioning(np.concatenate([p.embeds for p in parts]), pooled)
+
+
+def _split_rows(rows: list[int], feasible: set[int] | None, indices: list[int]) -> list[list[int]]:
+    """Split requests (their row counts, in order) into runs whose row sums an engine batch serves, the largest
+    first: rows [1, 1, 1] over feasible {1, 2} -> [[a, b], [c]]. A request no run can take goes alone (and fails
+    alone with the pipeline's own message)."""
+    limit = MAX_DYNAMIC_ROWS if feasible is None else max(feasible, default=0)
+    ok = (lambda n: 1 <= n <= MAX_DYNAMIC_ROWS) if feasible is None else (lambda n: n in feasible)
+    batches, pending = [], list(zip(indices, rows))
+    while pending:
+        taken, total = [], 0
+        for index, count in pending:  # the longest prefix within the largest batch...
+            if total + count > limit:
+                break
+            taken.append((index, count))
+            total += count
+        while taken and not ok(total):  # ...shortened until an engine serves its rows
+            total -= taken.pop()[1]
+        if not taken:
+            taken = [pending[0]]
+        batches.append([index for index, _ in taken])
+        pending = pending[len(taken):]
+    return batches
 
 
 def _cat_extra(extra: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
