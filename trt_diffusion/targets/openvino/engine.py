@@ -136,14 +136,17 @@ def _reshape(model, profile: ProfileShapes) -> bool:
     """Fix every profiled input to its shape (static buckets) or to its bounds (range buckets)."""
     import openvino as ov
 
-    names = {port.get_any_name() for port in model.inputs}
-    unknown = sorted(set(profile) - names)
+    ports = {}
+    for port in model.inputs:
+        for name in port.get_names():
+            ports[name] = port
+    unknown = sorted(set(profile) - set(ports))
     if unknown:
-        raise BuildError(f"the profile names input(s) the ONNX does not have: {unknown} (its inputs: {sorted(names)})")
+        raise BuildError(f"the profile names input(s) the ONNX does not have: {unknown} (its inputs: {sorted(ports)})")
     static = all(lo == opt == hi for lo, opt, hi in profile.values())
     shapes = {}
     for name, (lo, _, hi) in profile.items():
-        shapes[name] = ov.PartialShape([ov.Dimension(a) if a == b else ov.Dimension(a, b) for a, b in zip(lo, hi)])
+        shapes[ports[name]] = ov.PartialShape([ov.Dimension(a) if a == b else ov.Dimension(a, b) for a, b in zip(lo, hi)])
     try:
         model.reshape(shapes)
     except RuntimeError as exc:

@@ -1,7 +1,7 @@
 """Running an openvino engine: one compiled model and one infer request per runner, feeds checked first.
 
-Threads: OpenVINO's LATENCY hint with one stream; INFERENCE_NUM_THREADS from the caller (a Triton instance
-gets its share of the cores), TRT_DIFFUSION_OPENVINO_THREADS, or every core this process may use.
+Threads: OpenVINO's LATENCY hint with one stream; INFERENCE_NUM_THREADS from TRT_DIFFUSION_OPENVINO_THREADS,
+else from the caller (a Triton instance gets its share of the cores), else every core this process may use.
 Compiled models come from the cache folder of this OpenVINO + CPU, so a second load does not recompile.
 """
 
@@ -91,7 +91,9 @@ class OpenVINORunner:
         self.name = name or self.folder.name
         facts = host.cpu_facts()
         compute = _compute_here(manifest, facts, self.folder)
-        self.threads = threads or default_threads()
+        # Explicit, never OpenVINO's own guess: the same count in process and in a Triton instance gives the
+        # same reduction order, so the same numbers.
+        self.threads = default_threads() or threads or host.available_cores()
         core = ov.Core()
         model = core.read_model(str(self.folder / MODEL_FILE))
         if constants:

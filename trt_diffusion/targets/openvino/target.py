@@ -138,9 +138,7 @@ class OpenVINOTarget:
             cache = cache if _writable(cache) else None
         # Each Triton instance is its own process: share the cores among the model's instances.
         threads = max(1, host.available_cores() // _instance_count(folder.parent))
-        from .runner import default_threads
-
-        return OpenVINORunner(folder, name=name, threads=default_threads() or threads, cache=cache)
+        return OpenVINORunner(folder, name=name, threads=threads, cache=cache)
 
     @staticmethod
     def _native_model(engine: BuiltEngine, files) -> TritonEngineModel:

@@ -1,0 +1,465 @@
+"""Every CPU route side by side, on the full-size SD1.5 architecture (random weights).
+
+Routes: PyTorch fp32 eager, PyTorch bf16 autocast, the project's onnxruntime engines (fp32, int8 Q/DQ),
+OpenVINO's defaults on the plain ONNX (`core.compile_model(onnx)`, nothing set), and the project's openvino
+engines (fp32, bf16, int8). Workloads: the UNet (batch 2 for CFG) at 256² and 512², the VAE decoder, and
+(`--pipeline`) one whole 512² denoising loop of 10 steps + decode.
+
+Each route is loaded alone (the previous one freed first), rounds are interleaved (route A, B, C, ... then
+again) so every route sees the same machine load, and each timed call follows an untimed one in the same
+load. Reported: the median of `--runs` (>= 5) rounds, the speed-up over PyTorch fp32 measured in this run,
+and the PSNR of the output vs PyTorch fp32 on the same inputs. A route this CPU cannot run honestly (bf16
+without AMX/AVX512-BF16) is listed with the reason. `--profile-ort-int8` adds ONNX Runtime's profile of
+its int8 engine: time per operator type, and how many Q/DQ nodes were left unfused.
+
+    python scripts/bench_cpu.py [--sizes 256 512] [--vae] [--pipeline] [--runs 5] [--workdir DIR] [--json F]
+
+Needs about 12 GB of memory at 512² (one route at a time) and no GPU or network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+SEED = 0
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def psnr(reference: np.ndarray, candidate: np.ndarray) -> float:
+    reference, candidate = np.asarray(reference, np.float64), np.asarray(candidate, np.float64)
+    mse = float(np.mean((reference - candidate) ** 2))
+    peak = float(np.max(np.abs(reference)))
+    return float("inf") if mse == 0 else 10 * np.log10(peak ** 2 / mse)
+
+
+@dataclass
+class Route:
+    name: str
+    load: Callable[[], Callable[[dict], np.ndarray]]  # -> run(feeds) -> output
+    unavailable: str | None = None
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+def full_model(workdir: Path) -> Path:
+    from trt_diffusion.models.tiny import write_tiny_model
+
+    folder = workdir / "sd15-full"
+    if not (folder / "model_index.json").is_file():
+        log("writing the full-size sd15 folder (random weights)")
+        write_tiny_model(folder, "sd15", size="full")
+    return folder
+
+
+def unet_feeds(latent: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    return {"sample": rng.standard_normal((2, 4, latent, latent)).astype(np.float32),
+            "timestep": np.array([500.0, 500.0], np.float32),
+            "encoder_hidden_states": rng.standard_normal((2, 77, 768)).astype(np.float32)}
+
+
+def vae_feeds(latent: int) -> dict[str, np.ndarray]:
+    return {"latent": np.random.default_rng(SEED).standard_normal((1, 4, latent, latent)).astype(np.float32)}
+
+
+class UNetWrapper:
+    def __init__(self, unet):
+        import torch
+
+        class Wrapped(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.unet = unet
+
+            def forward(self, sample, timestep, encoder_hidden_states):
+                return self.unet(sample, timestep, encoder_hidden_states, return_dict=False)[0]
+
+        self.module = Wrapped().eval()
+
+
+class VaeWrapper:
+    def __init__(self, vae):
+        import torch
+
+        class Wrapped(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.vae = vae
+
+            def forward(self, latent):
+                return self.vae.decode(latent, return_dict=False)[0]
+
+        self.module = Wrapped().eval()
+
+
+def load_torch(model_dir: Path, component: str):
+    from trt_diffusion.families import Component
+    from trt_diffusion.models.loading import load_component
+
+    module = load_component(model_dir, Component(component)).eval()
+    return (UNetWrapper(module) if component == "unet" else VaeWrapper(module)).module
+
+
+def export_onnx(model_dir: Path, component: str, feeds: dict, out: Path) -> Path:
+    """Plain fp32 ONNX (legacy exporter, dynamic spatial dims), the graph every ONNX route starts from."""
+    import torch
+
+    if out.is_file():
+        return out
+    log(f"exporting the {component} to ONNX")
+    module = load_torch(model_dir, component)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    names = list(feeds)
+    axes = {n: {0: "batch", 2: "h", 3: "w"} for n in names if feeds[n].ndim == 4}
+    with torch.inference_mode():
+        torch.onnx.export(module, tuple(torch.from_numpy(feeds[n]) for n in names), str(out), input_names=names,
+                          output_names=["out"], dynamic_axes={**axes, "out": {0: "batch", 2: "H", 3: "W"}},
+                          opset_version=17, dynamo=False)
+    del module
+    gc.collect()
+    return out
+
+
+def quantized_unet(model_dir: Path, workdir: Path) -> Path:
+    """The project's int8 Q/DQ ONNX of the UNet (ModelOpt PTQ, a tiny seeded calibration at 256²)."""
+    import yaml
+
+    from trt_diffusion.quantize.stage import quantize_component
+    from trt_diffusion.spec import load_engines_file
+
+    path = workdir / "int8.yaml"
+    entry = {"source": str(model_dir), "family": "sd15", "components": ["unet"], "precision": {"unet": "int8"},
+             "buckets": ["256x256"], "targets": ["onnxruntime"],
+             "quantization": {"calibration": {"samples": 2, "steps": 1, "seed": 0}}}
+    path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": str(workdir / "build")},
+                                    "models": {"full": entry}}))
+    log("int8 PTQ of the UNet (ModelOpt; cached when unchanged)")
+    artifact = quantize_component(load_engines_file(path).models["full"], "unet", "int8", None, workdir / "build",
+                                  held_out_samples=1, compare_images=False)
+    gc.collect()
+    return Path(artifact.onnx_path)
+
+
+# ------------------------------------------------------------------------------------------- routes
+
+
+def _spec(target: str, component: str, precision: str, size: int, batch: int):
+    from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
+
+    return EngineSpec(model="full", family="sd15", source="local:bench", component=component, target=target,
+                      precision=precision, batch=batch, bucket=Bucket.static(Size(size, size)))
+
+
+def _profile(feeds: dict) -> dict:
+    return {name: (value.shape, value.shape, value.shape) for name, value in feeds.items()}
+
+
+def routes_for(component: str, model_dir: Path, onnx_fp32: Path, onnx_int8: Path | None, feeds: dict, size: int,
+               workdir: Path) -> list[Route]:
+    import torch
+
+    batch = next(iter(feeds.values())).shape[0]
+    names = list(feeds)
+
+    def torch_route(bf16: bool):
+        def load():
+            module = load_torch(model_dir, component)
+
+            def run(f):
+                with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                    return module(*[torch.from_numpy(f[n]) for n in names]).float().numpy()
+            return run
+        return load
+
+    def ort_route(source: Path, precision: str):
+        def load():
+            import onnxruntime as ort
+
+            from trt_diffusion.targets import onnxruntime as ort_target
+
+            folder, _, _ = ort_target.build_engine(source, _spec("onnxruntime", component, precision, size, batch),
+                                                   _profile(feeds), workdir / "engines")
+            options = ort_target.session_options()
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            session = ort.InferenceSession(str(folder / ort_target.MODEL_FILE), options,
+                                           providers=["CPUExecutionProvider"])
+            out = session.get_outputs()[0].name
+            return lambda f: session.run([out], f)[0]
+        return load
+
+    def ov_defaults():
+        import openvino as ov
+
+        model = ov.Core().compile_model(str(onnx_fp32), "CPU")  # what a user gets with nothing set
+        return lambda f: np.array(model(f)[model.outputs[0]])
+
+    def ov_route(source: Path, precision: str):
+        def load():
+            from trt_diffusion.targets.openvino.engine import build_engine, cache_dir
+            from trt_diffusion.targets.openvino.host import cpu_facts
+            from trt_diffusion.targets.openvino.runner import OpenVINORunner
+
+            folder, _, _ = build_engine(source, _spec("openvino", component, precision, size, batch), _profile(feeds),
+                                        workdir / "engines")
+            runner = OpenVINORunner(folder, cache=cache_dir(workdir / "engines" / "engines", cpu_facts()))
+            out = runner.output_names[0]
+            return lambda f: runner.run(f)[out]
+        return load
+
+    from trt_diffusion.targets.openvino import host, precision
+
+    def ov_refusal(name: str) -> str | None:
+        try:
+            precision.resolve(name, host.cpu_facts().capabilities, host.cpu_facts().device_name)
+        except Exception as exc:  # noqa: BLE001
+            return str(exc).split(":")[0] + ": " + str(exc).split(":", 2)[-1].strip()[:120]
+        return None
+
+    routes = [Route("pytorch fp32", torch_route(False)), Route("pytorch bf16 autocast", torch_route(True)),
+              Route("onnxruntime fp32 (project)", ort_route(onnx_fp32, "fp32"))]
+    if onnx_int8 is not None:
+        routes.append(Route("onnxruntime int8 (project)", ort_route(onnx_int8, "int8")))
+    routes += [Route("openvino defaults, plain ONNX", ov_defaults),
+               Route("openvino fp32 (project)", ov_route(onnx_fp32, "fp32")),
+               Route("openvino bf16 (project)", ov_route(onnx_fp32, "bf16"), ov_refusal("bf16"))]
+    if onnx_int8 is not None:
+        routes.append(Route("openvino int8 (project)", ov_route(onnx_int8, "int8"), ov_refusal("int8")))
+    return routes
+
+
+def measure(routes: list[Route], feeds: dict, runs: int) -> list[dict]:
+    """Interleaved rounds; in each, every route is loaded alone, called once untimed, then timed."""
+    times: dict[str, list[float]] = {r.name: [] for r in routes}
+    loads: dict[str, list[float]] = {r.name: [] for r in routes}
+    outputs: dict[str, np.ndarray] = {}
+    failed: dict[str, str] = {}
+    for round_index in range(runs):
+        for route in routes:
+            if route.unavailable or route.name in failed:
+                continue
+            try:
+                started = time.perf_counter()
+                run = route.load()
+                loads[route.name].append(time.perf_counter() - started)
+                run(feeds)
+                started = time.perf_counter()
+                out = run(feeds)
+                times[route.name].append(time.perf_counter() - started)
+                outputs.setdefault(route.name, out)
+            except Exception as exc:  # noqa: BLE001 - a route that fails is reported, the rest still run
+                failed[route.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            finally:
+                run = None
+                gc.collect()
+            if route.name in times and times[route.name]:
+                log(f"  round {round_index + 1}/{runs} {route.name}: {times[route.name][-1]:.3f} s "
+                    f"(load {loads[route.name][-1]:.1f} s)")
+    base = statistics.median(times["pytorch fp32"]) if times.get("pytorch fp32") else None
+    reference = outputs.get("pytorch fp32")
+    rows = []
+    for route in routes:
+        row = {"route": route.name}
+        if route.unavailable or route.name in failed:
+            row["unavailable"] = route.unavailable or failed[route.name]
+        else:
+            median = statistics.median(times[route.name])
+            row.update(median_s=round(median, 3), min_s=round(min(times[route.name]), 3),
+                       max_s=round(max(times[route.name]), 3), runs=len(times[route.name]),
+                       load_s=round(statistics.median(loads[route.name]), 1),
+                       speedup_vs_pytorch_fp32=round(base / median, 2) if base else None,
+                       psnr_db_vs_pytorch_fp32=(round(psnr(reference, outputs[route.name]), 1)
+                                                if reference is not None and route.name != "pytorch fp32" else None))
+        rows.append(row)
+    return rows
+
+
+def profile_ort_int8(workdir: Path, feeds: dict) -> dict:
+    """ONNX Runtime's own profile of the int8 engine (one run): time by operator type, and the Q/DQ
+    nodes its graph optimizer left in the graph (each one runs as a separate fp32<->int8 conversion)."""
+    import onnx
+    import onnxruntime as ort
+
+    from trt_diffusion.targets import onnxruntime as ort_target
+
+    folder = next(p for p in (workdir / "engines" / "engines" / "onnxruntime").iterdir() if ".int8." in p.name)
+    options = ort_target.session_options()
+    options.enable_profiling = True
+    options.profile_file_prefix = str(workdir / "ort-int8-profile")
+    options.optimized_model_filepath = str(workdir / "ort-int8-optimized.onnx")
+    session = ort.InferenceSession(str(folder / ort_target.MODEL_FILE), options, providers=["CPUExecutionProvider"])
+    session.run(None, feeds)
+    session.run(None, feeds)
+    trace = json.loads(Path(session.end_profiling()).read_text())
+    by_op: dict[str, float] = {}
+    runs = [e for e in trace if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")]
+    for event in runs[len(runs) // 2:]:  # the second run
+        op = event.get("args", {}).get("op_name", "?")
+        by_op[op] = by_op.get(op, 0.0) + event["dur"] / 1e6
+    optimized = onnx.load(str(workdir / "ort-int8-optimized.onnx"), load_external_data=False)
+    ops: dict[str, int] = {}
+    for node in optimized.graph.node:
+        ops[node.op_type] = ops.get(node.op_type, 0) + 1
+    total = sum(by_op.values())
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:10]
+    return {"total_kernel_s": round(total, 3),
+            "by_op_type_s": {k: round(v, 3) for k, v in top},
+            "share": {k: round(v / total, 3) for k, v in top},
+            "optimized_graph_op_counts": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:15])}
+
+
+def pipeline_routes(model_dir: Path, workdir: Path, onnx_unet: Path, onnx_int8: Path | None, onnx_vae: Path,
+                    steps: int) -> tuple[list[Route], dict]:
+    """One 512² text-to-image loop (CFG batch 2, `steps` DDIM steps, VAE decode) over PyTorch fp32 modules or
+    the project's openvino engines; fixed text embeddings (the text encoder is a negligible share)."""
+    import torch
+    from diffusers import DDIMScheduler
+
+    feeds = unet_feeds(64)
+    latents0 = feeds["sample"][:1]
+    text = feeds["encoder_hidden_states"]
+    scheduler_dir = model_dir / "scheduler"
+
+    def loop(unet, vae):
+        scheduler = DDIMScheduler.from_pretrained(scheduler_dir)
+        scheduler.set_timesteps(steps)
+        latents = latents0.copy()
+        for t in scheduler.timesteps:
+            model_in = np.concatenate([latents, latents])
+            noise = unet({"sample": model_in, "timestep": np.array([float(t)] * 2, np.float32),
+                          "encoder_hidden_states": text})
+            uncond, cond = noise[:1], noise[1:]
+            guided = uncond + 7.5 * (cond - uncond)
+            latents = scheduler.step(torch.from_numpy(guided), t, torch.from_numpy(latents)).prev_sample.numpy()
+        return vae({"latent": (latents / 0.18215).astype(np.float32)})
+
+    def torch_load():
+        unet, vae = load_torch(model_dir, "unet"), load_torch(model_dir, "vae_decoder")
+
+        def call(module):
+            def run(f):
+                with torch.inference_mode():
+                    return module(*[torch.from_numpy(v) for v in f.values()]).numpy()
+            return run
+        return lambda _: loop(call(unet), call(vae))
+
+    def ov_load(unet_source: Path, precision: str):
+        def load():
+            from trt_diffusion.targets.openvino.engine import build_engine, cache_dir
+            from trt_diffusion.targets.openvino.host import cpu_facts
+            from trt_diffusion.targets.openvino.runner import OpenVINORunner
+
+            engines = workdir / "engines"
+            cache = cache_dir(engines / "engines", cpu_facts())
+            unet_dir, _, _ = build_engine(unet_source, _spec("openvino", "unet", precision, 512, 2),
+                                          _profile(feeds), engines)
+            vae_precision = "bf16" if precision == "bf16" else "fp32"
+            vae_dir, _, _ = build_engine(onnx_vae, _spec("openvino", "vae_decoder", vae_precision, 512, 1),
+                                         _profile(vae_feeds(64)), engines)
+            unet = OpenVINORunner(unet_dir, cache=cache)
+            vae = OpenVINORunner(vae_dir, cache=cache)
+            return lambda _: loop(lambda f: unet.run(f)[unet.output_names[0]], lambda f: vae.run(f)[vae.output_names[0]])
+        return load
+
+    routes = [Route("pytorch fp32", torch_load), Route("openvino fp32 (project)", ov_load(onnx_unet, "fp32"))]
+    from trt_diffusion.targets.openvino import host
+
+    bf16 = None if "BF16" in host.cpu_facts().capabilities else "bf16: this CPU has no AMX-BF16/AVX512-BF16"
+    routes.append(Route("openvino bf16 (project)", ov_load(onnx_unet, "bf16"), bf16))
+    if onnx_int8 is not None:
+        routes.append(Route("openvino int8 unet + fp32 vae (project)", ov_load(onnx_int8, "int8")))
+    return routes, {}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="*", default=[256, 512], help="UNet image sizes (latents /8)")
+    parser.add_argument("--vae", action=argparse.BooleanOptionalAction, default=True, help="the VAE decoder")
+    parser.add_argument("--vae-size", type=int, default=256)
+    parser.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
+                        help="one 512² pipeline, 10 steps")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--no-int8", action="store_true", help="skip the ModelOpt int8 PTQ (about 2-3 minutes)")
+    parser.add_argument("--profile-ort-int8", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--workdir", type=Path, default=None, help="kept between runs (models, ONNX, engines)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.runs < 5:
+        print("--runs must be at least 5 (medians of fewer are noise on a shared machine)", file=sys.stderr)
+        return 2
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-cpu-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    from trt_diffusion.targets.openvino import host
+
+    facts = host.cpu_facts()
+    report: dict = {"cpu": facts.device_name, "cpu_capabilities": list(facts.capabilities),
+                    "isa_flags": list(facts.isa_flags), "cores": host.available_cores(),
+                    "load_average_start": os.getloadavg(), "openvino": facts.openvino_version,
+                    "python": platform.python_version(), "runs": args.runs, "results": {}}
+    log(f"{facts.device_name}: {facts.capabilities}, flags {facts.isa_flags}; load {os.getloadavg()}")
+    model_dir = full_model(workdir)
+    unet_onnx = export_onnx(model_dir, "unet", unet_feeds(32), workdir / "onnx" / "unet" / "model.onnx")
+    int8_onnx = None if args.no_int8 else quantized_unet(model_dir, workdir)
+    for size in args.sizes:
+        feeds = unet_feeds(size // 8)
+        log(f"UNet {size}² (batch 2, {size // 8}² latents)")
+        routes = routes_for("unet", model_dir, unet_onnx, int8_onnx, feeds, size, workdir)
+        report["results"][f"unet_{size}"] = measure(routes, feeds, args.runs)
+        _print(f"UNet {size}²", report["results"][f"unet_{size}"])
+        if args.profile_ort_int8 and int8_onnx is not None and size == args.sizes[0]:
+            report["ort_int8_profile"] = profile_ort_int8(workdir, feeds)
+            log(f"ONNX Runtime int8 profile: {report['ort_int8_profile']}")
+    vae_onnx = None
+    if args.vae or args.pipeline:
+        vae_onnx = export_onnx(model_dir, "vae_decoder", vae_feeds(32), workdir / "onnx" / "vae" / "model.onnx")
+    if args.vae:
+        feeds = vae_feeds(args.vae_size // 8)
+        log(f"VAE decoder -> {args.vae_size}²")
+        routes = [r for r in routes_for("vae_decoder", model_dir, vae_onnx, None, feeds, args.vae_size, workdir)]
+        report["results"][f"vae_decoder_{args.vae_size}"] = measure(routes, feeds, args.runs)
+        _print(f"VAE decoder {args.vae_size}²", report["results"][f"vae_decoder_{args.vae_size}"])
+    if args.pipeline:
+        log(f"pipeline 512², {args.steps} steps")
+        routes, _ = pipeline_routes(model_dir, workdir, unet_onnx, int8_onnx, vae_onnx, args.steps)
+        report["results"]["pipeline_512"] = measure(routes, {}, args.runs)
+        _print(f"pipeline 512², {args.steps} steps", report["results"]["pipeline_512"])
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    report["load_average_end"] = os.getloadavg()
+    log(f"done in {report['seconds']} s; load {os.getloadavg()}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _print(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}")
+    print(f"{'route':40} {'median s':>9} {'min':>7} {'max':>7} {'x pt32':>7} {'PSNR dB':>8}")
+    for row in rows:
+        if "unavailable" in row:
+            print(f"{row['route']:40} {row['unavailable']}")
+        else:
+            print(f"{row['route']:40} {row['median_s']:9.3f} {row['min_s']:7.3f} {row['max_s']:7.3f} "
+                  f"{row['speedup_vs_pytorch_fp32'] or 0:7.2f} {row['psnr_db_vs_pytorch_fp32'] or float('nan'):8.1f}")
+    print(flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
