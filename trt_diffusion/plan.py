@@ -105,6 +105,10 @@ def _formula(members: list[EngineSpec]) -> str:
     parts.append(f"{len(batches)} batch shape{'s' if len(batches) > 1 else ''} ({', '.join(map(str, batches))})")
     if len(variants) > 1:
         parts.append(f"{len(variants)} LoRA variants ({', '.join(variants)})")
+    architectures = distinct(s.option("architecture") for s in members if s.option("architecture"))
+    if architectures:
+        parts.append(f"{len(architectures)} GPU architecture{'s' if len(architectures) > 1 else ''} "
+                     f"({', '.join(architectures)})")
     return " × ".join(parts)
 
 

@@ -116,6 +116,8 @@ class EngineSpec:
         if self.bucket:
             parts.append(self.bucket.label.replace("..", "-"))
         parts += [f"b{self.batch}", self.precision]
+        if self.option("architecture"):  # a GPU architecture the engine is built for (tensorrt)
+            parts.append(str(self.option("architecture")))
         # One path component whatever the names hold (the schema already refuses unsafe names).
         return re.sub(r"[^A-Za-z0-9._+-]", "_", ".".join(parts))
 

@@ -44,10 +44,20 @@ def expand(config: EnginesConfig) -> list[EngineSpec]:
     return list(specs.values())  # file order: model, target, component, bucket
 
 
-def _build_options(config: EnginesConfig, model: ResolvedModel, target: str, component: Component):
+def _target_variants(config: EnginesConfig, model: ResolvedModel):
+    """(target, its key-affecting options) for every engine variant a target makes of one spec: one for
+    most targets; one per GPU architecture for a target that builds per architecture (tensorrt)."""
     from ..targets import get_target
 
-    options = {"opset": config.build.opset, **get_target(target).build_options(config)}
+    for target in model.targets:
+        chosen = get_target(target)
+        variants = getattr(chosen, "build_variants", None)
+        for options in (variants(config) if variants else [chosen.build_options(config)]):
+            yield target, options
+
+
+def _build_options(config: EnginesConfig, model: ResolvedModel, variant: dict, component: Component):
+    options = {"opset": config.build.opset, **variant}
     if component is Component.unet and model.controlnets:
         options["controlnet_residuals"] = True  # the UNet takes the ControlNet's residuals as extra inputs
     if model.precision[component].is_quantized:
@@ -62,12 +72,13 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
         LoraVariant(name, ((name, f"file:{lora.path.name}", lora.scale),))
         for name, lora in sorted(model.loras.items()) if lora.mode is LoraMode.fused
     ]
-    for target in model.targets:
-        def make(component, batch, bucket, reasons, source=model.source.identity, **extra):
+    for target, variant in _target_variants(config, model):
+        def make(component, batch, bucket, reasons, source=model.source.identity, variant=variant, target=target,
+                 **extra):
             return EngineSpec(
                 model=model.name, family=model.family.value, source=source,
                 component=component.value, target=target, precision=model.precision[component].value,
-                batch=batch, bucket=bucket, build_options=_build_options(config, model, target, component),
+                batch=batch, bucket=bucket, build_options=_build_options(config, model, variant, component),
                 reasons=tuple(reasons), **extra,
             )
 

@@ -141,6 +141,10 @@ class ParityThresholds(Strict):
 class TensorRTSettings(Strict):
     optimization_level: int = Field(3, ge=0, le=5)
     workspace_gb: float = Field(8.0, gt=0)
+    # The GPU architectures a release serves: each becomes an engine of its own (its key and name change),
+    # built on a host with that GPU (`build --ray` asks for a Ray resource of the same name). Empty: the
+    # architecture of the GPU that builds.
+    architectures: list[Annotated[str, Field(pattern=r"^sm_[0-9]{2,3}[a-z]?$")]] = Field(default_factory=list)
 
 
 class FarmSettings(Strict):

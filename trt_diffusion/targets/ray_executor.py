@@ -120,7 +120,9 @@ def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str
             continue
         options = {"max_retries": retries, "num_cpus": 1, "resources": task_resources(config, spec) or None,
                    "memory": max(memory_estimate(Path(sources[spec.key])), 1)}
-        options.update(_target_needs(spec))
+        needs = _target_needs(spec)
+        options["resources"] = {**(options["resources"] or {}), **needs.pop("resources", {})} or None
+        options.update(needs)
         refs[build_task.options(**{k: v for k, v in options.items() if v is not None}).remote(
             config_path, spec.key, sources[spec.key], versions)] = spec
 

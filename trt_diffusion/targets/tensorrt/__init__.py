@@ -16,8 +16,16 @@ class TensorRTTarget:
     name = "tensorrt"
 
     def farm_needs(self, spec) -> dict:
-        """Ray task options of a build: one GPU (an engine is specific to the GPU it is built on)."""
-        return {"num_gpus": 1}
+        """Ray task options of a build: one GPU, of the spec's architecture when engines.yaml lists them
+        (a node offers it as a custom resource: `ray start --resources '{"sm_90": 1}'`)."""
+        architecture = spec.option("architecture")
+        return {"num_gpus": 1, "resources": {architecture: 1} if architecture else {}}
+
+    def build_variants(self, config) -> list[dict]:
+        """One engine per GPU architecture engines.yaml lists (plans are specific to one); one otherwise."""
+        options = self.build_options(config)
+        architectures = config.build.tensorrt.architectures
+        return [{**options, "architecture": a} for a in architectures] if architectures else [options]
 
     def unavailable_reason(self) -> str | None:
         from .engine import tensorrt_available
