@@ -218,6 +218,12 @@ def parse_trt_version(version: str) -> tuple[int, int, int]:
     return int(major), int(minor), int(patch or 0)
 
 
+def architecture_mismatch(wanted: str, compute_capability: Sequence[int]) -> str | None:
+    """Why a plan for GPU architecture `wanted` cannot be built on a GPU of this compute capability."""
+    here = sm_name(compute_capability)
+    return None if here == wanted else f"engines for {wanted} are built on an {wanted} GPU; this host has {here}"
+
+
 def sm_name(compute_capability: Sequence[int]) -> str:
     major, minor = compute_capability
     return f"sm_{major}{minor}"
@@ -255,9 +261,10 @@ def timing_cache_lock(cache_path: str | Path) -> Iterator[None]:
     """Exclusive use of one timing cache file: threads of this process (`build --jobs N` runs threads) and
     other processes alike.
 
-    An `fcntl` lock alone does not exclude threads: POSIX record locks belong to the process, so a second
-    thread of the same process "acquires" it at once (that is why Polygraphy's LockFile is not enough).
-    The in-process lock is taken first, then the file lock on `<cache>.lock`.
+    Polygraphy's LockFile takes `fcntl.lockf`, a POSIX record lock: it belongs to the process, so a second
+    thread of the same process "acquires" it at once. `flock` on a file opened per call excludes threads
+    on a local Linux file system, but not where flock is emulated with record locks (NFS). So the
+    in-process lock is taken first, then `flock` on `<cache>.lock` for other processes.
     """
     path = Path(cache_path)
     path.parent.mkdir(parents=True, exist_ok=True)
