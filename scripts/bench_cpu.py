@@ -324,6 +324,55 @@ def profile_ort_int8(workdir: Path, feeds: dict) -> dict:
             "optimized_graph_op_counts": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:15])}
 
 
+def refit_timing(workdir: Path, onnx_fp32: Path, size: int) -> dict:
+    """LoRA refit on the openvino target: replacing the weight Constants of the built IR and compiling, vs a
+    fused rebuild from an ONNX that already holds the fused weights (convert + reshape + save + compile:
+    the rebuild's lower bound, export excluded). Every 2-D MatMul weight (attention and feed-forward
+    projections, what LoRAs touch) is replaced by a perturbed copy."""
+    import openvino as ov
+
+    from trt_diffusion.targets.openvino.engine import build_engine
+    from trt_diffusion.targets.openvino.precision import Compute
+    from trt_diffusion.targets.openvino.engine import compile_config
+    from trt_diffusion.targets.openvino.runner import replace_constants
+
+    feeds = unet_feeds(size // 8)
+    folder, manifest, _ = build_engine(onnx_fp32, _spec("openvino", "unet", "fp32", size, 2), _profile(feeds),
+                                       workdir / "engines")
+    config = compile_config(Compute("f32", None, "f32"), None)
+    core = ov.Core()
+    started = time.perf_counter()
+    model = core.read_model(str(folder / "model.xml"))
+    arrays = {}
+    for op in model.get_ops():
+        if op.get_type_name() != "Constant" or len(op.get_output_shape(0)) != 2:
+            continue
+        if any(t.get_node().get_type_name() == "MatMul" for t in op.output(0).get_target_inputs()):
+            name = next(iter(op.output(0).get_names()), None)
+            if name:
+                arrays[name] = (op.get_data() * 1.01).astype(np.float32)
+    replaced = replace_constants(model, arrays, tuple(arrays))
+    read_replace_s = time.perf_counter() - started
+    compiled = core.compile_model(model, "CPU", config)
+    refit_s = time.perf_counter() - started
+    del compiled, model
+    gc.collect()
+    started = time.perf_counter()
+    model = ov.convert_model(str(onnx_fp32))
+    model.reshape({port: ov.PartialShape(list(feeds[name].shape)) for name in feeds
+                   for port in model.inputs if name in port.get_names()})
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        ov.save_model(model, f"{tmp}/model.xml", compress_to_fp16=False)
+        del model
+        compiled = core.compile_model(core.read_model(f"{tmp}/model.xml"), "CPU", config)
+        rebuild_s = time.perf_counter() - started
+        del compiled
+    gc.collect()
+    return {"weights_replaced": replaced, "replaced_bytes": int(sum(a.nbytes for a in arrays.values())),
+            "constant_replacement_s": round(refit_s, 1), "of_which_read_and_replace_s": round(read_replace_s, 1),
+            "fused_rebuild_s": round(rebuild_s, 1)}
+
+
 def pipeline_routes(model_dir: Path, workdir: Path, onnx_unet: Path, onnx_int8: Path | None, onnx_vae: Path,
                     steps: int) -> tuple[list[Route], dict]:
     """One 512² text-to-image loop (CFG batch 2, `steps` DDIM steps, VAE decode) over PyTorch fp32 modules or
@@ -398,6 +447,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--no-int8", action="store_true", help="skip the ModelOpt int8 PTQ (about 2-3 minutes)")
     parser.add_argument("--profile-ort-int8", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--refit", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the openvino LoRA refit against a fused rebuild (UNet at the first size)")
     parser.add_argument("--workdir", type=Path, default=None, help="kept between runs (models, ONNX, engines)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -427,6 +478,10 @@ def main() -> int:
         if args.profile_ort_int8 and int8_onnx is not None and size == args.sizes[0]:
             report["ort_int8_profile"] = profile_ort_int8(workdir, feeds)
             log(f"ONNX Runtime int8 profile: {report['ort_int8_profile']}")
+    if args.refit and args.sizes:
+        log("openvino refit: weight constants replaced vs a fused rebuild")
+        report["openvino_refit"] = refit_timing(workdir, unet_onnx, args.sizes[0])
+        log(f"  {report['openvino_refit']}")
     vae_onnx = None
     if args.vae or args.pipeline:
         vae_onnx = export_onnx(model_dir, "vae_decoder", vae_feeds(32), workdir / "onnx" / "vae" / "model.onnx")
