@@ -88,6 +88,7 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
         if reason is not None:
             report.skipped_targets[name] = reason
     wanted = [s for s in wanted if s.target not in report.skipped_targets]
+    wanted = _without_specs_for_other_hosts(wanted, report.skipped_targets)
     if shard is not None:
         from .targets.shards import shard_specs
 
@@ -124,6 +125,21 @@ def manifest(config_path: str | Path, *, verify: bool = True, out: str | Path | 
     atomic_write_bytes(path, json.dumps(result, indent=2).encode())
     result["path"] = str(path)
     return result
+
+
+def _without_specs_for_other_hosts(specs, skipped: dict[str, str]):
+    """Drop the specs a target builds only on other hosts (a plan for another GPU architecture), saying why."""
+    from .targets import get_target
+
+    kept = []
+    for spec in specs:
+        check = getattr(get_target(spec.target), "spec_unavailable_reason", None)
+        reason = check(spec) if check else None
+        if reason is None:
+            kept.append(spec)
+        else:
+            skipped[f"{spec.target} {spec.option('architecture') or spec.name}"] = reason
+    return kept
 
 
 def _quantized_sources(config, specs) -> dict[str, Path]:

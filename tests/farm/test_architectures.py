@@ -70,3 +70,10 @@ def test_build_ray_without_ray_names_the_extra(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(MissingDependencyError, match=r"trt-diffusion\[farm\]"):
         require_ray()
+
+
+def test_a_plan_for_another_architecture_is_left_to_a_host_that_has_it():
+    from trt_diffusion.targets.tensorrt.config import architecture_mismatch
+
+    assert architecture_mismatch("sm_90", (9, 0)) is None
+    assert architecture_mismatch("sm_90", (8, 9)) == "engines for sm_90 are built on an sm_90 GPU; this host has sm_89"

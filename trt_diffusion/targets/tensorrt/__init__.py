@@ -21,6 +21,14 @@ class TensorRTTarget:
         architecture = spec.option("architecture")
         return {"num_gpus": 1, "resources": {architecture: 1} if architecture else {}}
 
+    def spec_unavailable_reason(self, spec) -> str | None:
+        """A plan for another GPU architecture is built on a host that has it (`build --ray`), not here."""
+        from .config import architecture_mismatch
+        from .engine import host_info
+
+        wanted = spec.option("architecture")
+        return architecture_mismatch(wanted, host_info()[1]) if wanted else None
+
     def build_variants(self, config) -> list[dict]:
         """One engine per GPU architecture engines.yaml lists (plans are specific to one); one otherwise."""
         options = self.build_options(config)
