@@ -99,7 +99,7 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     if wanted and ray is not None:
         from .targets.ray_executor import build_on_ray
 
-        report.outcomes = build_on_ray(config, wanted, address=ray, progress=progress)
+        report.outcomes = build_on_ray(config, wanted, address=ray, prepare=engine_sources, progress=progress)
     elif wanted:
         from .targets.stage import build_specs
 

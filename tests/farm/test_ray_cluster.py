@@ -42,7 +42,7 @@ resources = {{node["NodeID"]: sorted(k for k in node["Resources"] if k in ("cpu_
 config = load_engines_file(sys.argv[1])
 specs = [s for s in api.plan(sys.argv[1], count_parameters=False).specs if s.target == "onnxruntime"]
 nodes = {{}}
-outcomes = build_on_ray(config, specs, address="127.0.0.1:{port}", nodes=nodes)
+outcomes = build_on_ray(config, specs, address="127.0.0.1:{port}", prepare=api.engine_sources, nodes=nodes)
 print("RESULT=" + json.dumps({{
     "outcomes": [[o.spec.key, o.spec.component, o.cached, o.error, str(o.path)] for o in outcomes],
     "placed": {{key: resources.get(node, []) for key, node in nodes.items()}},

@@ -22,6 +22,8 @@ from .base import EngineOutcome, Failure
 from .provenance import tool_versions
 
 INSTALL_HINT = "install the farm extra: pip install 'trt-diffusion[farm]'"
+# (config, specs) -> (spec -> the ONNX its engine is built from), exporting and quantizing first
+SourcesFor = Callable[[EnginesConfig, list[EngineSpec]], Callable[[EngineSpec], Path]]
 
 
 def require_ray():
@@ -47,9 +49,8 @@ def _version_problem(driver: dict) -> str | None:
     return f"worker {socket.gethostname()} has other tool versions than the driver ({shown}): engines built here would differ"
 
 
-def _export_group(config_path: str, keys: list[str], driver_versions: dict) -> dict[str, str]:
+def _export_group(config_path: str, keys: list[str], driver_versions: dict, prepare: SourcesFor) -> dict[str, str]:
     """Task: export (and quantize) one group; spec key -> the ONNX its engine is built from."""
-    from .. import api
     from ..spec import expand, load_engines_file
 
     problem = _version_problem(driver_versions)
@@ -57,7 +58,7 @@ def _export_group(config_path: str, keys: list[str], driver_versions: dict) -> d
         raise BuildError(problem)
     config = load_engines_file(config_path, check_sources=True)
     specs = [s for s in expand(config) if s.key in keys]
-    source_for = api.engine_sources(config, specs)
+    source_for = prepare(config, specs)
     return {spec.key: str(source_for(spec)) for spec in specs}
 
 
@@ -85,10 +86,12 @@ def _build_engine(config_path: str, key: str, onnx_path: str, driver_versions: d
                 "traceback": traceback.format_exc(), "seconds": time.perf_counter() - start, "node": node}
 
 
-def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str,
+def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str, prepare: SourcesFor,
                  progress: Callable[[str, EngineSpec | None], None] | None = None,
                  nodes: dict[str, str] | None = None) -> list[EngineOutcome]:
-    """Build `specs` as Ray tasks; `nodes`, when given, receives spec key -> the id of the node that built it."""
+    """Build `specs` as Ray tasks. `prepare(config, specs)` exports (and quantizes) what they are built from
+    and returns spec -> ONNX path (api.engine_sources); `nodes`, when given, receives spec key -> the id of
+    the node that built it."""
     ray = require_ray()
     from ..export import group_specs
     from .stage import memory_estimate
@@ -104,7 +107,8 @@ def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str
     groups = group_specs(specs)
     sources: dict[str, str] = {}
     failures: dict[str, Failure] = {}
-    pending = {export_task.remote(config_path, [s.key for s in group.specs], versions): group for group in groups}
+    pending = {export_task.remote(config_path, [s.key for s in group.specs], versions, prepare): group
+               for group in groups}
     for ref, group in pending.items():
         try:
             sources.update(ray.get(ref))
