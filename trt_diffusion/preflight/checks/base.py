@@ -1,0 +1,107 @@
+"""What every check gets (CheckContext) and how it reports (Outcome -> CheckResult)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ...spec import EnginesConfig
+from ...spec.preflight import PreflightSettings
+from ...triton.client import ImageRequest
+from ..deployment import Deployment
+
+PROMPT = "a lighthouse on a cliff at dusk"
+
+
+@dataclass
+class CheckContext:
+    config: EnginesConfig
+    model: str
+    target: str
+    settings: PreflightSettings
+    deployment: Deployment
+    engines: Any  # connect.Engines: what the workspace holds for this model and target
+    baseline: Any = None  # baseline.Baseline, loaded before the server started (quality)
+    save_baseline: bool = False
+    deadline: float = float("inf")  # time.monotonic() by which the running check must end
+    saved: dict[str, Any] = field(default_factory=dict)  # what a check leaves for the run (the new baseline)
+
+    @property
+    def resolved_model(self):
+        return self.config.models[self.model]
+
+    def remaining(self, floor: float = 1.0) -> float:
+        """Seconds left before the check's timeout (at least `floor`): the bound for a request's own timeout."""
+        return max(floor, self.deadline - time.monotonic())
+
+    def request(self, size=None, **values) -> ImageRequest:
+        size = size or self.deployment.buckets[0].request
+        fields = dict(prompt=PROMPT, height=size.height, width=size.width, steps=4, guidance_scale=7.5, seed=0)
+        fields.update(values)
+        return ImageRequest(**fields)
+
+    def generate(self, request: ImageRequest, timeout_s: float | None = None) -> np.ndarray:
+        return self.deployment.generate(request, min(timeout_s or 600.0, self.remaining()))
+
+
+@dataclass
+class Outcome:
+    """What a check measured; the runner turns it into a CheckResult (adding seconds and timeout)."""
+
+    summary: str
+    figures: dict[str, Any] = field(default_factory=dict)
+    thresholds: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    reason: str | None = None  # set with not_applicable
+    not_applicable: bool = False
+
+    @property
+    def status(self) -> str:
+        if self.failures:
+            return "fail"
+        return "n/a" if self.not_applicable else "pass"
+
+
+def not_applicable(reason: str, **figures) -> Outcome:
+    return Outcome(summary=f"n/a: {reason}", figures=figures, reason=reason, not_applicable=True)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    title: str
+    run: Callable[[CheckContext], Outcome]
+
+
+def control_image(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A synthetic edge map (what a canny ControlNet sees), as parity uses."""
+    rng = np.random.default_rng(seed)
+    image = np.zeros((height, width, 3), np.uint8)
+    for _ in range(6):
+        y, x = rng.integers(0, height), rng.integers(0, width)
+        image[y, :, :] = 255
+        image[:, x, :] = 255
+    return image
+
+
+def mean_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).mean())
+
+
+def max_abs_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(np.int64) - b.astype(np.int64)).max()) if a.shape == b.shape else 255
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def seconds_text(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"

@@ -1,0 +1,155 @@
+"""8. Overload: capacity measured closed-loop, then open-loop arrivals at load_factor x capacity for a bounded
+time: P50/P99 of the accepted requests, refusal rate and refusal latency, no errors, nothing hung, the server
+healthy after."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from ...triton.client import RequestRejected
+from .base import Check, CheckContext, Outcome, not_applicable, percentile, seconds_text
+
+MAX_WORKERS = 128
+
+
+def run(ctx: CheckContext) -> Outcome:
+    settings = ctx.settings.overload
+    deployment = ctx.deployment
+    if deployment.kind != "served":
+        return not_applicable("in process there is no server and no queue to overload")
+    instances = deployment.instances or 1
+    capacity, service_s, levels = _capacity(ctx, instances)
+    rate = settings.load_factor * capacity
+    outcome = _open_loop(ctx, rate, settings)
+    bound = settings.max_accepted_p99_s or settings.p99_factor * service_s
+    figures = outcome.figures
+    figures.update({"capacity_rps": capacity, "service_p50_s": service_s, "offered_rps": rate,
+                    "load_factor": settings.load_factor, "duration_s": settings.duration_s,
+                    "max_queue_size": deployment.max_queue_size, "instances": instances})
+    outcome.rows = levels
+    outcome.thresholds = {"errors": 0, "hung": 0, "max_refusal_p99_s": settings.max_refusal_s,
+                          "max_accepted_p99_s": bound}
+    if figures["errors"]:
+        outcome.failures.append(f"{figures['errors']} request(s) failed with an error, not a refusal: "
+                                f"{figures.pop('first_error')}")
+    figures.pop("first_error", None)
+    if figures["hung"]:
+        outcome.failures.append(f"{figures['hung']} request(s) had no answer within "
+                                f"{settings.request_timeout_s:g} s: hung")
+    p99 = figures["accepted_p99_s"]
+    if p99 is not None and p99 > bound:
+        why = "max_accepted_p99_s" if settings.max_accepted_p99_s else \
+            f"{settings.p99_factor:g} x the {seconds_text(service_s)} service latency at capacity"
+        queue = deployment.max_queue_size
+        outcome.failures.append(f"accepted P99 {p99:.2f} s > {bound:.2f} s ({why}): under overload requests wait "
+                                f"without bound{'' if queue else ' (the entry declares no max_queue_size)'}; "
+                                "bound the queue so the excess is refused")
+    refusal_p99 = figures["refusal_p99_s"]
+    if refusal_p99 is not None and refusal_p99 > settings.max_refusal_s:
+        outcome.failures.append(f"refusal P99 {refusal_p99:.2f} s > {settings.max_refusal_s:g} s: refused late, "
+                                "not at once")
+    if not figures["refused"]:
+        outcome.notes.append("nothing was refused: the server kept up with the offered load (capacity measured "
+                             "low on a busy machine) or its queue absorbed the excess for the whole run")
+    health = deployment.health()
+    figures["healthy_after"] = health is None
+    if health is None:
+        try:
+            ctx.generate(ctx.request(steps=2, seed=99), timeout_s=60)
+        except Exception as err:  # noqa: BLE001 - the finding
+            health = f"a request after the overload failed: {err}"
+            figures["healthy_after"] = False
+    if health is not None:
+        outcome.failures.append(f"server not healthy after the overload: {health}")
+    outcome.summary = (f"capacity {capacity:.1f} req/s; at {rate:.1f} req/s for {settings.duration_s:g} s: "
+                       f"{figures['accepted']} accepted (P50 {seconds_text(figures['accepted_p50_s'])}, P99 "
+                       f"{seconds_text(p99)}, max {seconds_text(bound)}), {figures['refused']} refused "
+                       f"({figures['refusal_rate']:.0%}, P99 {seconds_text(refusal_p99)}), {figures['errors']} errors, "
+                       f"{figures['hung']} hung")
+    return outcome
+
+
+def _capacity(ctx: CheckContext, instances: int) -> tuple[float, float, list[dict]]:
+    """Closed loop at `instances` and 2 x `instances` clients: the best throughput, and the median latency
+    with every instance busy (the service time)."""
+    settings = ctx.settings.overload
+    levels, best, service = [], 0.0, None
+    for concurrency in dict.fromkeys((instances, 2 * instances)):
+        latencies, stop = [], time.monotonic() + settings.capacity_s
+        lock = threading.Lock()
+
+        def client(index: int) -> None:
+            seed = 1000 * index
+            while time.monotonic() < stop:
+                start = time.perf_counter()
+                try:
+                    ctx.generate(ctx.request(steps=settings.steps, seed=seed), timeout_s=settings.request_timeout_s)
+                except RequestRejected:
+                    continue
+                with lock:
+                    latencies.append(time.perf_counter() - start)
+                seed += 1
+
+        began = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(client, range(concurrency)))
+        elapsed = time.perf_counter() - began
+        throughput = len(latencies) / elapsed if elapsed > 0 else 0.0
+        median = statistics.median(latencies) if latencies else None
+        levels.append({"phase": "capacity", "concurrency": concurrency, "completed": len(latencies),
+                       "throughput_rps": throughput, "p50_s": median})
+        if service is None:
+            service = median
+        best = max(best, throughput)
+    if not best or service is None:
+        raise RuntimeError("no request completed while measuring capacity")
+    return best, service, levels
+
+
+def _open_loop(ctx: CheckContext, rate: float, settings) -> Outcome:
+    """Arrivals every 1/rate s for duration_s, each timed from its scheduled arrival (no coordinated omission)."""
+    interval = 1.0 / rate
+    count = max(1, int(settings.duration_s * rate))
+    results: list[tuple[str, float, str]] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
+
+    def one(index: int) -> None:
+        scheduled = start + index * interval
+        try:
+            ctx.deployment.generate(ctx.request(steps=settings.steps, seed=index), settings.request_timeout_s)
+            kind, message = "accepted", ""
+        except RequestRejected as err:
+            kind, message = "refused", str(err)
+        except Exception as err:  # noqa: BLE001 - counted as an error
+            kind, message = "error", str(err)
+        with lock:
+            results.append((kind, time.perf_counter() - scheduled, message))
+
+    workers = min(MAX_WORKERS, max(8, int(rate * settings.request_timeout_s) + 1))
+    pool = ThreadPoolExecutor(workers)
+    futures = []
+    try:
+        for index in range(count):
+            delay = start + index * interval - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(pool.submit(one, index))
+        done, not_done = wait(futures, timeout=settings.request_timeout_s + 5)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    accepted = [s for kind, s, _ in results if kind == "accepted"]
+    refused = [s for kind, s, _ in results if kind == "refused"]
+    errors = [m for kind, _, m in results if kind == "error"]
+    figures = {"sent": count, "accepted": len(accepted), "refused": len(refused), "errors": len(errors),
+               "hung": len(not_done), "refusal_rate": len(refused) / count,
+               "accepted_p50_s": percentile(accepted, 50), "accepted_p99_s": percentile(accepted, 99),
+               "refusal_p50_s": percentile(refused, 50), "refusal_p99_s": percentile(refused, 99),
+               "first_error": errors[0] if errors else None}
+    return Outcome(summary="", figures=figures)
+
+
+CHECK = Check("overload", "Overload behaviour", run)

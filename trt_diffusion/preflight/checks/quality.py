@@ -1,0 +1,58 @@
+"""7. Quality regression: a fixed prompt x seed set against the stored baseline (same engine keys), PSNR and SSIM
+per image (LPIPS when its weights are present), gated. `--save-baseline` stores this run's images instead."""
+
+from __future__ import annotations
+
+from ...parity.metrics import Thresholds
+from ...parity.report.judge import compare_image
+from ..baseline import Baseline, folder_for
+from .base import Check, CheckContext, Outcome, not_applicable
+
+
+def quality_size(ctx: CheckContext):
+    return ctx.deployment.buckets[0].request
+
+
+def run(ctx: CheckContext) -> Outcome:
+    settings = ctx.settings.quality
+    size = quality_size(ctx)
+    images = {}
+    for prompt in settings.prompts:
+        for seed in settings.seeds:
+            images[(prompt, seed)] = ctx.generate(ctx.request(size, prompt=prompt, seed=seed, steps=settings.steps,
+                                                              guidance_scale=settings.guidance_scale))
+    if ctx.save_baseline:
+        ctx.saved["baseline"] = Baseline(folder_for(ctx.config, ctx.model, ctx.settings), ctx.model, ctx.target,
+                                         list(ctx.deployment.engine_keys), str(size), settings.steps,
+                                         settings.guidance_scale, images)
+        outcome = not_applicable(f"baseline saved ({len(images)} images at {size}, {settings.steps} steps) to "
+                                 f"{ctx.saved['baseline'].folder}: the next run compares against it",
+                                 images=len(images))
+        return outcome
+    thresholds = Thresholds(min_psnr_db=settings.min_psnr_db, min_ssim=settings.min_ssim,
+                            max_lpips=settings.max_lpips)
+    outcome = Outcome(summary="", thresholds=thresholds.model_dump())
+    worst_psnr, worst_ssim = float("inf"), 1.0
+    for index, ((prompt, seed), image) in enumerate(images.items()):
+        compared = compare_image(prompt=prompt, seed=seed, reference=ctx.baseline.images[(prompt, seed)],
+                                 candidate=image, thresholds=thresholds, reference_png=f"baseline_{index}.png",
+                                 candidate_png=f"candidate_{index}.png",
+                                 compute_lpips=settings.max_lpips is not None)
+        worst_psnr, worst_ssim = min(worst_psnr, compared.psnr_db), min(worst_ssim, compared.ssim)
+        outcome.rows.append({"prompt": prompt, "seed": seed, "psnr_db": compared.psnr_db, "ssim": compared.ssim,
+                             "lpips": compared.lpips, "passed": compared.passed})
+        for failure in thresholds.image_failures(compared.psnr_db, compared.ssim, compared.lpips,
+                                                 compared.lpips_reason):
+            outcome.failures.append(f"prompt {prompt[:40]!r} seed {seed}: {failure}")
+        if compared.lpips is None and settings.max_lpips is not None:
+            outcome.notes.append(compared.lpips_reason or "LPIPS not computed")
+    outcome.figures = {"images": len(images), "size": str(size), "steps": settings.steps,
+                       "min_psnr_db": worst_psnr, "min_ssim": worst_ssim,
+                       "baseline": str(ctx.baseline.folder), "baseline_created_at": ctx.baseline.created_at}
+    psnr = "∞" if worst_psnr == float("inf") else f"{worst_psnr:.1f}"
+    outcome.summary = (f"{sum(r['passed'] for r in outcome.rows)}/{len(images)} images match the baseline: worst "
+                       f"PSNR {psnr} dB (min {settings.min_psnr_db:g}), SSIM {worst_ssim:.4f} (min {settings.min_ssim:g})")
+    return outcome
+
+
+CHECK = Check("quality", "Quality regression", run)

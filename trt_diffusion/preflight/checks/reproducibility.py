@@ -1,0 +1,68 @@
+"""1. Reproducibility: the same request twice gives identical images; where batch-2 engines exist, a seed in a
+batch of 2 gives the image it gives alone (in process: the served entry takes one image per request)."""
+
+from __future__ import annotations
+
+from ...families import family_info
+from .base import Check, CheckContext, Outcome, max_abs_diff
+
+
+def run(ctx: CheckContext) -> Outcome:
+    settings = ctx.settings.reproducibility
+    outcome = Outcome(summary="")
+    worst = 0
+    for bucket in ctx.deployment.buckets:
+        request = ctx.request(bucket.request, steps=settings.steps, seed=settings.seed, scheduler="euler_a",
+                              negative_prompt="blurry")
+        first, second = ctx.generate(request), ctx.generate(request)
+        diff = max_abs_diff(first, second)
+        worst = max(worst, diff)
+        outcome.rows.append({"bucket": bucket.label, "max_abs_diff": diff, "identical": diff == 0})
+        if diff:
+            outcome.failures.append(f"bucket {bucket.label}: the same request twice gave different images "
+                                    f"(max |diff| {diff} grey levels, seed {settings.seed})")
+    outcome.figures["max_abs_diff_same_request"] = worst
+    batch = _batch_of_two(ctx, settings)
+    outcome.figures.update(batch)
+    if batch.get("batch_independent") is False:
+        outcome.failures.append(f"seed {settings.seed} in a batch of 2 differs from the same seed alone "
+                                f"(max |diff| {batch['max_abs_diff_batch']} grey levels)")
+    outcome.thresholds = {"max_abs_diff": 0}
+    if batch.get("batch_na_reason"):
+        outcome.notes.append(f"batch of 2: n/a: {batch['batch_na_reason']}")
+    outcome.summary = (f"same request twice: max |diff| {worst} (must be 0) over {len(ctx.deployment.buckets)} "
+                       f"bucket(s); batch of 2: " + ("n/a" if batch.get("batch_independent") is None else
+                                                     "identical" if batch["batch_independent"] else "differs"))
+    return outcome
+
+
+def _batch_of_two(ctx: CheckContext, settings) -> dict:
+    """Image 0 of a batch of 2 against the same seed alone, in process over the same engines."""
+    from ...runtime.loader import table_from_engines
+    from ...runtime.pipeline import DiffusionPipeline, GenerationRequest
+
+    model = ctx.resolved_model
+    denoiser = family_info(model.family).denoiser.value
+    batches = sorted({e.spec.batch for e in ctx.engines.found if e.spec.component == denoiser})
+    cfg_batched = any(e.spec.batch % 2 == 0 for e in ctx.engines.found if e.spec.component == denoiser)
+    needed = {4, 2} if cfg_batched else {2}
+    if 2 not in model.batch:
+        return {"batch_independent": None, "batch_na_reason": (
+            f"no batch-2 engines: {ctx.model} is built for image batches {list(model.batch)} (its {denoiser} at "
+            f"batch {', '.join(map(str, batches))}{', the CFG pair of one image' if cfg_batched else ''})")}
+    if not needed & set(batches):
+        return {"batch_independent": None, "batch_na_reason": f"no {denoiser} engine for a batch of 2 is built"}
+    pipeline = DiffusionPipeline(model.source.path, model.family,
+                                 table_from_engines([e for e in ctx.engines.found if e.spec.lora_variant is None]))
+    size = ctx.deployment.buckets[0].request
+    request = GenerationRequest(prompt="a red bicycle", height=size.height, width=size.width, steps=settings.steps,
+                                seed=settings.seed)
+    from dataclasses import replace
+
+    alone = pipeline.generate(request).images[0]
+    pair = pipeline.generate(replace(request, batch=2)).images[0]
+    diff = max_abs_diff(alone, pair)
+    return {"batch_independent": diff <= 1, "max_abs_diff_batch": diff}
+
+
+CHECK = Check("reproducibility", "Fixed-seed reproducibility", run)

@@ -1,0 +1,62 @@
+"""The `preflight` command as a plain typer-annotated function (registered by cli.py in one line)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from .names import CHECK_NAMES
+
+console = Console()
+
+
+class Protocol(str, Enum):
+    http = "http"
+    grpc = "grpc"
+
+
+def preflight_command(
+    config: Annotated[Path, typer.Argument(help="engines.yaml")],
+    url: Annotated[Optional[str], typer.Option("--url", help="HOST:PORT of a running server (default: package the "
+                                               "built engines and start one on 127.0.0.1)")] = None,
+    protocol: Annotated[Protocol, typer.Option("--protocol", help="grpc can cancel; http cannot (cancellation n/a)")]
+    = Protocol.grpc,
+    metrics_url: Annotated[Optional[str], typer.Option("--metrics-url", help="HOST:PORT of the server's metrics "
+                                                       "(with --url; default HOST:8002)")] = None,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help=f"run only these: {', '.join(CHECK_NAMES)}")]
+    = None,
+    skip: Annotated[Optional[list[str]], typer.Option("--skip", help="leave these out")] = None,
+    save_baseline: Annotated[bool, typer.Option("--save-baseline", help="store the quality check's images as the "
+                                                "baseline (tied to these engines' keys)")] = False,
+    model: Annotated[Optional[str], typer.Option("--model", help="default: preflight.model or the only model")]
+    = None,
+    target: Annotated[Optional[str], typer.Option("--target", help="whose engines (default preflight.target)")]
+    = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="report folder (default "
+                                                "<workspace>/reports/preflight)")] = None,
+    in_process: Annotated[bool, typer.Option("--in-process", help="no server: the pipeline in this process")]
+    = False,
+):
+    """Run the pre-launch checklist against a Triton server; exit 1 when a check fails."""
+    from .. import api
+    from .errors import PreflightError
+    from .terminal import render_summary
+
+    only = [n for item in only or [] for n in item.split(",") if n]
+    skip = [n for item in skip or [] for n in item.split(",") if n]
+    with console.status("preflight") as status:
+        run = api.preflight(config, url=url, protocol=protocol.value, metrics_url=metrics_url, only=only or None,
+                            skip=skip or None, save_baseline=save_baseline, model=model, target=target, out_dir=out,
+                            in_process=in_process, progress=lambda message: status.update(message))
+    console.print(render_summary(run.report))
+    if run.baseline is not None:
+        console.print(f"baseline saved: {run.baseline}")
+    console.print(f"report: {run.files.html}  (JSON: {run.files.json})")
+    if not run.report.passed:
+        failed = [c for c in run.report.checks if c.status == "fail"]
+        raise PreflightError(f"{len(failed)} of {len(run.report.checks)} checks failed: "
+                             + "; ".join(f"{c.name}: {c.failures[0]}" for c in failed))
