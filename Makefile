@@ -20,7 +20,7 @@ IMAGE ?= out.png
 REFIT_ARGS ?= --model sd15-tiny --base
 
 .PHONY: venv models build-engines plan export quantize build refit test test-slow test-gpu parity package serve \
-	generate clean
+	generate preflight clean
 
 # The CPU build of torch goes in first: anything looser pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -70,6 +70,13 @@ package: build-engines
 
 serve: package
 	$(TD) serve --repo $(REPO) $(SERVE_ARGS)
+
+# The pre-launch checklist against a server it packages and starts on 127.0.0.1 (or ARGS="--url HOST:PORT"):
+# build/reports/preflight/preflight.html; exit 1 when a check fails. The first run saves the quality baseline.
+PREFLIGHT_BASELINE ?= build/preflight/baseline/sd15-tiny/baseline.json
+preflight: build-engines
+	@if [ ! -f $(PREFLIGHT_BASELINE) ]; then $(TD) preflight $(CONFIG) --only quality --save-baseline; fi
+	$(TD) preflight $(CONFIG) $(ARGS)
 
 # Ask a running server (make serve, in another shell) for an image.
 generate: venv

@@ -327,39 +327,13 @@ def _register_triton_commands() -> None:
 _register_triton_commands()
 
 
-@app.command("refit")
-def refit_command(
-    config: ConfigArg,
-    model: Annotated[str, typer.Option("--model", help="the model whose refittable engines to refit")],
-    lora: Annotated[Optional[list[str]], typer.Option("--lora", help="FILE[:SCALE]; repeat for several")] = None,
-    base: Annotated[bool, typer.Option("--base", help="restore the base weights")] = False,
-    target: Annotated[str, typer.Option("--target", help=" | ".join(target_names()))] = "onnxruntime",
-):
-    """Apply LoRAs to refittable engines without a rebuild (or restore the base weights)."""
-    from . import api
-    from .errors import ConfigError
+def _register_preflight_command() -> None:
+    from .preflight.command import preflight_command
 
-    if not lora and not base:
-        raise ConfigError("give --lora FILE[:SCALE] (repeatable) or --base")
-    loras = [_parse_lora(text) for text in lora or []]
-    results = api.refit(config, model, loras, target=target, base=base)
-    table = Table(title=f"refit {model} ({target})")
-    for column in ("engine", "weights replaced", "seconds"):
-        table.add_column(column)
-    for name, count, seconds in results:
-        table.add_row(name, str(count), f"{seconds:.2f}")
-    console.print(table)
+    app.command("preflight")(preflight_command)
 
 
-def _register_triton_commands() -> None:
-    from .triton.commands import generate_command, package_command, serve_command
-
-    app.command("package")(package_command)
-    app.command("serve")(serve_command)
-    app.command("generate")(generate_command)
-
-
-_register_triton_commands()
+_register_preflight_command()
 
 
 def main(argv: list[str] | None = None) -> int:

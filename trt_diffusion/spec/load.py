@@ -14,6 +14,7 @@ from .schema import (
     BUILTIN_DEFAULTS, BuildSettings, CfgMode, EnginesFile, FileSource, HubSource, LoraEntry, LoraMode, ModelEntry,
     ParityThresholds, Precision, QuantizationSettings, RangeBucket,
 )
+from .preflight import PreflightSettings
 from .yaml_lines import LocatedYaml, load_located_yaml
 
 
@@ -57,6 +58,7 @@ class EnginesConfig:
     path: Path
     build: BuildSettings
     models: dict[str, ResolvedModel] = field(default_factory=dict)
+    preflight: PreflightSettings = field(default_factory=PreflightSettings)
 
     @property
     def root(self) -> Path:
@@ -113,8 +115,21 @@ def load_engines_file(path: str | Path, *, check_sources: bool = True) -> Engine
     models = {}
     for name, entry in parsed.models.items():
         models[name] = _resolve_model(name, entry, parsed, path.parent, problems, check_sources)
+    _check_preflight(parsed, models, problems)
     problems.raise_if_any()
-    return EnginesConfig(path=path.resolve(), build=parsed.build, models=models)
+    return EnginesConfig(path=path.resolve(), build=parsed.build, models=models, preflight=parsed.preflight)
+
+
+def _check_preflight(parsed: EnginesFile, models: dict[str, ResolvedModel], problems: _Problems) -> None:
+    """The `preflight:` block names a model of this file and one of its targets."""
+    settings = parsed.preflight
+    if settings.model is not None and settings.model not in models:
+        problems.add(("preflight", "model"), f"no model named {settings.model!r} (models: {', '.join(models)})")
+        return
+    chosen = [models[settings.model]] if settings.model else list(models.values())
+    if len(chosen) == 1 and settings.target not in chosen[0].targets:
+        problems.add(("preflight", "target"), f"{chosen[0].name} does not build the {settings.target} target "
+                                              f"(targets: {', '.join(chosen[0].targets)})")
 
 
 def _friendly(error: dict) -> str:

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from ..families import Component, Family
 from .engine_spec import Size
+from .preflight import PreflightSettings
 
 
 class Precision(str, Enum):
@@ -199,6 +200,7 @@ class EnginesFile(Strict):
     build: BuildSettings = BuildSettings()
     defaults: ModelSettings = ModelSettings()
     models: dict[Name, ModelEntry] = Field(min_length=1)
+    preflight: PreflightSettings = PreflightSettings()  # the pre-launch checklist (spec/preflight.py)
 
 
 BUILTIN_DEFAULTS = {
