@@ -20,6 +20,9 @@ from trt_diffusion.spec import Size, load_engines_file
 from .conftest import model_entry
 
 
+LORA_SCALE = 1.0
+
+
 @pytest.fixture(scope="module")
 def lora_run(tiny_sd15_dir, tmp_path_factory):
     """sd15 with a ControlNet and a fused LoRA, int8: the base and the LoRA variant, through `quantize`."""
@@ -27,7 +30,7 @@ def lora_run(tiny_sd15_dir, tmp_path_factory):
     entry = model_entry(tiny_sd15_dir, "sd15", "int8")
     entry["controlnets"] = {"canny": {"source": str(tiny_sd15_dir / "controlnet")}}
     entry["loras"] = {"style": {"source": str(tiny_sd15_dir / "lora/pytorch_lora_weights.safetensors"),
-                                "mode": "fused"}}
+                                "mode": "fused", "scale": LORA_SCALE}}
     config = root / "engines.yaml"
     config.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": "build"}, "models": {"m": entry}}))
     return config, quantize(config)
@@ -45,24 +48,37 @@ def test_each_fused_lora_gets_its_own_calibrated_gated_variant(lora_run):
     assert report.unsupported == []
     assert styled.gate["passed"]  # measured against the fp32 UNet with the LoRA fused
 
-    # each artifact is closer to its own fp32 model than to the other one: the LoRA is in the weights
+    # The LoRA is in the artifact's weights, at its scale. D = fp32(style) - fp32(base) is the LoRA's effect on
+    # the fp32 output, E = onnx(style) - onnx(base) its effect on the two artifacts' outputs, and
+    # k = <E, D> / <D, D> the least-squares scale of D in E: 1 for artifacts that compute their fp32 models
+    # exactly, 0 when the styled artifact lacks the LoRA, ~0.5 with it at half its scale (measured: 0.41).
+    # ("Each artifact is closer to its own fp32 model than to the other", kept below, holds for any scale past
+    # half.) int8 rounding moves k by
+    # <Q_style - Q_base, D> / |D|^2 (Q = onnx - fp32 of each artifact), at most |Q_style - Q_base| / |D| = 0.44
+    # here (Cauchy-Schwarz); it is systematic, not noise: rounding damps the small LoRA deltas and k = 0.84,
+    # the same every run (seeded models and calibration). The bounds [0.6, 1.4] keep 0.24 from that value and
+    # refuse half the LoRA and no LoRA.
     model = load_engines_file(config).models["m"]
     interface = denoiser_interface(model, styled.component)
-    feeds = interface.definition.dummy_inputs(interface.config, interface.options, Geometry(2, Size(64, 64)))
+    feeds = interface.definition.dummy_inputs(interface.config, interface.options, Geometry(16, Size(64, 64)))
     onnx_out = {a.lora: ort.InferenceSession(str(a.onnx_path)).run(None, feeds)[0] for a in (base, styled)}
     fp32_out = {}
     for lora in (None, "style"):
         module = load_component(model.source.path, Component.unet)
         if lora:
-            fuse_lora(module, lora, model.loras[lora].path, 1.0, prefix="unet")
+            fuse_lora(module, lora, model.loras[lora].path, LORA_SCALE, prefix="unet")
         with torch.no_grad():
             args = [torch.from_numpy(feeds[name]) for name in interface.input_names]
             fp32_out[lora] = interface.wrapper(module)(*args).numpy()
 
+    d = (fp32_out["style"] - fp32_out[None]).astype(np.float64).ravel()
+    e = (onnx_out["style"] - onnx_out[None]).astype(np.float64).ravel()
+    k = float(e @ d / (d @ d))
+    assert 0.6 <= k <= 1.4, k
+
     def distance(a, b):
         return float(np.sqrt(np.mean((a - b) ** 2)))
 
-    assert distance(fp32_out[None], fp32_out["style"]) > 0  # the LoRA does change the model
     assert distance(onnx_out["style"], fp32_out["style"]) < distance(onnx_out["style"], fp32_out[None])
     assert distance(onnx_out[None], fp32_out[None]) < distance(onnx_out[None], fp32_out["style"])
 
