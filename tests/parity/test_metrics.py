@@ -159,7 +159,12 @@ def _fake_lpips_module(torch) -> types.ModuleType:
     return module
 
 
-def test_lpips_loads_cached_backbone_weights_into_lpips_slices(tmp_path, monkeypatch):
+def test_lpips_call_contract_with_a_stand_in_module(tmp_path, monkeypatch):
+    """A check of the call contract only, not of LPIPS: real LPIPS needs the AlexNet backbone weights, which
+    cannot be had offline (shared FACTS). A stand-in `lpips` module with LPIPS's layout checks what our side
+    does: LPIPS built without torchvision's download (pnet_rand), the cached backbone checkpoint's
+    `features.*` weights loaded into its slices (others ignored), uint8 images mapped to [-1, 1], the
+    distance read back as a float."""
     torch = pytest.importorskip("torch")
     checkpoint = {
         "features.0.weight": torch.ones(2, 3, 1, 1),
