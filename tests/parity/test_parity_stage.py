@@ -79,3 +79,32 @@ def test_a_corrupted_engine_fails_parity_naming_the_component(tmp_path, built_sd
     report = json.loads((tmp_path / "report" / "parity.json").read_text())
     assert report["passed"] is False
     assert {name for v in report["variants"] for name in v["failing_engines"]} == {"sd15-tiny.unet.64x64.b2.fp32"}
+
+
+def test_prompts_file_and_seeds_choose_the_images(tmp_path, built_sd15):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# a comment line\na red barn in snow\n\n  a city at night  \n")
+    out = tmp_path / "report"
+    assert main(["parity", str(built_sd15), "--prompts", str(prompts), "--seeds", "3", "--seeds", "5",
+                 "--steps", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "parity.json").read_text())
+    assert len(report["variants"]) == 2
+    for variant in report["variants"]:
+        asked = [(image["prompt"], image["seed"]) for image in variant["images"]]
+        assert asked == [("a red barn in snow", 3), ("a red barn in snow", 5), ("a city at night", 3),
+                         ("a city at night", 5)]
+        for image in variant["images"]:  # both images of every prompt x seed written, under distinct names
+            assert all((out / image[key]).is_file() or list(out.rglob(image[key])) for key in
+                       ("reference_png", "candidate_png"))
+    names = [image[key] for v in report["variants"] for image in v["images"] for key in ("reference_png",
+                                                                                       "candidate_png")]
+    assert len(set(names)) == 2 * 2 * 4
+
+
+@pytest.mark.parametrize("text,message", [("# only a comment\n\n", "no prompts"), (None, "cannot read")])
+def test_a_prompts_file_without_prompts_is_refused(tmp_path, built_sd15, capsys, text, message):
+    prompts = tmp_path / "prompts.txt"
+    if text is not None:
+        prompts.write_text(text)
+    assert main(["parity", str(built_sd15), "--prompts", str(prompts), "--out", str(tmp_path / "r")]) == 1
+    assert message in " ".join(capsys.readouterr().err.split())
