@@ -204,6 +204,7 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
     from .errors import RefitError
     from .runtime.loader import built_engines, refit_weights
     from .targets import get_target
+    from .targets.locks import engine_lock
 
     config = load_engines_file(config_path, check_sources=True)
     engines = [e for e in built_engines(config, model, target) if e.spec.refittable]
@@ -223,9 +224,11 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
     results = []
     for engine in engines:
         start = time.perf_counter()
-        # every refittable engine is refitted, from base: one the LoRAs do not touch goes back to its base weights
-        changed = chosen.refit(engine, weights.get(engine.spec.component) or None,
-                               lambda spec=engine.spec: exports().artifact_for(spec))
+        # every refittable engine is refitted, from base: one the LoRAs do not touch goes back to its base weights;
+        # under the engine's build lock, so a build of it never runs at the same time (nor cleans the refit's files)
+        with engine_lock(config.workspace, engine.spec.key):
+            changed = chosen.refit(engine, weights.get(engine.spec.component) or None,
+                                   lambda spec=engine.spec: exports().artifact_for(spec))
         results.append((engine.spec.name, changed, time.perf_counter() - start))
     return results
 

@@ -10,8 +10,10 @@ rebuilt.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -40,6 +42,27 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def clean_temporaries(workspace: Path, name: str, key: str) -> list[Path]:
+    """Remove what killed builds of one engine left beside it; call it holding that engine's lock.
+
+    A build writes into `engines/<target>/.<name>.<key>.*` first: a `mkdtemp` folder (onnxruntime, openvino)
+    or a `*.tmp` file (tensorrt's plan and manifest, written by `atomic_write_bytes`). Only a builder or a
+    refit of this key makes them, and both hold the key's lock, so while it is held every one of them is
+    dead. Other names (a remote pull's `.pull.` files, other keys) are left alone."""
+    prefix = f".{name}.{key}."
+    removed = []
+    for folder in sorted((Path(workspace) / "engines").glob("*/")):
+        for entry in sorted(folder.glob(f"{glob.escape(prefix)}*")):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.name.endswith(".tmp"):
+                entry.unlink(missing_ok=True)
+            else:
+                continue
+            removed.append(entry)
+    return removed
 
 
 def is_stale(path: Path, stale_after_s: float = STALE_AFTER_S, now: float | None = None) -> bool:

@@ -96,13 +96,14 @@ def profile_for(config: EnginesConfig, spec: EngineSpec):
 def build_one(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> tuple[Path, bool]:
     """Build one engine holding its key's lock (threads, processes and hosts sharing the workspace build a
     key once: a waiter finds the engine current and reuses it), recording its provenance when built."""
-    from .locks import engine_lock
+    from .locks import clean_temporaries, engine_lock
     from .provenance import record_provenance
 
     target = get_target(spec.target)
     request = build_request(config, spec, onnx_path)
     start = time.perf_counter()
     with engine_lock(config.workspace, spec.key):
+        clean_temporaries(config.workspace, spec.name, spec.key)  # of builds killed before: the lock proves them dead
         path, cached = target.build(request)
         if not cached:
             record_provenance(config.workspace, spec, path, time.perf_counter() - start)

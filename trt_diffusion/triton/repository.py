@@ -16,6 +16,7 @@ path is re-derived. The repository is written to a temporary folder beside `out`
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -127,7 +128,9 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
         notes=list(dict.fromkeys(note for plan in engines for note in plan.notes)))
     _check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    clean_stale_staging(out_dir)
+    # the owner's pid is in the name: clean_stale_staging tells a killed package's folder from a running one's
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", dir=out_dir.parent))
     try:
         for plan in models:
             _write_model(staging, plan, model_dir, family, options)
@@ -425,6 +428,44 @@ def _check_out_dir(out_dir: Path) -> None:
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / REPORT_FILE).is_file():
         raise ServeError(f"{out_dir} is not empty and was not written by `trt-diffusion package`; "
                          "choose another --out or empty it")
+
+
+STALE_STAGING_S = 600.0  # a staging folder untouched this long, whose owner is dead, was left by a killed package
+
+
+def clean_stale_staging(out_dir: Path, *, stale_after_s: float = STALE_STAGING_S, now: float | None = None) -> list[Path]:
+    """Remove what killed `package` runs left beside `out_dir`: staging folders (`.<out>.<pid>.<random>`) and
+    replaced repositories (`.<out>.old-<pid>-<ns>`) whose owner is no live process on this host and that nobody
+    has touched (the folder or its entries) for `stale_after_s`. The age also protects a packager on another
+    host sharing the volume, whose pid means nothing here. Folders of older versions (no pid) go on age alone."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(?:(\d+)\.[a-z0-9_]{{8}}|old-(\d+)-\d+|[a-z0-9_]{{8}})")
+    now = time.time() if now is None else now
+    removed = []
+    for entry in sorted(out_dir.parent.glob(f".{out_dir.name}.*")):
+        match = pattern.fullmatch(entry.name)
+        if not match or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = match.group(1) or match.group(2)
+        if pid is not None and (int(pid) == os.getpid() or _pid_alive(int(pid))):
+            continue
+        try:
+            touched = max([entry.stat().st_mtime] + [child.lstat().st_mtime for child in entry.iterdir()])
+        except OSError:  # removed meanwhile
+            continue
+        if now - touched > stale_after_s:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _swap_into_place(staging: Path, out_dir: Path) -> None:
