@@ -4,12 +4,18 @@ the python backend).
 The engine files lie in the model's version folder; the config's `target` parameter names the target,
 whose `runner_from_files` creates the runner exactly as the in-process pipeline does, so both give the
 same numbers.
+
+Engine models can be called directly, not only by the pipeline: every request's shapes are checked against the
+engine's profile (`profile_shapes` of the manifest.json packaged beside it) before the runner sees them. Triton
+checks the rank and the fixed dims of the config; the dynamic dims of a range bucket (-1 there) only this can
+check, and an ONNX Runtime engine would otherwise run any size.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from ...errors import RuntimeInputError
 from . import pb
@@ -25,6 +31,7 @@ class TritonPythonModel:
         target = config["parameters"]["target"]["string_value"]
         self.runner = get_target(target).runner_from_files(folder, self.name)
         self.output_names = [output["name"] for output in config["output"]]
+        self.profile = read_profile(folder)
 
     def execute(self, requests: list) -> list:
         utils = pb.utils()
@@ -32,6 +39,7 @@ class TritonPythonModel:
         for request in requests:
             try:
                 feeds = {name: pb.input_array(request, name) for name in self.runner.inputs}
+                check_profile(self.name, self.profile, feeds)
                 outputs = self.runner.run(feeds)
                 responses.append(utils.InferenceResponse(
                     [utils.Tensor(name, outputs[name]) for name in self.output_names]))
@@ -40,3 +48,42 @@ class TritonPythonModel:
             except Exception as err:  # noqa: BLE001 - one bad request must not take the model down
                 responses.append(pb.internal_error(self.name, err))
         return responses
+
+
+Profile = Mapping[str, Sequence[Sequence[Sequence[int]]]]  # input -> (min, opt, max) shapes
+
+
+def read_profile(folder: Path) -> Profile:
+    """The engine's `profile_shapes` from the manifest.json in its version folder ({} when it has none)."""
+    try:
+        manifest = json.loads((Path(folder) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    profile = manifest.get("profile_shapes") if isinstance(manifest, dict) else None
+    return profile if isinstance(profile, dict) else {}
+
+
+def _describe(low: Sequence[int], high: Sequence[int]) -> str:
+    return "[" + ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in zip(low, high)) + "]"
+
+
+def check_profile(model: str, profile: Profile, feeds: Mapping[str, Any]) -> None:
+    """Refuse a feed whose shape the engine was not built for: one RuntimeInputError naming each input, dim and
+    the range the engine takes there. Absent inputs and ranks are the runner's to report."""
+    problems = []
+    for name, shapes in profile.items():
+        value = feeds.get(name)
+        if value is None:
+            continue
+        low, high = [int(d) for d in shapes[0]], [int(d) for d in shapes[-1]]
+        shape = tuple(int(d) for d in value.shape)
+        if len(shape) != len(low):
+            problems.append(f"input {name} has shape {list(shape)}, the engine takes {_describe(low, high)}")
+            continue
+        for dim, (size, lo, hi) in enumerate(zip(shape, low, high)):
+            if not lo <= size <= hi:
+                allowed = str(lo) if lo == hi else f"{lo}..{hi}"
+                problems.append(f"input {name} dim {dim} is {size}, the engine takes {allowed} there "
+                                f"({name}: {_describe(low, high)})")
+    if problems:
+        raise RuntimeInputError(f"{model}: {'; '.join(problems)}")
