@@ -95,6 +95,9 @@ def serve_command(
     metrics_port: Annotated[int, typer.Option("--metrics-port")] = 8002,
     first_request: Annotated[bool, typer.Option("--first-request/--no-first-request",
                                                 help="time one request per bucket once ready")] = True,
+    admin_apis: Annotated[bool, typer.Option("--admin-apis", help="leave Triton's shared-memory, trace and logging "
+                                             "APIs open to every client (restricted by default; docs/security.md)")]
+    = False,
 ):
     """Run tritonserver on the repository (127.0.0.1) until Ctrl-C."""
     from .stage import serve
@@ -108,8 +111,11 @@ def serve_command(
         console.print("Ctrl-C stops the server.")
 
     console.print(f"starting tritonserver on {repo} …")
+    if admin_apis:
+        console.print("[yellow]note:[/yellow] --admin-apis: shared-memory, trace and logging APIs are open to every "
+                      "client that reaches the ports")
     warmup = serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                   first_request=first_request, on_ready=announce)
+                   first_request=first_request, on_ready=announce, admin_apis=admin_apis)
     console.print("stopped" if warmup else "stopped before the server was ready (tritonserver and its stubs too)")
 
 
