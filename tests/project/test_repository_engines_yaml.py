@@ -1,0 +1,69 @@
+"""The repository's own engines.yaml, as `make build-engines` runs it on a fresh clone: the tiny model written
+by `models tiny` next to a copy of the file, then `plan` (default suite) and `build` (slow: every export and
+engine of the release matrix)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trt_diffusion.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """engines.yaml copied as is, with the tiny model where it points (models/tiny-sd15), as the Makefile writes it."""
+    root = tmp_path_factory.mktemp("repository-engines-yaml")
+    shutil.copy2(REPO / "engines.yaml", root / "engines.yaml")
+    source = yaml.safe_load((REPO / "engines.yaml").read_text())["models"]["sd15-tiny"]["source"]
+    assert main(["models", "tiny", "--family", "sd15", "--controlnet", "--lora", "--out", str(root / source)]) == 0
+    return root / "engines.yaml"
+
+
+def _document(checkout: Path) -> dict:
+    return yaml.safe_load(checkout.read_text())
+
+
+def test_plan_lists_every_engine_the_file_asks_for(checkout, capsys):
+    capsys.readouterr()
+    assert main(["plan", str(checkout), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    document = _document(checkout)
+    (name, model), = document["models"].items()
+    defaults = document.get("defaults", {})
+    targets = model.get("targets", defaults.get("targets"))
+    buckets = len(model["buckets"])
+    assert model.get("batch", defaults.get("batch")) == [1]  # what the counts below assume
+    rows = {(r["component"], r["target"]): r for r in plan["rows"] if r["model"] == name}
+    for target in targets:
+        assert rows[("text_encoder", target)]["engines"] == 1  # no resolution: one per batch shape
+        for component in ("unet", "vae_decoder", *(f"controlnet:{cn}" for cn in model.get("controlnets", {}))):
+            assert rows[(component, target)]["engines"] == buckets, (component, target)
+    assert {t for _, t in rows} == set(targets)
+    assert plan["total_engines"] == sum(r["engines"] for r in plan["rows"]) == len(targets) * (1 + 3 * buckets)
+
+
+@pytest.mark.slow
+def test_build_builds_every_engine_this_machine_can(checkout, capsys):
+    from trt_diffusion.runtime.loader import built_engines
+    from trt_diffusion.spec import expand, load_engines_file
+    from trt_diffusion.targets import get_target
+
+    assert main(["build", str(checkout)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    config = load_engines_file(checkout)
+    for target in dict.fromkeys(s.target for s in expand(config)):
+        reason = get_target(target).unavailable_reason()
+        if reason is None:
+            wanted = [s for s in expand(config) if s.target == target]
+            assert len(built_engines(config, "sd15-tiny", target)) == len([s for s in wanted
+                                                                           if s.lora_variant is None])
+        else:
+            assert f"skipped target {target}" in out
+    assert main(["build", str(checkout)]) == 0  # and a second build has nothing to do
