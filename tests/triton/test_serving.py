@@ -25,7 +25,7 @@ import pytest
 from trt_diffusion.errors import ServeError
 from trt_diffusion.triton import client as triton_client
 from trt_diffusion.triton import stage
-from trt_diffusion.triton.client import ImageRequest, RequestCancelled, RequestRejected
+from trt_diffusion.triton.client import ImageRequest, RequestRejected
 from trt_diffusion.triton.validate import read_configs
 
 pytestmark = pytest.mark.triton
@@ -55,7 +55,6 @@ class Served:
 def served(sd15_engines, tmp_path_factory):
     from trt_diffusion.runtime.loader import table_from_engines
     from trt_diffusion.runtime.pipeline import DiffusionPipeline
-    from trt_diffusion.triton import stage
     from trt_diffusion.triton.repository import PackageOptions, package
 
     root = tmp_path_factory.mktemp("triton-serving")
