@@ -82,8 +82,10 @@ def test_names_are_sanitised_and_unique_per_engine():
 def test_contract_stages():
     inputs, outputs = contract.stage_io("full", "sd15", has_controlnets=False)
     assert [i.name for i in inputs] == ["PROMPT", "NEGATIVE_PROMPT", "HEIGHT", "WIDTH", "STEPS", "GUIDANCE_SCALE",
-                                        "SEED", "SCHEDULER"]
-    assert outputs == (contract.IMAGE,)
+                                        "SEED", "SCHEDULER", "NUM_IMAGES"]
+    assert outputs == (contract.IMAGE, contract.TIMING)
+    assert contract.stage_io("stream", "sd15", False)[1] == (contract.IMAGE, contract.PREVIEW, contract.STEP,
+                                                            contract.TIMING)
     encode_out = [o.name for o in contract.stage_io("encode", "sdxl", True)[1]]
     assert "POSITIVE_POOLED" in encode_out and "USE_NEGATIVE" in encode_out
     assert "POSITIVE_POOLED" not in [o.name for o in contract.stage_io("encode", "sd15", True)[1]]

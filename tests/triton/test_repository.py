@@ -61,10 +61,12 @@ def test_names_follow_pipeline_component_bucket_batch(repo):
 def test_queue_policy_and_instances_on_the_long_running_models(repo):
     out, report = repo
     models = read_configs(out)
-    for name in (report.entry, "sd15-tiny_denoise"):
+    for name in (report.entry, "sd15-tiny_stream", "sd15-tiny_denoise"):
         config = models[name]
         policy = config.dynamic_batching.default_queue_policy
-        assert config.max_batch_size == 1
+        # the entry gathers up to 8 requests (issue 18); batch-1 engines only: no wait for partners
+        assert config.max_batch_size == (8 if name == report.entry else 1)
+        assert config.dynamic_batching.max_queue_delay_microseconds == 0
         assert policy.max_queue_size == 5 and policy.default_timeout_microseconds == 12_500_000
         assert configs.mc.ModelQueuePolicy.TimeoutAction.Name(policy.timeout_action) == "REJECT"
         assert config.instance_group[0].count == 2
@@ -110,7 +112,7 @@ def test_report_round_trips(repo):
     (("sd15-tiny_ensemble", "value: \"latents\"", "value: \"latent\""),
      "model sd15-tiny_ensemble: step 2 \\(sd15-tiny_decode\\): input_map 'LATENTS' <- 'latents', which no"),
     (("sd15-tiny_decode", "name: \"WIDTH\"", "name: \"W\""), "model sd15-tiny_decode: input 'WIDTH' is missing"),
-    (("sd15-tiny", "max_batch_size: 1", "max_batch_size: 0"), "model sd15-tiny: max_batch_size is 0"),
+    (("sd15-tiny", "max_batch_size: 8", "max_batch_size: 0"), "model sd15-tiny: max_batch_size is 0"),
     (("sd15-tiny__text_encoder__any__b1", "model_warmup", "# model_warmup"), "does not parse"),
 ])
 def test_a_corrupted_config_is_named_by_model_and_field(repo, tmp_path, edit, expected):

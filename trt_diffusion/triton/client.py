@@ -12,7 +12,8 @@ from . import contract
 from .configs import ROLE
 
 PROTOCOLS = ("http", "grpc")
-_TYPES = {t.name: contract.TRITON_TO_WIRE[t.data_type] for t in contract.request_inputs(True)}
+_TYPES = {t.name: contract.TRITON_TO_WIRE[t.data_type]
+          for t in (*contract.request_inputs(True), contract.NUM_IMAGES, contract.PREVIEW_EVERY)}
 
 
 class RequestRejected(ServeError):
@@ -36,6 +37,7 @@ class ImageRequest:
     controlnet: str | None = None
     control_image: np.ndarray | None = None  # uint8 [H, W, 3]
     controlnet_scale: float | None = None
+    num_images: int | None = None  # None: one image, NUM_IMAGES not sent (servers before NUM_IMAGES accept it)
 
     def tensors(self) -> dict[str, np.ndarray]:
         """Request tensors with their batch dimension of 1; optional ones only when set."""
@@ -57,6 +59,8 @@ class ImageRequest:
             values["CONTROL_IMAGE"] = np.ascontiguousarray(self.control_image, dtype=np.uint8)[None]
         if self.controlnet_scale is not None:
             values["CONTROLNET_SCALE"] = np.array([[self.controlnet_scale]], np.float32)
+        if self.num_images is not None:
+            values["NUM_IMAGES"] = np.array([[self.num_images]], np.int32)
         return values
 
 
@@ -144,20 +148,52 @@ def server_error(err: Exception, url: str, pipeline: str) -> ServeError:
 def infer(client, module, pipeline: str, request: ImageRequest, *, protocol: str, timeout_s: float,
           url: str = "") -> np.ndarray:
     """One request on an open client. Returns the image, uint8 [H, W, 3]."""
+    return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url)[0][0]
+
+
+def infer_images(client, module, pipeline: str, request: ImageRequest, *, protocol: str, timeout_s: float,
+                 url: str = "") -> tuple[np.ndarray, dict]:
+    """(images uint8 [N, H, W, 3] with N = NUM_IMAGES, the response parameters: `timing` decoded from JSON)."""
+    import time
+
     inputs = make_inputs(module, request.tensors())
-    outputs = [module.InferRequestedOutput("IMAGE")]
+    outputs = [module.InferRequestedOutput("IMAGE"), module.InferRequestedOutput("TIMING")]
+    parameters = {contract.SENT_NS_PARAMETER: time.time_ns()}  # the server reports queue_s from it
     try:
         if protocol == "grpc":
-            result = client.infer(pipeline, inputs, outputs=outputs, client_timeout=timeout_s)
+            result = client.infer(pipeline, inputs, outputs=outputs, client_timeout=timeout_s, parameters=parameters)
         else:
-            result = client.infer(pipeline, inputs, outputs=outputs)
+            result = client.infer(pipeline, inputs, outputs=outputs, parameters=parameters)
     except Exception as err:  # tritonclient raises InferenceServerException, sockets raise OS errors
         raise server_error(err, url, pipeline) from None
-    image = result.as_numpy("IMAGE")
-    if image is None or image.ndim != 4 or image.shape[0] != 1 or image.shape[-1] != 3 or image.dtype != np.uint8:
-        raise ServeError(f"Triton at {url}, model {pipeline}: expected IMAGE uint8 [1, H, W, 3], got "
-                         f"{None if image is None else (image.dtype, list(image.shape))}")
-    return image[0]
+    images = result.as_numpy("IMAGE")
+    expected = request.num_images or 1
+    if (images is None or images.ndim != 4 or images.shape[0] != expected or images.shape[-1] != 3
+            or images.dtype != np.uint8):
+        raise ServeError(f"Triton at {url}, model {pipeline}: expected IMAGE uint8 [{expected}, H, W, 3], got "
+                         f"{None if images is None else (images.dtype, list(images.shape))}")
+    return images, response_parameters(result.get_response(), result)
+
+
+def response_parameters(response: Any, result: Any = None) -> dict:
+    """A response's parameters as a dict (HTTP: JSON; gRPC: InferParameter messages), `timing` parsed: from the
+    TIMING output where the server sends one (Triton 2.51's python backend cannot set response parameters)."""
+    import json
+
+    if isinstance(response, dict):
+        values = dict(response.get("parameters") or {})
+    else:
+        values = {}
+        for key, parameter in response.parameters.items():
+            kind = parameter.WhichOneof("parameter_choice")
+            values[key] = getattr(parameter, kind) if kind else None
+    timing = result.as_numpy("TIMING") if result is not None else None
+    if timing is not None and timing.size:
+        item = timing.reshape(-1)[0]
+        values[contract.TIMING_PARAMETER] = item.decode() if isinstance(item, bytes) else str(item)
+    if isinstance(values.get(contract.TIMING_PARAMETER), str):
+        values[contract.TIMING_PARAMETER] = json.loads(values[contract.TIMING_PARAMETER])
+    return values
 
 
 def generate(url: str, *, pipeline: str | None = None, prompt: str, height: int, width: int, steps: int = 20,
@@ -173,6 +209,75 @@ def generate(url: str, *, pipeline: str | None = None, prompt: str, height: int,
         pipeline = pipeline or find_pipeline(client, url)
         return infer(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url)
     finally:
+        client.close()
+
+
+def generate_images(url: str, request: ImageRequest, *, pipeline: str | None = None, protocol: str = "http",
+                    timeout_s: float = 300.0) -> tuple[np.ndarray, dict]:
+    """(images uint8 [N, H, W, 3], response parameters with `timing`) for one request (NUM_IMAGES = N)."""
+    module = client_module(protocol)
+    client = connect(url, protocol, timeout_s)
+    try:
+        pipeline = pipeline or find_pipeline(client, url)
+        return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url)
+    finally:
+        client.close()
+
+
+def stream(url: str, request: ImageRequest, *, model: str, preview_every: int | None = None,
+           timeout_s: float = 300.0, on_preview=None) -> tuple[np.ndarray, list[tuple[int, np.ndarray]], dict]:
+    """Over gRPC, the streaming entry `<pipeline>_stream`: (image [H, W, 3], previews [(step, uint8 [h, w, 3])],
+    response parameters). `on_preview(step, preview)` is called as each arrives; returning False cancels."""
+    import queue
+    import time
+
+    import tritonclient.grpc as grpc
+
+    tensors = request.tensors()
+    if preview_every is not None:
+        tensors["PREVIEW_EVERY"] = np.array([[preview_every]], np.int32)
+    inputs = make_inputs(grpc, tensors)
+    results: queue.Queue = queue.Queue()
+    client = grpc.InferenceServerClient(strip_scheme(url))
+    previews: list[tuple[int, np.ndarray]] = []
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)),
+                            stream_timeout=timeout_s)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True,
+                                  parameters={contract.SENT_NS_PARAMETER: time.time_ns()})
+        image, parameters = None, {}
+        while True:
+            try:
+                result, error = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RequestCancelled(f"Triton at {url}, model {model}: no response for {timeout_s:.0f} s") from None
+            if error is not None:
+                raise server_error(error, url, model)
+            response = result.get_response()
+            final = "triton_final_response" in response.parameters and response.parameters[
+                "triton_final_response"].bool_param
+            if final and not response.outputs:
+                break
+            preview = result.as_numpy("PREVIEW")
+            if preview is not None and preview.size:
+                step = int(result.as_numpy("STEP").reshape(-1)[0])
+                previews.append((step, preview[0]))
+                if on_preview is not None and on_preview(step, preview[0]) is False:
+                    client.stop_stream(cancel_requests=True)
+                    raise RequestCancelled(f"Triton at {url}, model {model}: cancelled after step {step}")
+                continue
+            image = result.as_numpy("IMAGE")
+            parameters = response_parameters(response, result)
+            if final:
+                break
+        if image is None:
+            raise ServeError(f"Triton at {url}, model {model}: the stream ended without an image")
+        return image[0], previews, parameters
+    finally:
+        try:
+            client.stop_stream()
+        except Exception:  # noqa: BLE001 - already stopped
+            pass
         client.close()
 
 

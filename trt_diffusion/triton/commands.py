@@ -62,6 +62,14 @@ def package_command(
     = WarmupData.zero,
     ensemble: Annotated[bool, typer.Option("--ensemble/--no-ensemble",
                                            help="also write <pipeline>_ensemble and its stage models")] = True,
+    batch_requests: Annotated[int, typer.Option("--batch-requests", min=1, help="requests the entry gathers into "
+                                                "one batch at most (shared denoiser calls over batch-N engines)")]
+    = 8,
+    batch_delay_ms: Annotated[float, typer.Option("--batch-delay-ms", min=0, max=10000, help="longest wait for "
+                                                  "batch partners (0 where the engines are batch 1 only)")] = 5.0,
+    max_images: Annotated[int, typer.Option("--max-images", min=1, help="NUM_IMAGES of one request at most")] = 8,
+    stream: Annotated[bool, typer.Option("--stream/--no-stream",
+                                         help="also write <pipeline>_stream (gRPC streaming, previews)")] = True,
 ):
     """Write a Triton model repository serving the built engines of one model."""
     from .repository import PackageOptions
@@ -69,7 +77,9 @@ def package_command(
 
     options = PackageOptions(engine_backend=engine_backend.value, pipeline_instances=instances,
                              engine_instances=engine_instances, max_queue_size=max_queue_size,
-                             queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble)
+                             queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble,
+                             batch_requests=batch_requests, batch_delay_ms=batch_delay_ms, max_images=max_images,
+                             stream=stream)
     report = package_stage(config, out, check_target_name(target), model=model, options=options)
     table = Table(title=f"Triton repository {report.repo}")
     for column in ("model", "role", "backend", "component", "bucket", "batch", "warm-up shapes"):
@@ -138,15 +148,20 @@ def generate_command(
     = None,
     controlnet_scale: Annotated[Optional[float], typer.Option("--controlnet-scale")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout", help="seconds to wait for the image")] = 300.0,
+    num_images: Annotated[int, typer.Option("--num-images", min=1, help="images for this prompt, seeds SEED, "
+                                            "SEED+1, ...; written as OUTPUT-0.png, OUTPUT-1.png, ... when > 1")] = 1,
+    preview: Annotated[Optional[Path], typer.Option("--preview", help="save live previews in this folder "
+                                                    "(gRPC only: the streaming entry <pipeline>_stream)")] = None,
+    preview_every: Annotated[int, typer.Option("--preview-every", min=1, help="a preview every N steps")] = 5,
 ):
-    """Ask a running server for one image and save it as PNG."""
+    """Ask a running server for one image (or --num-images N) and save it as PNG."""
     import time
 
     import numpy as np
     from PIL import Image
 
     from ..spec.engine_spec import Size
-    from .client import generate, served_sizes
+    from .client import ImageRequest, generate_images, served_sizes, stream
 
     if height is None or width is None:
         pipeline, sizes = served_sizes(url, pipeline, protocol.value)
@@ -155,12 +170,41 @@ def generate_command(
     control = None
     if control_image is not None:
         control = np.asarray(Image.open(control_image).convert("RGB").resize((width, height)), dtype=np.uint8)
+    from ..errors import ServeError as _UserError
+
+    request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
+                           control, controlnet_scale, num_images=num_images if num_images > 1 else None)
     start = time.perf_counter()
-    image = generate(url, pipeline=pipeline, prompt=prompt, height=height, width=width, steps=steps,
-                     guidance_scale=guidance_scale, seed=seed, negative_prompt=negative_prompt, scheduler=scheduler,
-                     controlnet=controlnet, control_image=control, controlnet_scale=controlnet_scale,
-                     protocol=protocol.value, timeout_s=timeout_s)
     output.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(image).save(output)
-    console.print(f"wrote {output} ({width}x{height}, {steps} steps, seed {seed}) in "
-                  f"{time.perf_counter() - start:.2f} s")
+    if preview is not None:
+        if protocol is not Protocol.grpc or num_images > 1:
+            raise _UserError("--preview streams over gRPC, one image at a time: use --protocol grpc with the gRPC "
+                             "port (8001) and no --num-images (HTTP has no streaming in Triton)")
+        preview.mkdir(parents=True, exist_ok=True)
+
+        def save(step: int, picture) -> None:
+            Image.fromarray(picture).save(preview / f"step-{step:04d}.png")
+            console.print(f"preview {preview / f'step-{step:04d}.png'}")
+
+        if pipeline is None:
+            from .client import connect, find_pipeline
+
+            client = connect(url, "grpc", 60.0)
+            try:
+                pipeline = find_pipeline(client, url)
+            finally:
+                client.close()
+        image, _, parameters = stream(url, request, model=f"{pipeline}_stream", preview_every=preview_every,
+                                      timeout_s=timeout_s, on_preview=save)
+        images = image[None]
+    else:
+        images, parameters = generate_images(url, request, pipeline=pipeline, protocol=protocol.value,
+                                             timeout_s=timeout_s)
+    paths = [output] if len(images) == 1 else [output.with_name(f"{output.stem}-{i}{output.suffix}")
+                                                for i in range(len(images))]
+    for path, image in zip(paths, images):
+        Image.fromarray(image).save(path)
+    timing = parameters.get("timing") or {}
+    console.print(f"wrote {', '.join(map(str, paths))} ({width}x{height}, {steps} steps, seed {seed}) in "
+                  f"{time.perf_counter() - start:.2f} s"
+                  + (f" (server: {timing.get('total_s', 0):.2f} s, batch {timing.get('batch')})" if timing else ""))

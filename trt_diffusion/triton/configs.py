@@ -98,20 +98,26 @@ def engine_config(name: str, *, inputs: Sequence[TensorDecl], outputs: Sequence[
 
 
 def pipeline_config(name: str, *, stage: str, inputs: Sequence[TensorDecl], outputs: Sequence[TensorDecl],
-                    instances: int, queue: QueuePolicy | None, parameters: dict[str, str]) -> ModelConfig:
-    config = ModelConfig(name=name, backend="python", max_batch_size=1)
+                    instances: int, queue: QueuePolicy | None, parameters: dict[str, str],
+                    batch_requests: int = 1, batch_delay_us: int = 0) -> ModelConfig:
+    """`batch_requests` > 1 (the entry): Triton's dynamic batcher hands one execute up to that many requests,
+    waiting at most `batch_delay_us` for partners; the model groups them (see pipeline_model)."""
+    config = ModelConfig(name=name, backend="python", max_batch_size=max(1, batch_requests))
     _add_tensors(config.input, inputs, inputs=True)
     _add_tensors(config.output, outputs, inputs=False)
     _instances(config, instances, "KIND_CPU")
     if queue is not None:
         batching = config.dynamic_batching
-        batching.max_queue_delay_microseconds = 0  # batches of one: never wait for a partner
+        batching.max_queue_delay_microseconds = batch_delay_us if batch_requests > 1 else 0
         policy = batching.default_queue_policy
         policy.timeout_action = mc.ModelQueuePolicy.TimeoutAction.Value("REJECT")
         policy.default_timeout_microseconds = int(queue.timeout_s * 1e6)
         policy.allow_timeout_override = True  # a client may ask for a shorter wait
         policy.max_queue_size = queue.max_queue_size
-    _parameters(config, {ROLE: "entry" if stage == "full" else "stage", "stage": stage, **parameters})
+    if stage == "stream":  # one request, many responses (previews, then the image): gRPC streaming
+        config.model_transaction_policy.decoupled = True
+    role = {"full": "entry", "stream": "stream"}.get(stage, "stage")
+    _parameters(config, {ROLE: role, "stage": stage, **parameters})
     return config
 
 

@@ -40,6 +40,19 @@ CONTROLNET_INPUTS: tuple[TensorDecl, ...] = (
     _scalar("CONTROLNET_SCALE", "TYPE_FP32", optional=True),
 )
 IMAGE = TensorDecl("IMAGE", "TYPE_UINT8", (-1, -1, 3))
+# The public entry only: images for this request, seeds SEED, SEED + 1, ...; IMAGE is then [N, H, W, 3]
+NUM_IMAGES = _scalar("NUM_IMAGES", "TYPE_INT32", optional=True)
+# The streaming entry: a preview every PREVIEW_EVERY steps (default below), then the image
+PREVIEW_EVERY = _scalar("PREVIEW_EVERY", "TYPE_INT32", optional=True)
+PREVIEW = TensorDecl("PREVIEW", "TYPE_UINT8", (-1, -1, 3))
+STEP = _scalar("STEP", "TYPE_INT32")  # in a preview response: steps done so far
+DEFAULT_PREVIEW_EVERY = 5
+# Request parameter a client may set (time.time_ns() when it sent the request, same host): gives queue_s
+SENT_NS_PARAMETER = "trt_diffusion_sent_ns"
+TIMING_PARAMETER = "timing"  # response parameter: JSON of the request's timings
+# The same JSON as an output (Triton 2.51's python backend cannot set response parameters): sent only to
+# clients that ask for it, so one-image clients asking for IMAGE see no change.
+TIMING = _scalar("TIMING", "TYPE_STRING")
 
 # Between the ensemble's stages
 LATENTS = TensorDecl("LATENTS", "TYPE_FP32", (-1, -1, -1, -1))  # [B, C, h, w]
@@ -70,7 +83,9 @@ def stage_io(stage: str, family: Family | str, has_controlnets: bool
     """(inputs, outputs) of a pipeline python model: `full` (the public entry), `encode`, `denoise`, `decode`."""
     request = request_inputs(has_controlnets)
     if stage == "full":
-        return request, (IMAGE,)
+        return request + (NUM_IMAGES,), (IMAGE, TIMING)
+    if stage == "stream":
+        return request + (PREVIEW_EVERY,), (IMAGE, PREVIEW, STEP, TIMING)
     if stage == "encode":  # gets the whole request so it can refuse a bad one before any engine runs
         return request, encoding_tensors(family)
     if stage == "denoise":
@@ -82,7 +97,7 @@ def stage_io(stage: str, family: Family | str, has_controlnets: bool
     raise ValueError(f"unknown pipeline stage {stage!r}")
 
 
-STAGES = ("full", "encode", "denoise", "decode")
+STAGES = ("full", "stream", "encode", "denoise", "decode")
 
 
 # numpy dtype name (as engine manifests write it) <-> Triton data type

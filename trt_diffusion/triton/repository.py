@@ -66,6 +66,13 @@ class PackageOptions:
     queue_timeout_s: float = 60.0  # a request that waits longer in the queue is refused
     warmup_data: str = "zero"  # zero | random (floating inputs only; token ids stay zero)
     ensemble: bool = True  # also write <pipeline>_ensemble and its three stage models
+    # Dynamic batching in the entry: one execute gets up to `batch_requests` requests, waiting at most
+    # `batch_delay_ms` for partners; requests of one size/steps/scheduler/CFG/ControlNet share denoiser calls
+    # over the batch-N engines built (none to share with batch [1] only: then no wait).
+    batch_requests: int = 8
+    batch_delay_ms: float = 5.0
+    max_images: int = 8  # NUM_IMAGES of one request at most
+    stream: bool = True  # also write <pipeline>_stream: decoupled (gRPC streaming) with previews
     link_files: bool = True  # share engine bytes (reflink, else hard link except ONNX external data) where possible
 
     def check(self) -> None:
@@ -74,9 +81,11 @@ class PackageOptions:
             problems.append(f"engine_backend must be one of {ENGINE_BACKENDS}, got {self.engine_backend!r}")
         if self.warmup_data not in WARMUP_DATA:
             problems.append(f"warmup_data must be one of {WARMUP_DATA}, got {self.warmup_data!r}")
-        for name in ("pipeline_instances", "engine_instances", "max_queue_size"):
+        for name in ("pipeline_instances", "engine_instances", "max_queue_size", "batch_requests", "max_images"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.batch_delay_ms <= 10_000:
+            problems.append(f"batch_delay_ms must be in [0, 10000], got {self.batch_delay_ms}")
         if not self.queue_timeout_s > 0:
             problems.append(f"queue_timeout_s must be positive, got {self.queue_timeout_s}")
         if problems:
@@ -248,24 +257,37 @@ def _sizes(built: Sequence[Any], family: Family, which: str) -> list[str]:
 def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, description: PipelineDescription,
                     sizes: list[str], request_sizes: list[str], options: PackageOptions) -> list[_ModelPlan]:
     queue = QueuePolicy(options.max_queue_size, options.queue_timeout_s)
-    stages = ["full"] + (["encode", "denoise", "decode"] if options.ensemble else [])
+    stages = (["full"] + (["stream"] if options.stream else [])
+              + (["encode", "denoise", "decode"] if options.ensemble else []))
+    shares = _can_share_denoiser_calls(description)
     plans = []
     for stage in stages:
         name = naming.entry_name(pipeline) if stage == "full" else naming.stage_name(pipeline, stage)
         inputs, outputs = contract.stage_io(stage, family, has_controlnets)
         # The long-running models get the bounded queue and the configured instance count.
-        long_running = stage in ("full", "denoise")
+        long_running = stage in ("full", "stream", "denoise")
+        batching = stage == "full"
         config = configs.pipeline_config(
             name, stage=stage, inputs=inputs, outputs=outputs,
             instances=options.pipeline_instances if long_running else 1, queue=queue if long_running else None,
             parameters={"pipeline": pipeline, "family": family.value, "sizes": ";".join(sizes),
-                        "request_sizes": ";".join(request_sizes)})
-        record = PackagedModel(name=name, role="entry" if stage == "full" else "stage", backend="python")
+                        "request_sizes": ";".join(request_sizes), "max_images": str(options.max_images)},
+            batch_requests=options.batch_requests if batching else 1,
+            batch_delay_us=int(options.batch_delay_ms * 1000) if batching and shares else 0)
+        role = {"full": "entry", "stream": "stream"}.get(stage, "stage")
+        record = PackagedModel(name=name, role=role, backend="python")
         plans.append(_ModelPlan(config, record, texts={"model.py": PIPELINE_MODEL_PY}, skeleton=True,
                                 description=description))
     if options.ensemble:
         plans.append(_ensemble_plan(pipeline, family, has_controlnets))
     return plans
+
+
+def _can_share_denoiser_calls(description: PipelineDescription) -> bool:
+    """Whether two requests can ever share a denoiser call: an engine batch above 2 (CFG batched: two rows a
+    request) or a dynamic one. With batch [1] only, waiting for partners would only add latency."""
+    denoiser = FAMILIES[Family(description.family)].denoiser.value
+    return any(e.batch is None or e.batch > 2 for e in description.engines if e.component == denoiser)
 
 
 def _ensemble_plan(pipeline: str, family: Family, has_controlnets: bool) -> _ModelPlan:

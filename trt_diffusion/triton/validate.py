@@ -46,12 +46,13 @@ def validate_repository(repo: str | Path, manifests: dict[str, Any] | None = Non
         if role == "engine":
             manifest = (manifests or {}).get(name) or _copied_manifest(repo / name / VERSION)
             problems += _engine_problems(repo / name, config, manifest)
-        elif role in ("entry", "stage"):
+        elif role in ("entry", "stream", "stage"):
             problems += _pipeline_problems(repo / name, config, models)
         elif role == "ensemble":
             problems += _ensemble_problems(config, models)
         else:
-            problems.append(f"{where}: parameter {ROLE} is {role!r}, expected entry, stage, ensemble or engine")
+            problems.append(f"{where}: parameter {ROLE} is {role!r}, expected entry, stream, stage, ensemble or "
+                            "engine")
     for name in (manifests or {}):
         if name not in models:
             problems.append(f"model {name}: expected for a built engine, not in the repository")
@@ -161,7 +162,9 @@ def _pipeline_problems(folder: Path, config: ModelConfig, models: dict[str, Mode
     inputs, outputs = contract.stage_io(stage, description.family, bool(description.controlnets))
     problems = _io_problems(where, "input", config.input, _contract_io(inputs), f"the {stage} contract")
     problems += _io_problems(where, "output", config.output, _contract_io(outputs), f"the {stage} contract")
-    if config.max_batch_size != 1:
+    if stage == "full" and config.max_batch_size < 1:  # the entry gathers requests (dynamic batching)
+        problems.append(f"{where}: max_batch_size is {config.max_batch_size}, the entry needs at least 1")
+    elif stage != "full" and config.max_batch_size != 1:
         problems.append(f"{where}: max_batch_size is {config.max_batch_size}, the contract needs 1")
     for file in ("model.py", f"{SKELETON_DIR}/model_index.json"):
         if not (version / file).is_file():

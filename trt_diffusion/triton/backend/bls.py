@@ -16,7 +16,12 @@ from . import pb
 
 
 class RequestCancelled(Exception):
-    """The client cancelled (or its deadline passed): stop and free the instance."""
+    """The client cancelled (or its deadline passed): stop and free the instance. `requests`: which of the
+    requests being served together were cancelled (their partners carry on)."""
+
+    def __init__(self, requests: list | None = None):
+        super().__init__()
+        self.requests = requests or []
 
 
 class EngineCallError(TrtDiffusionError):
@@ -24,15 +29,22 @@ class EngineCallError(TrtDiffusionError):
 
 
 class RequestContext:
-    """The request an instance is serving now. Python instances serve one request at a time, so one
-    mutable slot per instance is enough; every engine call checks it for cancellation."""
+    """The requests an instance is serving now (one, or a batch sharing denoiser calls). Python instances run
+    one execute at a time, so one mutable slot per instance is enough; every engine call checks it for
+    cancellation."""
 
     def __init__(self) -> None:
         self.request: Any = None
+        self.requests: list = []  # a batch: checked all together
+        self.cancelled: Any = None  # a decoupled request's response sender (is_cancelled) or None
 
     def raise_if_cancelled(self) -> None:
-        if self.request is not None and self.request.is_cancelled():
-            raise RequestCancelled()
+        active = self.requests or ([self.request] if self.request is not None else [])
+        cancelled = [r for r in active if r.is_cancelled()]
+        if self.cancelled is not None and self.cancelled.is_cancelled():
+            cancelled = active or [None]
+        if cancelled:
+            raise RequestCancelled(cancelled)
 
 
 class BlsRunner:

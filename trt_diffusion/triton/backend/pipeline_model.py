@@ -1,5 +1,6 @@
-"""The pipeline python models: `full` (the public entry: the whole generation, cancellable every step)
-and the ensemble's stages `encode`, `denoise`, `decode`. All run `DiffusionPipeline` over BLS runners
+"""The pipeline python models: `full` (the public entry: the whole generation, cancellable every step, requests
+batched together: see batching.py), `stream` (decoupled: previews every K steps, then the image) and the
+ensemble's stages `encode`, `denoise`, `decode`. All run `DiffusionPipeline` over BLS runners
 built from pipeline.json, so they compute exactly what the in-process pipeline computes.
 """
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from ...errors import RuntimeInputError
 from ...spec.engine_spec import Size
+from .. import contract
 from ..description import SKELETON_DIR, PipelineDescription
 from . import pb
 from .bls import EngineCallError, RequestCancelled, RequestContext, bls_runner_table
@@ -37,10 +39,20 @@ class TritonPythonModel:
         # BLS is not available during initialize; the engine models warm themselves with model_warmup).
         seconds = warm_up_in_process(self.pipeline, self.description)
         pb.utils().Logger.log_info(f"{self.name}: python warm-up took {seconds:.2f} s")
-        self._serve = {"full": self._full, "encode": self._encode, "denoise": self._denoise,
-                       "decode": self._decode}[self.stage]
+        parameters = config["parameters"]
+        self.max_images = int(parameters.get("max_images", {}).get("string_value", "1") or 1)
+        self._serve = {"full": self._full, "stream": self._stream, "encode": self._encode,
+                       "denoise": self._denoise, "decode": self._decode}[self.stage]
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> list | None:
+        if self.stage == "full":  # the dynamic batcher's batch, served together
+            from .batching import serve_batch
+
+            return serve_batch(self.name, self.pipeline, self.context, requests, self.max_images)
+        if self.stage == "stream":
+            for request in requests:
+                self._stream(request)
+            return None  # decoupled: every response went through the request's response sender
         responses = []
         for request in requests:
             self.context.request = request
@@ -66,6 +78,48 @@ class TritonPythonModel:
     def _full(self, request: Any):
         generation = self.pipeline.generate(read_request(request))
         return _response({"IMAGE": generation.images[0]})
+
+    def _stream(self, request: Any) -> None:
+        """Previews every PREVIEW_EVERY steps (PREVIEW [1, h, w, 3], STEP), then IMAGE, then the final flag.
+        A cancelled stream stops at the next engine call, freeing the instance within one step."""
+        from .batching import response_with_timing, sent_ns, timing_json
+        from .previews import preview
+
+        utils = pb.utils()
+        sender = request.get_response_sender()
+        final = utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        start, start_ns = time.perf_counter(), time.time_ns()
+        self.context.request, self.context.cancelled = request, sender
+        try:
+            generation_request = read_request(request)
+            every = pb.input_array(request, "PREVIEW_EVERY")
+            every = contract.DEFAULT_PREVIEW_EVERY if every is None else int(every.reshape(-1)[0])
+            if every < 1:
+                raise RuntimeInputError(f"PREVIEW_EVERY must be at least 1 (a preview every that many steps), "
+                                        f"got {every}")
+
+            def on_step(index: int, total: int, latents: list) -> None:
+                done = index + 1
+                if done % every == 0 and done < total:
+                    image = preview(latents[0][0].numpy(), self.description.family, generation_request.height,
+                                    generation_request.width)
+                    sender.send(utils.InferenceResponse([
+                        utils.Tensor("PREVIEW", image[None]), utils.Tensor("STEP", np.array([[done]], np.int32))]))
+
+            generation = self.pipeline.generate(generation_request, on_step)
+            timing = timing_json([generation.timings], start, sent_ns(request), start_ns)
+            sender.send(response_with_timing([utils.Tensor("IMAGE", generation.images)], timing, 1), flags=final)
+        except RuntimeInputError as err:
+            sender.send(pb.error_response(f"{self.name}: {err}"), flags=final)
+        except RequestCancelled:
+            pb.utils().Logger.log_info(f"{self.name}: stream cancelled after {time.perf_counter() - start:.2f} s")
+            sender.send(pb.error_response(f"{self.name}: request cancelled", "CANCELLED"), flags=final)
+        except EngineCallError as err:
+            sender.send(pb.error_response(f"{self.name}: {err}", "INTERNAL"), flags=final)
+        except Exception as err:  # noqa: BLE001 - a bug answers this request, the model stays up
+            sender.send(pb.internal_error(self.name, err), flags=final)
+        finally:
+            self.context.request, self.context.cancelled = None, None
 
     def _encode(self, request: Any):
         generation_request = read_request(request)

@@ -1,0 +1,170 @@
+"""The public entry over a batch of requests (Triton's dynamic batcher hands `execute` several at once).
+
+Each request becomes NUM_IMAGES items (seeds SEED, SEED + 1, ...); items that share a batch key (size, steps,
+scheduler, CFG, ControlNet) run through shared denoiser calls (`DiffusionPipeline.plan_batches` /
+`generate_together`), split over the engine batches built. A request that is refused (bad values), fails or is
+cancelled gets its own error; its partners are run again without it and still get their images.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ...errors import RuntimeInputError
+from .. import contract
+from . import pb
+from .bls import EngineCallError, RequestCancelled, RequestContext
+from .requests import read_request
+
+
+@dataclass
+class _Answer:
+    """What one Triton request has so far: an error, or its images (by item) and timings."""
+
+    count: int = 0
+    error: Any = None  # an error response
+    images: dict[int, np.ndarray] = field(default_factory=dict)
+    timings: list = field(default_factory=list)  # StageTimings of its images
+
+
+def num_images(request: Any, limit: int) -> int:
+    value = pb.input_array(request, "NUM_IMAGES")
+    if value is None:
+        return 1
+    flat = value.reshape(-1)
+    if flat.size != 1:
+        raise RuntimeInputError(f"NUM_IMAGES must hold one value, got shape {list(value.shape)}")
+    count = int(flat[0])
+    if not 1 <= count <= limit:
+        raise RuntimeInputError(f"NUM_IMAGES must be between 1 and {limit} (this server's limit), got {count}")
+    return count
+
+
+def sent_ns(request: Any) -> int | None:
+    """The client's send time (time.time_ns(), same host) from the request parameters, when it set one."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (AttributeError, ValueError, TypeError):
+        return None
+    value = parameters.get(contract.SENT_NS_PARAMETER)
+    return value if isinstance(value, int) else None
+
+
+def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: list, max_images: int) -> list:
+    """One response per request, in order."""
+    started, started_ns = time.perf_counter(), time.time_ns()
+    answers = [_Answer() for _ in requests]
+    items: list[tuple[int, Any]] = []  # (request index, GenerationRequest of one image)
+    for index, request in enumerate(requests):
+        try:
+            generation_request = read_request(request)
+            count = num_images(request, max_images)
+        except RuntimeInputError as err:
+            answers[index].error = pb.error_response(f"{name}: {err}")
+            continue
+        answers[index].count = count
+        items += [(index, replace(generation_request, seed=generation_request.seed + k)) for k in range(count)]
+
+    errors, batches = pipeline.plan_batches([item for _, item in items])
+    for position, err in errors.items():
+        owner = items[position][0]
+        if answers[owner].error is None:
+            answers[owner].error = pb.error_response(f"{name}: {err}")
+    work = deque(batches)
+    while work:
+        batch = [p for p in work.popleft() if answers[items[p][0]].error is None]
+        owners = list(dict.fromkeys(items[p][0] for p in batch))
+        if not batch:
+            continue
+        context.requests = [requests[o] for o in owners]
+        wait = time.perf_counter() - started
+        try:
+            generations = pipeline.generate_together([items[p][1] for p in batch])
+        except RequestCancelled as err:
+            cancelled = [o for o in owners if any(requests[o] is r for r in err.requests)] or owners
+            for owner in cancelled:
+                message = f"{name}: request cancelled after {time.perf_counter() - started:.2f} s"
+                pb.utils().Logger.log_info(message)  # the client is gone: the log is where this shows
+                answers[owner].error = pb.error_response(message, "CANCELLED")
+            rest = [p for p in batch if answers[items[p][0]].error is None]
+            work.extendleft(reversed(_replan(pipeline, items, rest)))  # the partners again, without the cancelled
+            continue
+        except Exception as err:  # noqa: BLE001 - answers these requests, the model stays up
+            if len(owners) > 1:  # run each request on its own: only the one at fault fails
+                for owner in reversed(owners):
+                    work.extendleft(reversed(_replan(pipeline, items, [p for p in batch if items[p][0] == owner])))
+                continue
+            answers[owners[0]].error = _error(name, err)
+            continue
+        finally:
+            context.requests = []
+        for position, generation in zip(batch, generations):
+            owner = items[position][0]
+            generation.timings.wait_s = wait
+            answers[owner].images[position] = generation.images
+            answers[owner].timings.append(generation.timings)
+    return [_response(answer, requests[i], started, started_ns) for i, answer in enumerate(answers)]
+
+
+def _replan(pipeline: Any, items: list, positions: list[int]) -> list[list[int]]:
+    _, batches = pipeline.plan_batches([items[p][1] for p in positions])
+    return [[positions[i] for i in batch] for batch in batches]
+
+
+def _error(name: str, err: BaseException):
+    if isinstance(err, RuntimeInputError):
+        return pb.error_response(f"{name}: {err}")
+    if isinstance(err, EngineCallError):
+        return pb.error_response(f"{name}: {err}", "INTERNAL")
+    return pb.internal_error(name, err)
+
+
+def timing_json(timings: list, started: float, sent: int | None, started_ns: int) -> str:
+    """The request's timings: Triton queue (when the client sent its send time), the wait behind other batches
+    of the same execute, text encoding, each step of each denoising batch its images ran in, VAE decode."""
+    return json.dumps({
+        "queue_s": None if sent is None else max(0.0, (started_ns - sent) / 1e9),
+        "wait_s": min(t.wait_s for t in timings),
+        "text_encode_s": sum(t.text_encode_s for t in timings),
+        "steps_s": _unique_batches(timings),
+        "vae_decode_s": sum(t.vae_decode_s for t in timings),
+        "batch": [t.batch for t in timings],  # requests' images sharing the denoiser calls, per image
+        "total_s": time.perf_counter() - started,
+    })
+
+
+def _unique_batches(timings: list) -> list[list[float]]:
+    seen, batches = set(), []
+    for t in timings:
+        key = id(t.step_s) if t.batch == 1 else tuple(t.step_s)
+        if key not in seen:
+            seen.add(key)
+            batches.append(list(t.step_s))
+    return batches
+
+
+def _response(answer: _Answer, request: Any, started: float, started_ns: int):
+    if answer.error is not None:
+        return answer.error
+    utils = pb.utils()
+    images = np.concatenate([answer.images[p] for p in sorted(answer.images)])  # [N, H, W, 3], seed order
+    timing = timing_json(answer.timings, started, sent_ns(request), started_ns)
+    # One image: [1, H, W, 3] as before (the request's batch dimension); N images: [N, H, W, 3].
+    return response_with_timing([utils.Tensor("IMAGE", np.ascontiguousarray(images))], timing, int(images.shape[0]))
+
+
+def response_with_timing(tensors: list, timing: str, images: int):
+    """The response with TIMING (JSON) as an output, and as response parameters where the python backend can
+    set them (newer Triton); 2.51 cannot."""
+    utils = pb.utils()
+    tensors = [*tensors, utils.Tensor("TIMING", np.array([[timing.encode()]], dtype=object))]
+    try:
+        return utils.InferenceResponse(tensors, parameters={contract.TIMING_PARAMETER: timing, "images": images})
+    except TypeError:
+        return utils.InferenceResponse(tensors)
