@@ -38,6 +38,16 @@ def _check_replaceable(onnx_path: str | Path, names: Sequence[str]) -> None:
         )
 
 
+def _ortvalue(ort, array: np.ndarray):
+    """An OrtValue over `array`'s buffer; float8 (ml_dtypes, which numpy does not know) by its ONNX type."""
+    if array.dtype.name == "float8_e4m3fn":
+        import onnx
+
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint8),
+                                                               onnx.TensorProto.FLOAT8E4M3FN)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
 def onnxruntime_session(
     onnx_path: str | Path,
     replacements: Mapping[str, np.ndarray] | None = None,
@@ -54,8 +64,9 @@ def onnxruntime_session(
     options = session_options() if session_options is not None else ort.SessionOptions()
     # ORT reads the replacement buffers in place for the session's whole life (freeing them early
     # crashes the process): the arrays and OrtValues stay referenced from the session itself
-    buffers = {name: np.ascontiguousarray(array) for name, array in replacements.items()}
-    values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in buffers.items()}
+    # (np.require, not ascontiguousarray: that makes a 0-d array, a per-tensor scale, 1-d)
+    buffers = {name: np.require(array, requirements="C") for name, array in replacements.items()}
+    values = {name: _ortvalue(ort, array) for name, array in buffers.items()}
     if values:
         options.add_external_initializers(list(values), list(values.values()))
     try:

@@ -18,13 +18,15 @@ import onnx
 
 from ..errors import RefitError
 from .onnx_graph import FLOAT_TYPES, load_structure
+from .quantized_refit import promote_weight_scales
 
 
 def externalize_weights(onnx_path: str | Path, out_path: str | Path) -> Path:
     """Write `out_path` (+ `<name>.data` beside it) holding every floating-point initializer as external data.
 
-    Same graph, same values: only where the bytes live changes. Integer constants (shapes, axes) stay
-    inline, where onnxruntime's shape inference needs them. Written to a temporary folder and moved
+    Same graph, same values: only where the bytes live changes (and weight-quantizer scales written as
+    Constant nodes become initializers). Integer constants (shapes, axes) stay inline, where onnxruntime's
+    shape inference needs them; float8 weights go to the data file. Written to a temporary folder and moved
     into place, so an interrupted run leaves no half model.
     """
     from onnx.external_data_helper import convert_model_to_external_data
@@ -34,11 +36,13 @@ def externalize_weights(onnx_path: str | Path, out_path: str | Path) -> Path:
         raise RefitError(f"externalize_weights: write to another path than the source ({source})")
     load_structure(source)  # a clear error for a missing or corrupt file
     model = onnx.load(str(source))
+    # a Q/DQ graph's weight scales become initializers too: an fp8/int8 refit rewrites them with the weights
+    promote_weight_scales(model)
     data_name = target.name + ".data"
     convert_model_to_external_data(model, all_tensors_to_one_file=True, location=data_name, size_threshold=0,
                                    convert_attribute=False)
     for tensor in model.graph.initializer:
-        if tensor.data_type not in FLOAT_TYPES:
+        if tensor.data_type not in FLOAT_TYPES and tensor.data_type != onnx.TensorProto.FLOAT8E4M3FN:
             tensor.data_location = onnx.TensorProto.DEFAULT
             del tensor.external_data[:]
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ import torch
 from ..errors import RefitError
 from .deltas import base_parameter_name
 from .onnx_graph import OnnxGraph, onnx_sha256
+from .quantized_refit import WeightQuantization, annotate_quantized
 
 REFIT_MAP_SCHEMA_VERSION = 1
 REFIT_MAP_FILE = "refit_map.json"
@@ -51,6 +52,8 @@ class RefitTarget:
     shape: Shape
     dtype: str  # the initializer's numpy dtype name
     matched_by: MatchedBy
+    # fp8/int8 engines: the weight's quantizer, whose scale a refit recomputes (lora/quantized_refit.py)
+    quantization: WeightQuantization | None = None
 
 
 @dataclass
@@ -89,7 +92,8 @@ class RefitMap:
             "onnx_sha256": self.onnx_sha256,
             "prefix": self.prefix,
             "targets": {
-                param: {**asdict(t), "shape": list(t.shape), "matched_by": t.matched_by.value}
+                param: {**asdict(t), "shape": list(t.shape), "matched_by": t.matched_by.value,
+                        "quantization": t.quantization.to_json() if t.quantization else None}
                 for param, t in sorted(self.targets.items())
             },
             "unmapped": dict(sorted(self.unmapped.items())),
@@ -105,7 +109,9 @@ class RefitMap:
             targets = {
                 param: RefitTarget(initializer=t["initializer"], transpose=bool(t["transpose"]),
                                    shape=tuple(int(d) for d in t["shape"]), dtype=str(t["dtype"]),
-                                   matched_by=MatchedBy(t["matched_by"]))
+                                   matched_by=MatchedBy(t["matched_by"]),
+                                   quantization=WeightQuantization.from_json(t["quantization"])
+                                   if t.get("quantization") else None)
                 for param, t in data["targets"].items()
             }
             return cls(onnx_sha256=str(data["onnx_sha256"]), targets=targets, unmapped=dict(data.get("unmapped", {})),
@@ -309,6 +315,7 @@ def build_refit_map(onnx_path: str | Path, params: ParamSpecs, *, by_value: bool
     builder.by_node()
     if by_value:
         builder.by_value()
+    annotate_quantized(graph, builder.targets, builder.unmapped, builder.params, builder.prefix)
     builder.finish()
     return RefitMap(onnx_sha256=onnx_sha256(onnx_path), targets=builder.targets, unmapped=builder.unmapped,
                     prefix=builder.prefix, onnx_file=Path(onnx_path).name)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ..errors import RefitError
+from .quantized_refit import quantized_arrays
 from .refit_map import RefitMap
 
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -58,6 +59,14 @@ def refit_arrays(
             problems.append(f"{param}: {reason}")
             continue
         array = _as_fp32_numpy(value)
+        if target.quantization is not None:  # fp8/int8: the weight as stored and its recomputed scale
+            if array.size != int(np.prod(target.shape)):
+                problems.append(f"{param}: {array.size} values (shape {array.shape}), {target.initializer} holds "
+                                f"{target.shape}")
+                continue
+            arrays.update(quantized_arrays(target, array.reshape(
+                target.shape[::-1] if target.transpose else target.shape)))
+            continue
         if target.transpose:
             array = array.T
         if array.size != int(np.prod(target.shape)):
