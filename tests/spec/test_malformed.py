@@ -46,9 +46,6 @@ CASES = [
     ("controlnet-on-flux", "version: 1\nmodels:\n  m:\n    source: {source}\n    family: flux\n"
      "    buckets: ['512x512']\n    controlnets:\n      canny: {source: {source}/controlnet}\n", 7,
      ["models.m.controlnets", "flux family has no ControlNet"]),
-    ("refit-lora-on-fp8", "version: 1\nmodels:\n" + GOOD_MODEL + "    precision: {unet: fp8}\n"
-     "    loras:\n      style: {source: {source}/lora/pytorch_lora_weights.safetensors, mode: refit}\n", 8,
-     ["models.m.loras.style.mode", "fp8", "fused"]),
     ("duplicate-model", "version: 1\nmodels:\n" + GOOD_MODEL + GOOD_MODEL, 6, ["models.m", "duplicate key"]),
     ("missing-source-folder", "version: 1\nmodels:\n  m:\n    source: does/not/exist\n    family: sd15\n", 4,
      ["models.m.source", "not found"]),

@@ -213,7 +213,6 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         # A ControlNet follows the denoiser's precision, except fp8/int8: only denoisers are quantized.
         follows = precision[info.denoiser]
         precision[Component.controlnet] = Precision.fp16 if follows.is_quantized else follows
-    denoiser_precision = precision[info.denoiser]
     for component, chosen in (entry.precision or {}).items():
         if chosen.is_quantized and not component.is_denoiser:
             problems.add(base + ("precision", component.value),
@@ -223,10 +222,6 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     loras = {}
     for lora_name, lora in entry.loras.items():
         where = base + ("loras", lora_name)
-        if lora.mode is LoraMode.refit and denoiser_precision.is_quantized:
-            problems.add(where + ("mode",), f"a refit LoRA cannot be applied to the {denoiser_precision.value} "
-                                            f"{info.denoiser.value}: quantized engines are not refittable; "
-                                            "use 'mode: fused' (its own calibrated engines)")
         lora_path = (root / lora.source)
         if check_sources and not lora_path.is_file():
             problems.add(where + ("source",), f"LoRA file {lora.source!r} not found (looked in {lora_path})")
@@ -235,8 +230,8 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     refittable = _merged(entry, defaults, "refittable")
     if any(l.mode is LoraMode.refit for l in loras.values()):
         refittable = True
-    if refittable and denoiser_precision.is_quantized and not any(l.mode is LoraMode.refit for l in loras.values()):
-        problems.add(base + ("refittable",), f"{denoiser_precision.value} engines are not refittable")
+    # fp8/int8 denoisers refit too: the LoRA'd weights with their weight scales recomputed, the calibrated
+    # activation scales kept (lora/quantized_refit.py); no recalibration
 
     if isinstance(entry.source, FileSource):
         source = _resolve_file_source(entry.source, entry.family.value, base + ("source",), root,

@@ -72,6 +72,12 @@ class OpenVINOTarget:
         return precision.plan_note(precision_name, facts.capabilities, facts.device_name)
 
     def build(self, request: BuildRequest) -> tuple[Path, bool]:
+        if request.spec.refittable and request.spec.precision in ("int8", "fp8"):
+            # measured: converting the Q/DQ ONNX, OpenVINO folds every quantized weight with its scales into
+            # its own low-precision constants (int8: no weight or scale name is left; fp8: no scale name)
+            raise BuildError(f"{request.spec.name}: the openvino target cannot refit {request.spec.precision} "
+                             "engines (OpenVINO folds the quantized weights and their scales into its own constants); "
+                             "use a fused LoRA (mode: fused), or the onnxruntime or tensorrt target for the refit")
         writer = request.write_refit_map
 
         def before_commit(folder: Path) -> tuple[str, ...]:

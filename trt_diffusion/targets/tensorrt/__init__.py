@@ -71,13 +71,7 @@ class TensorRTTarget:
     def engine_onnx(self, request: BuildRequest) -> Path:
         """The ONNX the engine is built from: the request's, except that an fp8/int8 engine from the quantize
         stage's Q/DQ graph over fp32 is built from its Q/DQ-over-fp16 form (made once, in the workspace)."""
-        from .config import QUANTIZED_PRECISIONS, onnx_compute_dtype
-
-        if request.spec.precision in QUANTIZED_PRECISIONS and onnx_compute_dtype(request.onnx_path) == "float32":
-            from .qdq_fp16 import qdq_fp16_onnx
-
-            return qdq_fp16_onnx(request.onnx_path, Path(request.workspace) / "engines" / "tensorrt" / "qdq-fp16")
-        return Path(request.onnx_path)
+        return _engine_onnx(request.spec, Path(request.onnx_path), Path(request.workspace))
 
     def is_current(self, request: BuildRequest) -> bool:
         """Reuse a plan only when its manifest records exactly these inputs on this TensorRT and GPU, and
@@ -122,12 +116,19 @@ class TensorRTTarget:
         save it in place with the manifest recording what it now holds (`refit`: None means base again)."""
         from ...lora import RefitMap, refit_weights_for_tensorrt
         from . import engine as trt_engine
+        from .config import QUANTIZED_PRECISIONS
 
         onnx_path = source_onnx()
         refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
-        arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
         loaded = trt_engine.load_engine(engine.path)
-        trt_engine.refit_from_base(loaded, onnx_path, arrays)
+        if engine.spec.precision in QUANTIZED_PRECISIONS:  # weights with their recomputed scales, over fp16
+            arrays = refit_weights_for_tensorrt(refit_map, weights, precision="fp16") if weights else {}
+            # the ONNX the plan was built from (Q/DQ over fp16); the plan is <workspace>/engines/tensorrt/x.plan
+            base_onnx = _engine_onnx(engine.spec, Path(onnx_path), Path(engine.path).parents[2])
+            trt_engine.refit_quantized_from_base(loaded, base_onnx, arrays)
+        else:
+            arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
+            trt_engine.refit_from_base(loaded, onnx_path, arrays)
         save_refitted_plan(engine.path, loaded.manifest, loaded.engine.serialize(), arrays)
         return len(arrays)
 
@@ -143,6 +144,16 @@ class TensorRTTarget:
         from .runner import TensorRTRunner
 
         return TensorRTRunner(Path(folder) / "model.plan", name=name)
+
+
+def _engine_onnx(spec, onnx_path: Path, workspace: Path) -> Path:
+    from .config import QUANTIZED_PRECISIONS, onnx_compute_dtype
+
+    if spec.precision in QUANTIZED_PRECISIONS and onnx_compute_dtype(onnx_path) == "float32":
+        from .qdq_fp16 import qdq_fp16_onnx
+
+        return qdq_fp16_onnx(onnx_path, workspace / "engines" / "tensorrt" / "qdq-fp16")
+    return onnx_path
 
 
 def save_refitted_plan(plan_path: Path, manifest, plan, weights) -> None:

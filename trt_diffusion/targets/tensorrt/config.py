@@ -96,10 +96,8 @@ def _check_precision(spec: EngineSpec, has_qdq: bool) -> None:
             f"{spec.name}: the ONNX carries Q/DQ nodes but the engine's precision is {precision}; "
             "a quantized ONNX belongs to fp8/int8 engines"
         )
-    if quantized and spec.refittable:
-        raise BuildError(
-            f"{spec.name}: {precision} engines are not refittable here; fuse LoRAs before quantization (mode: fused)"
-        )
+    # fp8/int8 engines are refittable: a LoRA refit writes the weights and their recomputed weight scales
+    # (`engine.refit_quantized_from_base`), the calibrated activation scales stay
 
 
 @dataclass(frozen=True)

@@ -616,6 +616,53 @@ def refit_to_base(
     engine.refitted_names = set()
 
 
+def refit_quantized_from_base(
+    engine: TensorRTEngine,
+    base_onnx: str | Path,
+    weights: Mapping[str, np.ndarray],
+) -> None:
+    """An fp8/int8 engine: every refittable weight from the base ONNX, then the LoRA'd weights *with their
+    recomputed weight scales* (`lora.quantized_refit`: float weights and float8 codes, scales as Constant or
+    initializer names) over them, in one refit; the calibrated activation scales are left as built.
+
+    A weight or scale the engine cannot refit by name (TensorRT folded it into a kernel) is refused, naming
+    them: a refit of the weight without its scale would keep the base weight's range.
+    """
+    import tensorrt as trt
+
+    name = engine.manifest.spec_name
+    refitter = _refitter(engine)
+    absent = sorted(set(weights) - set(refitter.get_all_weights()))
+    if absent:
+        raise RefitError(f"cannot refit the quantized engine {name}: TensorRT has no refittable weight named "
+                         f"{absent[:5]}{' ...' if len(absent) > 5 else ''} ({len(absent)} in all); rebuild it with the "
+                         "LoRA fused and recalibrated (mode: fused)")
+    codes = {n: a for n, a in weights.items() if a.dtype.name == "float8_e4m3fn"}
+    others = {n: a for n, a in weights.items() if n not in codes}
+    parser_refitter = trt.OnnxParserRefitter(refitter, _trt_logger())
+    mark = _ERRORS.mark()
+    if not parser_refitter.refit_from_file(str(base_onnx)):
+        said = [_parser_error_text(parser_refitter.get_error(i)) for i in range(parser_refitter.num_errors)]
+        raise RefitError(_with_trt_errors(
+            f"cannot restore engine {name} from {base_onnx}: " + ("; ".join(said) or "the ONNX refitter gave no reason"),
+            mark))
+    # `prepared` and `parser_refitter` hold the weights TensorRT reads until refit_cuda_engine returns
+    prepared = prepare_refit_weights(name, _prototypes(refitter, others), others) if others else {}
+    _set_named_weights(refitter, prepared, name)
+    for weight, array in codes.items():  # float8 codes: numpy has no FP8 dtype, TensorRT takes the bytes
+        prototype = refitter.get_weights_prototype(weight)
+        if prototype.dtype != trt.DataType.FP8 or int(prototype.size) != array.size:
+            raise RefitError(f"cannot refit engine {name}: {weight} is held as {_dtype_name(prototype.dtype)} x "
+                             f"{int(prototype.size)}, the refit gives float8 x {array.size}")
+        raw = np.ascontiguousarray(array).view(np.uint8)
+        prepared[weight] = raw
+        if not refitter.set_named_weights(weight, trt.Weights(trt.DataType.FP8, raw.ctypes.data, raw.size)):
+            raise RefitError(f"TensorRT rejected weight {weight} for engine {name}")
+    _refit_cuda_engine(engine, refitter, refitter.get_all_weights())
+    del parser_refitter
+    engine.refitted_names = set(prepared)
+
+
 def refit_from_base(
     engine: TensorRTEngine,
     base_onnx: str | Path,
