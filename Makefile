@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,openvino,farm]'
+	$(BIN)/pip install -q -e '.[test,openvino,farm,store]'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -43,20 +43,27 @@ def export(config_path: str | Path, model: str | None = None, component: str | N
 
 def export_specs(config, specs, progress: ProgressCallback | None = None) -> ExportReport:
     """Export the ONNX graphs these specs' engines are built from (verified artifacts are reused)."""
+    from . import remote_store
     from .export import ExportReport, export_group, group_specs
     from .store import ArtifactStore
 
     groups = group_specs(specs)
+    remote_store.pull_sources(config)  # a URL workspace: what other hosts exported is reused
     store = ArtifactStore(config.workspace)
     results = [export_group(group, config, store, index=i, total=len(groups), progress=progress)
                for i, group in enumerate(groups)]
+    remote_store.publish_sources(config)
     return ExportReport(results)
 
 
 def engine_sources(config, specs):
     """spec -> the ONNX its engine is built from: exported (and for fp8/int8, quantized and gated) first."""
+    from . import remote_store
+
     exports = export_specs(config, specs)
     quantized = _quantized_sources(config, specs)
+    if quantized:
+        remote_store.publish_sources(config)
     return lambda spec: quantized.get(spec.key) or exports.artifact_for(spec)
 
 
@@ -119,7 +126,10 @@ def manifest(config_path: str | Path, *, verify: bool = True, out: str | Path | 
     from .targets.onnx_facts import atomic_write_bytes
     from .targets.provenance import release_manifest
 
+    from .remote_store import pull_engines
+
     config = load_engines_file(config_path, check_sources=True)
+    pull_engines(config, [spec.key for spec in expand(config)])  # a URL workspace: what the build hosts made
     result = release_manifest(config, expand(config), verify=verify)
     path = Path(out) if out else config.workspace / "release-manifest.json"
     atomic_write_bytes(path, json.dumps(result, indent=2).encode())
@@ -162,9 +172,14 @@ def _quantized_sources(config, specs) -> dict[str, Path]:
 
 def quantize(config_path: str | Path, model: str | None = None, *, force: bool = False):
     """ModelOpt FP8/INT8 of every fp8/int8 entry: seeded calibration, Q/DQ ONNX, quality gate."""
+    from . import remote_store
     from .quantize.stage import quantize as run
 
-    return run(config_path, model, force=force)
+    config = load_engines_file(config_path, check_sources=False)
+    remote_store.pull_sources(config)
+    result = run(config_path, model, force=force)
+    remote_store.publish_sources(config)
+    return result
 
 
 def parity(config_path: str | Path, *, out_dir: str | Path | None = None, prompts_file: str | Path | None = None,

@@ -15,6 +15,7 @@ from .schema import (
     ParityThresholds, Precision, QuantizationSettings, RangeBucket,
 )
 from .preflight import PreflightSettings
+from ..remote_store import check_workspace_url, local_workspace
 from .yaml_lines import LocatedYaml, load_located_yaml
 
 
@@ -66,11 +67,14 @@ class EnginesConfig:
 
     @property
     def workspace(self) -> Path:
-        return (self.root / self.build.workspace).resolve()
+        """The local folder every stage works in: build.workspace, or the local cache of its URL (remote_store.py)."""
+        return local_workspace(self.build.workspace, self.build.cache, self.root)
 
     @property
     def timing_cache_dir(self) -> Path:
-        return (self.root / (self.build.timing_cache or f"{self.build.workspace}/timing-cache")).resolve()
+        if self.build.timing_cache:
+            return (self.root / self.build.timing_cache).resolve()
+        return self.workspace / "timing-cache"
 
 
 class _Problems:
@@ -112,6 +116,9 @@ def load_engines_file(path: str | Path, *, check_sources: bool = True) -> Engine
             problems.add(field_path, _friendly(error))
         problems.raise_if_any()
         raise  # unreachable: a ValidationError always has errors
+    url_problem = check_workspace_url(parsed.build.workspace)
+    if url_problem:
+        problems.add(("build", "workspace"), url_problem)
     models = {}
     for name, entry in parsed.models.items():
         models[name] = _resolve_model(name, entry, parsed, path.parent, problems, check_sources)
@@ -235,7 +242,8 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
 
     if isinstance(entry.source, FileSource):
         source = _resolve_file_source(entry.source, entry.family.value, base + ("source",), root,
-                                      parsed.build.workspace, problems, check_sources)
+                                      local_workspace(parsed.build.workspace, parsed.build.cache, root),
+                                      problems, check_sources)
     else:
         source = _resolve_source(entry.source, base + ("source",), root, problems, check_sources, "model_index.json")
     for cn_name, cn in entry.controlnets.items():
@@ -322,7 +330,7 @@ def _resolve_source(source, where, root: Path, problems: _Problems, check: bool,
     return ResolvedSource(identity, path)
 
 
-def _resolve_file_source(source: FileSource, family: str, where, root: Path, workspace: str, problems: _Problems,
+def _resolve_file_source(source: FileSource, family: str, where, root: Path, workspace: Path, problems: _Problems,
                          check: bool) -> ResolvedSource:
     """A single-file checkpoint: the diffusers folder it is converted to, once, in `<workspace>/checkpoints/`
     (see models/single_file.py; torch and diffusers are imported only when that folder is not current)."""
@@ -335,7 +343,7 @@ def _resolve_file_source(source: FileSource, family: str, where, root: Path, wor
     config = (root / source.config).resolve() if source.config else None
     identity = f"file:{Path(source.file).as_posix()}" + (f"+config:{Path(source.config).as_posix()}" if config else "")
     digest = hashlib.sha256(f"{file}\n{config}".encode()).hexdigest()[:12]
-    folder = (root / workspace / "checkpoints" / f"{file.stem}.{digest}").resolve()
+    folder = (workspace / "checkpoints" / f"{file.stem}.{digest}").resolve()
     try:
         if check or file.suffix != ".safetensors":  # a pickled file is refused even when sources are not read
             single_file.check_single_file(file)

@@ -59,7 +59,25 @@ def _export_group(config_path: str, keys: list[str], driver_versions: dict, prep
     config = load_engines_file(config_path, check_sources=True)
     specs = [s for s in expand(config) if s.key in keys]
     source_for = prepare(config, specs)
-    return {spec.key: str(source_for(spec)) for spec in specs}
+    return {spec.key: _portable(config, source_for(spec)) for spec in specs}
+
+
+def _portable(config: EnginesConfig, path: Path) -> str:
+    """A path inside the workspace relative to it: with a URL workspace each node has its own cache folder."""
+    try:
+        return Path(path).resolve().relative_to(Path(config.workspace)).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _local_source(config: EnginesConfig, path: str, *, pull: bool = False) -> Path:
+    """The ONNX a task builds from on this node (pulled from a URL workspace when this node lacks it)."""
+    resolved = Path(path) if Path(path).is_absolute() else Path(config.workspace) / path
+    if pull and not resolved.is_file():
+        from ..remote_store import pull_sources
+
+        pull_sources(config)
+    return resolved
 
 
 def _build_engine(config_path: str, key: str, onnx_path: str, driver_versions: dict) -> dict[str, Any]:
@@ -77,7 +95,7 @@ def _build_engine(config_path: str, key: str, onnx_path: str, driver_versions: d
             raise BuildError(problem)
         config = load_engines_file(config_path, check_sources=True)
         spec = next(s for s in expand(config) if s.key == key)
-        path, cached = build_one(config, spec, Path(onnx_path))
+        path, cached = build_one(config, spec, _local_source(config, onnx_path, pull=True))
         return {"path": str(path), "cached": cached, "seconds": time.perf_counter() - start, "node": node}
     except TrtDiffusionError as exc:
         return {"error": str(exc), "internal": False, "seconds": time.perf_counter() - start, "node": node}
@@ -123,7 +141,7 @@ def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str
         if spec.key in failures or spec.key not in sources:
             continue
         options = {"max_retries": retries, "num_cpus": 1, "resources": task_resources(config, spec) or None,
-                   "memory": max(memory_estimate(Path(sources[spec.key])), 1)}
+                   "memory": max(memory_estimate(_local_source(config, sources[spec.key])), 1)}
         needs = _target_needs(spec)
         options["resources"] = {**(options["resources"] or {}), **needs.pop("resources", {})} or None
         options.update(needs)

@@ -1,0 +1,136 @@
+"""Faults on a real Ray cluster (a head and two workers in a network namespace holding only loopback, as in
+test_ray_cluster.py): the worker process building an engine is SIGKILLed while its half-written engine folder
+exists. Without retries the engine is reported failed and nothing of it is trusted; with retries Ray runs the
+task again, the retry breaks the dead builder's lock, and the build completes; afterwards every engine equals a
+local build and a plain build builds nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("ray", reason="Ray is an extra: pip install 'trt-diffusion[farm]'")
+
+
+def _namespace_reason() -> str | None:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "unshare or ip is not installed"
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"cannot make a network namespace: {probe.stderr.strip()}"
+
+
+DRIVER = """
+import json, os, re, signal, sys, threading, time
+from pathlib import Path
+from trt_diffusion import api
+from trt_diffusion.spec import load_engines_file
+from trt_diffusion.targets import get_target
+from trt_diffusion.targets.ray_executor import build_on_ray
+import ray
+
+ray.init(address="127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
+config = load_engines_file(sys.argv[1])
+workspace = Path(config.workspace)
+killed = []
+
+def kill_a_builder_mid_build():
+    # A half-written engine folder (.<name>.<key>.XXXX) names its key; the key's lock names the worker process.
+    engines, deadline = workspace / "engines" / "onnxruntime", time.time() + 300
+    while time.time() < deadline:
+        for temp in (sorted(engines.glob(".*")) if engines.is_dir() else []):
+            key = next((p for p in temp.name.split(".") if re.fullmatch(r"[0-9a-f]{{16}}", p)), None)
+            try:
+                holder = json.loads((workspace / "locks" / f"{{key}}.lock").read_text())
+                os.kill(int(holder["pid"]), signal.SIGKILL)
+            except (OSError, ValueError, KeyError):
+                continue
+            killed.append({{"key": key, "pid": holder["pid"], "temp": temp.name}})
+            return
+        time.sleep(0.002)
+
+killer = threading.Thread(target=kill_a_builder_mid_build, daemon=True)
+killer.start()
+specs = [s for s in api.plan(sys.argv[1], count_parameters=False).specs if s.target == "onnxruntime"]
+outcomes = build_on_ray(config, specs, address="127.0.0.1:{port}", prepare=api.engine_sources)
+killer.join(timeout=5)
+print("RESULT=" + json.dumps({{
+    "killed": killed,
+    "outcomes": [[o.spec.key, o.cached, o.error, str(o.path) if o.path else None] for o in outcomes],
+    "left": sorted(p.name for p in (workspace / "engines" / "onnxruntime").glob(".*")),
+    "trusted": {{s.key: get_target(s.target).find(workspace, s) is not None for s in specs}},
+    "manifest": {{e["key"]: e["status"] for e in api.manifest(sys.argv[1])["engines"]}},
+}}))
+"""
+
+
+def test_a_worker_killed_mid_build_is_reported_or_retried_and_a_rerun_completes(tmp_path, built_sd15):
+    reason = _namespace_reason()
+    if reason:
+        pytest.skip(reason)
+    data = yaml.safe_load(built_sd15.read_text())
+    data["build"]["workspace"] = str(tmp_path / "build")
+    shutil.copytree(built_sd15.parent / "build" / "onnx", tmp_path / "build" / "onnx")
+    no_retries, retries = tmp_path / "no-retries" / "engines.yaml", tmp_path / "retries" / "engines.yaml"
+    for path, count in ((no_retries, 0), (retries, 2)):
+        path.parent.mkdir()
+        path.write_text(yaml.safe_dump({**data, "build": {**data["build"], "farm": {"max_retries": count}}}))
+    port = 6391
+    (tmp_path / "driver.py").write_text(DRIVER.format(port=port))
+    bin_dir = Path(sys.executable).parent
+    script = textwrap.dedent(f"""
+        set -e
+        ip link set lo up
+        export RAY_USAGE_STATS_ENABLED=0 PATH={bin_dir}:$PATH
+        trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
+        common="--node-ip-address=127.0.0.1 --num-cpus=1 --disable-usage-stats"
+        ray start --head --port={port} --include-dashboard=false $common >/dev/null
+        ray start --address=127.0.0.1:{port} $common >/dev/null
+        ray start --address=127.0.0.1:{port} $common >/dev/null
+        python {tmp_path / "driver.py"} {no_retries}
+        python {tmp_path / "driver.py"} {retries}
+    """)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    result = subprocess.run(["unshare", "-n", "bash", "-c", script], capture_output=True, text=True, env=env,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first, second = (json.loads(line.removeprefix("RESULT=")) for line in result.stdout.splitlines()
+                     if line.startswith("RESULT="))
+
+    from trt_diffusion import api
+    from trt_diffusion.targets.provenance import engine_files, file_sha256
+
+    # no retries: the killed engine is reported, the others are built, its half-written folder is not trusted
+    assert len(first["killed"]) == 1, first
+    killed = first["killed"][0]["key"]
+    errors = {key: error for key, _, error, _ in first["outcomes"]}
+    assert len(errors) == 4 and errors[killed] and "failed after 0 retries" in errors[killed]
+    assert all(error is None for key, error in errors.items() if key != killed)
+    assert first["killed"][0]["temp"] in first["left"]  # what the dead builder was writing is still there …
+    assert first["trusted"] == {key: key != killed for key in errors}  # … and nothing trusts it
+    assert first["manifest"][killed] == "missing"
+
+    # retries: the rerun's one build is killed too; Ray runs it again, which completes it
+    assert len(second["killed"]) == 1 and second["killed"][0]["key"] == killed, second
+    outcomes = {key: (cached, error) for key, cached, error, _ in second["outcomes"]}
+    assert all(error is None for _, error in outcomes.values()), second
+    assert outcomes[killed] == (False, None)  # built, by the retry
+    assert all(cached for key, (cached, _) in outcomes.items() if key != killed)
+    assert second["left"] == []  # the retry removed the dead builders' temporaries under the key's lock
+
+    local = {o.spec.key: o for o in api.build(built_sd15).outcomes}
+    for key, _, _, path in second["outcomes"]:
+        farm = {f.name: file_sha256(f) for f in engine_files(Path(path)) if "manifest" not in f.name}
+        here = {f.name: file_sha256(f) for f in engine_files(local[key].path) if "manifest" not in f.name}
+        assert farm == here
+    assert not api.build(retries).built
+    assert api.manifest(retries)["counts"]["ok"] == 4

@@ -1,0 +1,556 @@
+"""A workspace at a URL: an object store (`s3://bucket/prefix`, `gs://…`, any fsspec backend) shared by build
+hosts, serving hosts and CI shards.
+
+Every stage keeps working on a local folder — the *cache* of the URL (`build.cache`, else
+`$TRT_DIFFUSION_CACHE/<hash of the URL>`, else `~/.cache/trt-diffusion/<hash of the URL>`) — holding the usual
+content-addressed layout (`onnx/<name>.<key>/`, `engines/<target>/<name>.<key>…`, `provenance/<key>.json`).
+The store is synchronised with it in *units*: an artifact folder (or an engine's files) and its provenance.
+
+Layout at the URL:
+
+    blobs/sha256/<ab>/<sha256>          file contents, content-addressed: written once, never changed
+    index/<unit>.json                   a unit's record: every file (path in the workspace, sha256, bytes)
+    locks/<key>.lock                    who is building an engine key (heartbeat inside; expires)
+    tmp/<random>                        uploads in flight
+
+*Publish* uploads each file as a blob (under a temporary key, then moved into place; a blob already there is
+content-addressed, so it is the same bytes) and writes the record last, in one put: a reader sees either the
+old record or the new one, and every blob either names is complete. Two hosts publishing one unit write
+their own blobs and one record each; whichever record lands last wins, and it is whole. *Pull* reads the
+record and downloads only the files it names, each verified against its sha256 before it is put in place
+(an artifact's own manifest last), so nothing the store did not vouch for is trusted.
+
+Credentials come from the backend's usual sources (for S3: the AWS_* environment, ~/.aws, instance roles;
+fsspec's `FSSPEC_S3_*` variables, e.g. `FSSPEC_S3_ENDPOINT_URL`), never from engines.yaml, and URLs are
+shown masked (`mask_url`). A `file://` URL or a plain path is a shared directory used as the workspace
+itself (NFS and the like): no cache, and the per-engine lock files of targets/locks.py work there as is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import ConfigError, MissingDependencyError, TrtDiffusionError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+INSTALL_HINT = "install the store extra: pip install 'trt-diffusion[store]'"
+SOURCE_KINDS = ("onnx", "quantized", "calibration")  # artifacts engines are built from (store.py folders)
+LOCK_STALE_AFTER_S = 600.0  # a remote lock nobody has touched for this long belongs to a dead builder
+LOCK_HEARTBEAT_S = 10.0
+LOCK_POLL_S = 0.5
+STATE_FILE = ".store-state.json"
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
+
+
+class StoreError(TrtDiffusionError):
+    """The artifact store at build.workspace cannot be reached, or holds something its records do not vouch for."""
+
+
+# --- URLs ---------------------------------------------------------------------------------------
+
+
+def is_url(text: str) -> bool:
+    return bool(_URL.match(str(text)))
+
+
+def is_remote(text: str) -> bool:
+    """A URL whose workspace lives behind fsspec (anything but file://)."""
+    return is_url(text) and urlsplit(str(text)).scheme.lower() != "file"
+
+
+def mask_url(url: str) -> str:
+    """The URL without user, password, query or fragment: what messages and logs show."""
+    if not is_url(url):
+        return str(url)
+    parts = urlsplit(str(url))
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    if parts.username or parts.password:
+        host = f"***@{host}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def default_cache_root() -> Path:
+    configured = os.environ.get("TRT_DIFFUSION_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(base).expanduser() / "trt-diffusion"
+
+
+def local_workspace(workspace: str, cache: str | None, root: Path) -> Path:
+    """The local folder the stages work in: the workspace itself (a path or file:// URL), or the URL's cache."""
+    if not is_url(workspace):
+        return (Path(root) / workspace).resolve()
+    parts = urlsplit(workspace)
+    if parts.scheme.lower() == "file":
+        return Path(parts.path).resolve()
+    if cache:
+        return (Path(root) / Path(cache).expanduser()).resolve()
+    digest = hashlib.sha256(mask_url(workspace).rstrip("/").encode()).hexdigest()[:16]
+    return (default_cache_root() / digest).resolve()
+
+
+def check_workspace_url(workspace: str) -> str | None:
+    """Why this build.workspace URL cannot be a workspace (None when it can, or is a path): for engines.yaml's
+    validation. A known protocol whose backend is not installed is fine here; using it says what to install."""
+    if not is_remote(workspace):
+        return None
+    try:
+        from fsspec.registry import known_implementations, registry
+    except ImportError:
+        return None  # said when the workspace is used, with the extra to install
+    protocol = urlsplit(workspace).scheme.lower()
+    if protocol not in known_implementations and protocol not in registry:
+        return f"{protocol}:// is not a storage protocol fsspec knows (s3://, gs://, az://, file://, …)"
+    if not urlsplit(workspace).netloc:
+        return f"{mask_url(workspace)} names no bucket or host"
+    return None
+
+
+# --- the store ----------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _is_manifest(relative: str) -> bool:
+    return relative.rsplit("/", 1)[-1].endswith("manifest.json")
+
+
+def _host() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+class RemoteStore:
+    """The store at `url`, mirrored into the local folder `cache`."""
+
+    def __init__(self, url: str, cache: Path, storage_options: dict | None = None):
+        self.url, self.shown = url.rstrip("/"), mask_url(url).rstrip("/")
+        self.cache = Path(cache)
+        self.fs, self.root = _filesystem(url, storage_options or {})
+        self.root = self.root.rstrip("/")
+        self._state_lock = threading.Lock()
+
+    # keys
+    def _key(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def blob_key(self, sha256: str) -> str:
+        return self._key("blobs", "sha256", sha256[:2], sha256)
+
+    def index_key(self, unit: str) -> str:
+        return self._key("index", f"{unit}.json")
+
+    def lock_key(self, key: str) -> str:
+        return self._key("locks", f"{key}.lock")
+
+    # --- records ------------------------------------------------------------------------------
+
+    def units(self, prefix: str = "") -> list[str]:
+        """Every unit the store holds a record of (optionally only those under `prefix`)."""
+        base = self._key("index")
+        self.fs.invalidate_cache()  # other hosts publish: a cached listing would hide their records
+        try:
+            keys = self.fs.find(f"{base}/{prefix}".rstrip("/"))
+        except FileNotFoundError:
+            return []
+        except Exception as exc:  # noqa: BLE001 - the backend's own error kinds vary
+            raise self._error("list", exc) from None
+        units = []
+        for key in keys:
+            relative = key[len(base) + 1:] if key.startswith(base + "/") else key.split("/index/", 1)[-1]
+            if relative.endswith(".json"):
+                units.append(relative[: -len(".json")])
+        return sorted(units)
+
+    def record(self, unit: str) -> dict | None:
+        try:
+            data = self.fs.cat_file(self.index_key(unit))
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(f"read the record of {unit}", exc) from None
+        try:
+            record = json.loads(data)
+        except ValueError:
+            raise StoreError(f"{self.shown}: the record of {unit} is not JSON; publish it again") from None
+        if record.get("schema_version") != SCHEMA_VERSION or record.get("unit") != unit:
+            raise StoreError(f"{self.shown}: the record of {unit} is of another schema or unit")
+        return record
+
+    def records(self, units: Iterable[str]) -> dict[str, dict]:
+        found = {}
+        for unit in units:
+            record = self.record(unit)
+            if record is not None:
+                found[unit] = record
+        return found
+
+    # --- publish ------------------------------------------------------------------------------
+
+    def publish(self, unit: str, files: Iterable[str | Path], *, key: str | None = None) -> bool:
+        """Upload `files` (paths in the cache) as one unit; False when the store already records exactly them."""
+        entries = {}
+        for file in sorted({Path(f) for f in files}):
+            relative = self._relative(file)
+            entries[relative] = {"sha256": self._local_sha256(relative), "bytes": file.stat().st_size}
+        if not entries:
+            raise StoreError(f"unit {unit}: nothing to publish")
+        current = self.record(unit)
+        if current is not None and current.get("files") == entries:
+            return False
+        for relative, entry in entries.items():
+            self._put_blob(self.cache / relative, entry["sha256"])
+        record = {"schema_version": SCHEMA_VERSION, "unit": unit, "key": key, "files": entries,
+                  "published_by": _host(), "published_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        self._put_atomically(self.index_key(unit), json.dumps(record, indent=2, sort_keys=True).encode())
+        log.info("published %s to %s", unit, self.shown)
+        return True
+
+    def _put_blob(self, path: Path, sha256: str) -> None:
+        final = self.blob_key(sha256)
+        try:
+            if self.fs.exists(final) and self.fs.info(final).get("size") == path.stat().st_size:
+                return  # content-addressed: the same bytes are there
+            temp = self._key("tmp", f"{sha256}.{secrets.token_hex(6)}")
+            self.fs.put_file(str(path), temp)
+            self.fs.mv(temp, final)
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(f"upload {path.name}", exc) from None
+
+    def _put_atomically(self, key: str, data: bytes) -> None:
+        temp = self._key("tmp", f"record.{secrets.token_hex(6)}")
+        try:
+            self.fs.pipe_file(temp, data)
+            self.fs.mv(temp, key)
+        except Exception as exc:  # noqa: BLE001
+            raise self._error("write a record", exc) from None
+
+    # --- pull ---------------------------------------------------------------------------------
+
+    def pull(self, unit: str, record: dict | None = None) -> bool:
+        """Make the cache hold exactly the files the unit's record names, each verified; False when it did."""
+        record = record or self.record(unit)
+        if record is None:
+            return False
+        wanted = {}
+        for relative, entry in record["files"].items():
+            self._local_path(relative)  # refuses a path that leaves the cache
+            if not self._matches(relative, entry):
+                wanted[relative] = entry
+        if not wanted:
+            return False
+        staged: dict[str, Path] = {}
+        try:
+            for relative, entry in wanted.items():
+                staged[relative] = self._download(unit, relative, entry)
+            # the artifact's manifests go first out and last in: a pull cut short leaves it untrusted, not mixed
+            order = sorted(staged, key=lambda r: (_is_manifest(r), r))
+            for relative in order:
+                if _is_manifest(relative):
+                    self._local_path(relative).unlink(missing_ok=True)
+            for relative in order:
+                target = self._local_path(relative)
+                os.replace(staged.pop(relative), target)
+                self._remember(relative, wanted[relative]["sha256"])
+        finally:
+            for temp in staged.values():
+                temp.unlink(missing_ok=True)
+        log.info("pulled %s from %s (%d files)", unit, self.shown, len(wanted))
+        return True
+
+    def _download(self, unit: str, relative: str, entry: dict) -> Path:
+        target = self._local_path(relative)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = target.with_name(f".{target.name}.pull.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            self.fs.get_file(self.blob_key(entry["sha256"]), str(temp))
+        except FileNotFoundError:
+            temp.unlink(missing_ok=True)
+            raise StoreError(f"{self.shown}: {unit} names {relative}, whose content is not in the store; "
+                             "publish it again (build on the host that made it)") from None
+        except Exception as exc:  # noqa: BLE001
+            temp.unlink(missing_ok=True)
+            raise self._error(f"download {relative}", exc) from None
+        digest = _sha256(temp)
+        if digest != entry["sha256"] or temp.stat().st_size != entry["bytes"]:
+            temp.unlink(missing_ok=True)
+            raise StoreError(f"{self.shown}: {relative} of {unit} came down with sha256 {digest[:12]}…, its record "
+                             f"says {entry['sha256'][:12]}…: the store is damaged; nothing was put in the cache")
+        return temp
+
+    # --- the cache ----------------------------------------------------------------------------
+
+    def _relative(self, path: Path) -> str:
+        path = Path(os.path.abspath(path))
+        base = Path(os.path.abspath(self.cache))
+        if base not in path.parents:
+            raise StoreError(f"{path} is not in the workspace cache {base}")
+        return path.relative_to(base).as_posix()
+
+    def _local_path(self, relative: str) -> Path:
+        from .store import inside
+
+        if relative.startswith("/") or ".." in relative.split("/"):
+            raise StoreError(f"{self.shown}: a record names {relative!r}, which is not a path in the workspace")
+        return inside(self.cache, self.cache / relative)
+
+    # A file is verified once; afterwards its (size, mtime) vouch for it until it changes.
+    def _state(self) -> dict:
+        try:
+            return json.loads((self.cache / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _remember(self, relative: str, sha256: str) -> None:
+        path = self.cache / relative
+        stat = path.stat()
+        with self._state_lock:
+            state = self._state()
+            state[relative] = [sha256, stat.st_size, stat.st_mtime_ns]
+            from .targets.onnx_facts import atomic_write_bytes
+
+            atomic_write_bytes(self.cache / STATE_FILE, json.dumps(state).encode())
+
+    def _local_sha256(self, relative: str) -> str:
+        path = self.cache / relative
+        stat = path.stat()
+        known = self._state().get(relative)
+        if known and known[1] == stat.st_size and known[2] == stat.st_mtime_ns:
+            return known[0]
+        digest = _sha256(path)
+        self._remember(relative, digest)
+        return digest
+
+    def _matches(self, relative: str, entry: dict) -> bool:
+        path = self.cache / relative
+        try:
+            if path.stat().st_size != entry["bytes"]:
+                return False
+        except FileNotFoundError:
+            return False
+        return self._local_sha256(relative) == entry["sha256"]
+
+    def _error(self, what: str, exc: Exception) -> StoreError:
+        message = str(exc).replace(self.url, self.shown)
+        return StoreError(f"{self.shown}: cannot {what}: {type(exc).__name__}: {message}")
+
+    # --- locks --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self, key: str, *, stale_after_s: float | None = None,
+             heartbeat_s: float | None = None) -> Iterator[None]:
+        """Hold the store's build lock of one engine key: one host builds a key at a time; a lock whose holder
+        stopped its heartbeat `stale_after_s` ago (a dead builder) is broken. Advisory: what keeps the store
+        whole is the publish protocol, so a broken lock's late holder can only cost a duplicate build."""
+        stale_after_s = LOCK_STALE_AFTER_S if stale_after_s is None else stale_after_s
+        heartbeat_s = LOCK_HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+        path = self.lock_key(key)
+        token = secrets.token_hex(8)
+        waited = False
+        while not self._create_lock(path, token):
+            holder = self._read_lock(path)
+            if holder is not None and _lock_is_stale(holder, stale_after_s):
+                log.warning("breaking the stale lock of %s held by %s (no heartbeat for %.0f s)", key,
+                            holder.get("host"), time.time() - holder.get("touched", 0))
+                self._break_lock(path, holder)
+                continue
+            if not waited:
+                log.info("waiting for %s: %s is building it", key, (holder or {}).get("host", "another host"))
+                waited = True
+            time.sleep(LOCK_POLL_S)
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(heartbeat_s):
+                with contextlib.suppress(Exception):
+                    self.fs.pipe_file(path, _lock_body(token))
+
+        beater = threading.Thread(target=beat, name=f"store-lock-{key}", daemon=True)
+        beater.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            beater.join()
+            holder = self._read_lock(path)
+            if holder is not None and holder.get("token") == token:
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(path)
+
+    def _create_lock(self, path: str, token: str) -> bool:
+        try:
+            self.fs.pipe_file(path, _lock_body(token), mode="create")
+            return True
+        except FileExistsError:
+            return False
+        except Exception as exc:  # noqa: BLE001
+            raise self._error("take a build lock", exc) from None
+
+    def _read_lock(self, path: str) -> dict | None:
+        try:
+            return json.loads(self.fs.cat_file(path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {"touched": 0.0}  # not ours to read: treat as untouched, it expires
+        except Exception as exc:  # noqa: BLE001
+            raise self._error("read a build lock", exc) from None
+
+    def _break_lock(self, path: str, seen: dict) -> None:
+        current = self._read_lock(path)
+        if current is not None and current.get("token") == seen.get("token"):
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(path)
+
+
+def _lock_body(token: str) -> bytes:
+    return json.dumps({**_host(), "token": token, "touched": time.time()}).encode()
+
+
+def _lock_is_stale(holder: dict, stale_after_s: float) -> bool:
+    if holder.get("host") == socket.gethostname() and holder.get("pid") and holder.get("pid") != os.getpid():
+        from .targets.locks import _alive
+
+        if not _alive(int(holder["pid"])):
+            return True
+    return time.time() - float(holder.get("touched", 0.0)) > stale_after_s
+
+
+def _filesystem(url: str, storage_options: dict):
+    try:
+        import fsspec
+        from fsspec.core import url_to_fs
+    except ImportError:
+        raise MissingDependencyError(f"build.workspace {mask_url(url)} is a URL, which needs fsspec; {INSTALL_HINT}") \
+            from None
+    protocol = urlsplit(url).scheme.lower()
+    try:
+        return url_to_fs(url, **storage_options)
+    except ImportError as exc:
+        backend = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(
+            protocol, "its fsspec backend")
+        raise MissingDependencyError(f"build.workspace {mask_url(url)} needs {backend} ({protocol}:// through fsspec "
+                                     f"{fsspec.__version__}); {INSTALL_HINT}") from None
+    except ValueError as exc:
+        raise ConfigError(f"build.workspace {mask_url(url)}: {exc}") from None
+
+
+# --- what the stages call -----------------------------------------------------------------------
+
+_stores: dict[tuple[str, str], RemoteStore] = {}
+_stores_lock = threading.Lock()
+
+
+def store_for(config) -> RemoteStore | None:
+    """The remote store behind engines.yaml's workspace, or None when the workspace is a folder."""
+    url = config.build.workspace
+    if not is_remote(url):
+        return None
+    cache = Path(config.workspace)
+    with _stores_lock:
+        if (url, str(cache)) not in _stores:
+            cache.mkdir(parents=True, exist_ok=True)
+            _stores[(url, str(cache))] = RemoteStore(url, cache)
+        return _stores[(url, str(cache))]
+
+
+def source_units(cache: Path) -> list[str]:
+    """The committed source artifacts in the cache: `<kind>/<name>.<key>` folders holding a manifest."""
+    units = []
+    for kind in SOURCE_KINDS:
+        folder = Path(cache) / kind
+        if folder.is_dir():
+            units += [f"{kind}/{p.name}" for p in sorted(folder.iterdir())
+                      if p.is_dir() and not p.name.startswith(".") and (p / "manifest.json").is_file()]
+    return units
+
+
+def pull_sources(config) -> int:
+    """Bring every source artifact (ONNX exports, Q/DQ ONNX, calibration) the store holds into the cache."""
+    store = store_for(config)
+    if store is None:
+        return 0
+    units = [u for kind in SOURCE_KINDS for u in store.units(kind)]
+    return sum(store.pull(u) for u in units)
+
+
+def publish_sources(config) -> int:
+    store = store_for(config)
+    if store is None:
+        return 0
+    published = 0
+    for unit in source_units(store.cache):
+        files = [p for p in (store.cache / unit).rglob("*") if p.is_file()]
+        published += store.publish(unit, files)
+    return published
+
+
+def engine_unit(store: RemoteStore, path: Path) -> str:
+    return store._relative(path)
+
+
+def publish_engine(config, spec, path: Path) -> bool:
+    """Publish an engine's files and its provenance record as one unit (no-op for a folder workspace)."""
+    store = store_for(config)
+    if store is None:
+        return False
+    from .targets.provenance import engine_files, provenance_path
+
+    files = list(engine_files(Path(path)))
+    record = provenance_path(store.cache, spec.key)
+    if record.is_file():
+        files.append(record)
+    return store.publish(engine_unit(store, Path(path)), files, key=spec.key)
+
+
+def pull_engines(config, keys: Iterable[str]) -> int:
+    """Pull the engines (and provenance) of these spec keys that the store holds."""
+    store = store_for(config)
+    if store is None:
+        return 0
+    wanted = set(keys)
+    pulled = 0
+    for unit in store.units("engines"):
+        if unit.rsplit(".", 1)[-1] in wanted or _unit_key(unit) in wanted:
+            pulled += store.pull(unit)
+    return pulled
+
+
+def _unit_key(unit: str) -> str:
+    """`engines/<target>/<name>.<key>` or `<name>.<key>.plan`: the spec key in a unit's name."""
+    parts = unit.rsplit("/", 1)[-1].split(".")
+    return next((p for p in reversed(parts) if re.fullmatch(r"[0-9a-f]{16}", p)), "")
+
+
+@contextlib.contextmanager
+def engine_lock(config, key: str) -> Iterator[None]:
+    """The store's lock of one engine key across hosts (a no-op for a folder workspace, whose lock files do it)."""
+    store = store_for(config)
+    if store is None:
+        yield
+        return
+    with store.lock(key):
+        yield
