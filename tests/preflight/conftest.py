@@ -17,7 +17,7 @@ FAST = {
     "cancellation": {"steps": 1000, "deadline_s": 0.3},
     "plugins": {"steps": 3},
     "quality": {"prompts": ["a red bicycle"], "seeds": [0, 1], "steps": 3},
-    "overload": {"steps": 10, "capacity_s": 1.0, "duration_s": 3.0, "request_timeout_s": 30.0, "timeout_s": 120},
+    "overload": {"steps": 10, "capacity_s": 1.0, "duration_s": 5.0, "request_timeout_s": 30.0, "timeout_s": 120},
 }
 
 

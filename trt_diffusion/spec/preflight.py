@@ -78,9 +78,10 @@ class OverloadSettings(_Check):
     load_factor: float = Field(1.5, gt=1, le=10, description="arrival rate over the measured capacity")
     request_timeout_s: float = Field(60.0, gt=0, description="a request not answered by then has hung")
     max_refusal_s: float = Field(1.0, gt=0, description="P99 latency of a refusal")
-    max_accepted_p99_s: float | None = Field(None, gt=0, description="P99 latency of accepted requests; default "
-                                             "p99_factor x the service latency at capacity")
-    p99_factor: float = Field(10.0, gt=1)
+    max_accepted_p99_s: float | None = Field(None, gt=0, description="P99 latency of accepted requests (an SLO); "
+                                             "null: reported, not gated")
+    max_latency_growth: float = Field(1.5, gt=1, description="median wait of the last quarter's arrivals over the "
+                                      "second quarter's: above it, waits grow without bound")
     timeout_s: float = Field(180.0, gt=0, le=3600)
 
 

@@ -24,14 +24,17 @@ def run(ctx: CheckContext) -> Outcome:
     capacity, service_s, levels = _capacity(ctx, instances)
     rate = settings.load_factor * capacity
     outcome = _open_loop(ctx, rate, settings)
-    bound = settings.max_accepted_p99_s or settings.p99_factor * service_s
     figures = outcome.figures
+    queue = deployment.max_queue_size
+    excess = (settings.load_factor - 1) * capacity
+    fill_s = queue / excess if queue and excess > 0 else None
     figures.update({"capacity_rps": capacity, "service_p50_s": service_s, "offered_rps": rate,
                     "load_factor": settings.load_factor, "duration_s": settings.duration_s,
-                    "max_queue_size": deployment.max_queue_size, "instances": instances})
+                    "max_queue_size": queue, "instances": instances, "queue_fill_s": fill_s})
     outcome.rows = levels
     outcome.thresholds = {"errors": 0, "hung": 0, "max_refusal_p99_s": settings.max_refusal_s,
-                          "max_accepted_p99_s": bound}
+                          "max_accepted_p99_s": settings.max_accepted_p99_s,
+                          "max_latency_growth": settings.max_latency_growth}
     if figures["errors"]:
         outcome.failures.append(f"{figures['errors']} request(s) failed with an error, not a refusal: "
                                 f"{figures.pop('first_error')}")
@@ -40,13 +43,18 @@ def run(ctx: CheckContext) -> Outcome:
         outcome.failures.append(f"{figures['hung']} request(s) had no answer within "
                                 f"{settings.request_timeout_s:g} s: hung")
     p99 = figures["accepted_p99_s"]
-    if p99 is not None and p99 > bound:
-        why = "max_accepted_p99_s" if settings.max_accepted_p99_s else \
-            f"{settings.p99_factor:g} x the {seconds_text(service_s)} service latency at capacity"
-        queue = deployment.max_queue_size
-        outcome.failures.append(f"accepted P99 {p99:.2f} s > {bound:.2f} s ({why}): under overload requests wait "
-                                f"without bound{'' if queue else ' (the entry declares no max_queue_size)'}; "
-                                "bound the queue so the excess is refused")
+    growth = figures["latency_growth"]
+    if growth is not None and growth > settings.max_latency_growth:
+        why = "the entry declares no max_queue_size" if not queue else (
+            f"its queue of {queue} takes {fill_s:.1f} s to fill at this load: raise overload.duration_s well past "
+            "that, or bound the queue lower" if fill_s and fill_s > settings.duration_s / 4 else
+            f"a queue of {queue} does not bound them")
+        outcome.failures.append(f"accepted requests waited longer and longer: median {seconds_text(figures['wait_q4_s'])} "
+                                f"for the last quarter's arrivals vs {seconds_text(figures['wait_q2_s'])} for the "
+                                f"second's (x{growth:.2f} > x{settings.max_latency_growth:g}): under overload waits "
+                                f"grow without bound ({why}); the excess must be refused")
+    if settings.max_accepted_p99_s and p99 is not None and p99 > settings.max_accepted_p99_s:
+        outcome.failures.append(f"accepted P99 {p99:.2f} s > max_accepted_p99_s {settings.max_accepted_p99_s:g} s")
     refusal_p99 = figures["refusal_p99_s"]
     if refusal_p99 is not None and refusal_p99 > settings.max_refusal_s:
         outcome.failures.append(f"refusal P99 {refusal_p99:.2f} s > {settings.max_refusal_s:g} s: refused late, "
@@ -66,7 +74,7 @@ def run(ctx: CheckContext) -> Outcome:
         outcome.failures.append(f"server not healthy after the overload: {health}")
     outcome.summary = (f"capacity {capacity:.1f} req/s; at {rate:.1f} req/s for {settings.duration_s:g} s: "
                        f"{figures['accepted']} accepted (P50 {seconds_text(figures['accepted_p50_s'])}, P99 "
-                       f"{seconds_text(p99)}, max {seconds_text(bound)}), {figures['refused']} refused "
+                       f"{seconds_text(p99)}, wait growth x{growth or 0:.2f}), {figures['refused']} refused "
                        f"({figures['refusal_rate']:.0%}, P99 {seconds_text(refusal_p99)}), {figures['errors']} errors, "
                        f"{figures['hung']} hung")
     return outcome
@@ -113,7 +121,7 @@ def _open_loop(ctx: CheckContext, rate: float, settings) -> Outcome:
     """Arrivals every 1/rate s for duration_s, each timed from its scheduled arrival (no coordinated omission)."""
     interval = 1.0 / rate
     count = max(1, int(settings.duration_s * rate))
-    results: list[tuple[str, float, str]] = []
+    results: list[tuple[str, float, str, int]] = []
     lock = threading.Lock()
     start = time.perf_counter()
 
@@ -127,7 +135,7 @@ def _open_loop(ctx: CheckContext, rate: float, settings) -> Outcome:
         except Exception as err:  # noqa: BLE001 - counted as an error
             kind, message = "error", str(err)
         with lock:
-            results.append((kind, time.perf_counter() - scheduled, message))
+            results.append((kind, time.perf_counter() - scheduled, message, index))
 
     workers = min(MAX_WORKERS, max(8, int(rate * settings.request_timeout_s) + 1))
     pool = ThreadPoolExecutor(workers)
@@ -141,13 +149,20 @@ def _open_loop(ctx: CheckContext, rate: float, settings) -> Outcome:
         done, not_done = wait(futures, timeout=settings.request_timeout_s + 5)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    accepted = [s for kind, s, _ in results if kind == "accepted"]
-    refused = [s for kind, s, _ in results if kind == "refused"]
-    errors = [m for kind, _, m in results if kind == "error"]
+    accepted = [s for kind, s, _, _ in results if kind == "accepted"]
+    refused = [s for kind, s, _, _ in results if kind == "refused"]
+    errors = [m for kind, _, m, _ in results if kind == "error"]
+
+    def quarter(q: int) -> float | None:  # median latency of the accepted requests that arrived in quarter q
+        chosen = [s for kind, s, _, i in results if kind == "accepted" and (q - 1) * count <= 4 * i < q * count]
+        return percentile(chosen, 50)
+
+    q2, q4 = quarter(2), quarter(4)
     figures = {"sent": count, "accepted": len(accepted), "refused": len(refused), "errors": len(errors),
                "hung": len(not_done), "refusal_rate": len(refused) / count,
                "accepted_p50_s": percentile(accepted, 50), "accepted_p99_s": percentile(accepted, 99),
                "refusal_p50_s": percentile(refused, 50), "refusal_p99_s": percentile(refused, 99),
+               "wait_q2_s": q2, "wait_q4_s": q4, "latency_growth": q4 / q2 if q2 and q4 else None,
                "first_error": errors[0] if errors else None}
     return Outcome(summary="", figures=figures)
 
