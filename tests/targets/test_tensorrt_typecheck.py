@@ -1,6 +1,6 @@
 """mypy over every module of trt_diffusion/targets/tensorrt/ against TensorRT's real Python API.
 
-TensorRT cannot be installed on CPU machines, but `tensorrt-stubs` (pinned in the `test` extra) is the
+TensorRT cannot be installed on CPU machines, but `tensorrt-stubs` (installed by the Makefile, --no-deps) is the
 .pyi of the TensorRT 10.13 Python bindings. Installed as it is, mypy ignores it (the package has no
 `py.typed` marker, so `tensorrt` is typed Any and nothing is checked), and the generated stub has syntax
 errors of its own (a parameter named `in`, a parameter without default after defaulted ones). So the
