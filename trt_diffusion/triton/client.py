@@ -148,16 +148,19 @@ def server_error(err: Exception, url: str, pipeline: str) -> ServeError:
 def infer(client, module, pipeline: str, request: ImageRequest, *, protocol: str, timeout_s: float,
           url: str = "") -> np.ndarray:
     """One request on an open client. Returns the image, uint8 [H, W, 3]."""
-    return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url)[0][0]
+    return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url,
+                        timing=False)[0][0]
 
 
 def infer_images(client, module, pipeline: str, request: ImageRequest, *, protocol: str, timeout_s: float,
-                 url: str = "") -> tuple[np.ndarray, dict]:
-    """(images uint8 [N, H, W, 3] with N = NUM_IMAGES, the response parameters: `timing` decoded from JSON)."""
+                 url: str = "", timing: bool = True) -> tuple[np.ndarray, dict]:
+    """(images uint8 [N, H, W, 3] with N = NUM_IMAGES, the response parameters: `timing` decoded from JSON).
+    `timing`: also ask for the TIMING output (models without it, the ensemble, are asked again without)."""
     import time
 
     inputs = make_inputs(module, request.tensors())
-    outputs = [module.InferRequestedOutput("IMAGE"), module.InferRequestedOutput("TIMING")]
+    names = ["IMAGE", "TIMING"] if timing else ["IMAGE"]
+    outputs = [module.InferRequestedOutput(name) for name in names]
     parameters = {contract.SENT_NS_PARAMETER: time.time_ns()}  # the server reports queue_s from it
     try:
         if protocol == "grpc":
@@ -165,6 +168,9 @@ def infer_images(client, module, pipeline: str, request: ImageRequest, *, protoc
         else:
             result = client.infer(pipeline, inputs, outputs=outputs, parameters=parameters)
     except Exception as err:  # tritonclient raises InferenceServerException, sockets raise OS errors
+        if timing and "unexpected inference output 'TIMING'" in str(err):
+            return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url,
+                                timing=False)
         raise server_error(err, url, pipeline) from None
     images = result.as_numpy("IMAGE")
     expected = request.num_images or 1
