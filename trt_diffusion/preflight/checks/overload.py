@@ -44,7 +44,9 @@ def run(ctx: CheckContext) -> Outcome:
                                 f"{settings.request_timeout_s:g} s: hung")
     p99 = figures["accepted_p99_s"]
     growth = figures["latency_growth"]
-    if growth is not None and growth > settings.max_latency_growth:
+    # Waits that grow while nothing is refused: the queue takes every request, so under overload they grow for as
+    # long as it lasts. (Waits that drift while the queue sheds load are the machine's noise, not a missing bound.)
+    if growth is not None and growth > settings.max_latency_growth and not figures["refused"]:
         why = "the entry declares no max_queue_size" if not queue else (
             f"its queue of {queue} takes {fill_s:.1f} s to fill at this load: raise overload.duration_s well past "
             "that, or bound the queue lower" if fill_s and fill_s > settings.duration_s / 4 else
@@ -52,7 +54,8 @@ def run(ctx: CheckContext) -> Outcome:
         outcome.failures.append(f"accepted requests waited longer and longer: median {seconds_text(figures['wait_q4_s'])} "
                                 f"for the last quarter's arrivals vs {seconds_text(figures['wait_q2_s'])} for the "
                                 f"second's (x{growth:.2f} > x{settings.max_latency_growth:g}): under overload waits "
-                                f"grow without bound ({why}); the excess must be refused")
+                                f"grow without bound and nothing was refused ({why}); the excess must be "
+                                "refused")
     if settings.max_accepted_p99_s and p99 is not None and p99 > settings.max_accepted_p99_s:
         outcome.failures.append(f"accepted P99 {p99:.2f} s > max_accepted_p99_s {settings.max_accepted_p99_s:g} s")
     refusal_p99 = figures["refusal_p99_s"]
