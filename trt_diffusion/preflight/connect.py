@@ -163,7 +163,7 @@ def connect_served(url: str, protocol: str, config: EnginesConfig, engines: Engi
             raise ServeError(f"Triton at {url} serves {pipeline} with other engines than the {engines.target} "
                              f"engines built in {config.workspace} ({len(foreign)} not built here: {listed}); "
                              "package and serve the engines of this workspace")
-        served = [by_key[key] for key in served_keys]
+        served = [e for e in engines.found if e.spec.key in served_keys]  # engines.yaml's order, not the index's
         entry_config = models[pipeline][1]
         instances, queue = _instances_and_queue(entry_config)
     finally:
