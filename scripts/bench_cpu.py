@@ -68,6 +68,28 @@ def full_model(workdir: Path) -> Path:
     return folder
 
 
+def full_vae(model_dir: Path, workdir: Path) -> Path:
+    """A folder whose vae/ is the real SD1.5 AutoencoderKL architecture (84M parameters, seeded random
+    weights): `models tiny --size full` makes only the UNet full-size."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    config = json.loads((model_dir / "vae" / "config.json").read_text())
+    if config.get("block_out_channels") == [128, 256, 512, 512]:
+        return model_dir
+    folder = workdir / "sd15-full-vae"
+    if not (folder / "vae" / "config.json").is_file():
+        log("writing a full-size SD1.5 VAE (random weights)")
+        torch.manual_seed(SEED)
+        vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
+                            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                            layers_per_block=2, norm_num_groups=32, sample_size=512, scaling_factor=0.18215)
+        vae.save_pretrained(folder / "vae")
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                              "vae": ["diffusers", "AutoencoderKL"]}))
+    return folder
+
+
 def unet_feeds(latent: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(SEED)
     return {"sample": rng.standard_normal((2, 4, latent, latent)).astype(np.float32),
@@ -232,7 +254,14 @@ def routes_for(component: str, model_dir: Path, onnx_fp32: Path, onnx_int8: Path
             return str(exc).split(":")[0] + ": " + str(exc).split(":", 2)[-1].strip()[:120]
         return None
 
-    routes = [Route("pytorch fp32", torch_route(False)), Route("pytorch bf16 autocast", torch_route(True)),
+    from trt_diffusion.targets.openvino import host as ov_host
+
+    # Without bf16 hardware PyTorch's CPU autocast falls back to slow bf16 kernels: one 256² UNet call ran
+    # for over 10 minutes on an AVX2-only EPYC (against 13 s in fp32). Not a route anyone would take there.
+    torch_bf16_reason = None if "BF16" in ov_host.cpu_facts().capabilities or os.environ.get("BENCH_TORCH_BF16") \
+        else "no bf16 hardware (AMX/AVX512-BF16): one call took > 10 min here (BENCH_TORCH_BF16=1 runs it anyway)"
+    routes = [Route("pytorch fp32", torch_route(False)),
+              Route("pytorch bf16 autocast", torch_route(True), torch_bf16_reason),
               Route("onnxruntime fp32 (project)", ort_route(onnx_fp32, "fp32"))]
     if onnx_int8 is not None:
         routes.append(Route("onnxruntime int8 (project)", ort_route(onnx_int8, "int8")))
@@ -399,7 +428,7 @@ def pipeline_routes(model_dir: Path, workdir: Path, onnx_unet: Path, onnx_int8: 
         return vae({"latent": (latents / 0.18215).astype(np.float32)})
 
     def torch_load():
-        unet, vae = load_torch(model_dir, "unet"), load_torch(model_dir, "vae_decoder")
+        unet, vae = load_torch(model_dir, "unet"), load_torch(full_vae(model_dir, workdir), "vae_decoder")
 
         def call(module):
             def run(f):
@@ -483,12 +512,13 @@ def main() -> int:
         report["openvino_refit"] = refit_timing(workdir, unet_onnx, args.sizes[0])
         log(f"  {report['openvino_refit']}")
     vae_onnx = None
+    vae_dir = full_vae(model_dir, workdir) if (args.vae or args.pipeline) else model_dir
     if args.vae or args.pipeline:
-        vae_onnx = export_onnx(model_dir, "vae_decoder", vae_feeds(32), workdir / "onnx" / "vae" / "model.onnx")
+        vae_onnx = export_onnx(vae_dir, "vae_decoder", vae_feeds(32), workdir / "onnx" / "vae-full" / "model.onnx")
     if args.vae:
         feeds = vae_feeds(args.vae_size // 8)
         log(f"VAE decoder -> {args.vae_size}²")
-        routes = [r for r in routes_for("vae_decoder", model_dir, vae_onnx, None, feeds, args.vae_size, workdir)]
+        routes = routes_for("vae_decoder", vae_dir, vae_onnx, None, feeds, args.vae_size, workdir)
         report["results"][f"vae_decoder_{args.vae_size}"] = measure(routes, feeds, args.runs)
         _print(f"VAE decoder {args.vae_size}²", report["results"][f"vae_decoder_{args.vae_size}"])
     if args.pipeline:
