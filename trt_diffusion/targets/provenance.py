@@ -88,9 +88,9 @@ def record_provenance(workspace: Path, spec: EngineSpec, path: Path, seconds: fl
 def release_manifest(config, specs: list[EngineSpec], *, verify: bool = True) -> dict:
     """Every engine of the matrix with its provenance; with `verify`, each file checked against its sha256.
 
-    An engine is `ok` (built, every file as recorded), `modified` (a file differs from or is missing since
-    its record), `unrecorded` (built, but no provenance record: built before records were kept) or
-    `missing` (not built in this workspace).
+    An engine is `ok` (every file as its build recorded), `modified` (a file differs from or is missing since
+    its record, its manifest included), `unrecorded` (built, but no provenance record: built before records
+    were kept) or `missing` (not built in this workspace).
     """
     from . import get_target
 
@@ -101,10 +101,8 @@ def release_manifest(config, specs: list[EngineSpec], *, verify: bool = True) ->
         record_file = provenance_path(root, spec.key)
         record = json.loads(record_file.read_text()) if record_file.is_file() else None
         entry = {"key": spec.key, "name": spec.name, "target": spec.target}
-        if engine is None:
-            entry["status"] = "missing"
-        elif record is None:
-            entry["status"] = "unrecorded"
+        if record is None:  # a record names the engine's files: without one only the engine's presence is known
+            entry["status"] = "missing" if engine is None else "unrecorded"
         else:
             entry.update({k: record[k] for k in ("engine", "bytes", "build_seconds", "built_at", "built_by", "tools",
                                                  "files")})
