@@ -134,7 +134,9 @@ def _check_preflight(parsed: EnginesFile, models: dict[str, ResolvedModel], prob
         problems.add(("preflight", "model"), f"no model named {settings.model!r} (models: {', '.join(models)})")
         return
     chosen = [models[settings.model]] if settings.model else list(models.values())
-    if len(chosen) == 1 and settings.target not in chosen[0].targets:
+    # Only a target the file names is checked: the default (onnxruntime) must not refuse a file whose
+    # models build other targets and that never runs preflight.
+    if "target" in settings.model_fields_set and len(chosen) == 1 and settings.target not in chosen[0].targets:
         problems.add(("preflight", "target"), f"{chosen[0].name} does not build the {settings.target} target "
                                               f"(targets: {', '.join(chosen[0].targets)})")
 
