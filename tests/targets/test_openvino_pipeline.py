@@ -87,7 +87,8 @@ def test_bf16_passes_parity_where_the_cpu_has_bf16_and_is_refused_elsewhere(vari
     else:
         assert unet.failure is not None and not unet.failure.internal
         assert "cannot compute bf16 natively" in unet.failure.message and "AMX" in unet.failure.message
-        assert [o.status for o in report.outcomes if o is not unet] == ["CACHED", "CACHED"]
+        # The refusal is the UNet's alone: the other engines of the variant still build (or are reused).
+        assert [o.failure for o in report.outcomes if o is not unet] == [None, None]
 
 
 @pytest.mark.triton
