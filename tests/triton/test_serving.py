@@ -97,12 +97,14 @@ def local_image(served: Served, image_request: ImageRequest) -> np.ndarray:
     return generation.images[0]
 
 
-def wait_for(condition, what: str) -> None:
-    """Poll until `condition()` holds; fail after HANG_GUARD_S (the event never came: a hang, not slowness)."""
+def wait_for(condition, what: str, served: Served | None = None) -> None:
+    """Poll until `condition()` holds; fail after HANG_GUARD_S (the event never came: a hang, not slowness),
+    with the server log's tail when given the server."""
     deadline = time.monotonic() + HANG_GUARD_S
     while not condition():
         if time.monotonic() > deadline:
-            pytest.fail(f"{what}: did not happen within {HANG_GUARD_S} s")
+            tail = f"\nserver log:\n{served.server.log_tail(40)}" if served else ""
+            pytest.fail(f"{what}: did not happen within {HANG_GUARD_S} s{tail}")
         time.sleep(0.02)
 
 
@@ -139,8 +141,12 @@ def cancelled_in_log(served: Served) -> int:
 
 
 class LongRequests:
-    """One 1000-step request per instance of the entry, sent asynchronously over gRPC; `started()` once every
-    one of them has run its text encoder (each request calls it exactly twice: prompt and negative prompt)."""
+    """One 1000-step ControlNet request per instance of the entry (a ControlNet and a UNet call per step:
+    seconds of work), sent asynchronously over gRPC one after another: each is sent once the previous one has
+    started, i.e. has run its text encoder (each request calls it exactly twice: prompt and negative prompt).
+    The entry batches requests (one execute takes up to 8 and runs those it cannot share denoiser calls for one
+    after another); sent together, two long requests can land in one execute while the other instance idles.
+    Sent this way, each finds the instances before it busy and takes a free one."""
 
     def __init__(self, served: Served, count: int = INSTANCES, timeout_s: float | None = None):
         import tritonclient.grpc as grpc
@@ -151,17 +157,21 @@ class LongRequests:
         self.errors: list = []
         self.results: list = []
         self.done = threading.Semaphore(0)
-        inputs = triton_client.make_inputs(grpc, request(steps=LONG_STEPS).tensors())
+        control = np.zeros((SIZE, SIZE, 3), np.uint8)
+        inputs = triton_client.make_inputs(grpc, request(steps=LONG_STEPS, controlnet="canny",
+                                                         control_image=control).tensors())
         kwargs = {} if timeout_s is None else {"client_timeout": timeout_s}
-        self.futures = [client.async_infer(served.report.entry, inputs, callback=self._callback, **kwargs)
-                        for client in self.clients]
+        self.futures = []
+        for index, client in enumerate(self.clients):
+            self.futures.append(client.async_infer(served.report.entry, inputs, callback=self._callback, **kwargs))
+            wait_for(lambda: self._started(index + 1), f"long request {index + 1} running", served)
+
+    def _started(self, count: int) -> bool:
+        return engine_calls(self.served, "text_encoder") >= self.text_calls + 2 * count
 
     def _callback(self, result, error) -> None:
         (self.errors if error is not None else self.results).append(error or result)
         self.done.release()
-
-    def started(self) -> bool:
-        return engine_calls(self.served, "text_encoder") >= self.text_calls + 2 * self.count
 
     def finished(self) -> int:
         return len(self.errors) + len(self.results)
@@ -372,11 +382,10 @@ def test_cancelled_requests_stop_their_loops_and_free_their_instances(served):
     for them) and the next request is served by a freed instance: it adds exactly its own UNet calls."""
     unet_before, cancelled_before = engine_calls(served, "unet"), cancelled_in_log(served)
     long = LongRequests(served)
-    wait_for(long.started, "both 1000-step requests running")
     long.cancel()
     long.wait()
     assert not long.results and all("cancel" in str(e).lower() for e in long.errors), long.errors
-    wait_for(lambda: cancelled_in_log(served) >= cancelled_before + INSTANCES, "both instances log the cancel")
+    wait_for(lambda: cancelled_in_log(served) >= cancelled_before + INSTANCES, "both instances log the cancel", served)
     stopped = engine_calls(served, "unet")
     assert stopped - unet_before < INSTANCES * LONG_STEPS  # each loop stopped at some step k < 1000
     assert remote(served, request(steps=2)).shape == (SIZE, SIZE, 3)
@@ -392,7 +401,7 @@ def test_requests_past_their_deadline_stop_their_loops(served):
     long = LongRequests(served, timeout_s=1.0)
     long.wait()
     assert not long.results and all("deadline" in str(e).lower() for e in long.errors), long.errors
-    wait_for(lambda: cancelled_in_log(served) >= cancelled_before + INSTANCES, "both instances log the cancel")
+    wait_for(lambda: cancelled_in_log(served) >= cancelled_before + INSTANCES, "both instances log the cancel", served)
     stopped = engine_calls(served, "unet")
     assert stopped - unet_before < INSTANCES * LONG_STEPS
     assert remote(served, request(steps=2)).shape == (SIZE, SIZE, 3)
@@ -404,10 +413,9 @@ def test_a_request_that_finds_the_queue_full_is_refused_while_the_instances_are_
     at once (RequestRejected while the long requests still run, so it waited for no instance); the queued
     ones are served once the long requests are cancelled; nothing hangs."""
     long = LongRequests(served)
-    wait_for(long.started, "both 1000-step requests running")
     with ThreadPoolExecutor(QUEUE) as pool:
         queued = [pool.submit(remote, served, request(seed=i, steps=2)) for i in range(QUEUE)]
-        wait_for(lambda: pending_requests(served, served.report.entry) == QUEUE, f"{QUEUE} requests queued")
+        wait_for(lambda: pending_requests(served, served.report.entry) == QUEUE, f"{QUEUE} requests queued", served)
         with pytest.raises(RequestRejected, match="(?i)exceeds maximum queue size"):
             remote(served, request(steps=2))
         assert long.finished() == 0  # refused while every instance was still busy
