@@ -20,7 +20,7 @@ IMAGE ?= out.png
 REFIT_ARGS ?= --model sd15-tiny --base
 
 .PHONY: venv models build-engines plan export quantize build refit test test-slow test-gpu parity package serve \
-	generate preflight clean
+	generate preflight manifest clean
 
 # The CPU build of torch goes in first: anything looser pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -65,6 +65,10 @@ build-engines: models
 
 parity: build-engines
 	$(TD) parity $(CONFIG) $(ARGS)
+
+# The release manifest: every engine's provenance and sha256, verified (<workspace>/release-manifest.json).
+manifest: build-engines
+	$(TD) manifest $(CONFIG) $(ARGS)
 
 # A Triton model repository from the built engines, then tritonserver on 127.0.0.1 (Ctrl-C stops it).
 package: build-engines
