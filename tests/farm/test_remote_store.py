@@ -27,6 +27,7 @@ from trt_diffusion.remote_store import (  # noqa: E402
 )
 from trt_diffusion.spec import load_engines_file  # noqa: E402
 from trt_diffusion.targets.provenance import engine_files, file_sha256  # noqa: E402
+from shard_split import build_shards, two_host_shards  # noqa: E402
 
 BUCKET = "trt-farm"
 
@@ -106,8 +107,9 @@ def test_build_hosts_publish_and_a_fresh_host_builds_nothing_and_packages_what_t
     url = f"s3://{BUCKET}/release-1"
     first = _host_config(tmp_path, built_sd15, "build-a", url, with_exports=True)
     second = _host_config(tmp_path, built_sd15, "build-b", url)
-    a = api.build(first, shard=(1, 2))
-    b = api.build(second, shard=(2, 2))  # starts with an empty cache: pulls the exports host a published
+    first_shards, second_shards = two_host_shards(first)
+    a = build_shards(first, first_shards)
+    b = build_shards(second, second_shards)  # starts with an empty cache: pulls the exports host a published
     assert not a.failed and not b.failed and a.built and b.built
     assert len(list((tmp_path / "build-b" / "cache" / "onnx").iterdir())) == 4  # pulled, verified, not exported
 
@@ -336,8 +338,9 @@ def test_a_shared_directory_workspace_is_used_in_place_by_every_host(tmp_path, b
         path.write_text(yaml.safe_dump(data))
         hosts.append(path)
     assert load_engines_file(hosts[0]).workspace == shared and store_for(load_engines_file(hosts[0])) is None
-    first = api.build(hosts[0], shard=(1, 2))
-    second = api.build(hosts[1], shard=(2, 2))
+    first_shards, second_shards = two_host_shards(hosts[0])
+    first = build_shards(hosts[0], first_shards)
+    second = build_shards(hosts[1], second_shards)
     assert first.built and second.built and not first.failed and not second.failed
     final = api.build(hosts[1])
     assert not final.built and len(final.cached) == 4

@@ -14,6 +14,7 @@ from trt_diffusion.errors import ConfigError
 from trt_diffusion.spec import expand, load_engines_file
 from trt_diffusion.targets.provenance import engine_files, file_sha256
 from trt_diffusion.targets.shards import parse_shard, shard_of, shard_specs
+from shard_split import build_shards, two_host_shards
 
 
 def _digests(outcomes, root):
@@ -44,8 +45,9 @@ def test_shards_partition_the_matrix_deterministically(built_sd15):
 
 
 def test_two_shards_equal_one_local_build_and_the_final_build_is_a_no_op(fresh_workspace, built_sd15):
-    first = api.build(fresh_workspace, shard=(1, 2))
-    second = api.build(fresh_workspace, shard=(2, 2))
+    first_shards, second_shards = two_host_shards(fresh_workspace)
+    first = build_shards(fresh_workspace, first_shards)
+    second = build_shards(fresh_workspace, second_shards)
     assert not first.failed and not second.failed
     assert first.outcomes and second.outcomes  # both shards hold engines of this matrix
     assert {o.spec.key for o in first.outcomes}.isdisjoint(o.spec.key for o in second.outcomes)

@@ -6,6 +6,7 @@ Dry runs only (`make -n`), with the venv marked as up to date (`-o`): nothing is
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -20,8 +21,11 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="GNU make i
 
 
 def dry_run(*args: str) -> list[str]:
-    done = subprocess.run(["make", "-n", "-o", ".venv/.installed", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    # Under CI's `make test` the environment carries MAKELEVEL/MAKEFLAGS, and a nested make prints
+    # "Entering directory" lines: run it as a top-level make.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+    done = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return [line.strip() for line in done.stdout.splitlines() if line.strip()]
 
