@@ -332,8 +332,6 @@ def test_the_wrapper_and_the_fake_name_only_real_cuda_python_calls():
 # ---------------------------------------------------------------------------------------------- the pipeline
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="the device-resident latent path (ded8ab6) was "
-                   "overwritten by the batching rewrite of runtime/pipeline.py (a7c5008); it must be restored")
 def test_pipeline_keeps_latents_on_the_host_unless_every_denoiser_runner_takes_device_tensors(monkeypatch, tmp_path):
     """The device path is chosen only for runners that say `device_tensors` and only where torch has CUDA
     (never here); everything else keeps the host path that tests/runtime checks bit for bit against diffusers."""

@@ -17,13 +17,12 @@ import torch
 from ..errors import RuntimeInputError
 from ..families import Family
 from ..spec.engine_spec import Size
-from .engines import RunnerTable
+from .engines import MAX_DYNAMIC_ROWS, RunnerTable
 from .schedulers import make_scheduler, scheduler_names
 
 MAX_STEPS = 1000
 MAX_PROMPT_CHARS = 4096  # PROMPT and NEGATIVE_PROMPT (the Triton models also cap their bytes before decoding)
 MAX_CONTROLNET_SCALE = 100.0
-MAX_DYNAMIC_ROWS = 8  # requests' rows per denoiser call where the engine's batch is dynamic
 
 
 @dataclass
@@ -341,7 +340,12 @@ class DiffusionPipeline:
         h, w = size.latent(self.vae_scale_factor)
         channels = self.denoiser_config["in_channels"]
         latents = torch.randn((request.batch, channels, h, w), generator=generator, dtype=torch.float32)
-        scheduler.set_timesteps(request.steps)
+        device = self._latent_device(request)  # None: the host path, numpy between runner and scheduler
+        if device is None:
+            scheduler.set_timesteps(request.steps)
+        else:  # same seeded noise, drawn on the host; steps and guidance then run where the engine's outputs are
+            latents = latents.to(device)
+            scheduler.set_timesteps(request.steps, device=device)
         if self.family is not Family.sd3:
             latents = latents * scheduler.init_noise_sigma
         return _Item(request, encoding, generator, scheduler, latents, _step_kwargs(scheduler, generator))
@@ -369,7 +373,7 @@ class DiffusionPipeline:
                 model_in = torch.cat(scaled * 2)
                 noise = self._denoise(model_in, t, _cat(negative, positive), _cat_extra(extra), size, first,
                                       None if control is None else np.concatenate([control] * 2))
-                uncond, cond = np.split(noise, 2)
+                uncond, cond = noise.chunk(2) if isinstance(noise, torch.Tensor) else np.split(noise, 2)
             elif cfg_mode == "split":
                 model_in = torch.cat(scaled)
                 uncond = self._denoise(model_in, t, negative, extra, size, first, control)
@@ -379,16 +383,27 @@ class DiffusionPipeline:
                 cond = self._denoise(model_in, t, positive, extra, size, first, control)
                 uncond = None
             for item, lo, hi in zip(items, offsets[:-1], offsets[1:]):
-                noise_pred = torch.from_numpy(cond[lo:hi] if len(items) > 1 else cond)
+                noise_pred = _as_torch(cond[lo:hi] if len(items) > 1 else cond)
                 if uncond is not None:
-                    uncond_t = torch.from_numpy(uncond[lo:hi] if len(items) > 1 else uncond)
+                    uncond_t = _as_torch(uncond[lo:hi] if len(items) > 1 else uncond)
                     noise_pred = uncond_t + item.request.guidance_scale * (noise_pred - uncond_t)
                 item.latents = item.scheduler.step(noise_pred, t, item.latents, **item.step_kwargs,
                                                    return_dict=False)[0]
             timings.step_s.append(time.perf_counter() - start)
             if on_step is not None:
-                on_step(index, len(timesteps), [item.latents for item in items])
-        return [item.latents for item in items], cfg_mode
+                on_step(index, len(timesteps), [item.latents.cpu() for item in items])
+        return [item.latents.cpu() for item in items], cfg_mode  # .cpu() is a no-op on the host path
+
+    def _latent_device(self, request: GenerationRequest) -> str | None:
+        """"cuda" when every denoiser runner takes and gives torch CUDA tensors (`device_tensors`, the
+        TensorRT runner) and torch has CUDA: the latents then stay on the GPU between steps. None (the
+        host path, unchanged) otherwise, and with ControlNet residuals, which are computed on the host."""
+        runners = [e.runner for e in self.runners.entries if e.component == self.denoiser]
+        if request.controlnet is not None or not runners or not all(getattr(r, "device_tensors", False) for r in runners):
+            return None
+        if any("mid_block_residual" in r.inputs for r in runners) or not torch.cuda.is_available():
+            return None
+        return "cuda"
 
     def _cfg_mode(self, size: Size, batch: int) -> str:
         batches = self.runners.batches(self.denoiser, size)
