@@ -32,8 +32,30 @@ FAMILY_MARKERS = {
 SUPPORTED_FAMILIES = ("sd15",)
 
 
+REFERENCE_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "reference_configs"
+CLIP_BPE_FILE = REFERENCE_CONFIGS / "clip_bpe_simple_vocab_16e6.txt.gz"
+CLIP_MERGES = 49152 - 256 - 2  # merges CLIP's tokenizer reads from its BPE file (the rest are unused)
+
+
 def reference_config_dir(family: str) -> Path:
-    return Path(__file__).resolve().parent.parent / "data" / "reference_configs" / family
+    return REFERENCE_CONFIGS / family
+
+
+def reference_clip_tokenizer(max_length: int = 77):
+    """The tokenizer of SD1.5's text encoder (openai/clip-vit-large-patch14), rebuilt from CLIP's BPE file as
+    CLIP's own tokenizer does: every byte, every byte ending a word, each merge, then the two special tokens
+    (49408 in all). Shipped this way because vocab.json + merges.txt would be 2 MB of package data."""
+    import gzip
+
+    from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    lines = gzip.decompress(CLIP_BPE_FILE.read_bytes()).decode("utf-8").split("\n")
+    merges = [tuple(line.split()) for line in lines[1:CLIP_MERGES + 1]]  # the first line is a version header
+    chars = list(bytes_to_unicode().values())
+    tokens = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, model_max_length=max_length)
 
 
 def check_single_file(file: Path) -> Path:
@@ -101,9 +123,11 @@ def convert_single_file(file: str | os.PathLike, out: str | os.PathLike, *, fami
     import torch
 
     try:
+        # the shipped reference config has no tokenizer files: its tokenizer is rebuilt from CLIP's BPE file
+        tokenizer = {"tokenizer": reference_clip_tokenizer()} if config is None else {}
         pipe = diffusers.StableDiffusionPipeline.from_single_file(
             str(file), config=str(config_dir), local_files_only=True, torch_dtype=torch.float32,
-            safety_checker=None, requires_safety_checker=False)
+            safety_checker=None, requires_safety_checker=False, **tokenizer)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelError(f"cannot load checkpoint {file} with the {family} config {config_dir}: "
                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
