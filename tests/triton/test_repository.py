@@ -64,8 +64,9 @@ def test_queue_policy_and_instances_on_the_long_running_models(repo):
     for name in (report.entry, "sd15-tiny_stream", "sd15-tiny_denoise"):
         config = models[name]
         policy = config.dynamic_batching.default_queue_policy
-        # the entry gathers up to 8 requests (issue 18); batch-1 engines only: no wait for partners
-        assert config.max_batch_size == (8 if name == report.entry else 1)
+        # the entry gathers what one UNet call takes (issue 18): batch-1 engines (b2 with CFG) take one
+        # request, so there is no batch to gather and no wait for partners
+        assert config.max_batch_size == 1
         assert config.dynamic_batching.max_queue_delay_microseconds == 0
         assert policy.max_queue_size == 5 and policy.default_timeout_microseconds == 12_500_000
         assert configs.mc.ModelQueuePolicy.TimeoutAction.Name(policy.timeout_action) == "REJECT"
@@ -112,7 +113,7 @@ def test_report_round_trips(repo):
     (("sd15-tiny_ensemble", "value: \"latents\"", "value: \"latent\""),
      "model sd15-tiny_ensemble: step 2 \\(sd15-tiny_decode\\): input_map 'LATENTS' <- 'latents', which no"),
     (("sd15-tiny_decode", "name: \"WIDTH\"", "name: \"W\""), "model sd15-tiny_decode: input 'WIDTH' is missing"),
-    (("sd15-tiny", "max_batch_size: 8", "max_batch_size: 0"), "model sd15-tiny: max_batch_size is 0"),
+    (("sd15-tiny", "max_batch_size: 1", "max_batch_size: 0"), "model sd15-tiny: max_batch_size is 0"),
     (("sd15-tiny__text_encoder__any__b1", "model_warmup", "# model_warmup"), "does not parse"),
 ])
 def test_a_corrupted_config_is_named_by_model_and_field(repo, tmp_path, edit, expected):
@@ -196,3 +197,20 @@ def test_package_command(sd15_engines, tmp_path):
     entry = read_configs(out)["sd15-tiny"]
     assert entry.dynamic_batching.default_queue_policy.max_queue_size == 3
     assert not (out / "sd15-tiny_ensemble").exists()
+
+
+@pytest.mark.parametrize("unet_batches,family,expected", [
+    ([2], "sd15", 1),  # batch [1] with CFG: one request a call, nothing to gather
+    ([2, 4, 8], "sd15", 4),  # batch [1, 2, 4]: the batch-8 engine takes four requests' CFG rows
+    ([2, 4, 8], "sd3", 4),
+    ([None], "sd15", 4),  # dynamic batch: up to MAX_DYNAMIC_ROWS rows
+])
+def test_the_entry_gathers_what_one_denoiser_call_takes(unet_batches, family, expected):
+    """More would run as several calls inside one instance while the other instance idles (measured, issue 18)."""
+    from trt_diffusion.triton.description import EngineEntry, PipelineDescription
+    from trt_diffusion.triton.repository import _requests_per_denoiser_call
+
+    denoiser = "transformer" if family == "sd3" else "unet"
+    engines = [EngineEntry(f"m{b}", denoiser, None, b, None, (), ()) for b in unet_batches]
+    engines.append(EngineEntry("vae", "vae_decoder", None, 16, None, (), ()))  # not the denoiser: not counted
+    assert _requests_per_denoiser_call(PipelineDescription("p", family, tuple(engines))) == expected

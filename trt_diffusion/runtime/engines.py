@@ -8,6 +8,8 @@ from ..errors import RuntimeInputError
 from ..spec.engine_spec import Bucket, Size
 from .runners import Runner
 
+MAX_DYNAMIC_ROWS = 8  # requests' rows per denoiser call where the engine's batch is dynamic
+
 
 @dataclass(frozen=True)
 class RunnerEntry:

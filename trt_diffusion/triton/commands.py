@@ -62,9 +62,10 @@ def package_command(
     = WarmupData.zero,
     ensemble: Annotated[bool, typer.Option("--ensemble/--no-ensemble",
                                            help="also write <pipeline>_ensemble and its stage models")] = True,
-    batch_requests: Annotated[int, typer.Option("--batch-requests", min=1, help="requests the entry gathers into "
-                                                "one batch at most (shared denoiser calls over batch-N engines)")]
-    = 8,
+    batch_requests: Annotated[Optional[int], typer.Option(
+        "--batch-requests", min=1, help="requests the entry gathers into one batch at most (shared denoiser calls "
+        "over batch-N engines); default: what one call of the biggest UNet engine takes with CFG (batch 8: 4)")]
+    = None,
     batch_delay_ms: Annotated[float, typer.Option("--batch-delay-ms", min=0, max=10000, help="longest wait for "
                                                   "batch partners (0 where the engines are batch 1 only)")] = 5.0,
     max_images: Annotated[int, typer.Option("--max-images", min=1, help="NUM_IMAGES of one request at most")] = 8,

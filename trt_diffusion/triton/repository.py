@@ -68,8 +68,10 @@ class PackageOptions:
     ensemble: bool = True  # also write <pipeline>_ensemble and its three stage models
     # Dynamic batching in the entry: one execute gets up to `batch_requests` requests, waiting at most
     # `batch_delay_ms` for partners; requests of one size/steps/scheduler/CFG/ControlNet share denoiser calls
-    # over the batch-N engines built (none to share with batch [1] only: then no wait).
-    batch_requests: int = 8
+    # over the batch-N engines built (none to share with batch [1] only: then no wait). None: what one call
+    # of the biggest denoiser engine takes with CFG batched (batch 8 -> 4 requests) — more would run as
+    # several calls in one instance while another instance idles.
+    batch_requests: int | None = None
     batch_delay_ms: float = 5.0
     max_images: int = 8  # NUM_IMAGES of one request at most
     stream: bool = True  # also write <pipeline>_stream: decoupled (gRPC streaming) with previews
@@ -82,7 +84,7 @@ class PackageOptions:
         if self.warmup_data not in WARMUP_DATA:
             problems.append(f"warmup_data must be one of {WARMUP_DATA}, got {self.warmup_data!r}")
         for name in ("pipeline_instances", "engine_instances", "max_queue_size", "batch_requests", "max_images"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.batch_delay_ms <= 10_000:
             problems.append(f"batch_delay_ms must be in [0, 10000], got {self.batch_delay_ms}")
@@ -259,7 +261,8 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
     queue = QueuePolicy(options.max_queue_size, options.queue_timeout_s)
     stages = (["full"] + (["stream"] if options.stream else [])
               + (["encode", "denoise", "decode"] if options.ensemble else []))
-    shares = _can_share_denoiser_calls(description)
+    per_call = _requests_per_denoiser_call(description)
+    batch_requests = options.batch_requests or per_call
     plans = []
     for stage in stages:
         name = naming.entry_name(pipeline) if stage == "full" else naming.stage_name(pipeline, stage)
@@ -272,8 +275,8 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
             instances=options.pipeline_instances if long_running else 1, queue=queue if long_running else None,
             parameters={"pipeline": pipeline, "family": family.value, "sizes": ";".join(sizes),
                         "request_sizes": ";".join(request_sizes), "max_images": str(options.max_images)},
-            batch_requests=options.batch_requests if batching else 1,
-            batch_delay_us=int(options.batch_delay_ms * 1000) if batching and shares else 0)
+            batch_requests=batch_requests if batching else 1,
+            batch_delay_us=int(options.batch_delay_ms * 1000) if batching and per_call > 1 else 0)
         role = {"full": "entry", "stream": "stream"}.get(stage, "stage")
         record = PackagedModel(name=name, role=role, backend="python")
         plans.append(_ModelPlan(config, record, texts={"model.py": PIPELINE_MODEL_PY}, skeleton=True,
@@ -283,11 +286,16 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
     return plans
 
 
-def _can_share_denoiser_calls(description: PipelineDescription) -> bool:
-    """Whether two requests can ever share a denoiser call: an engine batch above 2 (CFG batched: two rows a
-    request) or a dynamic one. With batch [1] only, waiting for partners would only add latency."""
+def _requests_per_denoiser_call(description: PipelineDescription) -> int:
+    """How many requests of one image one denoiser call can serve: the biggest engine batch over the two rows
+    CFG batched gives a request (MAX_DYNAMIC_ROWS for a dynamic engine). 1 with batch [1] only: then no
+    request could share a call, and waiting for partners would only add latency."""
+    from ..runtime.engines import MAX_DYNAMIC_ROWS
+
     denoiser = FAMILIES[Family(description.family)].denoiser.value
-    return any(e.batch is None or e.batch > 2 for e in description.engines if e.component == denoiser)
+    batches = [e.batch for e in description.engines if e.component == denoiser]
+    rows = MAX_DYNAMIC_ROWS if None in batches else max(batches, default=1)
+    return max(1, rows // 2)
 
 
 def _ensemble_plan(pipeline: str, family: Family, has_controlnets: bool) -> _ModelPlan:
