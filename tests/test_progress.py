@@ -74,6 +74,7 @@ def test_plain_lines_when_stderr_is_not_a_terminal(monkeypatch):
     assert not progress.plain_lines_wanted(io.StringIO())
 
 
+@pytest.mark.slow  # a real export in a subprocess (~15 s); the lines themselves are checked above
 def test_the_console_script_prints_progress_lines_into_a_log_file(tmp_path, tiny_model_dir, write_engines_yaml):
     config = write_engines_yaml(tmp_path, tiny_model_dir("sd15"), "sd15", components=["vae_decoder"],
                                 precision={"vae_decoder": "fp32"})

@@ -22,6 +22,9 @@ from trt_diffusion.models.loading import load_component
 from trt_diffusion.families import Component
 from trt_diffusion.targets.onnx_facts import onnx_compute_dtype, onnx_io
 
+# Two exports of the tiny UNet (~28 s); bf16 refusals and specs are checked in the default run elsewhere.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def bf16_unet(tmp_path_factory, tiny_model_dir, write_engines_yaml):

@@ -7,10 +7,13 @@ import gc
 import logging
 import weakref
 
+import pytest
+
 from trt_diffusion import api, progress
 from trt_diffusion.export import parity, pipeline
 
 
+@pytest.mark.slow  # its own export of the tiny model (~20 s)
 def test_the_module_is_freed_before_the_parity_session(tmp_path, tiny_model_dir, write_engines_yaml, monkeypatch,
                                                        caplog):
     loaded: list[weakref.ref] = []

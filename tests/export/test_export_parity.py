@@ -110,6 +110,7 @@ def test_a_corrupted_weight_fails_the_parity_check(sd15_export, tiny_model_dir, 
         check_parity(corrupted / "model.onnx", reference, definition, config, options, geometries, "fp32", "corrupted")
 
 
+@pytest.mark.slow  # two exports of the UNet (~17 s); fused variants are also built in tests/quantize
 def test_fused_lora_variant_is_its_own_verified_export(tmp_path, tiny_model_dir, write_engines_yaml):
     model = tiny_model_dir("sd3", lora=True)
     lora = {"style": {"source": str(model / "lora" / "pytorch_lora_weights.safetensors"), "mode": "fused",

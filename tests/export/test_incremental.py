@@ -86,6 +86,7 @@ api.export(sys.argv[1], component="text_encoder")
 """
 
 
+@pytest.mark.slow  # an export killed in a subprocess, then a full one (~12 s)
 def test_killed_export_leaves_nothing_trusted_and_the_next_run_completes(tiny_model_dir, write_engines_yaml, tmp_path):
     config = write_engines_yaml(tmp_path, tiny_model_dir("sd15"), "sd15", components=["text_encoder"],
                                 precision={"text_encoder": "fp32"})

@@ -71,6 +71,7 @@ def _engines_yaml(directory, write_engines_yaml, source, **fields):
                               precision={"text_encoder": "fp32", "unet": "fp32", "vae_decoder": "fp32"}, **fields)
 
 
+@pytest.mark.slow  # an export and build of three components (~25 s); the round trip above runs by default
 def test_a_single_file_builds_and_matches_the_folder_it_was_written_from(tiny_pipe, single_file, tmp_path,
                                                                          write_engines_yaml):
     folder, _ = tiny_pipe

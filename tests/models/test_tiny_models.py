@@ -41,6 +41,7 @@ def _digest(folder) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.slow  # two interpreters building every family (~15 s)
 def test_two_processes_write_identical_weights(tmp_path):
     for name in ("a", "b"):
         subprocess.run([sys.executable, "-m", "trt_diffusion", "models", "tiny", "--family", "sdxl",

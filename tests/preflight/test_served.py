@@ -85,6 +85,7 @@ def test_http_cannot_cancel_so_cancellation_is_na(served, tmp_path):
     assert check["status"] == "n/a" and "HTTP Triton cannot cancel" in check["reason"]
 
 
+@pytest.mark.slow  # drives the server past its capacity (~13 s)
 def test_overload_fails_with_an_unbounded_queue(served, preflight_yaml):
     server, _ = served
     # 2x the measured capacity: overloaded even where a busy machine makes the capacity look low

@@ -92,6 +92,7 @@ def test_a_unet_for_controlnets_takes_their_residuals(lora_run):
     assert [i.name for i in session.get_inputs()] == interface.input_names
 
 
+@pytest.mark.slow  # a second export and calibration (~10 s)
 def test_a_reexport_restores_the_calibration(quantized_matrix):
     model, first = quantized_matrix("sd15", "int8")
     workspace = first.path.parent.parent

@@ -85,8 +85,10 @@ def _failing_vae_build(monkeypatch, exc: Exception):
 
 
 def _fresh_workspace(tmp_path, built_sd15):
+    """No engines yet; the session's verified exports copied in (what is under test is the engine build)."""
     data = yaml.safe_load(built_sd15.read_text())
     data["build"]["workspace"] = str(tmp_path / "build")
+    shutil.copytree(built_sd15.parent / "build" / "onnx", tmp_path / "build" / "onnx")
     path = tmp_path / "engines.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

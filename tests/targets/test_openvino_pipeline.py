@@ -92,6 +92,7 @@ def test_bf16_passes_parity_where_the_cpu_has_bf16_and_is_refused_elsewhere(vari
 
 
 @pytest.mark.triton
+@pytest.mark.slow  # a server start and warm-up (~30 s); the in-process pipeline above runs by default
 def test_triton_serves_the_images_of_the_in_process_openvino_pipeline(variants, tmp_path):
     from trt_diffusion.runtime.loader import built_engines, table_from_engines
     from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest

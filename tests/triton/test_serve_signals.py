@@ -112,7 +112,9 @@ def _check_stopped(child: subprocess.Popen, server: int, tmp: Path) -> str:
     return output
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+# SIGINT goes the same way as SIGTERM (one handler): its cases run with the slow tests.
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["sigterm", "sigint"])
 def test_stop_while_starting(repo, tmp_path, signum):
     child = _start([sys.executable, "-c", DRIVER, str(repo), "starting"], tmp_path / "tmp")
     server = _wait_for(lambda: _tritonserver_of(child.pid), "tritonserver started", child)
@@ -123,6 +125,7 @@ def test_stop_while_starting(repo, tmp_path, signum):
     assert "RETURNED not-ready" in output
 
 
+@pytest.mark.slow  # a server start (~17 s); starting and serving are stopped in the default run
 @pytest.mark.parametrize("signum", [signal.SIGTERM], ids=["sigterm"])
 def test_stop_while_warming(repo, tmp_path, signum):
     child = _start([sys.executable, "-c", DRIVER, str(repo), "warming"], tmp_path / "tmp")
@@ -135,7 +138,8 @@ def test_stop_while_warming(repo, tmp_path, signum):
     assert "RETURNED not-ready" in output
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT], ids=["sigint"])  # SIGTERM: the CLI test below
+@pytest.mark.slow  # SIGTERM while serving: the CLI test below, in the default run
+@pytest.mark.parametrize("signum", [signal.SIGINT], ids=["sigint"])
 def test_stop_while_serving(repo, tmp_path, signum):
     child = _start([sys.executable, "-c", DRIVER, str(repo), "serving"], tmp_path / "tmp")
     _wait_line(child, "PHASE serving")
