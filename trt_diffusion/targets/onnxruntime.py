@@ -22,13 +22,13 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import BuildError
 from ..spec.engine_spec import EngineSpec
 from .base import BuildRequest, BuiltEngine, TritonEngineModel
+from .manifests import MANIFEST_FILE, read_folder_manifest, trusted_folder_manifest
 from .onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
 
 TARGET = "onnxruntime"
 MANIFEST_SCHEMA_VERSION = 1
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-MANIFEST_FILE = "manifest.json"
 # Saved graphs use the portable optimization level: ENABLE_ALL adds layout-specific kernels (NCHWc) tied
 # to the building CPU. ENABLE_ALL still runs when a session is created on the serving host.
 SAVED_OPTIMIZATION = "extended"
@@ -68,23 +68,13 @@ def build_input_hash(source_sha256: str, spec: EngineSpec) -> str:
 
 
 def read_manifest(folder: Path) -> OrtEngineManifest | None:
-    try:
-        return OrtEngineManifest.model_validate_json((Path(folder) / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    return read_folder_manifest(folder, OrtEngineManifest)
 
 
 def trusted_engine(folder: Path, input_hash: str) -> OrtEngineManifest | None:
     """The manifest of a complete engine built from exactly these inputs, else None."""
-    manifest = read_manifest(folder)
-    if manifest is None or manifest.input_hash != input_hash:
-        return None
-    try:
-        if onnx_sha256(folder / MODEL_FILE) != manifest.engine_sha256:
-            return None
-    except BuildError:  # missing or unreadable: not an engine we built
-        return None
-    return manifest
+    return trusted_folder_manifest(folder, input_hash, OrtEngineManifest, lambda f: onnx_sha256(f / MODEL_FILE),
+                                   unreadable=(BuildError,))
 
 
 def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes, workspace: str | Path,

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ...errors import BuildError
 from ...spec.engine_spec import EngineSpec
+from ..manifests import MANIFEST_FILE, read_folder_manifest, trusted_folder_manifest
 from ..onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
 from . import host, precision
 
@@ -30,7 +31,6 @@ TARGET = "openvino"
 MANIFEST_SCHEMA_VERSION = 1
 MODEL_FILE = "model.xml"
 WEIGHTS_FILE = "model.bin"
-MANIFEST_FILE = "manifest.json"
 CACHE_FOLDER = "openvino-cache"
 
 _OV_TYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i64": "int64", "i32": "int32",
@@ -94,23 +94,12 @@ def engine_sha256(folder: Path) -> str:
 
 
 def read_manifest(folder: Path) -> OpenVINOEngineManifest | None:
-    try:
-        return OpenVINOEngineManifest.model_validate_json((Path(folder) / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    return read_folder_manifest(folder, OpenVINOEngineManifest)
 
 
 def trusted_engine(folder: Path, input_hash: str) -> OpenVINOEngineManifest | None:
     """The manifest of a complete engine built from exactly these inputs on this OpenVINO and CPU, else None."""
-    manifest = read_manifest(folder)
-    if manifest is None or manifest.input_hash != input_hash:
-        return None
-    try:
-        if engine_sha256(folder) != manifest.engine_sha256:
-            return None
-    except OSError:
-        return None
-    return manifest
+    return trusted_folder_manifest(folder, input_hash, OpenVINOEngineManifest, engine_sha256)
 
 
 def port_named(ports, name: str):
