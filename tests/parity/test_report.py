@@ -24,6 +24,8 @@ from trt_diffusion.parity.report import (
     VariantResult,
     compare_image,
     diff_heatmap,
+    judge_report,
+    judge_variant,
     read_report,
     render_summary,
     write_report,
@@ -170,7 +172,7 @@ def _variant(variant_id, target, precision, images, candidate_png, **parts) -> V
         candidate_png=candidate_png,
         compute_lpips=False,
     )
-    return VariantResult.from_parts(
+    return judge_variant(
         variant_id=variant_id,
         model="sd15-tiny",
         target=target,
@@ -191,7 +193,7 @@ def report(images) -> ParityReport:
         batch_independent=True,
     )
     bad = _variant("sd15-tiny.tensorrt.fp8", "tensorrt", "fp8", images, "trt-fp8/seed0.png", lora="style-a")
-    return ParityReport.from_variants(
+    return judge_report(
         [good, bad], tool_versions={"python": "3.11"}, created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
     )
 
@@ -209,12 +211,12 @@ def test_variant_verdicts(report):
     assert not report.passed
 
 
-def test_from_parts_rejudges_images_against_the_variant_thresholds(images):
+def test_judge_variant_rejudges_images_against_the_variant_thresholds(images):
     optimistic = ImageComparison(
         prompt="p", seed=1, psnr_db=25.0, ssim=0.99, lpips_reason=NO_LPIPS, passed=True,
         reference_png="r.png", candidate_png="c.png",
     )
-    variant = VariantResult.from_parts(
+    variant = judge_variant(
         variant_id="v", model="m", target="onnxruntime", precision="fp16", bucket="8x8",
         thresholds=thresholds_for("fp16"), images=[optimistic],
     )
@@ -239,7 +241,7 @@ def test_variant_failure_reasons_for_components_reproducibility_and_batching(ima
 
 
 def test_a_variant_without_images_fails():
-    variant = VariantResult.from_parts(
+    variant = judge_variant(
         variant_id="v", model="m", target="tensorrt", precision="fp16", bucket="8x8",
         thresholds=thresholds_for("fp16"), images=[],
     )
@@ -255,8 +257,8 @@ def test_verdicts_must_agree_with_reasons(report):
     with pytest.raises(ValidationError, match="report passed=True"):
         ParityReport.model_validate({**report.model_dump(), "passed": True})
     with pytest.raises(ValidationError, match="duplicate variant ids"):
-        ParityReport.from_variants([report.variants[0], report.variants[0]])
-    assert not ParityReport.from_variants([], tool_versions={}).passed  # nothing compared, nothing proven
+        judge_report([report.variants[0], report.variants[0]])
+    assert not judge_report([], tool_versions={}).passed  # nothing compared, nothing proven
 
 
 def test_model_rejects_extra_fields_and_unsafe_png_names():
@@ -406,9 +408,9 @@ def test_render_summary_shows_ids_literally():
         prompt="p", seed=0, psnr_db=50.0, ssim=1.0, lpips=0.01, passed=True,
         reference_png="r.png", candidate_png="c.png",
     )
-    variant = VariantResult.from_parts(
+    variant = judge_variant(
         variant_id="[bold]odd[/bold]", model="m", target="t", precision="fp32", bucket="b",
         thresholds=thresholds, images=[comparison],
     )
-    text = _rendered(render_summary(ParityReport.from_variants([variant], tool_versions={})))
+    text = _rendered(render_summary(judge_report([variant], tool_versions={})))
     assert "[bold]odd[/bold]" in text and "Parity: PASS (1 variants)" in text and "0.0100" in text

@@ -23,7 +23,8 @@ from ..runtime.pipeline import DiffusionPipeline, GenerationRequest
 from ..runtime.reference import reference_runners
 from ..spec import EnginesConfig, expand
 from .metrics import tensor_diff, thresholds_for
-from .report import ComponentDiff, ParityReport, ReportFiles, VariantResult, compare_image, write_report
+from .report import (ComponentDiff, ParityReport, ReportFiles, compare_image, judge_report, judge_variant,
+                     write_report)
 
 DEFAULT_PROMPTS = (
     "a photograph of an astronaut riding a horse",
@@ -79,7 +80,7 @@ def run_parity(config: EnginesConfig, out_dir: Path, options: ParityOptions, *, 
     if not variants:
         raise TrtDiffusionError(f"no built engines to compare in {config.workspace}; run "
                                 f"`trt-diffusion build {config.path}` first")
-    report = ParityReport.from_variants(variants)
+    report = judge_report(variants)
     return ParityRun(report, write_report(report, images, out_dir))
 
 
@@ -157,7 +158,7 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     reproducible = bool(np.array_equal(first_candidate, engine_pipe.generate(first_request).images))
     batch_independent = _batch_independent(engine_pipe, first_request, table, denoiser.value)
     diffs, failures, failing_engines = _component_diffs(model, bucket, engines, runners, reference, controlnet)
-    result = VariantResult.from_parts(
+    result = judge_variant(
         variant_id=label, model=model_name, target=target, precision=precision, bucket=bucket.label,
         thresholds=thresholds, images=comparisons, components=diffs, reproducible=reproducible,
         batch_independent=batch_independent, lora=lora, controlnet=controlnet, extra_failures=failures,

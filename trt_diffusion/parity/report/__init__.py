@@ -5,7 +5,7 @@ PNGs, diff heatmaps), the HTML page from Jinja2 templates (`html_page`) and the 
 from .files import REPORT_HTML, REPORT_JSON, REPORT_SCHEMA, ReportFiles, read_report, write_report
 from .heatmap import HEATMAP_GAIN, diff_heatmap, diff_png_name
 from .html_page import render_html
-from .judge import collect_tool_versions, compare_image, variant_failures
+from .judge import collect_tool_versions, compare_image, judge_report, judge_variant, variant_failures
 from .model import REPORT_SCHEMA_VERSION, ComponentDiff, ImageComparison, ParityReport, VariantResult
 from .terminal import render_summary
 from .text import max_lpips, min_psnr, min_ssim
@@ -13,6 +13,6 @@ from .text import max_lpips, min_psnr, min_ssim
 __all__ = [
     "HEATMAP_GAIN", "REPORT_HTML", "REPORT_JSON", "REPORT_SCHEMA", "REPORT_SCHEMA_VERSION", "ComponentDiff",
     "ImageComparison", "ParityReport", "ReportFiles", "VariantResult", "collect_tool_versions", "compare_image",
-    "diff_heatmap", "diff_png_name", "max_lpips", "min_psnr", "min_ssim", "read_report", "render_html",
+    "diff_heatmap", "diff_png_name", "judge_report", "judge_variant", "max_lpips", "min_psnr", "min_ssim", "read_report", "render_html",
     "render_summary", "variant_failures", "write_report",
 ]

@@ -1,15 +1,17 @@
-"""Judging: image metrics against a variant's thresholds, the reasons a variant fails, tool versions."""
+"""Judging: image metrics against a variant's thresholds, the reasons a variant fails, the verdict of a variant
+and of a report, tool versions. The models (`model`) hold results; this module makes them."""
 
 from __future__ import annotations
 
 import platform
+from datetime import datetime, timezone
 from importlib import metadata
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ..metrics import Thresholds, lpips_distance, psnr, ssim
-from .model import ComponentDiff, ImageComparison
+from .model import ComponentDiff, ImageComparison, ParityReport, VariantResult
 
 # Package distributions whose versions a report records (those not installed are left out).
 _VERSIONED_DISTRIBUTIONS = (
@@ -94,3 +96,47 @@ def variant_failures(
     if batch_independent is False:
         reasons.append("batch-dependent: an image changed with the batch it was generated in")
     return reasons
+
+
+def judge_variant(
+    *,
+    variant_id: str,
+    model: str,
+    target: str,
+    precision: str,
+    bucket: str,
+    thresholds: Thresholds,
+    images: Sequence[ImageComparison],
+    components: Sequence[ComponentDiff] = (),
+    reproducible: bool | None = None,
+    batch_independent: bool | None = None,
+    lora: str | None = None,
+    controlnet: str | None = None,
+    extra_failures: Sequence[str] = (),
+    failing_engines: Sequence[str] = (),
+) -> VariantResult:
+    """Judge the parts against `thresholds`: sets each image's `passed`, the reasons and the verdict."""
+    judged = [judge_image(image, thresholds) for image in images]
+    reasons = variant_failures(judged, thresholds, components, reproducible, batch_independent)
+    reasons += list(extra_failures)
+    return VariantResult(
+        variant_id=variant_id, model=model, target=target, precision=precision, bucket=bucket, lora=lora,
+        controlnet=controlnet, thresholds=thresholds, images=judged, components=list(components),
+        reproducible=reproducible, batch_independent=batch_independent, passed=not reasons,
+        failure_reasons=reasons, failing_engines=list(dict.fromkeys(failing_engines)),
+    )
+
+
+def judge_report(
+    variants: Sequence[VariantResult],
+    tool_versions: Mapping[str, str] | None = None,
+    created_at: datetime | None = None,
+) -> ParityReport:
+    """The report of these variants: it passes only if there is one and every variant passes."""
+    variants = list(variants)
+    return ParityReport(
+        created_at=created_at or datetime.now(timezone.utc),
+        tool_versions=dict(collect_tool_versions() if tool_versions is None else tool_versions),
+        variants=variants,
+        passed=bool(variants) and all(variant.passed for variant in variants),
+    )

@@ -8,9 +8,9 @@ sentinel would read as a real measurement, and these strings round-trip through
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import PurePosixPath
-from typing import Annotated, Literal, Mapping, Sequence
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
@@ -126,49 +126,6 @@ class VariantResult(_ReportModel):
             raise ValueError(f"variant {self.variant_id!r} is marked failed without a failure reason")
         return self
 
-    @classmethod
-    def from_parts(
-        cls,
-        *,
-        variant_id: str,
-        model: str,
-        target: str,
-        precision: str,
-        bucket: str,
-        thresholds: Thresholds,
-        images: Sequence[ImageComparison],
-        components: Sequence[ComponentDiff] = (),
-        reproducible: bool | None = None,
-        batch_independent: bool | None = None,
-        lora: str | None = None,
-        controlnet: str | None = None,
-        extra_failures: Sequence[str] = (),
-        failing_engines: Sequence[str] = (),
-    ) -> "VariantResult":
-        """Judge the parts against `thresholds`: sets each image's `passed`, the reasons and the verdict."""
-        from .judge import judge_image, variant_failures  # judge builds these models: imported on use
-
-        judged = [judge_image(image, thresholds) for image in images]
-        reasons = variant_failures(judged, thresholds, components, reproducible, batch_independent)
-        reasons += list(extra_failures)
-        return cls(
-            variant_id=variant_id,
-            model=model,
-            target=target,
-            precision=precision,
-            bucket=bucket,
-            lora=lora,
-            controlnet=controlnet,
-            thresholds=thresholds,
-            images=judged,
-            components=list(components),
-            reproducible=reproducible,
-            batch_independent=batch_independent,
-            passed=not reasons,
-            failure_reasons=reasons,
-            failing_engines=list(dict.fromkeys(failing_engines)),
-        )
-
 
 class ParityReport(_ReportModel):
     """The whole parity run: one VariantResult per engine variant. Passes only if every variant does."""
@@ -190,20 +147,3 @@ class ParityReport(_ReportModel):
         if self.passed != expected:
             raise ValueError(f"report passed={self.passed} but its variants say {expected}")
         return self
-
-    @classmethod
-    def from_variants(
-        cls,
-        variants: Sequence[VariantResult],
-        tool_versions: Mapping[str, str] | None = None,
-        created_at: datetime | None = None,
-    ) -> "ParityReport":
-        from .judge import collect_tool_versions
-
-        variants = list(variants)
-        return cls(
-            created_at=created_at or datetime.now(timezone.utc),
-            tool_versions=dict(collect_tool_versions() if tool_versions is None else tool_versions),
-            variants=variants,
-            passed=bool(variants) and all(variant.passed for variant in variants),
-        )
