@@ -104,9 +104,11 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     if unchanged is not None:  # nothing it was made from, nor anything it wrote, has changed
         return unchanged
     if wanted and ray is not None:
+        from .export import group_specs
         from .targets.ray_executor import build_on_ray
 
-        report.outcomes = build_on_ray(config, wanted, address=ray, prepare=engine_sources, progress=progress)
+        report.outcomes = build_on_ray(config, wanted, address=ray, prepare=engine_sources, progress=progress,
+                                       groups=[group.specs for group in group_specs(wanted)])
     elif wanted:
         from .targets.stage import build_specs
 

@@ -6,33 +6,23 @@ root); skipped with the reason where the namespace cannot be made."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+from ray_loopback import namespace_reason, results, run_on_loopback_cluster
 
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("ray", reason="Ray is an extra: pip install 'trt-diffusion[farm]'")
 
 
-def _namespace_reason() -> str | None:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare or ip is not installed"
-    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"cannot make a network namespace: {probe.stderr.strip()}"
-
-
 DRIVER = """
 import json, sys
 from trt_diffusion import api
 from trt_diffusion.spec import load_engines_file
+from trt_diffusion.export import group_specs
 from trt_diffusion.targets.ray_executor import build_on_ray
 import ray
 
@@ -42,7 +32,8 @@ resources = {{node["NodeID"]: sorted(k for k in node["Resources"] if k in ("cpu_
 config = load_engines_file(sys.argv[1])
 specs = [s for s in api.plan(sys.argv[1], count_parameters=False).specs if s.target == "onnxruntime"]
 nodes = {{}}
-outcomes = build_on_ray(config, specs, address="127.0.0.1:{port}", prepare=api.engine_sources, nodes=nodes)
+outcomes = build_on_ray(config, specs, address="127.0.0.1:{port}", prepare=api.engine_sources, nodes=nodes,
+                       groups=[g.specs for g in group_specs(specs)])
 print("RESULT=" + json.dumps({{
     "outcomes": [[o.spec.key, o.spec.component, o.cached, o.error, str(o.path)] for o in outcomes],
     "placed": {{key: resources.get(node, []) for key, node in nodes.items()}},
@@ -51,7 +42,7 @@ print("RESULT=" + json.dumps({{
 
 
 def test_the_default_matrix_builds_across_nodes_each_engine_once_where_its_resource_is(tmp_path, built_sd15):
-    reason = _namespace_reason()
+    reason = namespace_reason()
     if reason:
         pytest.skip(reason)
     data = yaml.safe_load(built_sd15.read_text())
@@ -62,24 +53,9 @@ def test_the_default_matrix_builds_across_nodes_each_engine_once_where_its_resou
     config.write_text(yaml.safe_dump(data))
     port = 6390
     (tmp_path / "driver.py").write_text(DRIVER.format(port=port))
-    bin_dir = Path(sys.executable).parent
-    script = textwrap.dedent(f"""
-        set -e
-        ip link set lo up
-        export RAY_USAGE_STATS_ENABLED=0 PATH={bin_dir}:$PATH
-        trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
-        common="--node-ip-address=127.0.0.1 --num-cpus=1 --disable-usage-stats"
-        ray start --head --port={port} --include-dashboard=false $common >/dev/null
-        ray start --address=127.0.0.1:{port} $common --resources='{{"cpu_builder": 1}}' >/dev/null
-        ray start --address=127.0.0.1:{port} $common --resources='{{"big_memory": 1}}' >/dev/null
-        python {tmp_path / "driver.py"} {config}
-    """)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    result = subprocess.run(["unshare", "-n", "bash", "-c", script], capture_output=True, text=True, env=env,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT="))
-    got = json.loads(line.removeprefix("RESULT="))
+    stdout = run_on_loopback_cluster(port, [{"cpu_builder": 1}, {"big_memory": 1}],
+                                     [f"python {tmp_path / 'driver.py'} {config}"], timeout=600)
+    (got,) = results(stdout)
     outcomes = got["outcomes"]
     assert len(outcomes) == 4 and all(error is None for _, _, _, error, _ in outcomes)
     assert all(not cached for _, _, cached, _, _ in outcomes)  # each engine built exactly once

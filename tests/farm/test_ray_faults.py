@@ -6,27 +6,16 @@ local build and a plain build builds nothing."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
+from ray_loopback import namespace_reason, results, run_on_loopback_cluster
 
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("ray", reason="Ray is an extra: pip install 'trt-diffusion[farm]'")
-
-
-def _namespace_reason() -> str | None:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return "unshare or ip is not installed"
-    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"cannot make a network namespace: {probe.stderr.strip()}"
 
 
 DRIVER = """
@@ -35,6 +24,7 @@ from pathlib import Path
 from trt_diffusion import api
 from trt_diffusion.spec import load_engines_file
 from trt_diffusion.targets import get_target
+from trt_diffusion.export import group_specs
 from trt_diffusion.targets.ray_executor import build_on_ray
 import ray
 
@@ -61,7 +51,8 @@ def kill_a_builder_mid_build():
 killer = threading.Thread(target=kill_a_builder_mid_build, daemon=True)
 killer.start()
 specs = [s for s in api.plan(sys.argv[1], count_parameters=False).specs if s.target == "onnxruntime"]
-outcomes = build_on_ray(config, specs, address="127.0.0.1:{port}", prepare=api.engine_sources)
+outcomes = build_on_ray(config, specs, address="127.0.0.1:{port}", prepare=api.engine_sources,
+                       groups=[g.specs for g in group_specs(specs)])
 killer.join(timeout=5)
 print("RESULT=" + json.dumps({{
     "killed": killed,
@@ -74,7 +65,7 @@ print("RESULT=" + json.dumps({{
 
 
 def test_a_worker_killed_mid_build_is_reported_or_retried_and_a_rerun_completes(tmp_path, built_sd15):
-    reason = _namespace_reason()
+    reason = namespace_reason()
     if reason:
         pytest.skip(reason)
     data = yaml.safe_load(built_sd15.read_text())
@@ -86,25 +77,9 @@ def test_a_worker_killed_mid_build_is_reported_or_retried_and_a_rerun_completes(
         path.write_text(yaml.safe_dump({**data, "build": {**data["build"], "farm": {"max_retries": count}}}))
     port = 6391
     (tmp_path / "driver.py").write_text(DRIVER.format(port=port))
-    bin_dir = Path(sys.executable).parent
-    script = textwrap.dedent(f"""
-        set -e
-        ip link set lo up
-        export RAY_USAGE_STATS_ENABLED=0 PATH={bin_dir}:$PATH
-        trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
-        common="--node-ip-address=127.0.0.1 --num-cpus=1 --disable-usage-stats"
-        ray start --head --port={port} --include-dashboard=false $common >/dev/null
-        ray start --address=127.0.0.1:{port} $common >/dev/null
-        ray start --address=127.0.0.1:{port} $common >/dev/null
-        python {tmp_path / "driver.py"} {no_retries}
-        python {tmp_path / "driver.py"} {retries}
-    """)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    result = subprocess.run(["unshare", "-n", "bash", "-c", script], capture_output=True, text=True, env=env,
-                            timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    first, second = (json.loads(line.removeprefix("RESULT=")) for line in result.stdout.splitlines()
-                     if line.startswith("RESULT="))
+    stdout = run_on_loopback_cluster(port, [{}, {}], [f"python {tmp_path / 'driver.py'} {no_retries}",
+                                                      f"python {tmp_path / 'driver.py'} {retries}"], timeout=900)
+    first, second = results(stdout)
 
     from trt_diffusion import api
     from trt_diffusion.targets.provenance import engine_files, file_sha256

@@ -105,13 +105,13 @@ def _build_engine(config_path: str, key: str, onnx_path: str, driver_versions: d
 
 
 def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str, prepare: SourcesFor,
+                 groups: list[list[EngineSpec]],
                  progress: Callable[[str, EngineSpec | None], None] | None = None,
                  nodes: dict[str, str] | None = None) -> list[EngineOutcome]:
-    """Build `specs` as Ray tasks. `prepare(config, specs)` exports (and quantizes) what they are built from
-    and returns spec -> ONNX path (api.engine_sources); `nodes`, when given, receives spec key -> the id of
-    the node that built it."""
+    """Build `specs` as Ray tasks. `groups` partition them by export (the specs one ONNX serves: one export
+    task each); `prepare(config, specs)` exports (and quantizes) what they are built from and returns spec ->
+    ONNX path (api.engine_sources); `nodes`, when given, receives spec key -> the id of the node that built it."""
     ray = require_ray()
-    from ..export import group_specs
     from .stage import memory_estimate
 
     progress = progress or (lambda message, spec: None)
@@ -122,17 +122,16 @@ def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str
     config_path = str(Path(config.path).resolve())
     retries = config.build.farm.max_retries
     export_task = ray.remote(max_retries=retries)(_export_group)
-    groups = group_specs(specs)
     sources: dict[str, str] = {}
     failures: dict[str, Failure] = {}
-    pending = {export_task.remote(config_path, [s.key for s in group.specs], versions, prepare): group
+    pending = {export_task.remote(config_path, [s.key for s in group], versions, prepare): group
                for group in groups}
     for ref, group in pending.items():
         try:
             sources.update(ray.get(ref))
         except Exception as exc:  # noqa: BLE001 - the group's engines are reported, the others still build
             message = _task_error(exc)
-            for spec in group.specs:
+            for spec in group:
                 failures[spec.key] = Failure(spec.name, spec.key, f"export failed: {message}")
 
     build_task = ray.remote(_build_engine)

@@ -1,0 +1,48 @@
+"""A real Ray cluster for the farm tests: a head and workers started with `ray start` inside a network
+namespace of its own (`unshare -n`, loopback only), so the tests reach nothing outside and collide with no
+other Ray on the machine; the namespace, and every Ray process in it, ends with the test's commands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+
+def namespace_reason() -> str | None:
+    """Why a loopback-only namespace cannot be made here (the tests skip with it), or None."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return "unshare or ip is not installed"
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"cannot make a network namespace: {probe.stderr.strip()}"
+
+
+def run_on_loopback_cluster(port: int, workers: list[dict[str, int]], commands: list[str], timeout: int) -> str:
+    """Start a head (no custom resources) and one worker per entry of `workers` (its custom resources), one
+    CPU each, run `commands` (bash lines; `python` is this interpreter), stop Ray; their stdout."""
+    bin_dir = os.path.dirname(sys.executable)
+    starts = "\n".join(f"ray start --address=127.0.0.1:{port} $common"
+                       + (f" --resources='{json.dumps(resources)}'" if resources else "") + " >/dev/null"
+                       for resources in workers)
+    script = textwrap.dedent("""
+        set -e
+        ip link set lo up
+        export RAY_USAGE_STATS_ENABLED=0 PATH={bin_dir}:$PATH
+        trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
+        common="--node-ip-address=127.0.0.1 --num-cpus=1 --disable-usage-stats"
+        ray start --head --port={port} --include-dashboard=false $common >/dev/null
+    """).format(bin_dir=bin_dir, port=port) + starts + "\n" + "\n".join(commands) + "\n"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    result = subprocess.run(["unshare", "-n", "bash", "-c", script], capture_output=True, text=True, env=env,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def results(stdout: str) -> list:
+    """The JSON a driver printed on each `RESULT=` line, in order."""
+    return [json.loads(line.removeprefix("RESULT=")) for line in stdout.splitlines() if line.startswith("RESULT=")]
