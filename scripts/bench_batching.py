@@ -8,7 +8,8 @@ requests/s, P50 and P99 latency, the ratio, and checks a batched image equals th
     python scripts/bench_batching.py [--workdir build/bench-batching] [--seconds 20] [--steps 20] [--size 64]
         [--model-dir models/tiny-sd15] [--batches 1,2,4] [--json out.json]
     # full size:  --model-dir <SD1.5 folder> --size 256 --steps 20 --seconds 60 --instances 1 --batches 1,2
-    #             --warmup-seconds 0  (three 3.4 GB UNet engines per instance do not fit 24 GiB twice)
+    #             --warmup-seconds 0 --queue-timeout 3600  (three 3.4 GB UNet engines per instance do not
+    #             fit 24 GiB twice; one request takes ~40 s on 2 cores, so 8 clients queue for minutes)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def build(workdir: Path, model_dir: Path, size: int, batches: list[int]) -> list
 
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "engines.yaml"
-    config.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": str(workdir / "build")}, "models": {
+    config.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": str(workdir.resolve() / "build")}, "models": {
         "sd15": {"source": str(model_dir.resolve()), "family": "sd15", "buckets": [f"{size}x{size}"],
                  "batch": batches, "targets": ["onnxruntime"],
                  "components": ["text_encoder", "unet", "vae_decoder"],
@@ -78,7 +79,8 @@ def run(url: str, entry: str, size: int, steps: int, seconds: float, concurrency
         t.join()
     elapsed = time.perf_counter() - begin
     ordered = sorted(latencies)
-    return {"requests": len(latencies), "errors": len(errors), "seconds": elapsed,
+    return {"requests": len(latencies), "errors": len(errors), "first_error": errors[0] if errors else None,
+            "seconds": elapsed,
             "requests_per_s": len(latencies) / elapsed, "p50_s": statistics.median(ordered),
             "p99_s": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
 
@@ -94,6 +96,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--instances", type=int, default=2)
     parser.add_argument("--batches", default="1,2,4", help="engine batches engines.yaml declares (CFG doubles them)")
+    parser.add_argument("--queue-timeout", type=float, default=60.0,
+                        help="seconds a request may wait queued (raise it where one request takes tens of seconds)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -113,7 +117,8 @@ def main() -> None:
         repo = args.workdir / f"repo-{mode}"
         package(engines, args.model_dir, "sd15", "sd15", repo,
                 PackageOptions(ensemble=False, stream=False, pipeline_instances=args.instances,
-                               batch_requests=batch_requests, max_queue_size=64))
+                               batch_requests=batch_requests, max_queue_size=64,
+                               queue_timeout_s=args.queue_timeout))
         server, _ = stage.start(repo, first_request=False)
         try:
             if args.warmup_seconds > 0:  # the engines' own warm-up ran at load; this also warms the clients
