@@ -128,7 +128,8 @@ def main() -> None:
         finally:
             server.stop()
         print(mode, json.dumps(results[mode]))
-    summary = {"size": args.size, "steps": args.steps, "batches": batches, "concurrency": args.concurrency, "instances": args.instances,
+    summary = {"size": args.size, "steps": args.steps, "batches": batches, "concurrency": args.concurrency,
+               "instances": args.instances,
                "model_dir": str(args.model_dir), **results,
                "throughput_ratio": results["batched"]["requests_per_s"] / results["unbatched"]["requests_per_s"],
                "p99_ratio": results["batched"]["p99_s"] / results["unbatched"]["p99_s"],

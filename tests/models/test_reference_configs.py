@@ -73,7 +73,8 @@ def test_a_full_size_sd15_single_file_reads_back_through_the_shipped_configs_alo
     back = StableDiffusionPipeline.from_pretrained(out)
     for name, module in parts.items():
         mine, theirs = module.state_dict(), getattr(back, name).state_dict()
-        assert set(mine) - {"text_model.embeddings.position_ids"} == set(theirs) - {"text_model.embeddings.position_ids"}
+        buffers = {"text_model.embeddings.position_ids"}  # a buffer some transformers versions do not save
+        assert set(mine) - buffers == set(theirs) - buffers
         for key, value in mine.items():
             if key in theirs:
                 assert torch.equal(value.float(), theirs[key]), f"{name}.{key}"

@@ -399,7 +399,8 @@ class DiffusionPipeline:
         TensorRT runner) and torch has CUDA: the latents then stay on the GPU between steps. None (the
         host path, unchanged) otherwise, and with ControlNet residuals, which are computed on the host."""
         runners = [e.runner for e in self.runners.entries if e.component == self.denoiser]
-        if request.controlnet is not None or not runners or not all(getattr(r, "device_tensors", False) for r in runners):
+        takes_device_tensors = runners and all(getattr(r, "device_tensors", False) for r in runners)
+        if request.controlnet is not None or not takes_device_tensors:
             return None
         if any("mid_block_residual" in r.inputs for r in runners) or not torch.cuda.is_available():
             return None

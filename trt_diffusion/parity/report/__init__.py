@@ -13,6 +13,7 @@ from .text import max_lpips, min_psnr, min_ssim
 __all__ = [
     "HEATMAP_GAIN", "REPORT_HTML", "REPORT_JSON", "REPORT_SCHEMA", "REPORT_SCHEMA_VERSION", "ComponentDiff",
     "ImageComparison", "ParityReport", "ReportFiles", "VariantResult", "collect_tool_versions", "compare_image",
-    "diff_heatmap", "diff_png_name", "judge_report", "judge_variant", "max_lpips", "min_psnr", "min_ssim", "read_report", "render_html",
+    "diff_heatmap", "diff_png_name", "judge_report", "judge_variant",
+    "max_lpips", "min_psnr", "min_ssim", "read_report", "render_html",
     "render_summary", "variant_failures", "write_report",
 ]
