@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trt_diffusion.components import Geometry
+from trt_diffusion.lora.onnx_graph import graph_consumers
 from trt_diffusion.models.loading import load_component
 from trt_diffusion.parity.metrics import psnr
 from trt_diffusion.quantize import ptq
@@ -22,14 +23,6 @@ from trt_diffusion.spec import Size
 from .conftest import DENOISER, TINY_BUCKET
 
 CASES = [(family, precision) for family in ("sd15", "sdxl", "sd3") for precision in ("int8", "fp8")]
-
-
-def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    found: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            found.setdefault(name, []).append(node)
-    return found
 
 
 @pytest.mark.parametrize("family,precision", CASES)
@@ -83,7 +76,7 @@ def test_exactly_the_selected_layers_are_quantized(quantized_matrix, family, pre
         assert len(fp8) == len(quantized) + 1  # every quantized weight, plus the shared zero point
 
     # convolution weights keep their names: excluded ones feed the Conv directly, quantized ones go through Q/DQ
-    consumers = _consumers(graph)
+    consumers = graph_consumers(graph)
     conv_layers = [n for n in (*quantized, *excluded) if f"{n}.weight" in consumers or f"{n}.weight_fp8" in consumers]
     for layer in conv_layers:
         if layer in excluded:

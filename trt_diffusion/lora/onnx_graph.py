@@ -40,6 +40,15 @@ def node_scope(node: onnx.NodeProto) -> str | None:
     return None
 
 
+def graph_consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """Tensor name -> the nodes that read it, in graph order."""
+    found: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            found.setdefault(name, []).append(node)
+    return found
+
+
 def external_data_files(model: onnx.ModelProto) -> list[str]:
     locations = set()
     for tensor in model.graph.initializer:

@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 
 from ..errors import RefitError
+from .onnx_graph import graph_consumers
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0
@@ -140,14 +141,6 @@ def _attribute(node: onnx.NodeProto, name: str, default=None):
     return default
 
 
-def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    found: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            found.setdefault(name, []).append(node)
-    return found
-
-
 def _weight_consumer(name: str, consumers) -> onnx.NodeProto | None:
     for _ in range(4):
         readers = consumers.get(name, [])
@@ -167,7 +160,7 @@ def weight_quantizers(graph: onnx.GraphProto) -> list[_Quantizer]:
     QuantizeLinear of a float initializer."""
     initializers = {t.name: t for t in graph.initializer}
     producers = {output: node for node in graph.node for output in node.output}
-    consumers = _consumers(graph)
+    consumers = graph_consumers(graph)
     found = []
     for node in graph.node:
         if node.op_type != "DequantizeLinear":
