@@ -44,6 +44,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from .errors import ConfigError, MissingDependencyError, TrtDiffusionError
+from .targets.locks import heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -381,20 +382,14 @@ class RemoteStore:
                 log.info("waiting for %s: %s is building it", key, (holder or {}).get("host", "another host"))
                 waited = True
             time.sleep(LOCK_POLL_S)
-        stop = threading.Event()
+        def touch() -> None:
+            with contextlib.suppress(Exception):  # a store hiccup: keep beating
+                self.fs.pipe_file(path, _lock_body(token))
 
-        def beat() -> None:
-            while not stop.wait(heartbeat_s):
-                with contextlib.suppress(Exception):
-                    self.fs.pipe_file(path, _lock_body(token))
-
-        beater = threading.Thread(target=beat, name=f"store-lock-{key}", daemon=True)
-        beater.start()
         try:
-            yield
+            with heartbeat(touch, heartbeat_s, f"store-lock-{key}"):
+                yield
         finally:
-            stop.set()
-            beater.join()
             holder = self._read_lock(path)
             if holder is not None and holder.get("token") == token:
                 with contextlib.suppress(Exception):

@@ -19,11 +19,33 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 STALE_AFTER_S = 600.0  # no heartbeat for this long: the holder is gone
 HEARTBEAT_S = 10.0
 POLL_S = 0.2
+
+
+@contextmanager
+def heartbeat(touch: Callable[[], None], every_s: float, name: str) -> Iterator[None]:
+    """Call `touch()` every `every_s` seconds from a daemon thread while the block runs (a lock's proof of
+    life); an exception from `touch` ends the beating, and the thread is joined when the block ends."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            try:
+                touch()
+            except Exception:  # noqa: BLE001 - a lost heartbeat only lets the lock go stale
+                return
+
+    beater = threading.Thread(target=beat, name=name, daemon=True)
+    beater.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beater.join()
 
 
 def lock_path(workspace: Path, key: str) -> Path:
@@ -108,20 +130,8 @@ def engine_lock(workspace: Path, key: str, *, stale_after_s: float = STALE_AFTER
             _break(path)
         else:
             time.sleep(POLL_S)
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(heartbeat_s):
-            try:
-                os.utime(path)
-            except OSError:
-                return
-
-    beater = threading.Thread(target=beat, name=f"lock-heartbeat-{key}", daemon=True)
-    beater.start()
     try:
-        yield
+        with heartbeat(lambda: os.utime(path), heartbeat_s, f"lock-heartbeat-{key}"):
+            yield
     finally:
-        stop.set()
-        beater.join()
         path.unlink(missing_ok=True)
