@@ -6,12 +6,11 @@ root); skipped with the reason where the namespace cannot be made."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from ray_loopback import namespace_reason, results, run_on_loopback_cluster
+from ray_loopback import farm_engines_yaml, results, run_on_loopback_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -42,13 +41,8 @@ print("RESULT=" + json.dumps({{
 
 
 def test_the_default_matrix_builds_across_nodes_each_engine_once_where_its_resource_is(tmp_path, built_sd15):
-    reason = namespace_reason()
-    if reason:
-        pytest.skip(reason)
-    data = yaml.safe_load(built_sd15.read_text())
-    data["build"]["workspace"] = str(tmp_path / "build")
+    data = farm_engines_yaml(tmp_path, built_sd15)
     data["build"]["farm"] = {"resources": {"onnxruntime/unet": {"big_memory": 1}, "onnxruntime": {"cpu_builder": 1}}}
-    shutil.copytree(built_sd15.parent / "build" / "onnx", tmp_path / "build" / "onnx")
     config = tmp_path / "engines.yaml"
     config.write_text(yaml.safe_dump(data))
     port = 6390

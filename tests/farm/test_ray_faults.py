@@ -6,12 +6,11 @@ local build and a plain build builds nothing."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import yaml
-from ray_loopback import namespace_reason, results, run_on_loopback_cluster
+from ray_loopback import farm_engines_yaml, results, run_on_loopback_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -65,12 +64,7 @@ print("RESULT=" + json.dumps({{
 
 
 def test_a_worker_killed_mid_build_is_reported_or_retried_and_a_rerun_completes(tmp_path, built_sd15):
-    reason = namespace_reason()
-    if reason:
-        pytest.skip(reason)
-    data = yaml.safe_load(built_sd15.read_text())
-    data["build"]["workspace"] = str(tmp_path / "build")
-    shutil.copytree(built_sd15.parent / "build" / "onnx", tmp_path / "build" / "onnx")
+    data = farm_engines_yaml(tmp_path, built_sd15)
     no_retries, retries = tmp_path / "no-retries" / "engines.yaml", tmp_path / "retries" / "engines.yaml"
     for path, count in ((no_retries, 0), (retries, 2)):
         path.parent.mkdir()

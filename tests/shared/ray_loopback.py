@@ -11,6 +11,10 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
 
 
 def namespace_reason() -> str | None:
@@ -19,6 +23,18 @@ def namespace_reason() -> str | None:
         return "unshare or ip is not installed"
     probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
     return None if probe.returncode == 0 else f"cannot make a network namespace: {probe.stderr.strip()}"
+
+
+def farm_engines_yaml(tmp_path: Path, built_sd15: Path) -> dict:
+    """engines.yaml of the session's tiny build with its own workspace holding the verified exports (the
+    engines are what the farm builds); skips the test where the namespace cannot be made."""
+    reason = namespace_reason()
+    if reason:
+        pytest.skip(reason)
+    data = yaml.safe_load(built_sd15.read_text())
+    data["build"]["workspace"] = str(tmp_path / "build")
+    shutil.copytree(built_sd15.parent / "build" / "onnx", tmp_path / "build" / "onnx")
+    return data
 
 
 def run_on_loopback_cluster(port: int, workers: list[dict[str, int]], commands: list[str], timeout: int) -> str:
