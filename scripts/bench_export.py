@@ -21,70 +21,14 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import psutil
+from tree_memory import GIB, RssSampler
 
-GIB = 1 << 30
 LATENT = 32  # 32x32 latents = 256x256 pixels
 BATCH = 2  # one classifier-free-guidance step
-
-
-class RssSampler:
-    """Samples the memory of this process and all its descendants; `mark(stage)` attributes later samples
-    to `stage`.
-
-    Two figures per sample, each summed over the process tree: resident set size, and its anonymous part
-    (RSS minus file-backed pages). diffusers memory-maps safetensors, so weights count toward RSS only as
-    they are touched; the anonymous part is what the export really allocates.
-    """
-
-    def __init__(self, interval_s: float = 0.05):
-        self.process = psutil.Process()
-        self.interval_s = interval_s
-        self.stage = "start"
-        self.peaks: dict[str, tuple[int, int]] = {}
-        self.at_start: dict[str, tuple[int, int]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info):
-        self._stop.set()
-        self._thread.join()
-        return False
-
-    def sample(self) -> tuple[int, int]:
-        rss = anonymous = 0
-        for process in [self.process, *self.process.children(recursive=True)]:
-            try:
-                info = process.memory_info()
-            except psutil.NoSuchProcess:  # a child that ended between listing and reading
-                continue
-            rss, anonymous = rss + info.rss, anonymous + info.rss - info.shared
-        return rss, anonymous
-
-    def mark(self, stage: str) -> None:
-        self.stage = stage
-        self.at_start.setdefault(stage, self.sample())
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            rss, anonymous = self.sample()
-            peak = self.peaks.get(self.stage, (0, 0))
-            self.peaks[self.stage] = (max(peak[0], rss), max(peak[1], anonymous))
-            self._stop.wait(self.interval_s)
-
-    def report(self, stage: str) -> dict:
-        start, peak = self.at_start.get(stage, (0, 0)), self.peaks.get(stage, (0, 0))
-        return {"rss_at_start_gb": round(start[0] / GIB, 2), "rss_peak_gb": round(peak[0] / GIB, 2),
-                "anonymous_at_start_gb": round(start[1] / GIB, 2), "anonymous_peak_gb": round(peak[1] / GIB, 2),
-                "anonymous_growth_gb": round((peak[1] - start[1]) / GIB, 2)}
 
 
 def write_engines_yaml(workdir: Path, model_dir: Path) -> Path:

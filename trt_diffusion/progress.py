@@ -87,7 +87,7 @@ class Task:
 
     def _emit(self, text: str) -> None:
         self._last = time.monotonic()
-        log.info("%s", text)
+        log.info("%s", text, extra={"progress_task": self})  # the task itself, for listeners that want fields
 
     def _beat(self) -> None:
         while not self._stop.wait(min(self.heartbeat_s, 5.0)):
