@@ -9,7 +9,9 @@ import torch
 
 from trt_diffusion.families import Family
 from trt_diffusion.quantize import ptq
-from trt_diffusion.quantize.calibration import CalibrationRecipe, capture_calls, denoiser_of, load_pipeline
+from trt_diffusion.quantize.calibration import (
+    CalibrationRecipe, calibration_loop, capture_calls, denoiser_of, load_pipeline,
+)
 from trt_diffusion.quantize.exclusions import select_layers
 from trt_diffusion.quantize.prompts import load_prompts, take
 
@@ -21,7 +23,7 @@ def _calibrated(model_dir, recipe: CalibrationRecipe, precision: str = "int8"):
     pipe = load_pipeline(model_dir)
     module = denoiser_of(pipe)
     calls = capture_calls(pipe, Family.sd15, recipe)
-    ptq.calibrate(module, precision, recipe.algorithm, select_layers(module), calls)
+    ptq.calibrate(module, precision, recipe.algorithm, select_layers(module), ptq.replay(calls))
     return module, calls
 
 
@@ -50,6 +52,26 @@ def test_same_recipe_gives_bit_equal_scales_and_another_seed_does_not(tiny_model
     restored = ptq.amax_tensors(fresh)
     assert restored.keys() == first_amax.keys()
     assert all(torch.equal(restored[n], first_amax[n]) for n in first_amax)
+
+
+def test_calibrating_during_the_generations_gives_the_replayed_scales(tiny_model_factory):
+    """The stage takes ModelOpt's statistics while the recipe generates (each denoiser call runs once, not
+    recorded and replayed): calibrating quantizers pass values through, so the data and scales are the same."""
+    model_dir = tiny_model_factory("sd15")
+    replayed, calls = _calibrated(model_dir, RECIPE)
+
+    pipe = load_pipeline(model_dir)
+    module = denoiser_of(pipe)
+    forward_loop, recorded = calibration_loop(pipe, Family.sd15, RECIPE)
+    ptq.calibrate(module, "int8", RECIPE.algorithm, select_layers(module), forward_loop)
+    assert recorded.seen == len(calls) and len(recorded.calls) == 1  # only the export's example is kept
+    assert all(torch.equal(a, b) for a, b in zip(recorded.calls[0][0], calls[0][0]))
+    during, after = ptq.amax_tensors(module), ptq.amax_tensors(replayed)
+    assert during.keys() == after.keys() and during
+    assert all(torch.equal(during[n], after[n]) for n in during)
+
+    with pytest.raises(RuntimeError, match="pipeline's own denoiser"):
+        forward_loop(denoiser_of(load_pipeline(model_dir)))
 
 
 @pytest.mark.parametrize("algorithm", ["smoothquant", "percentile"])

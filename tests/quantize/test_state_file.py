@@ -47,7 +47,8 @@ def test_a_saved_state_still_restores(tiny_model_factory, tmp_path, precision, a
     recipe = dataclasses.replace(RECIPE, algorithm=algorithm)
     pipe = load_pipeline(model_dir)
     module = denoiser_of(pipe)
-    ptq.calibrate(module, precision, algorithm, select_layers(module), capture_calls(pipe, Family.sd15, recipe))
+    ptq.calibrate(module, precision, algorithm, select_layers(module),
+                  ptq.replay(capture_calls(pipe, Family.sd15, recipe)))
     ptq.save_state(module, tmp_path / "state.pt")
     fresh = denoiser_of(load_pipeline(model_dir))
     ptq.restore_state(fresh, tmp_path / "state.pt")

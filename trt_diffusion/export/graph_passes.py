@@ -54,7 +54,7 @@ def finalize_graph(raw_path: Path, out_path: Path, io: ComponentIO, parameter_na
                    label: str) -> GraphSummary:
     model = onnx.load(str(raw_path), load_external_data=False)
     nodes_before = len(model.graph.node)
-    _strip_prefix(model.graph, prefix)
+    strip_prefix(model.graph, prefix)
     _check_io(model.graph, io, label)
     _apply_declared_dims(model.graph, io)
     del model.graph.value_info[:]  # the exporter's dim expressions; shape inference writes clean ones
@@ -75,7 +75,7 @@ def finalize_graph(raw_path: Path, out_path: Path, io: ComponentIO, parameter_na
     _apply_declared_dims(model.graph, io)
 
     data_name = out_path.name + ".data"
-    data_bytes = _write_external_data(model.graph, raw_path.parent, out_path.parent / data_name, data_name)
+    data_bytes = write_external_data(model.graph, raw_path.parent, out_path.parent / data_name, data_name)
     onnx.save_model(model, str(out_path))
     try:
         onnx.checker.check_model(str(out_path))
@@ -102,7 +102,8 @@ def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
                     yield from _graphs(sub)
 
 
-def _strip_prefix(graph: onnx.GraphProto, prefix: str) -> None:
+def strip_prefix(graph: onnx.GraphProto, prefix: str) -> None:
+    """Rename `prefix`-ed initializers (the wrapper's parameters) to the component's own parameter names."""
     renames = {init.name: init.name[len(prefix):] for init in graph.initializer if init.name.startswith(prefix)}
     if not renames:
         return
@@ -187,6 +188,22 @@ def _load_small_tensors(graph: onnx.GraphProto, base_dir: Path) -> None:
             del init.external_data[:]
 
 
+def load_attribute_tensors(graph: onnx.GraphProto, base_dir: Path) -> None:
+    """Constant-node tensors the exporter stored as external data (the legacy exporter does, above 2 GB)
+    are read back inline: they are scales and shapes, and only initializers go to the data file."""
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    for g in _graphs(graph):
+        for node in g.node:
+            for attribute in node.attribute:
+                tensors = [attribute.t] if attribute.type == onnx.AttributeProto.TENSOR else list(attribute.tensors)
+                for tensor in tensors:
+                    if uses_external_data(tensor):
+                        load_external_data_for_tensor(tensor, str(base_dir))
+                        tensor.data_location = TensorProto.DEFAULT
+                        del tensor.external_data[:]
+
+
 _LIST_CONSTANTS = {
     "value_ints": (TensorProto.INT64, True), "value_floats": (TensorProto.FLOAT, True),
     "value_int": (TensorProto.INT64, False), "value_float": (TensorProto.FLOAT, False),
@@ -244,9 +261,14 @@ def _fold_and_clean(model: onnx.ModelProto, label: str) -> None:
 # --- external data ------------------------------------------------------------------------------
 
 
-def _external_location(tensor: TensorProto) -> tuple[str, int, int]:
+def _external_location(tensor: TensorProto, source_dir: Path) -> tuple[str, int, int]:
+    """(file, offset, length); without a length the tensor runs to the end of its file (the legacy
+    exporter's one file per tensor)."""
     fields = {entry.key: entry.value for entry in tensor.external_data}
-    return fields["location"], int(fields.get("offset", 0)), int(fields["length"])
+    location, offset = fields["location"], int(fields.get("offset", 0))
+    if "length" in fields:
+        return location, offset, int(fields["length"])
+    return location, offset, (source_dir / location).stat().st_size - offset
 
 
 def _set_external(tensor: TensorProto, location: str, offset: int, length: int) -> None:
@@ -257,7 +279,7 @@ def _set_external(tensor: TensorProto, location: str, offset: int, length: int) 
         entry.key, entry.value = key, value
 
 
-def _write_external_data(graph: onnx.GraphProto, source_dir: Path, data_path: Path, data_name: str) -> int:
+def write_external_data(graph: onnx.GraphProto, source_dir: Path, data_path: Path, data_name: str) -> int:
     """Copy each large tensor's bytes (from the raw export's data file, or inline) into `data_path`."""
     from onnx.external_data_helper import uses_external_data
 
@@ -266,7 +288,7 @@ def _write_external_data(graph: onnx.GraphProto, source_dir: Path, data_path: Pa
         with open(data_path, "wb") as out:
             for tensor in graph.initializer:
                 if uses_external_data(tensor):
-                    location, offset, length = _external_location(tensor)
+                    location, offset, length = _external_location(tensor, source_dir)
                     handle = sources.get(location) or sources.setdefault(location, open(source_dir / location, "rb"))
                     position = _aligned(out, length)
                     handle.seek(offset)

@@ -1,8 +1,10 @@
-"""Calibration data: the denoiser's real inputs, captured while the diffusers pipeline generates, seeded.
+"""Calibration data: the denoiser's real inputs, as the diffusers pipeline generates, seeded.
 
 Each prompt runs the full pipeline (text encoders, scheduler, CFG) for `steps` steps with its own
-`torch.Generator` seeded from the settings, and a forward pre-hook copies every denoiser call. The same
-recipe therefore yields the same inputs, and the same inputs the same scales.
+`torch.Generator` seeded from the settings. The same recipe therefore yields the same inputs, and the same
+inputs the same scales. ModelOpt's statistics are taken during those generations (`calibration_loop`: while
+calibrating, its quantizers pass values through unchanged, so the trajectory is the fp32 one); recording the
+calls to replay them afterwards would run every denoiser call twice.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -93,10 +95,12 @@ def guidance_kwargs(family: Family) -> dict[str, Any]:
 class CallRecorder:
     """Forward pre-hook (and optional post-hook) that copies each call's inputs (and output)."""
 
-    def __init__(self, with_outputs: bool = False):
+    def __init__(self, with_outputs: bool = False, max_calls: int | None = None):
         self.calls: list[Call] = []
         self.outputs: list[torch.Tensor] = []
         self._with_outputs = with_outputs
+        self._max_calls = max_calls  # the first calls only (an export's example inputs); None: every call
+        self.seen = 0  # calls made, recorded or not
         # One copy per source tensor: the text embeddings repeat at every step. The source is kept alive so
         # its address cannot be reused by another tensor within the run.
         self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -113,11 +117,16 @@ class CallRecorder:
             return type(value)(self._copy(v) for v in value)
         return value
 
+    def _full(self) -> bool:
+        return self._max_calls is not None and len(self.calls) >= self._max_calls
+
     def before(self, module, args, kwargs):
-        self.calls.append((self._copy(args), self._copy(kwargs)))
+        self.seen += 1
+        if not self._full():
+            self.calls.append((self._copy(args), self._copy(kwargs)))
 
     def after(self, module, args, kwargs, output):
-        if self._with_outputs:
+        if self._with_outputs and len(self.outputs) < len(self.calls):
             first = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
             self.outputs.append(first.detach().clone())
 
@@ -168,3 +177,26 @@ def capture_calls(pipe, family: Family, recipe: CalibrationRecipe) -> list[Call]
     if not recorder.calls:
         raise QuantizeError("the pipeline never called the denoiser during calibration")
     return recorder.calls
+
+
+def calibration_loop(pipe, family: Family,
+                     recipe: CalibrationRecipe) -> tuple[Callable[[torch.nn.Module], None], CallRecorder]:
+    """A ModelOpt forward loop that runs the recipe's generations through `pipe`, and the recorder that holds
+    the first denoiser call (the export trace's example inputs) and counts the calls once the loop has run.
+
+    The module ModelOpt hands the loop must be the pipeline's own denoiser (quantized in place), or the
+    statistics would be taken on a module the generations never call.
+    """
+    recorder = CallRecorder(max_calls=1)
+
+    def forward_loop(module: torch.nn.Module) -> None:
+        if module is not denoiser_of(pipe):
+            raise RuntimeError("the calibration loop runs the pipeline's own denoiser, not a copy of it")
+        run_pipeline(pipe, family, recipe.prompts, recipe.seeds(), recipe.steps, recipe.width, recipe.height,
+                     recorder=recorder, max_sequence_length=recipe.max_sequence_length,
+                     progress_stage="calibration")
+        if not recorder.calls:
+            raise QuantizeError("the pipeline never called the denoiser during calibration")
+
+    return forward_loop, recorder
+

@@ -16,6 +16,8 @@ stamped and a second run refused.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -39,8 +41,11 @@ def to_fp8(values: np.ndarray, scale: float) -> np.ndarray:
     return np.clip(values.astype(np.float32) / np.float32(scale), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
 
 
-def rewrite_fp8_qdq(model: onnx.ModelProto, conv_weight_amax: dict[str, float] | None = None) -> onnx.ModelProto:
-    """Rewrite in place (and return) `model`. `conv_weight_amax`: Conv weight initializer name -> amax."""
+def rewrite_fp8_qdq(model: onnx.ModelProto, conv_weight_amax: dict[str, float] | None = None,
+                    base_dir: Path | None = None) -> onnx.ModelProto:
+    """Rewrite in place (and return) `model`. `conv_weight_amax`: Conv weight initializer name -> amax.
+
+    Weights stored as external data are read from `base_dir`, one at a time, as each is converted."""
     if is_rewritten(model):
         raise QuantizeError("this ONNX model's FP8 Q/DQ nodes were already rewritten; the pass runs once")
     graph = model.graph
@@ -61,8 +66,9 @@ def rewrite_fp8_qdq(model: onnx.ModelProto, conv_weight_amax: dict[str, float] |
         else:
             node.op_type = "DequantizeLinear"
 
-    _fold_weight_quantize(graph)
-    _add_conv_weight_dequantize(graph, conv_weight_amax or {})
+    folder = None if base_dir is None else str(base_dir)
+    _fold_weight_quantize(graph, folder)
+    _add_conv_weight_dequantize(graph, conv_weight_amax or {}, folder)
     _remove_unused(graph)
 
     graph.ClearField("value_info")
@@ -77,18 +83,20 @@ def rewrite_fp8_qdq(model: onnx.ModelProto, conv_weight_amax: dict[str, float] |
     return model
 
 
-def _constant_values(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+def _constant_tensors(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializers and Constant outputs by name, as protos: values are read only where needed (a
+    full-size model's weights do not fit in memory twice)."""
     values = {t.name: t for t in graph.initializer}
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
             values[node.output[0]] = node.attribute[0].t
-    return {name: numpy_helper.to_array(t) for name, t in values.items()}
+    return values
 
 
-def _fold_weight_quantize(graph: onnx.GraphProto) -> None:
+def _fold_weight_quantize(graph: onnx.GraphProto, base_dir: str | None) -> None:
     """QuantizeLinear(fp32 weight initializer) -> a float8 initializer read by the DequantizeLinear."""
     initializers = {t.name: t for t in graph.initializer}
-    constants = _constant_values(graph)
+    constants = _constant_tensors(graph)
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
@@ -97,10 +105,11 @@ def _fold_weight_quantize(graph: onnx.GraphProto) -> None:
     for node in graph.node:
         if node.op_type != "QuantizeLinear" or node.input[0] not in initializers:
             continue
-        scale = constants.get(node.input[1])
-        if scale is None or scale.size != 1:
+        scale_tensor = constants.get(node.input[1])
+        if scale_tensor is None or int(np.prod(scale_tensor.dims)) != 1:
             continue  # per-channel or non-constant scale: leave the Q in place
-        weight = numpy_helper.to_array(initializers[node.input[0]])
+        scale = numpy_helper.to_array(scale_tensor, base_dir)
+        weight = numpy_helper.to_array(initializers[node.input[0]], base_dir)
         fp8_name = f"{node.input[0]}_fp8"
         graph.initializer.append(numpy_helper.from_array(to_fp8(weight, float(scale)), fp8_name))
         for dq in consumers.get(node.output[0], []):
@@ -110,7 +119,8 @@ def _fold_weight_quantize(graph: onnx.GraphProto) -> None:
         graph.node.remove(node)
 
 
-def _add_conv_weight_dequantize(graph: onnx.GraphProto, conv_weight_amax: dict[str, float]) -> None:
+def _add_conv_weight_dequantize(graph: onnx.GraphProto, conv_weight_amax: dict[str, float],
+                                base_dir: str | None) -> None:
     initializers = {t.name: t for t in graph.initializer}
     missing = [name for name in conv_weight_amax if name not in initializers]
     if missing:
@@ -121,7 +131,7 @@ def _add_conv_weight_dequantize(graph: onnx.GraphProto, conv_weight_amax: dict[s
             continue
         weight_name = node.input[1]
         scale = np.float32(conv_weight_amax[weight_name] / FP8_MAX)
-        weight = numpy_helper.to_array(initializers[weight_name])
+        weight = numpy_helper.to_array(initializers[weight_name], base_dir)
         base = weight_name.removesuffix(".weight")
         graph.initializer.append(numpy_helper.from_array(to_fp8(weight, float(scale)), f"{base}.weight_fp8"))
         graph.initializer.append(numpy_helper.from_array(np.array(scale, dtype=np.float32), f"{base}.weight_scale"))

@@ -15,6 +15,7 @@ from, not torch fake-quantization (the two drift apart over many layers).
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -128,16 +129,28 @@ def _onnx_denoiser(pipe, session, interface: DenoiserInterface):
         del module.forward
 
 
+def release_weights(module: torch.nn.Module) -> None:
+    """Drop a module's tensors, keep its config: once the fp32 reference is recorded, the Q/DQ session stands
+    in for the denoiser, and a full-size model must not be held next to it. Each parameter and buffer becomes
+    an empty tensor of its dtype and device, which is all the pipeline still reads from the module."""
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+
 def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path, precision: str,
              recipe: CalibrationRecipe, thresholds: GateThresholds, held_out_samples: int,
              compare_images: bool = True) -> GateResult:
-    """Measure the artifact at `onnx_path` against `pipe`'s fp32 denoiser on held-out generations."""
+    """Measure the artifact at `onnx_path` against `pipe`'s fp32 denoiser on held-out generations.
+
+    The pipeline's denoiser is spent afterwards (its weights are released once the reference is recorded)."""
     prompts, seeds = held_out_recipe(recipe, held_out_samples)
     output_type = "np" if compare_images else "latent"
     recorder = CallRecorder(with_outputs=True)
     reference_images = run_pipeline(pipe, family, prompts, seeds, recipe.steps, recipe.width, recipe.height,
                                      output_type=output_type, recorder=recorder,
                                      max_sequence_length=recipe.max_sequence_length, progress_stage="gate: PyTorch")
+    release_weights(denoiser_of(pipe))
     session = onnxruntime_session(onnx_path)
 
     psnrs, max_abs, nonfinite = [], 0.0, 0

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import Counter
-from dataclasses import dataclass
 import shutil
 import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 import torch
+from onnx.external_data_helper import uses_external_data
 
 from ..components import ExportWrapper
 from ..errors import QuantizeError
+from ..export.graph_passes import load_attribute_tensors, strip_prefix, write_external_data
 from .feeds import DenoiserInterface
 from .fp8_rewrite import MIN_OPSET as FP8_MIN_OPSET
 from .fp8_rewrite import rewrite_fp8_qdq
@@ -89,40 +92,66 @@ class ExportSummary:
                 "dequantize_linear": self.op_counts.get("DequantizeLinear", 0)}
 
 
-def export_quantized(module: torch.nn.Module, interface: DenoiserInterface, example: dict[str, torch.Tensor],
-                     out_path: Path, precision: str, opset: int) -> ExportSummary:
-    """Trace `module` (already calibrated) at `example`'s shapes with the declared dynamic axes; write `out_path`.
+@dataclass(frozen=True)
+class TracedGraph:
+    """The exporter's raw output in a temporary folder: the graph, and its weights as the exporter wrote
+    them (one file per tensor above 2 GB in all, inline below)."""
 
-    Initializers carry the component's own parameter names, like the fp32 export's. The graph is not kept in
-    memory afterwards (a full-size UNet is gigabytes).
+    path: Path
+    conv_weight_amax: dict[str, float]  # FP8 Conv weights whose Q/DQ the rewrite adds (see _fp8_conv_weights_off)
+
+
+@contextlib.contextmanager
+def traced_quantized(module: torch.nn.Module, interface: DenoiserInterface, example: dict[str, torch.Tensor],
+                     precision: str, opset: int) -> Iterator[TracedGraph]:
+    """Trace `module` (already calibrated) at `example`'s shapes with the declared dynamic axes.
+
+    Nothing of the trace stays in memory: the caller can free the module before `finalize_quantized`
+    reads the graph back (a full-size model would otherwise be held twice, or three times). The folder is
+    removed on leaving.
     """
     wrapper = interface.wrapper(module)
     inputs = tuple(example[name] for name in interface.input_names)
     tmp = Path(tempfile.mkdtemp(prefix="trt-diffusion-qexport-"))
     _register_symbolics(opset)
-    label = f"the quantized {interface.family.value} {interface.component.value}"
     try:
-        with torch.inference_mode(), _fp8_conv_weights_off(module, precision) as conv_amax, _quiet_exporter():
-            torch.onnx.export(
-                wrapper, inputs, str(tmp / "model.onnx"), input_names=interface.input_names,
-                output_names=interface.io.output_names, dynamic_axes=interface.dynamic_axes(),
-                opset_version=opset, dynamo=False, do_constant_folding=True,
-            )
-        model = onnx.load(str(tmp / "model.onnx"), load_external_data=True)
-    except QuantizeError:
-        raise
-    except Exception as exc:  # the exporter's errors are long; keep the first line and the cause
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise QuantizeError(f"ONNX export of {label} failed: {first}") from exc
+        try:
+            with torch.inference_mode(), _fp8_conv_weights_off(module, precision) as conv_amax, _quiet_exporter():
+                torch.onnx.export(
+                    wrapper, inputs, str(tmp / "model.onnx"), input_names=interface.input_names,
+                    output_names=interface.io.output_names, dynamic_axes=interface.dynamic_axes(),
+                    opset_version=opset, dynamo=False, do_constant_folding=True,
+                )
+        except Exception as exc:  # the exporter's errors are long; keep the first line and the cause
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise QuantizeError(f"ONNX export of {_label(interface)} failed: {first}") from exc
+        del module, wrapper, inputs  # this frame lives until the caller leaves: it must not keep the module
+        yield TracedGraph(tmp / "model.onnx", conv_amax)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def finalize_quantized(traced: TracedGraph, interface: DenoiserInterface, out_path: Path,
+                       precision: str) -> ExportSummary:
+    """Check the traced I/O, rewrite FP8 Q/DQ, give initializers their parameter names, write `out_path`.
+
+    Only the graph skeleton is loaded: weights are read one at a time where a pass needs their values
+    (the FP8 rewrite) and streamed file to file into `<name>.data`.
+    """
+    label = _label(interface)
+    model = onnx.load(str(traced.path), load_external_data=False)
+    load_attribute_tensors(model.graph, traced.path.parent)
     _check_declared_io(model.graph, interface, label)
     if precision == "fp8":
-        rewrite_fp8_qdq(model, conv_amax)
+        rewrite_fp8_qdq(model, traced.conv_weight_amax, base_dir=traced.path.parent)
     strip_prefix(model.graph, WRAPPER_PREFIX)
     summary = ExportSummary(dict(Counter(node.op_type for node in model.graph.node)))
-    save_model(model, out_path)
+    save_model(model, out_path, traced.path.parent)
     return summary
+
+
+def _label(interface: DenoiserInterface) -> str:
+    return f"the quantized {interface.family.value} {interface.component.value}"
 
 
 def _check_declared_io(graph: onnx.GraphProto, interface: DenoiserInterface, label: str) -> None:
@@ -158,24 +187,6 @@ def _check_declared_io(graph: onnx.GraphProto, interface: DenoiserInterface, lab
                             + "; ".join(problems))
 
 
-def strip_prefix(graph: onnx.GraphProto, prefix: str) -> None:
-    """Rename `prefix`-ed tensors (the wrapper's parameters) to the component's own parameter names."""
-    renamed = {t.name: t.name[len(prefix):] for t in graph.initializer if t.name.startswith(prefix)}
-    for tensor in graph.initializer:
-        tensor.name = renamed.get(tensor.name, tensor.name)
-    _rename_inputs(graph, renamed)
-
-
-def _rename_inputs(graph: onnx.GraphProto, renamed: dict[str, str]) -> None:
-    for node in graph.node:
-        for index, name in enumerate(node.input):
-            if name in renamed:
-                node.input[index] = renamed[name]
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:  # If/Loop bodies read outer initializers
-                _rename_inputs(attribute.g, renamed)
-
-
 @contextlib.contextmanager
 def _quiet_exporter():
     import warnings
@@ -185,13 +196,13 @@ def _quiet_exporter():
         yield
 
 
-def save_model(model: onnx.ModelProto, path: Path) -> None:
-    """One .onnx file, plus one `<name>.data` file when the weights exceed protobuf's 2 GB limit."""
+def save_model(model: onnx.ModelProto, path: Path, source_dir: Path) -> None:
+    """One .onnx file, plus one `<name>.data` file when weights are external (the exporter wrote them out) or
+    would exceed protobuf's 2 GB limit inline; external tensors are copied from `source_dir`, one at a time."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if model.ByteSize() > EXTERNAL_DATA_THRESHOLD:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=f"{path.name}.data", size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))
+    if any(uses_external_data(t) for t in model.graph.initializer) or model.ByteSize() > EXTERNAL_DATA_THRESHOLD:
+        data_name = f"{path.name}.data"
+        write_external_data(model.graph, source_dir, path.parent / data_name, data_name)
+    onnx.save_model(model, str(path))
     if not path.is_file() or os.path.getsize(path) == 0:
         raise QuantizeError(f"writing {path} failed")

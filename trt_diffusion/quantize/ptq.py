@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import sys
+import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -56,13 +58,43 @@ def _modelopt_quiet():
 
 
 def _import_mtq():
+    """modelopt.torch.quantization and .opt, imported the first time on a thread of their own.
+
+    pulp (a ModelOpt dependency) keeps the exceptions its solver probes raise during import; their
+    tracebacks reach, frame by frame, back to whoever imported it, so an import from the quantize stage
+    would keep the stage's frames, and the full-size UNet in them, alive for the rest of the process. A
+    thread's frames lead back to nothing of ours.
+    """
+    if "modelopt.torch.quantization" not in sys.modules:
+        failure: list[BaseException] = []
+        thread = threading.Thread(target=_import_modelopt, args=(failure,), name="import-modelopt")
+        thread.start()
+        thread.join()
+        if failure:
+            raise failure[0]
+    import modelopt.torch.opt as mto
+    import modelopt.torch.quantization as mtq
+
+    return mtq, mto
+
+
+def _tensor_quantizer_class():
+    _import_mtq()
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    return TensorQuantizer
+
+
+def _import_modelopt(failure: list[BaseException]) -> None:
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
-        import modelopt.torch.opt as mto
-        import modelopt.torch.quantization as mtq
-    return mtq, mto
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
+            import modelopt.torch.opt  # noqa: F401
+            import modelopt.torch.quantization  # noqa: F401
+    except BaseException as exc:  # re-raised on the caller's thread
+        failure.append(exc)
 
 
 def quantize_config(precision: str, algorithm: str, selection: LayerSelection) -> dict:
@@ -94,8 +126,11 @@ def quantize_config(precision: str, algorithm: str, selection: LayerSelection) -
 
 
 def replay(calls: Iterable[Call]) -> Callable[[torch.nn.Module], None]:
-    """A ModelOpt forward loop that re-runs the captured denoiser calls, in order."""
+    """A ModelOpt forward loop that re-runs recorded denoiser calls, in order (the stage calibrates during
+    the generations instead: `calibration.calibration_loop`)."""
     calls = list(calls)
+    if not calls:
+        raise QuantizeError("no calibration data: the pipeline never called the denoiser")
 
     def forward_loop(module: torch.nn.Module) -> None:
         # A line at most every 10 s: a full calibration is hundreds of calls.
@@ -108,13 +143,11 @@ def replay(calls: Iterable[Call]) -> Callable[[torch.nn.Module], None]:
 
 
 def calibrate(module: torch.nn.Module, precision: str, algorithm: str, selection: LayerSelection,
-              calls: list[Call]) -> torch.nn.Module:
-    """Insert quantizers into `module` (in place) and calibrate them by replaying `calls`."""
-    if not calls:
-        raise QuantizeError("no calibration data: the pipeline never called the denoiser")
+              forward_loop: Callable[[torch.nn.Module], None]) -> torch.nn.Module:
+    """Insert quantizers into `module` (in place) and calibrate them with `forward_loop(module)`, which runs
+    the calibration data through it (ModelOpt may call it more than once: SmoothQuant does)."""
     mtq, _ = _import_mtq()
     config = quantize_config(precision, algorithm, selection)
-    forward_loop = replay(calls)
     with _modelopt_quiet():
         if algorithm == "percentile":
             mtq.quantize(module, config, forward_loop=None)
@@ -136,9 +169,9 @@ def _check_selection(module: torch.nn.Module, selection: LayerSelection) -> None
 
 def _percentile_calibrate(module: torch.nn.Module, forward_loop) -> None:
     """Histogram statistics for inputs reduced at a percentile; weights keep max (their range is exact)."""
+    TensorQuantizer = _tensor_quantizer_class()  # modelopt imported first, on its own thread
     from modelopt.torch.quantization.calib import HistogramCalibrator
     from modelopt.torch.quantization.model_calib import enable_stats_collection
-    from modelopt.torch.quantization.nn import TensorQuantizer
 
     enable_stats_collection(module)
     forward_loop(module)
@@ -157,7 +190,7 @@ def _percentile_calibrate(module: torch.nn.Module, forward_loop) -> None:
 
 def enabled_quantizers(module: torch.nn.Module) -> list[str]:
     """Names of the quantizers that are on (e.g. 'down_blocks.0.resnets.0.conv1.input_quantizer')."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
+    TensorQuantizer = _tensor_quantizer_class()
 
     return [name for name, q in module.named_modules() if isinstance(q, TensorQuantizer) and q.is_enabled]
 
@@ -170,7 +203,7 @@ def quantized_layers(module: torch.nn.Module) -> list[str]:
 
 def amax_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every enabled quantizer's calibrated range: what the Q/DQ scales are made of."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
+    TensorQuantizer = _tensor_quantizer_class()
 
     result = {}
     for name, q in module.named_modules():

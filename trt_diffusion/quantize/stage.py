@@ -30,12 +30,12 @@ from ..families import Component, family_info
 from ..models.loading import component_folder
 from ..spec import EngineSpec, LoraMode, LoraVariant, Precision, ResolvedModel, expand, load_engines_file
 from ..store import Artifact, ArtifactStore, hash_inputs, sha256_file
-from .calibration import CalibrationRecipe, capture_calls, denoiser_of, load_pipeline, t5_length
+from .calibration import CalibrationRecipe, calibration_loop, capture_calls, denoiser_of, load_pipeline, t5_length
 from .defaults import HELD_OUT_SAMPLES
 from .exclusions import LayerSelection, effective_patterns, select_layers
 from .feeds import DenoiserInterface, denoiser_interface
 from .gate import GateThresholds, run_gate
-from .onnx_export import ExportSummary, export_opset, export_quantized
+from .onnx_export import ExportSummary, export_opset, finalize_quantized, traced_quantized
 from .prompts import load_prompts, take
 
 log = logging.getLogger(__name__)
@@ -229,27 +229,28 @@ def quantize_component(
         raise QuantizeError(f"{plan.name}: the exclusions leave no layer to quantize")
     timings["load_s"] = time.perf_counter() - started
 
-    with _step(plan, 2, "calibration (runs the pipeline, then ModelOpt over the recorded calls)"):
+    with _step(plan, 2, "calibration (the recipe's generations, ModelOpt's statistics taken as they run)"):
         pipe, denoiser, calibration, recalibrated, example = _calibrated(
             pipe, denoiser, plan, selection, interface, store, timings, reuse=not force)
 
     with store.writer(ARTIFACT_KIND, plan.name, plan.input_hash) as writer:
         mark = time.perf_counter()
         with _step(plan, 3, "Q/DQ ONNX export"):
-            exported = export_quantized(denoiser, interface, example, writer.path / ONNX_FILE, plan.precision,
-                                        plan.opset)
+            with traced_quantized(denoiser, interface, example, plan.precision, plan.opset) as traced:
+                # The quantized module goes before the graph is read back and before the gate loads a fresh
+                # fp32 pipeline: a full-size model is never held twice.
+                del pipe, denoiser
+                gc.collect()
+                exported = finalize_quantized(traced, interface, writer.path / ONNX_FILE, plan.precision)
         shutil.copyfile(calibration.file(STATE_FILE), writer.path / STATE_FILE)
         timings["export_s"] = time.perf_counter() - mark
 
-        # The gate runs the ONNX against a freshly loaded fp32 (LoRA-fused) pipeline: the quantized torch
-        # module goes first, so a full-size model is never held twice.
-        del pipe, denoiser
-        gc.collect()
         mark = time.perf_counter()
         with _step(plan, 4, "quality gate (held-out generations, fp32 vs Q/DQ)"):
             pipe, _ = _load_denoiser(plan)
             gate = run_gate(pipe, model.family, interface, writer.path / ONNX_FILE, plan.precision, plan.recipe,
                             plan.thresholds, held_out_samples, compare_images=compare_images)
+            del pipe
         timings["gate_s"] = time.perf_counter() - mark
         if not gate.passed:  # leaving the writer with an exception commits nothing
             raise QuantizeError(f"{plan.name}: quality gate failed, nothing committed\n  "
@@ -300,20 +301,19 @@ def _calibrated(pipe, denoiser: torch.nn.Module, plan: _Plan, selection: LayerSe
         except QuantizeError as exc:
             log.warning("%s: saved calibration unusable (%s); recalibrating", plan.name, exc)
             pipe, denoiser = _load_denoiser(plan)  # the failed restore may have half-converted the module
-    calls = capture_calls(pipe, plan.model.family, plan.recipe)
-    timings["capture_s"] = time.perf_counter() - mark
-    mark = time.perf_counter()
-    ptq.calibrate(denoiser, plan.precision, plan.recipe.algorithm, selection, calls)
+    forward_loop, recorded = calibration_loop(pipe, plan.model.family, plan.recipe)
+    ptq.calibrate(denoiser, plan.precision, plan.recipe.algorithm, selection, forward_loop)
     ptq.check_calibrated(denoiser)
-    timings["calibrate_s"] = time.perf_counter() - mark
+    timings["calibrate_s"] = time.perf_counter() - mark  # the generations, with ModelOpt's statistics taken
     with store.writer(CALIBRATION_KIND, plan.name, plan.calibration_hash) as writer:
         ptq.save_state(denoiser, writer.path / STATE_FILE)
         writer.manifest.update({
             "inputs": plan.calibration_inputs, "recipe": plan.recipe.to_json(), "prompts_source": plan.prompts_source,
-            "calls": len(calls), "precision": plan.precision, "quantizers": len(ptq.enabled_quantizers(denoiser)),
+            "calls": recorded.seen, "precision": plan.precision,
+            "quantizers": len(ptq.enabled_quantizers(denoiser)),
         })
     committed = store.lookup(CALIBRATION_KIND, plan.name, plan.calibration_hash, verify=False)
-    return pipe, denoiser, committed, True, interface.feeds(calls[0])
+    return pipe, denoiser, committed, True, interface.feeds(recorded.calls[0])
 
 
 def _manifest(plan: _Plan, interface: DenoiserInterface, exported: ExportSummary, selection: LayerSelection,
