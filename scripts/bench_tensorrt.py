@@ -7,8 +7,7 @@ Per (model, resolution): the UNet in fp16 on the GPU (PyTorch eager, median step
 fp16 ONNX (fp32 I/O, static shapes, legacy exporter), a strongly typed TensorRT engine (build seconds, plan
 bytes), and the production runner on it (eager and CUDA-graph median latency, activation memory, device memory
 taken, max |TensorRT - PyTorch|). Batch 2: one classifier-free-guidance step. SD1.5 comes from
-`trt-diffusion models tiny --size full`; SDXL from `--family sdxl --size full` where that exists, otherwise
-from SDXL-base's UNet config below (random weights either way). docs/tensorrt-runtime.md documents the JSON
+`trt-diffusion models tiny --size full`, SDXL from `--family sdxl --size full` (random weights). docs/tensorrt-runtime.md documents the JSON
 (docs/tensorrt-runtime.schema.json is its JSON Schema); `--test-gpu-*` fold `make test-gpu`'s result in.
 """
 
@@ -36,16 +35,6 @@ SCHEMA_VERSION = 1
 RESOLUTIONS = (512, 1024)
 BATCH = 2  # cond + uncond in one call
 # stabilityai/stable-diffusion-xl-base-1.0's UNet config (2.6B parameters)
-SDXL_UNET = dict(
-    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048,
-    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
-    projection_class_embeddings_input_dim=2816,
-)
-
-
 def _utc() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -110,14 +99,9 @@ def load_unet(family: str, work: Path):
     command = [sys.executable, "-m", "trt_diffusion", "models", "tiny", "--family", family, "--size", "full",
                "--out", str(folder), "--if-missing"]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode == 0:
-        return UNet2DConditionModel.from_pretrained(folder / "unet"), f"trt-diffusion models tiny --family {family} --size full"
-    if family != "sdxl":
+    if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-500:]}")
-    import torch
-
-    torch.manual_seed(0)
-    return UNet2DConditionModel(**SDXL_UNET), "SDXL-base UNet config in scripts/bench_tensorrt.py (models tiny has no full sdxl)"
+    return UNet2DConditionModel.from_pretrained(folder / "unet"), f"trt-diffusion models tiny --family {family} --size full"
 
 
 class UNetIO:

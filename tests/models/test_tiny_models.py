@@ -68,6 +68,21 @@ def test_existing_folder_is_not_overwritten_without_flag(tmp_path, capsys):
     assert main(["models", "tiny", "--out", str(out), "--if-missing"]) == 0
 
 
-def test_full_size_is_sd15_only(tmp_path, capsys):
+def test_full_size_is_sd15_and_sdxl_only(tmp_path, capsys):
     assert main(["models", "tiny", "--family", "flux", "--size", "full", "--out", str(tmp_path / "x")]) == 1
-    assert "sd15 only" in capsys.readouterr().err
+    assert "sd15, sdxl only" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_full_size_sdxl_unet_is_sdxl_base_architecture():
+    """Built on the meta device (no 10 GB of weights): stabilityai/stable-diffusion-xl-base-1.0's UNet has
+    2,567,463,684 parameters and takes the two text encoders' 768 + 1280 hidden sizes."""
+    import torch
+
+    from trt_diffusion.models.tiny import _sdxl_unet
+
+    with torch.device("meta"):
+        unet = _sdxl_unet("full")
+    assert sum(p.numel() for p in unet.parameters()) == 2_567_463_684
+    assert unet.config.cross_attention_dim == 2048
+    assert unet.add_embedding.linear_1.in_features == 1280 + 6 * 256

@@ -3,7 +3,8 @@
 Each writes a complete diffusers folder (model_index.json, scheduler, tokenizers, text encoders,
 denoiser, VAE) that `DiffusionPipeline.from_pretrained` loads. Weights come from a fixed seed, so two
 processes write identical files. `size="full"` keeps the real architecture (random weights) for honest
-benchmarks of real shapes; only sd15 has a full config here (the others are tens of GB).
+benchmarks of real shapes: sd15 and sdxl have full configs (their UNets; text encoders and VAE stay tiny,
+with the real hidden sizes the UNet reads); sd3 and flux would be tens of GB.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from ..errors import ConfigError
 from ..families import Family
 from .quiet import quiet_libraries
 
+FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl)
+# Shards of at most this size: safetensors copies a shard into memory to write it, and a full-size SDXL UNet
+# (10 GB) written in one piece would need twice its size.
+SHARD_SIZE = "2GB"
 TOKENIZER_MAX_LENGTH = 77
 T5_MAX_LENGTH = 32  # tiny T5 sequence: keeps DiT tests fast; real models use 256 (SD3) / 512 (FLUX)
 
@@ -101,9 +106,18 @@ def _sd15_unet(size: str):
     )
 
 
-def _sdxl_unet():
+def _sdxl_unet(size: str):
     from diffusers import UNet2DConditionModel
 
+    if size == "full":  # stabilityai/stable-diffusion-xl-base-1.0's UNet config (2.57B parameters)
+        return UNet2DConditionModel(
+            sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), use_linear_projection=True,
+            cross_attention_dim=2048, addition_embed_type="text_time", addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816,  # pooled text_embeds (1280) + 6 time ids x 256
+        )
     return UNet2DConditionModel(
         block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
@@ -147,8 +161,9 @@ def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny")
     family = Family(family)
     if size not in ("tiny", "full"):
         raise ConfigError(f"--size must be 'tiny' or 'full', got {size!r}")
-    if size == "full" and family is not Family.sd15:
-        raise ConfigError(f"--size full is available for sd15 only (got --family {family.value})")
+    if size == "full" and family not in FULL_SIZE_FAMILIES:
+        raise ConfigError(f"--size full is available for {', '.join(f.value for f in FULL_SIZE_FAMILIES)} only "
+                          f"(got --family {family.value})")
     torch.manual_seed(seed)
     scheduler = _scheduler(family)
     if family is Family.sd15:
@@ -158,9 +173,12 @@ def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny")
                      feature_extractor=None, image_encoder=None)
         pipe = diffusers.StableDiffusionPipeline(**parts, requires_safety_checker=False)
     elif family is Family.sdxl:
+        # full: CLIP-L (768) and OpenCLIP-G (1280, projected to 1280) hidden sizes, the 2048 the UNet attends to
+        hidden, hidden_2 = (768, 1280) if size == "full" else (32, 32)
         pipe = diffusers.StableDiffusionXLPipeline(
-            unet=_sdxl_unet(), vae=_vae(4), text_encoder=_clip_text_encoder(32),
-            text_encoder_2=_clip_text_encoder(32, projection=True), tokenizer=_clip_tokenizer(),
+            unet=_sdxl_unet(size), vae=_vae(4), text_encoder=_clip_text_encoder(hidden),
+            text_encoder_2=_clip_text_encoder(hidden_2, projection=True, projection_dim=hidden_2),
+            tokenizer=_clip_tokenizer(),
             tokenizer_2=_clip_tokenizer(), scheduler=scheduler, image_encoder=None, feature_extractor=None,
         )
     elif family is Family.sd3:
@@ -280,7 +298,7 @@ def write_tiny_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        pipe.save_pretrained(tmp, safe_serialization=True)
+        pipe.save_pretrained(tmp, safe_serialization=True, max_shard_size=SHARD_SIZE)
         extras = {"family": family.value, "seed": seed, "size": size, "controlnet": None, "lora": None}
         if controlnet:
             denoiser = pipe.unet if family in (Family.sd15, Family.sdxl) else None
