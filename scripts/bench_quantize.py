@@ -2,12 +2,15 @@
 
 1. Tiny seeded models (sd15, sdxl, sd3, flux) x (int8, fp8): wall time of `quantize_component` and the gate's
    figures (worst held-out denoiser-output PSNR, worst image PSNR / SSIM against the fp32 pipeline).
-2. `--full`: the full-size SD1.5 UNet architecture (860M parameters, random weights): INT8 PTQ with a tiny
-   calibration (2 prompts x 1 step at 256x256), then ONNX Runtime CPU latency of the Q/DQ graph against an
-   fp32 graph from the same (legacy) exporter, batch 2, 32x32 latents, after a warm-up (`--runs`
-   interleaved runs, median; default one).
+2. `--full`: the full-size UNet architectures (random weights; `--family sd15` 860M parameters, `--family sdxl`
+   2.6B), each quantization in its own process: wall time per step (load, calibration, Q/DQ export, gate) and
+   the resident memory of the whole process tree per step, its peak, and that peak over the fp32 weights.
+   `--recipe default` runs engines.yaml's default calibration (8 prompts x 4 steps at 256x256) and gate (2
+   held-out generations, images compared): what `build` does. `--runs N`: ONNX Runtime CPU latency of the
+   sd15 Q/DQ graph against an fp32 graph from the same (legacy) exporter, batch 2, 32x32 latents, N
+   interleaved runs after a warm-up, median.
 
-    python scripts/bench_quantize.py [--full] [--json out.json]
+    python scripts/bench_quantize.py [--full [--family sd15 --family sdxl] [--precision int8]] [--json out.json]
 
 Prints a table and (with --json) writes the numbers. Needs no GPU and no network.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import platform
 import re
 import statistics
@@ -98,42 +102,75 @@ def _latencies(sessions: dict, feeds: dict, runs: int) -> dict[str, float]:
     return {label: statistics.median(values) for label, values in times.items()}
 
 
-def bench_full(root: Path, runs: int) -> dict:
+FULL_RECIPES = {  # calibration (prompts x steps) and held-out generations of the gate
+    "default": ({"samples": 8, "steps": 4, "seed": 0}, 2, True),  # engines.yaml's defaults: what `build` runs
+    "quick": ({"samples": 2, "steps": 1, "seed": 0}, 1, False),  # a look at the stage, not its real cost
+}
+
+
+def full_model(root: Path, family: str) -> Path:
+    """The full-size folder of `family` under `root` (written once, in its own process, then reused)."""
+    model_dir = root / f"{family}-full"
+    if not (model_dir / "model_index.json").is_file():
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "trt_diffusion", "models", "tiny", "--family", family, "--size", "full",
+                        "--out", str(model_dir), "--if-missing"], check=True)
+        print(f"  wrote the full-size {family} folder in {time.perf_counter() - started:.0f} s", flush=True)
+    return model_dir
+
+
+def fp32_weight_bytes(model_dir: Path) -> int:
+    return sum(path.stat().st_size for path in (model_dir / "unet").glob("*.safetensors"))
+
+
+def measure_quantize(root: Path, family: str, precision: str, recipe: str) -> dict:
+    """One `quantize_component` of the full-size UNet (run in a child: the RSS is its alone)."""
+    from tree_memory import GIB, RssSampler, marks_from_progress
+
+    calibration, held_out, images = FULL_RECIPES[recipe]
+    model_dir = root / f"{family}-full"
+    with RssSampler() as sampler, marks_from_progress(sampler):
+        sampler.mark("imports")
+        from trt_diffusion.quantize.stage import quantize_component
+        from trt_diffusion.spec import load_engines_file
+
+        path = _config(root, f"full-{family}-{precision}", model_dir, family, precision, "256x256", calibration)
+        model = load_engines_file(path).models[f"full-{family}-{precision}"]
+        started = time.perf_counter()
+        artifact = quantize_component(model, "unet", precision, None, root / "build", held_out_samples=held_out,
+                                      compare_images=images, force=True)
+        seconds = time.perf_counter() - started
+    weights = fp32_weight_bytes(model_dir)
+    peak = sampler.peak()
+    return {
+        "family": family, "precision": precision, "recipe": recipe, "calibration": calibration,
+        "held_out": held_out, "images_compared": images, "onnx": str(artifact.onnx_path),
+        "quantize_s": round(seconds, 1), "timings_s": artifact.manifest["timings_s"],
+        "quantized_layers": len(artifact.manifest["quantized_layers"]),
+        "output_psnr_db_min": round(artifact.gate["output_psnr_db_min"], 2),
+        "image_psnr_db_min": artifact.gate.get("image_psnr_db_min"),
+        "fp32_weights_gib": round(weights / GIB, 2), "peak_rss_gib": round(peak / GIB, 2),
+        "peak_over_fp32_weights": round(peak / weights, 2),
+        "memory_by_step": {stage: sampler.report(stage) for stage in sampler.stages()},
+    }
+
+
+def measure_latency(root: Path, onnx_path: Path, runs: int) -> dict:
+    """ONNX Runtime CPU: the Q/DQ graph against an fp32 graph from the same (legacy) exporter."""
     import torch
 
     from trt_diffusion.components import Geometry
     from trt_diffusion.models.loading import load_component
-    from trt_diffusion.models.tiny import write_tiny_model
     from trt_diffusion.quantize.feeds import denoiser_interface
-    from trt_diffusion.quantize.stage import quantize_component
     from trt_diffusion.spec import Size, load_engines_file
 
-    result: dict = {}
-    started = time.perf_counter()
     model_dir = root / "sd15-full"
-    if not (model_dir / "model_index.json").is_file():  # a kept --workdir is reused
-        write_tiny_model(model_dir, "sd15", size="full")
-        result["write_model_s"] = round(time.perf_counter() - started, 1)
-        print(f"  wrote the full-size sd15 folder in {result['write_model_s']} s", flush=True)
-
-    path = _config(root, "full", model_dir, "sd15", "int8", "256x256", {"samples": 2, "steps": 1, "seed": 0})
-    model = load_engines_file(path).models["full"]
-    started = time.perf_counter()
-    artifact = quantize_component(model, "unet", "int8", None, root / "build", held_out_samples=1,
-                                  compare_images=False)
-    result["quantize_s"] = round(time.perf_counter() - started, 1)
-    result["quantize_timings_s"] = artifact.manifest["timings_s"]
-    result["quantized_layers"] = len(artifact.manifest["quantized_layers"])
-    result["output_psnr_db_min"] = round(artifact.gate["output_psnr_db_min"], 2)
-    print(f"  int8 PTQ + export + gate: {result['quantize_s']} s ({artifact.manifest['timings_s']}); "
-          f"output PSNR {result['output_psnr_db_min']} dB", flush=True)
-
-    gc.collect()  # the stage's pipelines: gigabytes at this size
-
-    # fp32 graph from the same exporter, for a like-for-like latency ratio (ORT reads its per-tensor files)
+    path = _config(root, "full-latency", model_dir, "sd15", "int8", "256x256", FULL_RECIPES["quick"][0])
+    model = load_engines_file(path).models["full-latency"]
     interface = denoiser_interface(model, "unet")
     feeds = interface.definition.dummy_inputs(interface.config, interface.options, Geometry(2, Size(256, 256)))
-    fp32_path = root / "fp32" / f"model-opset{artifact.manifest['opset']}.onnx"
+    result: dict = {}
+    fp32_path = root / "fp32" / onnx_path.name
     if not fp32_path.is_file():
         unet = load_component(model_dir, interface.component)
         fp32_path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,24 +179,60 @@ def bench_full(root: Path, runs: int) -> dict:
             torch.onnx.export(interface.wrapper(unet), tuple(torch.from_numpy(feeds[n]) for n in interface.input_names),
                               str(fp32_path), input_names=interface.input_names,
                               output_names=interface.io.output_names, dynamic_axes=interface.dynamic_axes(),
-                              opset_version=artifact.manifest["opset"], dynamo=False)
+                              opset_version=_opset(onnx_path), dynamo=False)
         result["fp32_export_s"] = round(time.perf_counter() - started, 1)
         del unet
         gc.collect()
-
     sessions = {}
-    for label, onnx_path in (("fp32", fp32_path), ("int8", artifact.onnx_path)):
+    for label, graph in (("fp32", fp32_path), ("int8", onnx_path)):
         started = time.perf_counter()
-        sessions[label] = _session(onnx_path)
+        sessions[label] = _session(graph)
         result[f"{label}_session_s"] = round(time.perf_counter() - started, 1)
     latencies = _latencies(sessions, feeds, runs)
-    del sessions
-    result["fp32_latency_s"] = round(latencies["fp32"], 3)
-    result["int8_latency_s"] = round(latencies["int8"], 3)
-    result["int8_over_fp32"] = round(latencies["int8"] / latencies["fp32"], 3)
-    print(f"  ORT CPU batch 2, 32x32 latents, median of {runs} interleaved: fp32 {result['fp32_latency_s']} s, "
-          f"int8 Q/DQ {result['int8_latency_s']} s, ratio int8/fp32 {result['int8_over_fp32']}", flush=True)
+    result.update({"runs": runs, "fp32_latency_s": round(latencies["fp32"], 3),
+                   "int8_latency_s": round(latencies["int8"], 3),
+                   "int8_over_fp32": round(latencies["int8"] / latencies["fp32"], 3)})
     return result
+
+
+def _opset(onnx_path: Path) -> int:
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False)
+    return next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _child(args: list[str]) -> dict:
+    """Run this script's `--step` in a fresh process; its last stdout line is the JSON result."""
+    done = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed (exit {done.returncode})")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_full(root: Path, families: list[str], precisions: list[str], recipe: str, runs: int) -> dict:
+    results: dict = {}
+    for family in families:
+        full_model(root, family)
+        for precision in precisions:
+            print(f"  {family} {precision}, recipe {recipe} (own process; progress on stderr):", flush=True)
+            figures = _child(["--step", "quantize", "--workdir", str(root), "--family", family,
+                              "--precision", precision, "--recipe", recipe])
+            results[f"{family}-{precision}"] = figures
+            print(f"  {family} {precision}: {figures['quantize_s']} s {figures['timings_s']}; peak RSS "
+                  f"{figures['peak_rss_gib']} GiB = {figures['peak_over_fp32_weights']}x the fp32 weights "
+                  f"({figures['fp32_weights_gib']} GiB); output PSNR {figures['output_psnr_db_min']} dB", flush=True)
+            for stage, memory in figures["memory_by_step"].items():
+                print(f"    {stage:28s} {memory['rss_at_start_gb']:6.2f} -> {memory['rss_peak_gb']:6.2f} GiB "
+                      f"(anonymous {memory['anonymous_peak_gb']:.2f})", flush=True)
+            if runs and family == "sd15" and precision == "int8":
+                latency = _child(["--step", "latency", "--workdir", str(root), "--onnx", figures["onnx"],
+                                  "--runs", str(runs)])
+                figures["latency"] = latency
+                print(f"  ORT CPU batch 2, 32x32 latents, median of {runs} interleaved: fp32 "
+                      f"{latency['fp32_latency_s']} s, int8 Q/DQ {latency['int8_latency_s']} s, ratio "
+                      f"{latency['int8_over_fp32']}", flush=True)
+    return results
 
 
 def cpu_flags() -> list[str]:
@@ -173,13 +246,29 @@ def cpu_flags() -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true",
-                        help="also the full-size SD1.5 UNet (about 5 minutes, 20 GB RAM)")
+                        help="also the full-size UNet(s): sd15 needs ~8 GB of RAM, sdxl ~22 GB and 30 GB of disk")
+    parser.add_argument("--family", action="append", choices=["sd15", "sdxl"],
+                        help="full-size families (repeatable; default sd15)")
+    parser.add_argument("--precision", action="append", choices=["int8", "fp8"],
+                        help="full-size precisions (repeatable; default int8)")
+    parser.add_argument("--recipe", choices=sorted(FULL_RECIPES), default="default",
+                        help="full-size calibration and gate: engines.yaml's defaults, or a quick look")
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--runs", type=int, default=1,
-                        help="timed ORT runs per graph, interleaved (the median is kept)")
+    parser.add_argument("--runs", type=int, default=0,
+                        help="timed ORT runs of the sd15 int8 graph vs fp32, interleaved (median kept; 0: none)")
     parser.add_argument("--workdir", type=Path, help="keep models and artifacts here (reused by a later run)")
+    parser.add_argument("--step", choices=["quantize", "latency"], help=argparse.SUPPRESS)  # child processes
+    parser.add_argument("--onnx", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.step:
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # live progress lines
+        if args.step == "quantize":
+            figures = measure_quantize(args.workdir, args.family[0], args.precision[0], args.recipe)
+        else:
+            figures = measure_latency(args.workdir, args.onnx, args.runs)
+        sys.stdout.write(json.dumps(figures) + "\n")
+        return 0
 
     import torch
 
@@ -187,14 +276,15 @@ def main() -> int:
               "threads": torch.get_num_threads()}
     print(f"CPU flags: {', '.join(report['cpu_flags']) or 'no VNNI'}; torch threads {report['threads']}")
     with tempfile.TemporaryDirectory(prefix="bench-quantize-") as tmp:
-        root = args.workdir or Path(tmp)
+        root = (args.workdir or Path(tmp)).resolve()
         root.mkdir(parents=True, exist_ok=True)
         if not args.skip_tiny:
             print("tiny models (4 prompts x 4 steps calibration, 2 held-out generations):")
             report["tiny"] = bench_tiny(root)
         if args.full:
-            print("full-size SD1.5 UNet (random weights):")
-            report["full_sd15"] = bench_full(root, args.runs)
+            print("full-size UNets (random weights):")
+            report["full"] = bench_full(root, args.family or ["sd15"], args.precision or ["int8"], args.recipe,
+                                        args.runs)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
