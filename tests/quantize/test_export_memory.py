@@ -19,7 +19,7 @@ from trt_diffusion.quantize.calibration import CalibrationRecipe, capture_calls,
 from trt_diffusion.quantize.exclusions import select_layers
 from trt_diffusion.quantize.feeds import as_numpy, denoiser_interface
 from trt_diffusion.quantize.gate import onnxruntime_session, release_weights
-from trt_diffusion.quantize.onnx_export import TracedGraph, finalize_quantized, traced_quantized
+from trt_diffusion.quantize.onnx_export import TracedGraph, export_opset, finalize_quantized, traced_quantized
 from trt_diffusion.quantize.prompts import load_prompts, take
 
 from .conftest import model_entry, resolved
@@ -28,14 +28,14 @@ RECIPE = CalibrationRecipe(prompts=tuple(take(load_prompts(None)[0], 1)), steps=
                            width=64, height=64)
 
 
-def _calibrated(model_dir, write_config):
+def _calibrated(model_dir, write_config, precision: str):
     """(pipeline with a calibrated UNet, its interface, example feeds); not a fixture, which pytest would
     keep alive for the whole test."""
-    model = resolved(write_config({"m": model_entry(model_dir, "sd15", "int8")}), "m")
+    model = resolved(write_config({"m": model_entry(model_dir, "sd15", precision)}), "m")
     pipe = load_pipeline(model_dir)
     calls = capture_calls(pipe, model.family, RECIPE)
     module = denoiser_of(pipe)
-    ptq.calibrate(module, "int8", "max", select_layers(module), ptq.replay(calls))
+    ptq.calibrate(module, precision, "max", select_layers(module), ptq.replay(calls))
     interface = denoiser_interface(model, "unet")
     return pipe, interface, interface.feeds(calls[0])
 
@@ -44,18 +44,21 @@ def _outputs(path, interface, feeds) -> np.ndarray:
     return onnxruntime_session(path).run([interface.output_name], as_numpy(feeds))[0]
 
 
-def test_the_trace_lets_go_of_the_module_and_streams_external_weights(tiny_model_factory, write_config, tmp_path):
-    pipe, interface, feeds = _calibrated(tiny_model_factory("sd15"), write_config)
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_the_trace_lets_go_of_the_module_and_streams_external_weights(tiny_model_factory, write_config, tmp_path,
+                                                                      precision):
+    pipe, interface, feeds = _calibrated(tiny_model_factory("sd15"), write_config, precision)
+    opset = export_opset(17, precision)
     module = weakref.ref(denoiser_of(pipe))
-    with traced_quantized(denoiser_of(pipe), interface, feeds, "int8", 17) as traced:
+    with traced_quantized(denoiser_of(pipe), interface, feeds, precision, opset) as traced:
         del pipe
         gc.collect()
         assert module() is None  # nothing of the trace (the generator's frame included) keeps the module
-        inline = finalize_quantized(traced, interface, tmp_path / "inline" / "model.onnx", "int8")
+        inline = finalize_quantized(traced, interface, tmp_path / "inline" / "model.onnx", precision)
 
         # What the legacy exporter writes above 2 GB: one file per tensor beside the graph.
         raw = onnx.load(str(traced.path))
-        convert_model_to_external_data(raw, all_tensors_to_one_file=False, size_threshold=64, convert_attribute=True)
+        convert_model_to_external_data(raw, all_tensors_to_one_file=False, size_threshold=0, convert_attribute=True)
         onnx.save_model(raw, str(traced.path))
         raw = onnx.load(str(traced.path), load_external_data=False)
         constants = [n.attribute[0].t for n in raw.graph.node if n.op_type == "Constant" and n.attribute[0].t.dims]
@@ -66,7 +69,8 @@ def test_the_trace_lets_go_of_the_module_and_streams_external_weights(tiny_model
             tensor.external_data.extend(kept)
         onnx.save_model(raw, str(traced.path))
         split = TracedGraph(traced.path, traced.conv_weight_amax)
-        streamed = finalize_quantized(split, interface, tmp_path / "streamed" / "model.onnx", "int8")
+        # the FP8 rewrite reads each weight it converts from those files
+        streamed = finalize_quantized(split, interface, tmp_path / "streamed" / "model.onnx", precision)
         files = sorted(p.name for p in traced.path.parent.iterdir())
         assert len(files) > 10  # the per-tensor files
     assert not traced.path.parent.exists()  # the raw export is removed on leaving
@@ -77,7 +81,9 @@ def test_the_trace_lets_go_of_the_module_and_streams_external_weights(tiny_model
     external = [t for t in graph.initializer if uses_external_data(t)]
     assert external and {e.value for t in external for e in t.external_data if e.key == "location"} == {
         "model.onnx.data"}
-    assert "down_blocks.0.resnets.0.conv1.weight" in {t.name for t in graph.initializer}  # wrapper prefix gone
+    names = {t.name for t in graph.initializer}  # the wrapper's prefix is gone; fp8 weights get a suffix
+    assert {"down_blocks.0.resnets.0.conv1.weight", "down_blocks.0.resnets.0.conv1.weight_fp8"} & names
+    assert not [n for n in names if n.startswith("model.")]
     np.testing.assert_array_equal(_outputs(tmp_path / "inline" / "model.onnx", interface, feeds),
                                   _outputs(tmp_path / "streamed" / "model.onnx", interface, feeds))
 

@@ -2,11 +2,14 @@
 
 Per (model, denoiser, precision, fused-LoRA variant):
 
-    pipeline from the model folder --(LoRA fused)--> calibration: seeded generations, denoiser calls recorded
-      --> ModelOpt PTQ; the calibrated state is its own artifact ("calibration"), keyed on what decides the
-          scales, so a re-export (other opset, exporter fix) restores it instead of recalibrating
+    pipeline from the model folder --(LoRA fused)--> ModelOpt PTQ, its statistics taken during the recipe's
+          seeded generations; the calibrated state is its own artifact ("calibration"), keyed on what decides
+          the scales, so a re-export (other opset, exporter fix) restores it instead of recalibrating
       --> legacy ONNX export with Q/DQ (FP8: trt-domain rewrite, once) --> quality gate vs fp32
       --> "quantized" artifact: model.onnx, modelopt_state.pt, manifest.json   (nothing committed on failure)
+
+Peak memory stays near one copy of the model: the module is freed once traced, the graph is finished with
+its weights streamed file to file, and the gate drops its fp32 module before opening the ONNX session.
 """
 
 from __future__ import annotations
