@@ -8,7 +8,6 @@ stored outputs. Peak RSS is about the larger of "module + exporter" and "ONNX Ru
 
 from __future__ import annotations
 
-import gc
 import logging
 import shutil
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import progress as live
+from ..memory import release_memory
 from ..components import ExportWrapper, get_component, load_model_config
 from ..spec.engine_spec import EngineSpec
 from ..spec.load import EnginesConfig
@@ -214,18 +214,3 @@ def _export_into(folder: Path, group: ExportGroup, definition, model_config, sha
         "timings": {k: round(v, 3) for k, v in timings.items()},
         "tools": tool_versions(),
     }
-
-
-def release_memory() -> None:
-    """Collect garbage (modules hold reference cycles) and hand freed heap pages back to the OS.
-
-    glibc keeps freed blocks below its mmap threshold in its arenas, so without `malloc_trim` a freed
-    module can keep counting toward RSS while the next step allocates anew.
-    """
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
-        pass

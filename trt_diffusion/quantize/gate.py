@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import QuantizeError
+from ..memory import release_memory
 from ..families import Family
 from ..parity.metrics import Thresholds, has_nonfinite, lpips_distance, psnr, ssim, tensor_diff, thresholds_for
 from .calibration import CalibrationRecipe, CallRecorder, denoiser_of, run_pipeline
@@ -161,6 +162,7 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
                                      output_type=output_type, recorder=recorder,
                                      max_sequence_length=recipe.max_sequence_length, progress_stage="gate: PyTorch")
     release_weights(denoiser_of(pipe))
+    release_memory()
     session = onnxruntime_session(onnx_path)
 
     psnrs, max_abs, nonfinite = [], 0.0, 0

@@ -15,7 +15,6 @@ its weights streamed file to file, and the gate drops its fp32 module before ope
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import shutil
 import time
@@ -29,6 +28,7 @@ from .. import progress as live
 from ..errors import ConfigError, QuantizeError
 from ..export.inputs import folder_digest
 from ..export.modules import fuse_lora
+from ..memory import release_memory
 from ..families import Component, family_info
 from ..models.loading import component_folder
 from ..spec import EngineSpec, LoraMode, LoraVariant, Precision, ResolvedModel, expand, load_engines_file
@@ -243,8 +243,9 @@ def quantize_component(
                 # The quantized module goes before the graph is read back and before the gate loads a fresh
                 # fp32 pipeline: a full-size model is never held twice.
                 del pipe, denoiser
-                gc.collect()
+                release_memory()
                 exported = finalize_quantized(traced, interface, writer.path / ONNX_FILE, plan.precision)
+            release_memory()  # the graph skeleton and the exporter's leftovers, before the gate loads
         shutil.copyfile(calibration.file(STATE_FILE), writer.path / STATE_FILE)
         timings["export_s"] = time.perf_counter() - mark
 
