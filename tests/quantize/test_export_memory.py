@@ -44,7 +44,7 @@ def _outputs(path, interface, feeds) -> np.ndarray:
     return onnxruntime_session(path).run([interface.output_name], as_numpy(feeds))[0]
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("precision", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_the_trace_lets_go_of_the_module_and_streams_external_weights(tiny_model_factory, write_config, tmp_path,
                                                                       precision):
     pipe, interface, feeds = _calibrated(tiny_model_factory("sd15"), write_config, precision)
@@ -88,6 +88,7 @@ def test_the_trace_lets_go_of_the_module_and_streams_external_weights(tiny_model
                                   _outputs(tmp_path / "streamed" / "model.onnx", interface, feeds))
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and modelopt: ~10 s
 def test_a_calibrated_module_is_freed_once_its_callers_return():
     """In a fresh interpreter (modelopt not imported yet): pulp, which modelopt imports, keeps tracebacks of
     its import-time probes; imported from the stage's frames they would keep the UNet alive for good."""
