@@ -84,7 +84,8 @@ def plan(config: ConfigArg, as_json: Annotated[bool, typer.Option("--json", help
 def models_tiny(
     out: Annotated[Path, typer.Option("--out", "-o", help="folder to write")] = Path("models/tiny-sd15"),
     family: Annotated[FamilyChoice, typer.Option("--family")] = FamilyChoice.sd15,
-    size: Annotated[str, typer.Option("--size", help="tiny, or full (real UNet architecture, random weights; sd15, sdxl)")] = "tiny",
+    size: Annotated[str, typer.Option(
+        "--size", help="tiny, or full (real UNet architecture, random weights; sd15, sdxl)")] = "tiny",
     seed: int = 0,
     controlnet: Annotated[bool, typer.Option("--controlnet", help="also write a ControlNet in <out>/controlnet")] = False,
     lora: Annotated[bool, typer.Option("--lora", help="also write a LoRA in <out>/lora")] = False,

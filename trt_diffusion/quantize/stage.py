@@ -28,8 +28,8 @@ from .. import progress as live
 from ..errors import ConfigError, QuantizeError
 from ..export.inputs import folder_digest
 from ..export.modules import fuse_lora
-from ..memory import release_memory
 from ..families import Component, family_info
+from ..memory import release_memory
 from ..models.loading import component_folder
 from ..spec import EngineSpec, LoraMode, LoraVariant, Precision, ResolvedModel, expand, load_engines_file
 from ..store import Artifact, ArtifactStore, hash_inputs, sha256_file
