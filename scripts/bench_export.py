@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import psutil
-from tree_memory import GIB, RssSampler
+from tree_memory import GIB, RssSampler, fp32_weight_bytes, run_step
 
 LATENT = 32  # 32x32 latents = 256x256 pixels
 BATCH = 2  # one classifier-free-guidance step
@@ -48,11 +48,6 @@ def write_engines_yaml(workdir: Path, model_dir: Path) -> Path:
         "    precision: {unet: fp32}\n"
     )
     return config
-
-
-def fp32_weight_bytes(model_dir: Path) -> int:
-    """The UNet's weights as stored (fp32 safetensors)."""
-    return sum(path.stat().st_size for path in (model_dir / "unet").glob("*.safetensors"))
 
 
 def measure_export(config: Path, model_dir: Path) -> dict:
@@ -134,13 +129,6 @@ def measure_latency(model_dir: Path, onnx_path: Path, runs: int) -> dict:
             "max_abs_diff": float(np.abs(reference - candidate).max()), "threads": torch.get_num_threads()}
 
 
-def _child(args: list[str]) -> dict:
-    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(args[:1])} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("build/bench"))
@@ -170,12 +158,12 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "trt_diffusion", "models", "tiny", "--family", "sd15", "--size", args.size,
                         "--out", str(model_dir), "--if-missing"], check=True)
     console.print("exporting the UNet (own process) ...")
-    export = _child(["--workdir", str(workdir), "--size", args.size, "--step", "export"])
+    export = run_step(__file__, ["--workdir", str(workdir), "--size", args.size, "--step", "export"])
     latency = None
     if not args.no_latency:
         console.print("timing one UNet call, PyTorch vs ONNX Runtime (own process) ...")
-        latency = _child(["--workdir", str(workdir), "--size", args.size, "--step", "latency", "--onnx",
-                          export["onnx"], "--runs", str(args.runs)])
+        latency = run_step(__file__, ["--workdir", str(workdir), "--size", args.size, "--step", "latency",
+                                      "--onnx", export["onnx"], "--runs", str(args.runs)])
     figures = {"machine": {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / GIB, 1)},
                "export": export, "latency": latency}
     console.print_json(json.dumps(figures))

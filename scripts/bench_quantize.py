@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import yaml
+from tree_memory import run_step
 
 TINY_BUCKET = {"sd15": "64x64", "sdxl": "64x64", "sd3": "128x128", "flux": "128x128"}
 DENOISER = {"sd15": "unet", "sdxl": "unet", "sd3": "transformer", "flux": "transformer"}
@@ -119,13 +120,9 @@ def full_model(root: Path, family: str) -> Path:
     return model_dir
 
 
-def fp32_weight_bytes(model_dir: Path) -> int:
-    return sum(path.stat().st_size for path in (model_dir / "unet").glob("*.safetensors"))
-
-
 def measure_quantize(root: Path, family: str, precision: str, recipe: str) -> dict:
     """One `quantize_component` of the full-size UNet (run in a child: the RSS is its alone)."""
-    from tree_memory import GIB, RssSampler, marks_from_progress
+    from tree_memory import GIB, RssSampler, fp32_weight_bytes, marks_from_progress
 
     calibration, held_out, images = FULL_RECIPES[recipe]
     model_dir = root / f"{family}-full"
@@ -202,22 +199,14 @@ def _opset(onnx_path: Path) -> int:
     return next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx"))
 
 
-def _child(args: list[str]) -> dict:
-    """Run this script's `--step` in a fresh process; its last stdout line is the JSON result."""
-    done = subprocess.run([sys.executable, __file__, *args], stdout=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(args)} failed (exit {done.returncode})")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def bench_full(root: Path, families: list[str], precisions: list[str], recipe: str, runs: int) -> dict:
     results: dict = {}
     for family in families:
         full_model(root, family)
         for precision in precisions:
             print(f"  {family} {precision}, recipe {recipe} (own process; progress on stderr):", flush=True)
-            figures = _child(["--step", "quantize", "--workdir", str(root), "--family", family,
-                              "--precision", precision, "--recipe", recipe])
+            figures = run_step(__file__, ["--step", "quantize", "--workdir", str(root), "--family", family,
+                                          "--precision", precision, "--recipe", recipe], live_stderr=True)
             results[f"{family}-{precision}"] = figures
             print(f"  {family} {precision}: {figures['quantize_s']} s {figures['timings_s']}; peak RSS "
                   f"{figures['peak_rss_gib']} GiB = {figures['peak_over_fp32_weights']}x the fp32 weights "
@@ -226,8 +215,8 @@ def bench_full(root: Path, families: list[str], precisions: list[str], recipe: s
                 print(f"    {stage:28s} {memory['rss_at_start_gb']:6.2f} -> {memory['rss_peak_gb']:6.2f} GiB "
                       f"(anonymous {memory['anonymous_peak_gb']:.2f})", flush=True)
             if runs and family == "sd15" and precision == "int8":
-                latency = _child(["--step", "latency", "--workdir", str(root), "--onnx", figures["onnx"],
-                                  "--runs", str(runs)])
+                latency = run_step(__file__, ["--step", "latency", "--workdir", str(root), "--onnx",
+                                              figures["onnx"], "--runs", str(runs)], live_stderr=True)
                 figures["latency"] = latency
                 print(f"  ORT CPU batch 2, 32x32 latents, median of {runs} interleaved: fp32 "
                       f"{latency['fp32_latency_s']} s, int8 Q/DQ {latency['int8_latency_s']} s, ratio "

@@ -2,18 +2,42 @@
 
     with RssSampler() as sampler, marks_from_progress(sampler):
         ...   # every trt_diffusion progress line marks the stage later samples belong to
-    sampler.report("quantize 3/4"), sampler.peak()
+    sampler.report("quantize 3/4"), sampler.peak() / fp32_weight_bytes(model_dir)
+
+`run_step` runs one measured step of a script in a fresh process, so the peak it reports is that step's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import psutil
 
 GIB = 1 << 30
+
+
+def fp32_weight_bytes(model_dir: Path, component: str = "unet") -> int:
+    """A component's weights as stored (fp32 safetensors, every shard): what memory is measured against."""
+    return sum(path.stat().st_size for path in (Path(model_dir) / component).glob("*.safetensors"))
+
+
+def run_step(script: str, args: list[str], *, live_stderr: bool = False) -> dict:
+    """`python script *args` in a fresh process; its last stdout line is its JSON result.
+
+    `live_stderr`: the step's stderr (progress lines) goes straight to ours; otherwise it is kept and its
+    tail shown when the step fails."""
+    done = subprocess.run([sys.executable, script, *args], stdout=subprocess.PIPE,
+                          stderr=None if live_stderr else subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        tail = f":\n{done.stderr[-4000:]}" if done.stderr else ""
+        raise SystemExit(f"{' '.join(args)} failed (exit {done.returncode}){tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 class RssSampler:

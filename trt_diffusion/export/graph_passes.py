@@ -179,29 +179,29 @@ def _attach_parameters(graph: onnx.GraphProto, weights: list[TensorProto]) -> No
 
 def _load_small_tensors(graph: onnx.GraphProto, base_dir: Path) -> None:
     """Constants that are not parameters (buffers, shape constants) are read in so folding can use them."""
+    for init in graph.initializer:
+        _read_inline(init, base_dir)
+
+
+def _read_inline(tensor: TensorProto, base_dir: Path) -> None:
+    """A tensor stored as external data gets its bytes back in the proto (and forgets where they were)."""
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    for init in graph.initializer:
-        if uses_external_data(init):
-            load_external_data_for_tensor(init, str(base_dir))
-            init.data_location = TensorProto.DEFAULT
-            del init.external_data[:]
+    if uses_external_data(tensor):
+        load_external_data_for_tensor(tensor, str(base_dir))
+        tensor.data_location = TensorProto.DEFAULT
+        del tensor.external_data[:]
 
 
 def load_attribute_tensors(graph: onnx.GraphProto, base_dir: Path) -> None:
     """Constant-node tensors the exporter stored as external data (the legacy exporter does, above 2 GB)
     are read back inline: they are scales and shapes, and only initializers go to the data file."""
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-
     for g in _graphs(graph):
         for node in g.node:
             for attribute in node.attribute:
                 tensors = [attribute.t] if attribute.type == onnx.AttributeProto.TENSOR else list(attribute.tensors)
                 for tensor in tensors:
-                    if uses_external_data(tensor):
-                        load_external_data_for_tensor(tensor, str(base_dir))
-                        tensor.data_location = TensorProto.DEFAULT
-                        del tensor.external_data[:]
+                    _read_inline(tensor, base_dir)
 
 
 _LIST_CONSTANTS = {
