@@ -164,7 +164,7 @@ def quantized_unet(model_dir: Path, workdir: Path) -> Path:
     import yaml
 
     from trt_diffusion.quantize.stage import quantize_component
-    from trt_diffusion.spec import load_engines_file
+    from trt_diffusion.engines_file import load_engines_file
 
     path = workdir / "int8.yaml"
     entry = {"source": str(model_dir), "family": "sd15", "components": ["unet"], "precision": {"unet": "int8"},
@@ -183,7 +183,7 @@ def quantized_unet(model_dir: Path, workdir: Path) -> Path:
 
 
 def _spec(target: str, component: str, precision: str, size: int, batch: int):
-    from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
+    from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 
     return EngineSpec(model="full", family="sd15", source="local:bench", component=component, target=target,
                       precision=precision, batch=batch, bucket=Bucket.static(Size(size, size)))

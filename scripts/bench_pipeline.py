@@ -20,9 +20,9 @@ import yaml
 from trt_diffusion import api
 from trt_diffusion.models.tiny import write_tiny_model
 from trt_diffusion.runtime.loader import engine_runners
-from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
-from trt_diffusion.spec import load_engines_file
+from trt_diffusion.engines_file import load_engines_file
 
 
 def main() -> None:
@@ -49,8 +49,8 @@ def main() -> None:
     print(f"build (export + engines, cached when unchanged): {time.perf_counter() - start:.1f} s")
     config = load_engines_file(config_path)
     _, family, table = engine_runners(config, "m", "onnxruntime")
-    pipes = {"engines": DiffusionPipeline(model_dir, family, table),
-             "pytorch": DiffusionPipeline(model_dir, family, reference_runners(model_dir, family))}
+    pipes = {"engines": EnginePipeline(model_dir, family, table),
+             "pytorch": EnginePipeline(model_dir, family, reference_runners(model_dir, family))}
     request = GenerationRequest(prompt="a lighthouse on a cliff", height=size, width=size, steps=args.steps, seed=0)
     results = {}
     for name, pipe in pipes.items():

@@ -43,10 +43,10 @@ def write_config(path: Path, model_dir: Path, workspace: Path, precision: str, a
 
 def images(config, **kw):
     from trt_diffusion.runtime.loader import engine_runners
-    from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+    from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 
     model_dir, family, table = engine_runners(config, "m", "onnxruntime", **kw)
-    pipe = DiffusionPipeline(model_dir, family, table)
+    pipe = EnginePipeline(model_dir, family, table)
     return [pipe.generate(GenerationRequest(prompt=p, seed=s, **ARGS)).images for p in PROMPTS for s in SEEDS]
 
 
@@ -62,7 +62,7 @@ def compare(reference, candidate) -> dict:
 def run(precision: str, algorithm: str, root: Path) -> dict:
     from trt_diffusion import api
     from trt_diffusion.models.tiny import write_tiny_model
-    from trt_diffusion.spec import load_engines_file
+    from trt_diffusion.engines_file import load_engines_file
 
     model_dir = root / "sd15"
     if not (model_dir / "model_index.json").exists():

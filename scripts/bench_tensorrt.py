@@ -161,7 +161,7 @@ def median_seconds(fn, runs: int, warmup: int = 3) -> float:
 def bench_one(family: str, resolution: int, unet, source: str, work: Path, runs: int) -> dict:
     import torch
 
-    from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
+    from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
     from trt_diffusion.targets.tensorrt import engine as trt_engine
     from trt_diffusion.targets.tensorrt.config import engine_path
     from trt_diffusion.targets.tensorrt.runner import EngineGroup, TensorRTRunner

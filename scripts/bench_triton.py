@@ -34,7 +34,7 @@ def prepare_repository(workdir: Path, *, instances: int = 2, max_queue_size: int
     from trt_diffusion import api
     from trt_diffusion.models.tiny import write_tiny_model
     from trt_diffusion.runtime.loader import built_engines
-    from trt_diffusion.spec import load_engines_file
+    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.triton.repository import PackageOptions, package
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -65,9 +65,9 @@ class LocalTarget:
 
     def __init__(self, engines, model_dir: Path):
         from trt_diffusion.runtime.loader import table_from_engines
-        from trt_diffusion.runtime.pipeline import DiffusionPipeline
+        from trt_diffusion.runtime.pipeline import EnginePipeline
 
-        self.pipeline = DiffusionPipeline(model_dir, "sd15", table_from_engines(engines))
+        self.pipeline = EnginePipeline(model_dir, "sd15", table_from_engines(engines))
 
     def __call__(self, steps: int) -> np.ndarray:
         from trt_diffusion.runtime.pipeline import GenerationRequest

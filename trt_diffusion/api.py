@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .plan import Plan, make_plan
-from .spec import load_engines_file
+from .engines_file import load_engines_file
 
 if TYPE_CHECKING:
     from .export import ExportReport
-    from .export.pipeline import ProgressCallback
+    from .export.stage import ProgressCallback
 
 
 def plan(config_path: str | Path, *, count_parameters: bool = True) -> Plan:
@@ -35,7 +35,7 @@ def export(config_path: str | Path, model: str | None = None, component: str | N
     One ONNX per export group (see export/grouping.py); `report.artifact_for(spec)` is the ONNX a spec's
     engine is built from. Artifacts live in `<workspace>/onnx/<name>.<key>/`.
     """
-    from .spec.selection import select_specs
+    from .engines_file.selection import select_specs
 
     config = load_engines_file(config_path, check_sources=True)
     return export_specs(config, select_specs(config, model, component), progress=progress)
@@ -79,7 +79,7 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     engine on a cluster sharing the workspace.
     """
     from .errors import MissingDependencyError
-    from .spec.selection import select_specs
+    from .engines_file.selection import select_specs
     from .targets import build_state, check_target_name, get_target
     from .targets.base import BuildReport
 
@@ -124,7 +124,7 @@ def manifest(config_path: str | Path, *, verify: bool = True, out: str | Path | 
     <workspace>/release-manifest.json)."""
     import json
 
-    from .spec import expand
+    from .engines_file import expand
     from .targets.onnx_facts import atomic_write_bytes
     from .targets.provenance import release_manifest
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .families import Component
-from .spec import EngineSpec, EnginesConfig, Precision, expand
+from .engines_file import EngineSpec, EnginesConfig, Precision, expand
 
 
 @dataclass

@@ -10,7 +10,8 @@ import weakref
 import pytest
 
 from trt_diffusion import api, progress
-from trt_diffusion.export import parity, pipeline
+from trt_diffusion.export import parity
+from trt_diffusion.export import stage as pipeline
 
 
 @pytest.mark.slow  # its own export of the tiny model (~20 s)

@@ -20,7 +20,7 @@ pytest.importorskip("ray", reason="Ray is an extra: pip install 'trt-diffusion[f
 DRIVER = """
 import json, sys
 from trt_diffusion import api
-from trt_diffusion.spec import load_engines_file
+from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.export import group_specs
 from trt_diffusion.targets.ray_executor import build_on_ray
 import ray

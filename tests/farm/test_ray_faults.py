@@ -21,7 +21,7 @@ DRIVER = """
 import json, os, re, signal, sys, threading, time
 from pathlib import Path
 from trt_diffusion import api
-from trt_diffusion.spec import load_engines_file
+from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.targets import get_target
 from trt_diffusion.export import group_specs
 from trt_diffusion.targets.ray_executor import build_on_ray

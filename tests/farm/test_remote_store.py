@@ -25,7 +25,7 @@ from trt_diffusion.errors import ConfigError, MissingDependencyError  # noqa: E4
 from trt_diffusion.remote_store import (  # noqa: E402
     RemoteStore, StoreError, local_workspace, mask_url, store_for,
 )
-from trt_diffusion.spec import load_engines_file  # noqa: E402
+from trt_diffusion.engines_file import load_engines_file  # noqa: E402
 from trt_diffusion.targets.provenance import engine_files, file_sha256  # noqa: E402
 from shard_split import build_shards, two_host_shards  # noqa: E402
 

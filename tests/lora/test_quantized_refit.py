@@ -15,7 +15,7 @@ import yaml
 
 from trt_diffusion.errors import BuildError
 from trt_diffusion.parity.metrics import psnr, ssim, thresholds_for
-from trt_diffusion.spec import EngineSpec, expand, load_engines_file
+from trt_diffusion.engines_file import EngineSpec, expand, load_engines_file
 
 PROMPTS = ["a lighthouse on a cliff at dusk", "a red bicycle leaning on a brick wall"]
 ARGS = dict(height=64, width=64, steps=4, guidance_scale=5.0, seed=7)
@@ -42,7 +42,7 @@ def test_engines_yaml_takes_a_refit_lora_on_a_quantized_unet(tiny_sd15_dir, tmp_
 def test_the_openvino_target_refuses_to_refit_a_quantized_engine(tmp_path):
     """OpenVINO folds the quantized weights and their scales into its own constants (measured: no int8 weight
     or scale keeps its name, no fp8 scale): refused before anything is converted, with what to do instead."""
-    from trt_diffusion.spec import Bucket, Size
+    from trt_diffusion.engines_file import Bucket, Size
     from trt_diffusion.targets import get_target
     from trt_diffusion.targets.base import BuildRequest
 
@@ -56,10 +56,10 @@ def test_the_openvino_target_refuses_to_refit_a_quantized_engine(tmp_path):
 
 def _images(config, **kw):
     from trt_diffusion.runtime.loader import engine_runners
-    from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+    from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 
     model_dir, family, table = engine_runners(config, "m", "onnxruntime", **kw)
-    pipe = DiffusionPipeline(model_dir, family, table)
+    pipe = EnginePipeline(model_dir, family, table)
     return [pipe.generate(GenerationRequest(prompt=p, **ARGS)).images for p in PROMPTS]
 
 

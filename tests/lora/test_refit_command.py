@@ -9,7 +9,7 @@ import os
 import pytest
 
 from trt_diffusion.cli import main
-from trt_diffusion.spec import load_engines_file
+from trt_diffusion.engines_file import load_engines_file
 
 UNET = "sd15-tiny.unet.64x64.b2.fp32"
 TEXT_ENCODER = "sd15-tiny.text_encoder.b1.fp32"  # refittable too: LoRAs may carry a text-encoder part

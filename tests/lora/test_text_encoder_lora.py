@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from trt_diffusion.errors import RefitError
 from trt_diffusion.parity.metrics import psnr
 from trt_diffusion.runtime.loader import engine_runners, refit_weights
-from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.schedulers import make_scheduler
-from trt_diffusion.spec import load_engines_file
+from trt_diffusion.engines_file import load_engines_file
 
 PROMPT = "a lighthouse on a cliff at dusk"
 ARGS = dict(height=64, width=64, steps=4, guidance_scale=5.0, seed=7)
@@ -92,7 +92,7 @@ def config(built_sd15):
 
 def _ours(config, loras):
     model_dir, family, table = engine_runners(config, "sd15-tiny", "onnxruntime", loras=loras)
-    return DiffusionPipeline(model_dir, family, table)
+    return EnginePipeline(model_dir, family, table)
 
 
 def _images(pipe) -> np.ndarray:

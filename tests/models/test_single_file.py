@@ -17,9 +17,9 @@ from trt_diffusion.cli import main
 from trt_diffusion.errors import ConfigError
 from trt_diffusion.models.single_file import convert_single_file, to_original_layout
 from trt_diffusion.runtime.loader import engine_runners
-from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
-from trt_diffusion.spec import load_engines_file
+from trt_diffusion.engines_file import load_engines_file
 
 REQUEST = GenerationRequest(prompt="a red fox in the snow", height=64, width=64, steps=3, seed=4)
 
@@ -81,8 +81,8 @@ def test_a_single_file_builds_and_matches_the_folder_it_was_written_from(tiny_pi
     config = load_engines_file(path)
     assert config.models["single"].source.identity.startswith("file:")
     model_dir, family, table = engine_runners(config, "single", "onnxruntime")
-    engines = DiffusionPipeline(model_dir, family, table).generate(REQUEST).images
-    reference = DiffusionPipeline(folder, family, reference_runners(folder, family)).generate(REQUEST).images
+    engines = EnginePipeline(model_dir, family, table).generate(REQUEST).images
+    reference = EnginePipeline(folder, family, reference_runners(folder, family)).generate(REQUEST).images
     assert np.abs(engines.astype(int) - reference.astype(int)).max() <= 1
     # a second load reuses the converted folder (same file, size, mtime): nothing is rewritten
     before = (model_dir / "model_index.json").stat().st_mtime_ns

@@ -13,7 +13,7 @@ from trt_diffusion.preflight.errors import PreflightError
 from trt_diffusion.preflight.model import CheckResult, PreflightReport
 from trt_diffusion.preflight.names import CHECK_NAMES
 from trt_diffusion.preflight.run import select
-from trt_diffusion.spec import load_engines_file
+from trt_diffusion.engines_file import load_engines_file
 
 BASE = """version: 1
 models:
@@ -97,7 +97,7 @@ def test_json_round_trips_infinity_and_the_page_escapes(tmp_path):
 
 
 def test_cli_start_does_not_import_heavy_modules():
-    code = ("import sys, trt_diffusion.cli; heavy = [m for m in ('torch', 'tritonclient', 'trt_diffusion.spec', "
+    code = ("import sys, trt_diffusion.cli; heavy = [m for m in ('torch', 'tritonclient', 'trt_diffusion.engines_file', "
             "'numpy', 'trt_diffusion.preflight.run') if m in sys.modules]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -9,7 +9,7 @@ from typing import Callable
 import pytest
 import yaml
 
-from trt_diffusion.spec import ResolvedModel, load_engines_file
+from trt_diffusion.engines_file import ResolvedModel, load_engines_file
 
 # Small enough for CI, real enough to exercise CFG, the scheduler and several timesteps.
 TINY_CALIBRATION = {"samples": 2, "steps": 2, "seed": 0}

@@ -15,7 +15,7 @@ from trt_diffusion.families import Component
 from trt_diffusion.models.loading import load_component
 from trt_diffusion.quantize.feeds import denoiser_interface
 from trt_diffusion.quantize.stage import CALIBRATION_KIND, quantize, quantize_component
-from trt_diffusion.spec import Size, load_engines_file
+from trt_diffusion.engines_file import Size, load_engines_file
 
 from .conftest import model_entry
 

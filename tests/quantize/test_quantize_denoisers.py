@@ -18,7 +18,7 @@ from trt_diffusion.quantize.defaults import DENOISER_MIN_PSNR_DB
 from trt_diffusion.quantize.feeds import denoiser_interface
 from trt_diffusion.quantize.gate import GateThresholds
 from trt_diffusion.quantize.stage import quantize_component
-from trt_diffusion.spec import Size
+from trt_diffusion.engines_file import Size
 
 from .conftest import DENOISER, TINY_BUCKET
 

@@ -18,7 +18,7 @@ from trt_diffusion.lora import RefitMap, build_refit_map, externalize_weights, o
 from trt_diffusion.lora.quantized_refit import weight_quantizers
 from trt_diffusion.models.loading import load_component
 from trt_diffusion.quantize.feeds import denoiser_interface
-from trt_diffusion.spec import Size
+from trt_diffusion.engines_file import Size
 
 PRECISIONS = ["int8", "fp8"]
 

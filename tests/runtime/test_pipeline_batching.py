@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from trt_diffusion.errors import RuntimeInputError
-from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest, _split_rows
+from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest, _split_rows
 from trt_diffusion.runtime.reference import reference_runners
 
 PROMPTS = ["a lighthouse on a cliff at dusk", "a red fox in snow", "an old tram in Lisbon", "a bowl of ramen"]
@@ -36,7 +36,7 @@ def sd15(tiny_model_factory):
     calls: list[int] = []
     runners.entries = [replace(e, runner=Counting(e.runner, calls)) if e.component == "unet" else e
                        for e in runners.entries]
-    return DiffusionPipeline(folder, "sd15", runners), calls
+    return EnginePipeline(folder, "sd15", runners), calls
 
 
 def assert_same_image(batched: np.ndarray, alone: np.ndarray) -> None:

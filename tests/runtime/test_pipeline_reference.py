@@ -10,7 +10,7 @@ import torch
 from diffusers import DiffusionPipeline as DiffusersPipeline
 
 from trt_diffusion.errors import RuntimeInputError
-from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
 from trt_diffusion.runtime.schedulers import make_scheduler
 
@@ -19,14 +19,14 @@ PROMPT = "a lighthouse on a cliff at dusk"
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_model_factory):
-    """`pipeline(family) -> DiffusionPipeline` over the torch reference, built once per module: it holds no
+    """`pipeline(family) -> EnginePipeline` over the torch reference, built once per module: it holds no
     per-request state (the concurrency test below checks that), so the tests can share it."""
     cache = {}
 
-    def get(family: str) -> DiffusionPipeline:
+    def get(family: str) -> EnginePipeline:
         if family not in cache:
             folder = tiny_model_factory(family)
-            cache[family] = DiffusionPipeline(folder, family, reference_runners(folder, family))
+            cache[family] = EnginePipeline(folder, family, reference_runners(folder, family))
         return cache[family]
 
     return get

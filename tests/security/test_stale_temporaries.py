@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trt_diffusion.spec.engine_spec import EngineSpec
+from trt_diffusion.engines_file.engine_spec import EngineSpec
 from trt_diffusion.targets import stage
 from trt_diffusion.targets.locks import lock_path
 
@@ -94,7 +94,7 @@ def _tiny_onnx(path: Path) -> Path:
 
 KILLED_BUILD = textwrap.dedent('''
     import os, signal, sys
-    from trt_diffusion.spec.engine_spec import EngineSpec
+    from trt_diffusion.engines_file.engine_spec import EngineSpec
     from trt_diffusion.targets.onnxruntime import build_engine
 
     spec = EngineSpec(model="m", family="sd15", source="here", component="text_encoder", target="onnxruntime",

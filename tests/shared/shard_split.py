@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trt_diffusion import api
-from trt_diffusion.spec import expand, load_engines_file
+from trt_diffusion.engines_file import expand, load_engines_file
 from trt_diffusion.targets.base import BuildReport
 from trt_diffusion.targets.shards import shard_of
 

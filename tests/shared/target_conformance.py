@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
+from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.targets import BuildRequest, get_target
 
 SHAPE = (2, 4, 8, 8)
@@ -124,7 +124,7 @@ class TargetConformance:
         script = textwrap.dedent(self.child_setup) + textwrap.dedent(f"""
             import os, signal
             from pathlib import Path
-            from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
+            from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
             from trt_diffusion.targets import BuildRequest, get_target
 
             def die(*args, **kwargs):

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from trt_diffusion.cli import main
-from trt_diffusion.spec import expand, load_engines_file
+from trt_diffusion.engines_file import expand, load_engines_file
 from trt_diffusion.targets import stage
 from trt_diffusion.targets.build_state import STATE_FILE
 from trt_diffusion.targets.onnxruntime import engine_dir

@@ -16,9 +16,9 @@ from trt_diffusion.errors import BuildError, RefitError
 from trt_diffusion.targets import get_target
 from trt_diffusion.models.tiny import build_tiny_pipeline, build_tiny_lora
 from trt_diffusion.runtime.loader import engine_runners
-from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
-from trt_diffusion.spec import load_engines_file
+from trt_diffusion.engines_file import load_engines_file
 
 REQUEST = GenerationRequest(prompt="a red fox in the snow", height=64, width=64, steps=3, seed=4)
 
@@ -51,9 +51,9 @@ def test_tensorrt_target_is_skipped_with_its_reason(tmp_path, built_sd15, capsys
 def test_engines_reproduce_the_reference_image(built_sd15):
     config = load_engines_file(built_sd15)
     model_dir, family, table = engine_runners(config, "sd15-tiny", "onnxruntime")
-    engines = DiffusionPipeline(model_dir, family, table).generate(REQUEST).images
+    engines = EnginePipeline(model_dir, family, table).generate(REQUEST).images
     controlnets = {"canny": model_dir / "controlnet"}
-    reference = DiffusionPipeline(model_dir, family, reference_runners(model_dir, family, controlnets=controlnets))
+    reference = EnginePipeline(model_dir, family, reference_runners(model_dir, family, controlnets=controlnets))
     assert np.abs(engines.astype(int) - reference.generate(REQUEST).images.astype(int)).max() <= 1
 
 
@@ -124,7 +124,7 @@ def test_a_bug_in_a_target_exits_2_with_its_traceback(tmp_path, built_sd15, monk
 
 def _lora_runner(config, loras):
     model_dir, family, table = engine_runners(config, "sd15-tiny", "onnxruntime", loras=loras)
-    return DiffusionPipeline(model_dir, family, table)
+    return EnginePipeline(model_dir, family, table)
 
 
 def _unet_output(pipe):

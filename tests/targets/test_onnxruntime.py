@@ -14,7 +14,7 @@ import torch
 
 from trt_diffusion.targets import onnxruntime as ort_target
 from trt_diffusion.errors import RuntimeInputError
-from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
+from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 
 
 class Tiny(torch.nn.Module):
@@ -90,7 +90,7 @@ def test_killed_build_leaves_no_trusted_engine(tmp_path, dynamic_onnx):
     script = textwrap.dedent(f"""
         import os, signal, onnx
         from trt_diffusion.targets import onnxruntime as t
-        from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
+        from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
         real = t._optimize_offline
         def dying(source, target):
             real(source, target)

@@ -142,7 +142,7 @@ def test_a_host_without_openvino_skips_it_and_refuses_target_openvino(tmp_path, 
 
 def allow_openvino_only(config_path):
     """A file whose only target is openvino: its preflight block (where the schema has one) must name it."""
-    from trt_diffusion.spec.schema import EnginesFile
+    from trt_diffusion.engines_file.schema import EnginesFile
 
     if "preflight" in EnginesFile.model_fields:
         data = yaml.safe_load(config_path.read_text())

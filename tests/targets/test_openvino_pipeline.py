@@ -31,7 +31,7 @@ def _variant(built_sd15, root, name, unet_precision):
     model.pop("controlnets", None)
     if unet_precision != "fp32":
         model.pop("loras", None)  # int8/bf16 variants here: no refit LoRA
-    from trt_diffusion.spec.schema import EnginesFile
+    from trt_diffusion.engines_file.schema import EnginesFile
 
     if "preflight" in EnginesFile.model_fields:
         data["preflight"] = {"target": "openvino"}
@@ -95,8 +95,8 @@ def test_bf16_passes_parity_where_the_cpu_has_bf16_and_is_refused_elsewhere(vari
 @pytest.mark.slow  # a server start and warm-up (~30 s); the in-process pipeline above runs by default
 def test_triton_serves_the_images_of_the_in_process_openvino_pipeline(variants, tmp_path):
     from trt_diffusion.runtime.loader import built_engines, table_from_engines
-    from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
-    from trt_diffusion.spec import load_engines_file
+    from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
+    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.triton import client as triton_client
     from trt_diffusion.triton import stage
     from trt_diffusion.triton.client import ImageRequest
@@ -121,7 +121,7 @@ def test_triton_serves_the_images_of_the_in_process_openvino_pipeline(variants, 
             client.close()
     finally:
         server.stop()
-    local = DiffusionPipeline(model.source.path, model.family, table_from_engines(engines))
+    local = EnginePipeline(model.source.path, model.family, table_from_engines(engines))
     expected = local.generate(GenerationRequest(prompt=image_request.prompt, height=64, width=64, steps=3,
                                                 guidance_scale=7.5, seed=5)).images[0]
     # Bit-identical: the same IR, precision and thread count (one instance gets every core) in both.

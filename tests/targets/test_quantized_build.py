@@ -12,7 +12,7 @@ import yaml
 
 from trt_diffusion.cli import main
 from trt_diffusion.runtime.loader import built_engines
-from trt_diffusion.spec import load_engines_file
+from trt_diffusion.engines_file import load_engines_file
 
 pytestmark = pytest.mark.slow
 

@@ -41,7 +41,7 @@ from trt_diffusion.targets.tensorrt.config import (
     weights_for_refit,
 )
 from trt_diffusion.errors import BuildError, MissingDependencyError, RefitError, RuntimeInputError
-from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
+from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 
 STATIC_512 = Bucket.static(Size(512, 512))
 RANGE_512_1024 = Bucket(Size(512, 512), Size(768, 768), Size(1024, 1024))

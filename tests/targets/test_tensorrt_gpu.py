@@ -42,7 +42,7 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 from trt_diffusion.errors import BuildError, RefitError, RuntimeInputError  # noqa: E402
-from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size  # noqa: E402
+from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size  # noqa: E402
 from trt_diffusion.targets.tensorrt.config import (  # noqa: E402
     REBUILD_COMMAND,
     EngineManifest,

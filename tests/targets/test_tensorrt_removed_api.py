@@ -149,7 +149,7 @@ def test_the_scan_leaves_what_11_keeps_alone():
 
 
 def test_builder_flags_of_every_spec_are_kept_in_11():
-    from trt_diffusion.spec.engine_spec import Bucket, EngineSpec, Size
+    from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
     from trt_diffusion.targets.tensorrt.config import KNOWN_PRECISIONS, QUANTIZED_PRECISIONS, BuildFlags
 
     for precision in KNOWN_PRECISIONS:

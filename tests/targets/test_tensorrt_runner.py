@@ -338,7 +338,7 @@ def test_pipeline_keeps_latents_on_the_host_unless_every_denoiser_runner_takes_d
     import torch
 
     from trt_diffusion.runtime.engines import RunnerTable
-    from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+    from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
     from trt_diffusion.runtime.runners import CallableRunner
 
     rig = Rig(tmp_path)
@@ -348,7 +348,7 @@ def test_pipeline_keeps_latents_on_the_host_unless_every_denoiser_runner_takes_d
         table = RunnerTable()
         for runner in runners:
             table.add("unet", runner)
-        return DiffusionPipeline._latent_device(SimpleNamespace(runners=table, denoiser="unet"), request)
+        return EnginePipeline._latent_device(SimpleNamespace(runners=table, denoiser="unet"), request)
 
     trt_runner, host_runner = rig.runner("unet"), CallableRunner(lambda f: f, {}, name="host")
     assert device(trt_runner) is None  # torch without CUDA on this machine

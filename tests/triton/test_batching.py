@@ -48,8 +48,8 @@ class Served:
 def served(tiny_model_factory, write_engines_yaml, tmp_path_factory):
     from trt_diffusion import api
     from trt_diffusion.runtime.loader import built_engines, table_from_engines
-    from trt_diffusion.runtime.pipeline import DiffusionPipeline
-    from trt_diffusion.spec import load_engines_file
+    from trt_diffusion.runtime.pipeline import EnginePipeline
+    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.triton import stage
     from trt_diffusion.triton.repository import PackageOptions, package
 
@@ -63,7 +63,7 @@ def served(tiny_model_factory, write_engines_yaml, tmp_path_factory):
                              max_images=MAX_IMAGES, max_queue_size=QUEUE)
     report = package(engines, model_dir, "sd15", "sd15-tiny", root / "repo", options)
     server, _ = stage.start(root / "repo", work_dir=root / "work", first_request=False)
-    local = DiffusionPipeline(model_dir, "sd15", table_from_engines(engines))
+    local = EnginePipeline(model_dir, "sd15", table_from_engines(engines))
     try:
         yield Served(server, report, local, engines)
     finally:

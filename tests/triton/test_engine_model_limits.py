@@ -118,7 +118,7 @@ def test_an_engine_model_refuses_a_dim_outside_the_range_before_running(model):
 def range_vae(tmp_path_factory, tiny_sd15_dir, write_engines_yaml) -> Path:
     """The sd15 tiny VAE decoder built by the onnxruntime target for a range bucket 64x64..96x96."""
     from trt_diffusion import api
-    from trt_diffusion.spec import expand, load_engines_file
+    from trt_diffusion.engines_file import expand, load_engines_file
     from trt_diffusion.targets import get_target
 
     config = write_engines_yaml(tmp_path_factory.mktemp("range-vae"), tiny_sd15_dir, "sd15",

@@ -8,7 +8,7 @@ import pytest
 
 from trt_diffusion.errors import RuntimeInputError
 from trt_diffusion.runtime.engines import RunnerTable
-from trt_diffusion.runtime.pipeline import DiffusionPipeline, GenerationRequest
+from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.triton.backend import pb, requests
 
 
@@ -54,7 +54,7 @@ def test_scheduler_and_controlnet_names_are_short(read):
 def pipeline(tiny_sd15_dir):
     table = RunnerTable()
     table.add("controlnet", None, controlnet="canny")
-    return DiffusionPipeline(tiny_sd15_dir, "sd15", table)
+    return EnginePipeline(tiny_sd15_dir, "sd15", table)
 
 
 def _request(**change) -> GenerationRequest:

@@ -10,8 +10,8 @@ import pytest
 
 from trt_diffusion.errors import RuntimeInputError
 from trt_diffusion.runtime.engines import RunnerTable
-from trt_diffusion.runtime.pipeline import DiffusionPipeline
-from trt_diffusion.spec import expand, load_engines_file
+from trt_diffusion.runtime.pipeline import EnginePipeline
+from trt_diffusion.engines_file import expand, load_engines_file
 from trt_diffusion.triton.backend import pb, requests
 from trt_diffusion.triton.client import ImageRequest
 
@@ -20,7 +20,7 @@ PROMPT = "a lighthouse on a cliff at dusk"
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, tiny_model_factory, write_engines_yaml) -> DiffusionPipeline:
+def pipeline(tmp_path_factory, tiny_model_factory, write_engines_yaml) -> EnginePipeline:
     """The sd15 tiny plan test_serving serves (64x64, CFG batched, ControlNet `canny`), as a routing table."""
     model_dir = tiny_model_factory("sd15", controlnet=True)
     config = write_engines_yaml(tmp_path_factory.mktemp("request-parsing"), model_dir, "sd15", name="sd15-tiny",
@@ -28,7 +28,7 @@ def pipeline(tmp_path_factory, tiny_model_factory, write_engines_yaml) -> Diffus
     table = RunnerTable()
     for spec in expand(load_engines_file(config)):
         table.add(spec.component, None, bucket=spec.bucket, batch=spec.batch, controlnet=spec.controlnet)
-    return DiffusionPipeline(model_dir, "sd15", table)
+    return EnginePipeline(model_dir, "sd15", table)
 
 
 @pytest.fixture

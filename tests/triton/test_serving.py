@@ -44,7 +44,7 @@ class Served:
     server: object
     warmup: object
     report: object
-    local: object  # the in-process DiffusionPipeline over the same engines
+    local: object  # the in-process EnginePipeline over the same engines
     repo: object
 
     def url(self, protocol: str) -> str:
@@ -54,7 +54,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(sd15_engines, tmp_path_factory):
     from trt_diffusion.runtime.loader import table_from_engines
-    from trt_diffusion.runtime.pipeline import DiffusionPipeline
+    from trt_diffusion.runtime.pipeline import EnginePipeline
     from trt_diffusion.triton.repository import PackageOptions, package
 
     root = tmp_path_factory.mktemp("triton-serving")
@@ -62,7 +62,7 @@ def served(sd15_engines, tmp_path_factory):
     report = package(sd15_engines.engines, sd15_engines.model_dir, sd15_engines.family, sd15_engines.name,
                      root / "repo", options)
     server, warmup = stage.start(root / "repo", work_dir=root / "work", first_request=True, protocol="grpc")
-    local = DiffusionPipeline(sd15_engines.model_dir, sd15_engines.family, table_from_engines(sd15_engines.engines))
+    local = EnginePipeline(sd15_engines.model_dir, sd15_engines.family, table_from_engines(sd15_engines.engines))
     try:
         yield Served(server, warmup, report, local, root / "repo")
     finally:

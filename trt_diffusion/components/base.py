@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..families import Component, Family
-from ..spec.engine_spec import EngineSpec, Size
+from ..engines_file.engine_spec import EngineSpec, Size
 from .model_config import ModelConfig
 
 Shape = tuple[int, ...]

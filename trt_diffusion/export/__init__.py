@@ -2,8 +2,8 @@
 
 from .grouping import ExportGroup, export_group_key, group_specs, onnx_precision
 from .parity import TOLERANCES, OutputParity, Tolerance, check_parity
-from .pipeline import ARTIFACT_KIND, ExportEvent, ExportReport, ExportResult, export_group
-from ..spec.selection import select_specs  # re-exported: export selects specs as build does
+from .stage import ARTIFACT_KIND, ExportEvent, ExportReport, ExportResult, export_group
+from ..engines_file.selection import select_specs  # re-exported: export selects specs as build does
 
 __all__ = [
     "ARTIFACT_KIND", "TOLERANCES", "ExportEvent", "ExportGroup", "ExportReport", "ExportResult", "OutputParity",

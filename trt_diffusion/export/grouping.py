@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec.engine_spec import EngineSpec, LoraVariant
+from ..engines_file.engine_spec import EngineSpec, LoraVariant
 from ..store import hash_inputs
 
 FP16_ONNX = {"fp16"}

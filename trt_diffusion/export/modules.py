@@ -9,7 +9,7 @@ import torch
 from ..errors import ModelError
 from ..families import Component
 from ..models.loading import component_folder, load_component, load_controlnet
-from ..spec.load import ResolvedModel
+from ..engines_file.load import ResolvedModel
 from .grouping import ExportGroup
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..components.base import AXES, ComponentDef, ComponentIO, Geometry, SymbolicDim
 from ..components.model_config import ModelConfig
 from ..errors import ExportError
-from ..spec.engine_spec import Size
+from ..engines_file.engine_spec import Size
 from .grouping import ExportGroup
 
 

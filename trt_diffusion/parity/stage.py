@@ -19,9 +19,9 @@ from ..errors import TrtDiffusionError
 from ..families import Component, family_info
 from ..runtime.engines import RunnerTable
 from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
-from ..runtime.pipeline import DiffusionPipeline, GenerationRequest
+from ..runtime.pipeline import EnginePipeline, GenerationRequest
 from ..runtime.reference import reference_runners
-from ..spec import EnginesConfig, expand
+from ..engines_file import EnginesConfig, expand
 from .metrics import tensor_diff, thresholds_for
 from .report import (ComponentDiff, ParityReport, ReportFiles, compare_image, judge_report, judge_variant,
                      write_report)
@@ -134,8 +134,8 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     overrides = model.parity.get(model.precision[denoiser])
     thresholds = thresholds_for(precision, overrides.model_dump(exclude_none=True) if overrides else None)
     size = bucket.opt
-    engine_pipe = DiffusionPipeline(model.source.path, family, table)
-    reference_pipe = DiffusionPipeline(model.source.path, family, reference)
+    engine_pipe = EnginePipeline(model.source.path, family, table)
+    reference_pipe = EnginePipeline(model.source.path, family, reference)
     comparisons, pngs = [], {}
     first_request = first_candidate = None
     for p, prompt in enumerate(options.prompts):

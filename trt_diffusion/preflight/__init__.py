@@ -2,7 +2,7 @@
 
 Eight checks (names.CHECK_NAMES), each a measurement with its threshold and its own timeout, run against a Triton
 server (packaged and started on loopback from the built engines, or the one at --url) or in process. Settings:
-the engines.yaml `preflight:` block (spec/preflight.py). See docs/preflight.md. Importing this package loads
+the engines.yaml `preflight:` block (engines_file/preflight.py). See docs/preflight.md. Importing this package loads
 nothing else (the CLI imports it at start).
 """
 

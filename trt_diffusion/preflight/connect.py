@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import BuildError, ServeError
 from ..families import Component, family_info
-from ..spec import EngineSpec, EnginesConfig, expand
+from ..engines_file import EngineSpec, EnginesConfig, expand
 from ..triton import naming
 from ..triton.client import ImageRequest
 from .deployment import DENOISERS, InProcessDeployment, ServedBucket, ServedDeployment

@@ -1,5 +1,5 @@
 """What the checks run against: a Triton server (one preflight started on loopback, or the one at --url) or,
-in process, the same DiffusionPipeline over the same engines.
+in process, the same EnginePipeline over the same engines.
 
 A Deployment answers image requests and says what it is made of (buckets, ControlNets, engine keys, instances,
 queue bound), how much memory it holds, and how many denoiser calls it has run (counted by Triton's statistics
@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import ServeError
-from ..spec.engine_spec import Bucket, Size
+from ..engines_file.engine_spec import Bucket, Size
 from ..triton.client import ImageRequest, RequestCancelled
 
 DENOISERS = ("unet", "transformer")
@@ -121,12 +121,12 @@ class _Counter:
 
 
 class InProcessDeployment(Deployment):
-    """DiffusionPipeline over a RunnerTable, in this process. No queue and no server: the overload check is n/a."""
+    """EnginePipeline over a RunnerTable, in this process. No queue and no server: the overload check is n/a."""
 
     def __init__(self, pipeline: str, family: str, model_dir, table, engine_keys: list[str], buckets: list[Bucket],
                  *, honour_deadline: bool = True, instances: int = 2):
         from ..runtime.engines import RunnerTable
-        from ..runtime.pipeline import DiffusionPipeline
+        from ..runtime.pipeline import EnginePipeline
 
         self.counter = _Counter()
         wrapped = RunnerTable()
@@ -135,7 +135,7 @@ class InProcessDeployment(Deployment):
                                                          and entry.controlnet is None, honour_deadline),
                         bucket=entry.bucket, batch=entry.batch, controlnet=entry.controlnet)
         self.table = wrapped
-        self.engine_pipeline = DiffusionPipeline(model_dir, family, wrapped)
+        self.engine_pipeline = EnginePipeline(model_dir, family, wrapped)
         controlnets = sorted({e.controlnet for e in table.entries if e.controlnet})
         served = [ServedBucket(b.label, b.opt, b.max) for b in buckets]
         super().__init__("in-process", pipeline, str(family), served, controlnets, sorted(engine_keys),

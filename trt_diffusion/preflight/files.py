@@ -40,7 +40,7 @@ def format_figure(value) -> str:
 
 
 def render_html(report: PreflightReport) -> str:
-    from ..pages import render_page
+    from ..report_templates import render_page
 
     return render_page(TEMPLATE, report=report, passed=report.passed, fmt=format_figure,
                        versions=", ".join(f"{name} {version}" for name, version in report.tool_versions.items()),

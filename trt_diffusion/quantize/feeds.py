@@ -19,7 +19,7 @@ from ..components import (
 )
 from ..errors import QuantizeError
 from ..families import Component, Family
-from ..spec import ResolvedModel
+from ..engines_file import ResolvedModel
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one denoiser call
 
@@ -111,7 +111,7 @@ def denoiser_interface(model: ResolvedModel, component: Component | str) -> Deno
     component = Component(component)
     definition = get_component(model.family, component)
     config = load_model_config(model.source.path, model.family, component)
-    # A UNet of a model with ControlNets takes their residuals as inputs (see spec/expand.py's build options).
+    # A UNet of a model with ControlNets takes their residuals as inputs (see engines_file/expand.py's build options).
     options = {"controlnet_residuals": bool(component is Component.unet and model.controlnets)}
     return DenoiserInterface(model.family, component, definition, config, options, definition.io(config, options))
 

@@ -26,12 +26,12 @@ import torch
 
 from .. import progress as live
 from ..errors import ConfigError, QuantizeError
-from ..export.inputs import folder_digest
+from ..export.artifact_key import folder_digest
 from ..export.modules import fuse_lora
 from ..families import Component, family_info
 from ..memory import release_memory
 from ..models.loading import component_folder
-from ..spec import EngineSpec, LoraMode, LoraVariant, Precision, ResolvedModel, expand, load_engines_file
+from ..engines_file import EngineSpec, LoraMode, LoraVariant, Precision, ResolvedModel, expand, load_engines_file
 from ..store import Artifact, ArtifactStore, hash_inputs, sha256_file
 from .calibration import CalibrationRecipe, calibration_loop, capture_calls, denoiser_of, load_pipeline, t5_length
 from .defaults import HELD_OUT_SAMPLES
@@ -348,7 +348,7 @@ def _result(plan: _Plan, artifact: Artifact, cached: bool, recalibrated: bool) -
 def quantize(config_path: str | Path, model: str | None = None, *, force: bool = False) -> QuantizeReport:
     """Quantize every denoiser variant engines.yaml builds in int8/fp8 (each fused LoRA is its own variant).
 
-    The variants are those of the engine matrix (`spec.expand`). Quantized components other than the denoiser
+    The variants are those of the engine matrix (`engines_file.expand`). Quantized components other than the denoiser
     (a ControlNet inheriting the UNet's precision, an int8 text encoder) are listed in `report.unsupported`.
     Commits every variant that passes, then raises QuantizeError listing all that failed (the error's
     `.report` holds the full QuantizeReport).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import RuntimeInputError
-from ..spec.engine_spec import Bucket, Size
+from ..engines_file.engine_spec import Bucket, Size
 from .runners import Runner
 
 MAX_DYNAMIC_ROWS = 8  # requests' rows per denoiser call where the engine's batch is dynamic

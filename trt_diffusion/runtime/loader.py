@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..errors import BuildError
 from ..families import Component, Family
-from ..spec import EngineSpec, EnginesConfig, expand
+from ..engines_file import EngineSpec, EnginesConfig, expand
 from ..targets import get_target
 from ..targets.base import BuiltEngine
 from .engines import RunnerTable

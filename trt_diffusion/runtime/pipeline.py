@@ -16,7 +16,7 @@ import torch
 
 from ..errors import RuntimeInputError
 from ..families import Family
-from ..spec.engine_spec import Size
+from ..engines_file.engine_spec import Size
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
 from .schedulers import make_scheduler, scheduler_names
 
@@ -106,7 +106,7 @@ def _tokenizer(model_dir: Path, subfolder: str):
     return AutoTokenizer.from_pretrained(model_dir / subfolder)
 
 
-class DiffusionPipeline:
+class EnginePipeline:
     """Runs requests over a RunnerTable. Holds no per-request state: safe to share between threads."""
 
     def __init__(self, model_dir: str | Path, family: Family | str, runners: RunnerTable):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ..spec import EngineSpec, EnginesConfig
+    from ..engines_file import EngineSpec, EnginesConfig
     from .onnx_facts import ProfileShapes
 
 # (ONNX whose initializers the engine holds, file or folder to write to): saves where each denoiser

@@ -19,7 +19,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
-from ..spec import EngineSpec, EnginesConfig
+from ..engines_file import EngineSpec, EnginesConfig
 from .base import BuildReport, EngineOutcome
 
 STATE_FILE = ".build-state.json"

@@ -20,7 +20,7 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict
 
 from ..errors import BuildError
-from ..spec.engine_spec import EngineSpec
+from ..engines_file.engine_spec import EngineSpec
 from .base import BuildRequest, BuiltEngine, TritonEngineModel
 from .manifests import MANIFEST_FILE, read_folder_manifest, trusted_folder_manifest
 from .onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-from ..spec import EngineSpec
+from ..engines_file import EngineSpec
 from .onnx_facts import atomic_write_bytes
 
 SCHEMA_VERSION = 1

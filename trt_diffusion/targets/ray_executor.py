@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import BuildError, MissingDependencyError, TrtDiffusionError
-from ..spec import EngineSpec, EnginesConfig
+from ..engines_file import EngineSpec, EnginesConfig
 from .base import EngineOutcome, Failure
 from .provenance import tool_versions
 
@@ -51,7 +51,7 @@ def _version_problem(driver: dict) -> str | None:
 
 def _export_group(config_path: str, keys: list[str], driver_versions: dict, prepare: SourcesFor) -> dict[str, str]:
     """Task: export (and quantize) one group; spec key -> the ONNX its engine is built from."""
-    from ..spec import expand, load_engines_file
+    from ..engines_file import expand, load_engines_file
 
     problem = _version_problem(driver_versions)
     if problem:
@@ -84,7 +84,7 @@ def _build_engine(config_path: str, key: str, onnx_path: str, driver_versions: d
     """Task: build one engine; a dict (picklable across Ray's process boundary) of its outcome."""
     import ray
 
-    from ..spec import expand, load_engines_file
+    from ..engines_file import expand, load_engines_file
     from .stage import build_one
 
     start = time.perf_counter()

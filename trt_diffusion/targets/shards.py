@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from ..errors import ConfigError
-from ..spec import EngineSpec
+from ..engines_file import EngineSpec
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..components import get_component, load_model_config
 from ..errors import TrtDiffusionError
-from ..spec import EngineSpec, EnginesConfig
+from ..engines_file import EngineSpec, EnginesConfig
 from . import get_target
 from .base import BuildReport, BuildRequest, EngineOutcome, Failure  # noqa: F401  (BuildReport re-exported)
 

@@ -161,7 +161,7 @@ def generate_command(
     import numpy as np
     from PIL import Image
 
-    from ..spec.engine_spec import Size
+    from ..engines_file.engine_spec import Size
     from .client import ImageRequest, generate_images, served_sizes, stream
 
     if height is None or width is None:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ServeError
-from ..spec.engine_spec import Bucket, Size
+from ..engines_file.engine_spec import Bucket, Size
 
 SCHEMA_VERSION = 1
 FILE_NAME = "pipeline.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..spec.engine_spec import EngineSpec
+from ..engines_file.engine_spec import EngineSpec
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 

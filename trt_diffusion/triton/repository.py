@@ -432,7 +432,7 @@ def _check_links(model_dir: Path, paths: list[Path], seen: set[Path] | None = No
 
 
 def copy_model_skeleton(model_dir: Path, target: Path, family: Family) -> None:
-    """The model folder without weights: what DiffusionPipeline reads (configs, scheduler, tokenizers).
+    """The model folder without weights: what EnginePipeline reads (configs, scheduler, tokenizers).
 
     Symbolic links are followed only inside the model folder (see `_check_links`)."""
     index = model_dir / "model_index.json"

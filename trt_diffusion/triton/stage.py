@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ServeError
-from ..spec.engine_spec import Size
+from ..engines_file.engine_spec import Size
 from .repository import PackageOptions, package
 from .report import PackageReport
 from .server import ServerPorts, TritonServer, free_port
@@ -37,7 +37,7 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
                   lora_variant: str | None = None) -> PackageReport:
     """Package the built engines of one model of engines.yaml as a Triton repository."""
     from ..runtime.loader import built_engines
-    from ..spec import load_engines_file
+    from ..engines_file import load_engines_file
 
     config = load_engines_file(config_path, check_sources=True)
     if model is None:

@@ -1,8 +1,8 @@
-"""The self-contained HTML page of a parity report, rendered from `pages/templates/parity.html.j2`."""
+"""The self-contained HTML page of a parity report, rendered from `report_templates/templates/parity.html.j2`."""
 
 from __future__ import annotations
 
-from ...pages import render_page
+from ...report_templates import render_page
 from . import text
 from .heatmap import HEATMAP_GAIN
 from .model import ParityReport

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from ...spec.preflight import CHECK_NAMES
+from ...engines_file.preflight import CHECK_NAMES
 from .base import Check
 
 

@@ -8,8 +8,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...spec import EnginesConfig
-from ...spec.preflight import PreflightSettings
+from ...engines_file import EnginesConfig
+from ...engines_file.preflight import PreflightSettings
 from ...triton.client import ImageRequest
 from ..deployment import Deployment
 

@@ -81,17 +81,17 @@ class _FiniteProbe:
 
 def _pipeline(model, engines, make_runner, flags):
     from ...runtime.loader import runner_for, table_from_engines
-    from ...runtime.pipeline import DiffusionPipeline
+    from ...runtime.pipeline import EnginePipeline
 
     make = make_runner or runner_for
-    return DiffusionPipeline(model.source.path, model.family,
+    return EnginePipeline(model.source.path, model.family,
                              table_from_engines(engines, lambda e: _FiniteProbe(make(e), flags)))
 
 
 def _lora_in_process(ctx: CheckContext, outcome: Outcome, settings, lora_name: str, lora, target: str) -> None:
     from ...runtime.loader import built_engines, refit_weights, runner_for
     from ...runtime.pipeline import GenerationRequest
-    from ...spec.schema import LoraMode
+    from ...engines_file.schema import LoraMode
 
     model = ctx.resolved_model
     try:

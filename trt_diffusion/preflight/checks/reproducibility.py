@@ -39,7 +39,7 @@ def run(ctx: CheckContext) -> Outcome:
 def _batch_of_two(ctx: CheckContext, settings) -> dict:
     """Image 0 of a batch of 2 against the same seed alone, in process over the same engines."""
     from ...runtime.loader import table_from_engines
-    from ...runtime.pipeline import DiffusionPipeline, GenerationRequest
+    from ...runtime.pipeline import EnginePipeline, GenerationRequest
 
     model = ctx.resolved_model
     denoiser = family_info(model.family).denoiser.value
@@ -52,7 +52,7 @@ def _batch_of_two(ctx: CheckContext, settings) -> dict:
             f"batch {', '.join(map(str, batches))}{', the CFG pair of one image' if cfg_batched else ''})")}
     if not needed & set(batches):
         return {"batch_independent": None, "batch_na_reason": f"no {denoiser} engine for a batch of 2 is built"}
-    pipeline = DiffusionPipeline(model.source.path, model.family,
+    pipeline = EnginePipeline(model.source.path, model.family,
                                  table_from_engines([e for e in ctx.engines.found if e.spec.lora_variant is None]))
     size = ctx.deployment.buckets[0].request
     request = GenerationRequest(prompt="a red bicycle", height=size.height, width=size.width, steps=settings.steps,

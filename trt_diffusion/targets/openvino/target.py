@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from ...errors import BuildError, ServeError
-from ...spec.engine_spec import EngineSpec
+from ...engines_file.engine_spec import EngineSpec
 from ..base import BuildRequest, BuiltEngine, TritonEngineModel
 from ..onnx_facts import onnx_sha256
 from . import host, precision

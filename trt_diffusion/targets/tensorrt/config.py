@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...errors import BuildError, RefitError, RuntimeInputError
-from ...spec.engine_spec import EngineSpec
+from ...engines_file.engine_spec import EngineSpec
 from ..onnx_facts import (  # noqa: F401  (re-exported: the TensorRT build's ONNX facts)
     ProfileShapes,
     Shape,

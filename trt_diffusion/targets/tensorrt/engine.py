@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import BuildError, MissingDependencyError, RefitError
-from ...spec.engine_spec import EngineSpec
+from ...engines_file.engine_spec import EngineSpec
 from .config import (
     REBUILD_COMMAND,
     TRT_DTYPE_NAMES,

@@ -1,4 +1,4 @@
-"""BLS runners: the Runner protocol over Triton models, so `DiffusionPipeline` runs unchanged inside Triton
+"""BLS runners: the Runner protocol over Triton models, so `EnginePipeline` runs unchanged inside Triton
 and calls each engine's model every step; the same pipeline code in process and in the server gives the
 same images."""
 

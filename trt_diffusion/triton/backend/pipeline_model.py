@@ -1,6 +1,6 @@
 """The pipeline python models: `full` (the public entry: the whole generation, cancellable every step, requests
 batched together: see batching.py), `stream` (decoupled: previews every K steps, then the image) and the
-ensemble's stages `encode`, `denoise`, `decode`. All run `DiffusionPipeline` over BLS runners
+ensemble's stages `encode`, `denoise`, `decode`. All run `EnginePipeline` over BLS runners
 built from pipeline.json, so they compute exactly what the in-process pipeline computes.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import RuntimeInputError
-from ...spec.engine_spec import Size
+from ...engines_file.engine_spec import Size
 from .. import contract
 from ..description import SKELETON_DIR, PipelineDescription
 from . import pb
@@ -25,7 +25,7 @@ from .warmup import warm_up_in_process
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        from ...runtime.pipeline import DiffusionPipeline
+        from ...runtime.pipeline import EnginePipeline
 
         config = json.loads(args["model_config"])
         self.name = config["name"]
@@ -33,7 +33,7 @@ class TritonPythonModel:
         folder = Path(args["model_repository"]) / args["model_version"]
         self.description = PipelineDescription.read(folder)
         self.context = RequestContext()
-        self.pipeline = DiffusionPipeline(folder / SKELETON_DIR, self.description.family,
+        self.pipeline = EnginePipeline(folder / SKELETON_DIR, self.description.family,
                                           bls_runner_table(self.description, self.context))
         # Imports, tokenizers and scheduler code warmed before the server reports ready (no engine calls:
         # BLS is not available during initialize; the engine models warm themselves with model_warmup).

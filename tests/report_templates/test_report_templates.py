@@ -10,7 +10,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from trt_diffusion import pages
+from trt_diffusion import report_templates as pages
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,8 +1,8 @@
-"""HTML pages from the Jinja2 templates shipped in `pages/templates/` (package data).
+"""HTML pages from the Jinja2 templates shipped in `report_templates/templates/` (package data).
 
 `base.html.j2` is the page every report extends (document skeleton, the shared `styles.css`, a header with
 the verdict); `macros.html.j2` holds the pieces reports share (verdict badge, table cells). Each report has
-its own template (`parity.html.j2`; the preflight report is meant to add `preflight.html.j2` beside it) and
+its own template (`parity.html.j2`, `preflight.html.j2`) and
 passes plain values in: formatting and judging stay in Python, the templates only lay them out.
 
 Autoescaping is always on: prompts, variant ids and failure reasons come from users and reach the page

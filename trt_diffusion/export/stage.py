@@ -20,12 +20,12 @@ import torch
 from .. import progress as live
 from ..memory import release_memory
 from ..components import ExportWrapper, get_component, load_model_config
-from ..spec.engine_spec import EngineSpec
-from ..spec.load import EnginesConfig
+from ..engines_file.engine_spec import EngineSpec
+from ..engines_file.load import EnginesConfig
 from ..store import Artifact, ArtifactStore, hash_inputs
 from .graph_passes import finalize_graph
 from .grouping import ExportGroup
-from .inputs import describe_inputs, tool_versions
+from .artifact_key import describe_inputs, tool_versions
 from .modules import load_group_module, lora_files, weights_folder
 from .parity import TOLERANCES, check_parity, reference_outputs
 from .shapes import ExportShapes, export_shapes

@@ -13,7 +13,7 @@ import yaml
 
 from trt_diffusion import api
 from trt_diffusion.cli import main
-from trt_diffusion.spec import expand, load_engines_file
+from trt_diffusion.engines_file import expand, load_engines_file
 
 
 def seed_example(model_dir: Path) -> dict:

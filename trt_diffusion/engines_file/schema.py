@@ -1,7 +1,7 @@
 """The engines.yaml schema (pydantic, unknown keys rejected).
 
 Field-level rules live here; rules that need several fields (bucket sides vs the family's latent
-factor, refit LoRAs on quantized engines, ...) live in `validate.py`.
+factor, sources, LoRAs, the preflight block) live in `load.py`, which reads the file and resolves it.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class EnginesFile(Strict):
     build: BuildSettings = BuildSettings()
     defaults: ModelSettings = ModelSettings()
     models: dict[Name, ModelEntry] = Field(min_length=1)
-    preflight: PreflightSettings = PreflightSettings()  # the pre-launch checklist (spec/preflight.py)
+    preflight: PreflightSettings = PreflightSettings()  # the pre-launch checklist (engines_file/preflight.py)
 
 
 BUILTIN_DEFAULTS = {
