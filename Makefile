@@ -20,7 +20,7 @@ IMAGE ?= out.png
 REFIT_ARGS ?= --model sd15-tiny --base
 
 .PHONY: venv models build-engines plan export quantize build refit test test-slow test-gpu parity package serve \
-	generate preflight manifest clean
+	generate preflight manifest lint clean
 
 # The CPU build of torch goes in first: anything looser pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -104,6 +104,12 @@ test-gpu: venv
 		note="pip could not install .[tensorrt,test] from $(NVIDIA_INDEX): see build/test-gpu-install.log"; fi; \
 	$(BIN)/python -m trt_diffusion.targets.tensorrt.host_check --note "$$note"
 	$(BIN)/python -m pytest -q -m gpu $(PYTEST_ARGS)
+
+# ruff (pyflakes, isort, pyupgrade, pycodestyle errors; pyproject's [tool.ruff]) and pylint's duplicate-code
+# check (R0801: 8+ similar lines, comments/docstrings/imports/signatures ignored) over the package.
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/pylint --disable=all --enable=duplicate-code --min-similarity-lines=8 --score=n trt_diffusion
 
 clean:
 	rm -rf build triton_repo reports

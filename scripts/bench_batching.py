@@ -30,8 +30,8 @@ PROMPTS = ["a lighthouse on a cliff at dusk", "a red fox in snow", "an old tram 
 
 def build(workdir: Path, model_dir: Path, size: int, batches: list[int]) -> list:
     from trt_diffusion import api
-    from trt_diffusion.runtime.loader import built_engines
     from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.runtime.loader import built_engines
 
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "engines.yaml"

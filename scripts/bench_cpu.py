@@ -28,9 +28,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -163,8 +163,8 @@ def quantized_unet(model_dir: Path, workdir: Path) -> Path:
     """The project's int8 Q/DQ ONNX of the UNet (ModelOpt PTQ, a tiny seeded calibration at 256²)."""
     import yaml
 
-    from trt_diffusion.quantize.stage import quantize_component
     from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.quantize.stage import quantize_component
 
     path = workdir / "int8.yaml"
     entry = {"source": str(model_dir), "family": "sd15", "components": ["unet"], "precision": {"unet": "int8"},
@@ -360,9 +360,8 @@ def refit_timing(workdir: Path, onnx_fp32: Path, size: int) -> dict:
     projections, what LoRAs touch) is replaced by a perturbed copy."""
     import openvino as ov
 
-    from trt_diffusion.targets.openvino.engine import build_engine
+    from trt_diffusion.targets.openvino.engine import build_engine, compile_config
     from trt_diffusion.targets.openvino.precision import Compute
-    from trt_diffusion.targets.openvino.engine import compile_config
     from trt_diffusion.targets.openvino.runner import replace_constants
 
     feeds = unet_feeds(size // 8)

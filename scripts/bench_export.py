@@ -90,9 +90,9 @@ def measure_latency(model_dir: Path, onnx_path: Path, runs: int) -> dict:
     import torch
 
     from trt_diffusion.components import Geometry, get_component, load_model_config
+    from trt_diffusion.engines_file import Size
     from trt_diffusion.families import Component
     from trt_diffusion.models.loading import load_component
-    from trt_diffusion.engines_file import Size
 
     definition = get_component("sd15", "unet")
     config = load_model_config(model_dir, "sd15", "unet")

@@ -18,11 +18,11 @@ from pathlib import Path
 import yaml
 
 from trt_diffusion import api
+from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.models.tiny import write_tiny_model
 from trt_diffusion.runtime.loader import engine_runners
 from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
-from trt_diffusion.engines_file import load_engines_file
 
 
 def main() -> None:

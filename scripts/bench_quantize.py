@@ -48,9 +48,9 @@ def _config(root: Path, name: str, model_dir: Path, family: str, precision: str,
 
 
 def bench_tiny(root: Path) -> list[dict]:
+    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.models.tiny import write_tiny_model
     from trt_diffusion.quantize.stage import quantize_component
-    from trt_diffusion.engines_file import load_engines_file
 
     rows = []
     for family in ("sd15", "sdxl", "sd3", "flux"):
@@ -128,8 +128,8 @@ def measure_quantize(root: Path, family: str, precision: str, recipe: str) -> di
     model_dir = root / f"{family}-full"
     with RssSampler() as sampler, marks_from_progress(sampler):
         sampler.mark("imports")
-        from trt_diffusion.quantize.stage import quantize_component
         from trt_diffusion.engines_file import load_engines_file
+        from trt_diffusion.quantize.stage import quantize_component
 
         path = _config(root, f"full-{family}-{precision}", model_dir, family, precision, "256x256", calibration)
         model = load_engines_file(path).models[f"full-{family}-{precision}"]
@@ -157,9 +157,9 @@ def measure_latency(root: Path, onnx_path: Path, runs: int) -> dict:
     import torch
 
     from trt_diffusion.components import Geometry
+    from trt_diffusion.engines_file import Size, load_engines_file
     from trt_diffusion.models.loading import load_component
     from trt_diffusion.quantize.feeds import denoiser_interface
-    from trt_diffusion.engines_file import Size, load_engines_file
 
     model_dir = root / "sd15-full"
     path = _config(root, "full-latency", model_dir, "sd15", "int8", "256x256", FULL_RECIPES["quick"][0])

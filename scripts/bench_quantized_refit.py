@@ -61,8 +61,8 @@ def compare(reference, candidate) -> dict:
 
 def run(precision: str, algorithm: str, root: Path) -> dict:
     from trt_diffusion import api
-    from trt_diffusion.models.tiny import write_tiny_model
     from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.models.tiny import write_tiny_model
 
     model_dir = root / "sd15"
     if not (model_dir / "model_index.json").exists():

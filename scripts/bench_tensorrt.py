@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 import xml.etree.ElementTree as ET
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ RESOLUTIONS = (512, 1024)
 BATCH = 2  # cond + uncond in one call
 # stabilityai/stable-diffusion-xl-base-1.0's UNet config (2.6B parameters)
 def _utc() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def test_gpu_section(rc: int | None, log: Path | None, junit: Path | None) -> dict | None:
@@ -177,7 +177,7 @@ def bench_one(family: str, resolution: int, unet, source: str, work: Path, runs:
     torch.cuda.reset_peak_memory_stats()
     with torch.inference_mode():
         reference = module(*[device_feeds[n] for n in io.names])
-        result["pytorch_fp16_s"] = median_seconds(lambda: module(*[device_feeds[n] for n in io.names]), runs)
+        result["pytorch_fp16_s"] = median_seconds(lambda: module(*[device_feeds[n] for n in io.names]), runs)  # noqa: F821 (called before the del below)
     result["pytorch_peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())
     # fp16 ONNX, exported on the GPU, static shapes
     onnx_dir = work / "onnx" / f"{family}-{resolution}"

@@ -32,9 +32,9 @@ def prepare_repository(workdir: Path, *, instances: int = 2, max_queue_size: int
     """Tiny sd15 model -> engines (cached by the build stage) -> Triton repository. Returns
     (engines.yaml, PackageReport, built engines, model folder)."""
     from trt_diffusion import api
+    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.models.tiny import write_tiny_model
     from trt_diffusion.runtime.loader import built_engines
-    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.triton.repository import PackageOptions, package
 
     workdir.mkdir(parents=True, exist_ok=True)

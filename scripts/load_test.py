@@ -76,8 +76,14 @@ class Client:
 
     def send(self, seed: int) -> Outcome:
         from trt_diffusion.errors import ServeError
-        from trt_diffusion.triton.client import ImageRequest, RequestCancelled, RequestRejected, client_module
-        from trt_diffusion.triton.client import connect, infer
+        from trt_diffusion.triton.client import (
+            ImageRequest,
+            RequestCancelled,
+            RequestRejected,
+            client_module,
+            connect,
+            infer,
+        )
 
         if not hasattr(self.local, "client"):
             self.local.client = connect(self.url, "grpc")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .plan import Plan, make_plan
 from .engines_file import load_engines_file
+from .plan import Plan, make_plan
 
 if TYPE_CHECKING:
     from .export import ExportReport
@@ -78,8 +78,8 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     parts of the matrix (by key) for CI matrices; `ray` ("auto" or HOST:PORT) builds one Ray task per
     engine on a cluster sharing the workspace.
     """
-    from .errors import MissingDependencyError
     from .engines_file.selection import select_specs
+    from .errors import MissingDependencyError
     from .targets import build_state, check_target_name, get_target
     from .targets.base import BuildReport
 
@@ -125,10 +125,9 @@ def manifest(config_path: str | Path, *, verify: bool = True, out: str | Path | 
     import json
 
     from .engines_file import expand
+    from .remote_store import pull_engines
     from .targets.onnx_facts import atomic_write_bytes
     from .targets.provenance import release_manifest
-
-    from .remote_store import pull_engines
 
     config = load_engines_file(config_path, check_sources=True)
     pull_engines(config, [spec.key for spec in expand(config)])  # a URL workspace: what the build hosts made

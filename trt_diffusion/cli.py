@@ -7,12 +7,11 @@ the traceback. `--debug` shows the traceback for user errors too.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import click
 import typer
@@ -106,8 +105,8 @@ def models_tiny(
 @app.command("export")
 def export_command(
     config: ConfigArg,
-    model: Annotated[Optional[str], typer.Option("--model", help="only this model of engines.yaml")] = None,
-    component: Annotated[Optional[str], typer.Option("--component", help="only this component (e.g. unet)")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="only this model of engines.yaml")] = None,
+    component: Annotated[str | None, typer.Option("--component", help="only this component (e.g. unet)")] = None,
 ):
     """Export the components engines.yaml needs to ONNX, each verified against PyTorch (cached when unchanged)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -145,7 +144,7 @@ def export_command(
 @app.command("quantize")
 def quantize_command(
     config: ConfigArg,
-    model: Annotated[Optional[str], typer.Option("--model")] = None,
+    model: Annotated[str | None, typer.Option("--model")] = None,
     force: Annotated[bool, typer.Option("--force", help="recalibrate and re-export even when cached")] = False,
 ):
     """ModelOpt FP8/INT8 for the fp8/int8 entries: seeded calibration, Q/DQ ONNX, quality gate."""
@@ -169,15 +168,15 @@ def quantize_command(
 @app.command("build")
 def build_command(
     config: ConfigArg,
-    target: Annotated[Optional[str], typer.Option("--target", help=f"{' | '.join(target_names())} (default: "
+    target: Annotated[str | None, typer.Option("--target", help=f"{' | '.join(target_names())} (default: "
                                                   "every target engines.yaml lists that this machine can build)")]
     = None,
-    model: Annotated[Optional[str], typer.Option("--model")] = None,
-    component: Annotated[Optional[str], typer.Option("--component")] = None,
-    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", min=1, help="parallel builds (default: build.jobs)")] = None,
-    shard: Annotated[Optional[str], typer.Option("--shard", help="I/N: build the I-th of N deterministic parts of "
+    model: Annotated[str | None, typer.Option("--model")] = None,
+    component: Annotated[str | None, typer.Option("--component")] = None,
+    jobs: Annotated[int | None, typer.Option("--jobs", "-j", min=1, help="parallel builds (default: build.jobs)")] = None,
+    shard: Annotated[str | None, typer.Option("--shard", help="I/N: build the I-th of N deterministic parts of "
                                                  "the matrix (CI matrices sharing one workspace)")] = None,
-    ray: Annotated[Optional[str], typer.Option("--ray", help="auto or HOST:PORT: one Ray task per engine on a "
+    ray: Annotated[str | None, typer.Option("--ray", help="auto or HOST:PORT: one Ray task per engine on a "
                                                "cluster sharing the workspace (extra: farm)")] = None,
 ):
     """Build one engine per shape (exporting first); unchanged engines are reused."""
@@ -232,11 +231,11 @@ def build_command(
 @app.command("parity")
 def parity_command(
     config: ConfigArg,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="a text file, one prompt a line")] = None,
-    seeds: Annotated[Optional[list[int]], typer.Option("--seeds", help="repeat for several seeds")] = None,
+    prompts: Annotated[Path | None, typer.Option("--prompts", help="a text file, one prompt a line")] = None,
+    seeds: Annotated[list[int] | None, typer.Option("--seeds", help="repeat for several seeds")] = None,
     steps: Annotated[int, typer.Option("--steps", min=1, max=200)] = 4,
-    out: Annotated[Optional[Path], typer.Option("--out", help="report folder (default <workspace>/reports/parity)")] = None,
-    target: Annotated[Optional[list[str]], typer.Option("--target")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="report folder (default <workspace>/reports/parity)")] = None,
+    target: Annotated[list[str] | None, typer.Option("--target")] = None,
 ):
     """Compare every built engine variant's images with the PyTorch reference; fails when a gate fails."""
     from . import api
@@ -267,7 +266,7 @@ def _parse_lora(text: str) -> tuple[Path, float]:
 @app.command("manifest")
 def manifest_command(
     config: ConfigArg,
-    out: Annotated[Optional[Path], typer.Option("--out", help="where to write it (default "
+    out: Annotated[Path | None, typer.Option("--out", help="where to write it (default "
                                                 "<workspace>/release-manifest.json)")] = None,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="check every file's sha256")] = True,
 ):
@@ -297,7 +296,7 @@ def manifest_command(
 def refit_command(
     config: ConfigArg,
     model: Annotated[str, typer.Option("--model", help="the model whose refittable engines to refit")],
-    lora: Annotated[Optional[list[str]], typer.Option("--lora", help="FILE[:SCALE]; repeat for several")] = None,
+    lora: Annotated[list[str] | None, typer.Option("--lora", help="FILE[:SCALE]; repeat for several")] = None,
     base: Annotated[bool, typer.Option("--base", help="restore the base weights")] = False,
     target: Annotated[str, typer.Option("--target", help=" | ".join(target_names()))] = "onnxruntime",
 ):

@@ -6,8 +6,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engines_file import EnginesConfig, EngineSpec, Precision, expand
 from .families import Component
-from .engines_file import EngineSpec, EnginesConfig, Precision, expand
 
 
 @dataclass

@@ -95,7 +95,7 @@ class Task:
                 if time.monotonic() - self._last >= self.heartbeat_s:
                     self._emit(self.line(f"{self.detail} (still running)"))
 
-    def __enter__(self) -> "Task":
+    def __enter__(self) -> Task:
         if not log.isEnabledFor(logging.INFO):
             return self  # nobody listens: no lines, no thread
         self.step(force=True)

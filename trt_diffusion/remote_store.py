@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -225,7 +225,7 @@ class RemoteStore:
         for relative, entry in entries.items():
             self._put_blob(self.cache / relative, entry["sha256"])
         record = {"schema_version": SCHEMA_VERSION, "unit": unit, "key": key, "files": entries,
-                  "published_by": _host(), "published_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                  "published_by": _host(), "published_at": datetime.now(UTC).isoformat(timespec="seconds")}
         self._put_atomically(self.index_key(unit), json.dumps(record, indent=2, sort_keys=True).encode())
         log.info("published %s to %s", unit, self.shown)
         return True
@@ -444,7 +444,7 @@ def _filesystem(url: str, storage_options: dict):
     protocol = urlsplit(url).scheme.lower()
     try:
         return url_to_fs(url, **storage_options)
-    except ImportError as exc:
+    except ImportError:
         backend = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}.get(
             protocol, "its fsspec backend")
         raise MissingDependencyError(f"build.workspace {mask_url(url)} needs {backend} ({protocol}:// through fsspec "

@@ -24,7 +24,7 @@ import shutil
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +209,7 @@ def _commit(writer: ArtifactWriter) -> None:
         raise ValueError(f"{writer.kind} artifact {writer.name}: nothing was written")
     manifest = {
         "schema_version": SCHEMA_VERSION, "kind": writer.kind, "name": writer.name,
-        "input_hash": writer.input_hash, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "input_hash": writer.input_hash, "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "outputs": outputs, **writer.manifest,
     }
     _write_file_atomically(writer.path / MANIFEST_NAME, json.dumps(manifest, indent=2, default=str) + "\n")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from trt_diffusion.cli import main
-from trt_diffusion.errors import ConfigError
 from trt_diffusion.engines_file.engine_spec import EngineSpec
 from trt_diffusion.engines_file.load import load_engines_file
+from trt_diffusion.errors import ConfigError
 from trt_diffusion.store import ArtifactStore
 
 ESCAPE = "../../../../../tmp/x/ESCAPED"

@@ -8,8 +8,8 @@ import tracemalloc
 import pytest
 
 from trt_diffusion.cli import main
-from trt_diffusion.errors import ConfigError
 from trt_diffusion.engines_file.yaml_lines import load_located_yaml
+from trt_diffusion.errors import ConfigError
 
 
 def _alias_bomb(levels: int) -> str:

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from trt_diffusion.components import Geometry, get_component, load_model_config, registered_components
+from trt_diffusion.engines_file import Bucket, EngineSpec, Size
 from trt_diffusion.errors import ConfigError, ExportError
 from trt_diffusion.export import export_group_key, group_specs
 from trt_diffusion.export.shapes import export_shapes
 from trt_diffusion.families import FAMILIES, Component
 from trt_diffusion.models.loading import load_component, load_controlnet
-from trt_diffusion.engines_file import Bucket, EngineSpec, Size
 
 REGISTERED = [(f.value, c.value) for f, c in registered_components()]
 

@@ -12,11 +12,11 @@ from onnx import numpy_helper
 
 from trt_diffusion import api
 from trt_diffusion.components import Geometry, get_component, load_model_config
+from trt_diffusion.engines_file import Size, expand, load_engines_file
 from trt_diffusion.errors import ExportError
 from trt_diffusion.export import check_parity
 from trt_diffusion.families import Component
 from trt_diffusion.models.loading import load_component
-from trt_diffusion.engines_file import Size, expand, load_engines_file
 
 
 def _io_dims(onnx_path) -> dict[str, list]:

@@ -15,8 +15,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from trt_diffusion import api
-from trt_diffusion.errors import ExportError
 from trt_diffusion.engines_file import load_engines_file
+from trt_diffusion.errors import ExportError
 from trt_diffusion.store import TEMP_PREFIX
 
 

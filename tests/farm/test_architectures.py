@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from trt_diffusion import api
-from trt_diffusion.errors import ConfigError
 from trt_diffusion.engines_file import expand, load_engines_file
+from trt_diffusion.errors import ConfigError
 from trt_diffusion.targets import get_target
 from trt_diffusion.targets.ray_executor import task_resources
 

@@ -20,14 +20,19 @@ import yaml
 
 pytest.importorskip("s3fs", reason="the S3 backend is an extra: pip install 'trt-diffusion[store]'")
 
+from shard_split import build_shards, two_host_shards  # noqa: E402
+
 from trt_diffusion import api  # noqa: E402
+from trt_diffusion.engines_file import load_engines_file  # noqa: E402
 from trt_diffusion.errors import ConfigError, MissingDependencyError  # noqa: E402
 from trt_diffusion.remote_store import (  # noqa: E402
-    RemoteStore, StoreError, local_workspace, mask_url, store_for,
+    RemoteStore,
+    StoreError,
+    local_workspace,
+    mask_url,
+    store_for,
 )
-from trt_diffusion.engines_file import load_engines_file  # noqa: E402
 from trt_diffusion.targets.provenance import engine_files, file_sha256  # noqa: E402
-from shard_split import build_shards, two_host_shards  # noqa: E402
 
 BUCKET = "trt-farm"
 

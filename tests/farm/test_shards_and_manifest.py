@@ -7,14 +7,14 @@ import shutil
 
 import pytest
 import yaml
+from shard_split import build_shards, two_host_shards
 
 from trt_diffusion import api
 from trt_diffusion.cli import main
-from trt_diffusion.errors import ConfigError
 from trt_diffusion.engines_file import expand, load_engines_file
+from trt_diffusion.errors import ConfigError
 from trt_diffusion.targets.provenance import engine_files, file_sha256
 from trt_diffusion.targets.shards import parse_shard, shard_of, shard_specs
-from shard_split import build_shards, two_host_shards
 
 
 def _digests(outcomes, root):

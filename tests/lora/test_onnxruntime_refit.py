@@ -8,7 +8,11 @@ import torch
 
 from trt_diffusion.errors import RefitError
 from trt_diffusion.lora import (
-    OnnxRuntimeRefitter, apply_refit_onnxruntime, build_refit_map, lora_deltas, refit_weights_for_tensorrt,
+    OnnxRuntimeRefitter,
+    apply_refit_onnxruntime,
+    build_refit_map,
+    lora_deltas,
+    refit_weights_for_tensorrt,
     restore_base,
 )
 

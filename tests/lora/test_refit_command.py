@@ -4,8 +4,6 @@ engine by creating that session, and writes nothing."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from trt_diffusion.cli import main

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.errors import RefitError
 from trt_diffusion.parity.metrics import psnr
 from trt_diffusion.runtime.loader import engine_runners, refit_weights
 from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.schedulers import make_scheduler
-from trt_diffusion.engines_file import load_engines_file
 
 PROMPT = "a lighthouse on a cliff at dusk"
 ARGS = dict(height=64, width=64, steps=4, guidance_scale=5.0, seed=7)

@@ -14,12 +14,12 @@ from safetensors.torch import save_file
 
 from trt_diffusion import api
 from trt_diffusion.cli import main
+from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.errors import ConfigError
 from trt_diffusion.models.single_file import convert_single_file, to_original_layout
 from trt_diffusion.runtime.loader import engine_runners
 from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
-from trt_diffusion.engines_file import load_engines_file
 
 REQUEST = GenerationRequest(prompt="a red fox in the snow", height=64, width=64, steps=3, seed=4)
 

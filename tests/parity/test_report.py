@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from html.parser import HTMLParser
 from urllib.parse import unquote
 
@@ -15,7 +15,6 @@ from PIL import Image
 from pydantic import ValidationError
 from rich.console import Console
 
-from trt_diffusion.parity.report import files as report_files
 from trt_diffusion.parity.metrics import Thresholds, tensor_diff, thresholds_for
 from trt_diffusion.parity.report import (
     ComponentDiff,
@@ -30,6 +29,7 @@ from trt_diffusion.parity.report import (
     render_summary,
     write_report,
 )
+from trt_diffusion.parity.report import files as report_files
 
 SCRIPT_PROMPT = "<script>alert('x')</script> & a cat"
 NO_LPIPS = "LPIPS not computed: test"
@@ -194,7 +194,7 @@ def report(images) -> ParityReport:
     )
     bad = _variant("sd15-tiny.tensorrt.fp8", "tensorrt", "fp8", images, "trt-fp8/seed0.png", lora="style-a")
     return judge_report(
-        [good, bad], tool_versions={"python": "3.11"}, created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+        [good, bad], tool_versions={"python": "3.11"}, created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     )
 
 

@@ -10,11 +10,11 @@ import shutil
 import numpy as np
 import pytest
 
+from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.preflight import connect
 from trt_diffusion.preflight.checks import get_check
 from trt_diffusion.preflight.checks.base import CheckContext
 from trt_diffusion.preflight.run import run_check
-from trt_diffusion.engines_file import load_engines_file
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -51,8 +51,8 @@ def test_plan_lists_every_engine_the_file_asks_for(checkout, capsys):
 
 @pytest.mark.slow
 def test_build_builds_every_engine_this_machine_can(checkout, capsys):
-    from trt_diffusion.runtime.loader import built_engines
     from trt_diffusion.engines_file import expand, load_engines_file
+    from trt_diffusion.runtime.loader import built_engines
     from trt_diffusion.targets import get_target
 
     assert main(["build", str(checkout)]) == 0

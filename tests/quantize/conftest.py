@@ -3,8 +3,8 @@ built once per session (each takes seconds; several tests read the same one)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import yaml

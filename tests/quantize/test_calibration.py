@@ -10,7 +10,11 @@ import torch
 from trt_diffusion.families import Family
 from trt_diffusion.quantize import ptq
 from trt_diffusion.quantize.calibration import (
-    CalibrationRecipe, calibration_loop, capture_calls, denoiser_of, load_pipeline,
+    CalibrationRecipe,
+    calibration_loop,
+    capture_calls,
+    denoiser_of,
+    load_pipeline,
 )
 from trt_diffusion.quantize.exclusions import select_layers
 from trt_diffusion.quantize.prompts import load_prompts, take

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
 from trt_diffusion.errors import QuantizeError
 from trt_diffusion.quantize.fp8_rewrite import FP8_MAX, REWRITTEN_MARK, rewrite_fp8_qdq

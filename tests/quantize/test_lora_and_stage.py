@@ -9,16 +9,15 @@ import torch
 import yaml
 
 from trt_diffusion.components import Geometry
+from trt_diffusion.engines_file import Size, load_engines_file
 from trt_diffusion.errors import ConfigError
 from trt_diffusion.export.modules import fuse_lora
 from trt_diffusion.families import Component
 from trt_diffusion.models.loading import load_component
 from trt_diffusion.quantize.feeds import denoiser_interface
 from trt_diffusion.quantize.stage import CALIBRATION_KIND, quantize, quantize_component
-from trt_diffusion.engines_file import Size, load_engines_file
 
 from .conftest import model_entry
-
 
 LORA_SCALE = 1.0
 

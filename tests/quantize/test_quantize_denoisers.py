@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trt_diffusion.components import Geometry
+from trt_diffusion.engines_file import Size
 from trt_diffusion.lora.onnx_graph import graph_consumers
 from trt_diffusion.models.loading import load_component
 from trt_diffusion.parity.metrics import psnr
@@ -18,7 +19,6 @@ from trt_diffusion.quantize.defaults import DENOISER_MIN_PSNR_DB
 from trt_diffusion.quantize.feeds import denoiser_interface
 from trt_diffusion.quantize.gate import GateThresholds
 from trt_diffusion.quantize.stage import quantize_component
-from trt_diffusion.engines_file import Size
 
 from .conftest import DENOISER, TINY_BUCKET
 

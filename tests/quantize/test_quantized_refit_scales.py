@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from trt_diffusion.components import Geometry
+from trt_diffusion.engines_file import Size
 from trt_diffusion.families import Component
 from trt_diffusion.lora import RefitMap, build_refit_map, externalize_weights, onnxruntime_session, refit_arrays
 from trt_diffusion.lora.quantized_refit import weight_quantizers
 from trt_diffusion.models.loading import load_component
 from trt_diffusion.quantize.feeds import denoiser_interface
-from trt_diffusion.engines_file import Size
 
 PRECISIONS = ["int8", "fp8"]
 

@@ -10,15 +10,14 @@ import torch
 import yaml
 
 from trt_diffusion import api
-from trt_diffusion.targets import stage
 from trt_diffusion.cli import main
+from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.errors import BuildError, RefitError
-from trt_diffusion.targets import get_target
-from trt_diffusion.models.tiny import build_tiny_pipeline, build_tiny_lora
+from trt_diffusion.models.tiny import build_tiny_lora, build_tiny_pipeline
 from trt_diffusion.runtime.loader import engine_runners
 from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
-from trt_diffusion.engines_file import load_engines_file
+from trt_diffusion.targets import get_target
 
 REQUEST = GenerationRequest(prompt="a red fox in the snow", height=64, width=64, steps=3, seed=4)
 

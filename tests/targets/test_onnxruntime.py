@@ -3,7 +3,6 @@ only when its inputs change."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -12,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from trt_diffusion.targets import onnxruntime as ort_target
-from trt_diffusion.errors import RuntimeInputError
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
+from trt_diffusion.errors import RuntimeInputError
+from trt_diffusion.targets import onnxruntime as ort_target
 
 
 class Tiny(torch.nn.Module):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
 from target_conformance import SHAPE, Tiny, export_tiny, make_spec
+
 from trt_diffusion.errors import BuildError, MissingDependencyError, RuntimeInputError, ServeError
 from trt_diffusion.targets import BuildRequest, availability, get_target
 

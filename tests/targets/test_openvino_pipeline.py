@@ -94,9 +94,9 @@ def test_bf16_passes_parity_where_the_cpu_has_bf16_and_is_refused_elsewhere(vari
 @pytest.mark.triton
 @pytest.mark.slow  # a server start and warm-up (~30 s); the in-process pipeline above runs by default
 def test_triton_serves_the_images_of_the_in_process_openvino_pipeline(variants, tmp_path):
+    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.runtime.loader import built_engines, table_from_engines
     from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
-    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.triton import client as triton_client
     from trt_diffusion.triton import stage
     from trt_diffusion.triton.client import ImageRequest

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from trt_diffusion.cli import main
-from trt_diffusion.runtime.loader import built_engines
 from trt_diffusion.engines_file import load_engines_file
+from trt_diffusion.runtime.loader import built_engines
 
 pytestmark = pytest.mark.slow
 

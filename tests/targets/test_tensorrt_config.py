@@ -12,15 +12,17 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
+from trt_diffusion.errors import BuildError, MissingDependencyError, RefitError, RuntimeInputError
 from trt_diffusion.targets.tensorrt.config import (
     GIB,
     REBUILD_COMMAND,
     BuildFlags,
     EngineManifest,
+    RefitRecord,
     TensorInfo,
     check_engine_compatible,
     check_feeds,
-    RefitRecord,
     check_hardware,
     check_onnx_precision,
     check_profile_against_inputs,
@@ -40,8 +42,6 @@ from trt_diffusion.targets.tensorrt.config import (
     versions_compatible,
     weights_for_refit,
 )
-from trt_diffusion.errors import BuildError, MissingDependencyError, RefitError, RuntimeInputError
-from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 
 STATIC_512 = Bucket.static(Size(512, 512))
 RANGE_512_1024 = Bucket(Size(512, 512), Size(768, 768), Size(1024, 1024))

@@ -41,8 +41,8 @@ def _tensorrt_and_a_gpu():
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
-from trt_diffusion.errors import BuildError, RefitError, RuntimeInputError  # noqa: E402
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size  # noqa: E402
+from trt_diffusion.errors import BuildError, RefitError, RuntimeInputError  # noqa: E402
 from trt_diffusion.targets.tensorrt.config import (  # noqa: E402
     REBUILD_COMMAND,
     EngineManifest,

@@ -20,9 +20,9 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
+from trt_diffusion.errors import RefitError
 from trt_diffusion.targets.tensorrt import engine as target
 from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo
-from trt_diffusion.errors import RefitError
 
 FUSED_GROUPS = [{"conv.weight", "conv.bias"}]  # e.g. a conv whose kernel and bias TensorRT fused
 

@@ -20,8 +20,14 @@ from target_conformance import TargetConformance
 
 from trt_diffusion import api
 from trt_diffusion.errors import BuildError, RefitError
-from trt_diffusion.targets import (BuildRequest, BuiltEngine, TritonEngineModel, register_target, target_names,
-                                   unregister_target)
+from trt_diffusion.targets import (
+    BuildRequest,
+    BuiltEngine,
+    TritonEngineModel,
+    register_target,
+    target_names,
+    unregister_target,
+)
 from trt_diffusion.targets.onnx_facts import TensorInfo, onnx_io, onnx_sha256
 
 NAME = "throwaway"

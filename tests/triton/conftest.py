@@ -22,8 +22,8 @@ class BuiltModel:
 def sd15_engines(built_sd15) -> BuiltModel:
     """sd15 tiny at 64x64, batch 1, CFG batched (UNet batch 2): text encoder, UNet (with ControlNet residual
     inputs), ControlNet `canny`, VAE decoder. Read-only, like `built_sd15`."""
-    from trt_diffusion.runtime.loader import built_engines
     from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.runtime.loader import built_engines
 
     config = load_engines_file(built_sd15, check_sources=True)
     (name,) = config.models

@@ -47,9 +47,9 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tiny_model_factory, write_engines_yaml, tmp_path_factory):
     from trt_diffusion import api
+    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.runtime.loader import built_engines, table_from_engines
     from trt_diffusion.runtime.pipeline import EnginePipeline
-    from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.triton import stage
     from trt_diffusion.triton.repository import PackageOptions, package
 

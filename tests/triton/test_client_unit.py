@@ -20,7 +20,7 @@ def test_request_tensors_follow_the_contract():
         assert value.shape == (1, *[d if d > 0 else s for d, s in zip(declared[name].dims, value.shape[1:])])
         assert client._TYPES[name] == contract.TRITON_TO_WIRE[declared[name].data_type]
     assert tensors["SEED"].dtype == np.int64 and tensors["SEED"][0, 0] == 2**40
-    assert tensors["PROMPT"][0, 0] == "a cat".encode()
+    assert tensors["PROMPT"][0, 0] == b"a cat"
     optional = {"NEGATIVE_PROMPT", "SCHEDULER", "CONTROLNET", "CONTROL_IMAGE", "CONTROLNET_SCALE"}
     assert set(client.ImageRequest("a cat", 64, 64).tensors()) == set(declared) - optional
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo, manifest_path
+from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import ServeError
 from trt_diffusion.runtime.loader import BuiltEngine
-from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
+from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo, manifest_path
 from trt_diffusion.triton import configs, contract, naming
 from trt_diffusion.triton.configs import EnsembleStep
 from trt_diffusion.triton.contract import TensorDecl

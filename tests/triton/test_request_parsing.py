@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from trt_diffusion.engines_file import expand, load_engines_file
 from trt_diffusion.errors import RuntimeInputError
 from trt_diffusion.runtime.engines import RunnerTable
 from trt_diffusion.runtime.pipeline import EnginePipeline
-from trt_diffusion.engines_file import expand, load_engines_file
 from trt_diffusion.triton.backend import pb, requests
 from trt_diffusion.triton.client import ImageRequest
 

@@ -2,7 +2,14 @@
 wrapper, and the (min, opt, max) shapes an engine spec implies."""
 
 from .base import (
-    ComponentDef, ComponentIO, ExportWrapper, Geometry, ProfileShapes, Shape, SymbolicDim, TensorDecl,
+    ComponentDef,
+    ComponentIO,
+    ExportWrapper,
+    Geometry,
+    ProfileShapes,
+    Shape,
+    SymbolicDim,
+    TensorDecl,
 )
 from .model_config import ModelConfig, load_model_config
 from .registry import get_component, registered_components

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..families import Component, Family
 from ..engines_file.engine_spec import EngineSpec, Size
+from ..families import Component, Family
 from .model_config import ModelConfig
 
 Shape = tuple[int, ...]

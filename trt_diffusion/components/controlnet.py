@@ -10,7 +10,11 @@ import torch
 from .base import BATCH, ComponentDef, ComponentIO, ExportWrapper, TensorDecl, image_dims, rng
 from .model_config import ModelConfig
 from .unet import (
-    added_cond_kwargs, conditioning_inputs, conditioning_values, downsampling_alignment, residual_decls,
+    added_cond_kwargs,
+    conditioning_inputs,
+    conditioning_values,
+    downsampling_alignment,
+    residual_decls,
 )
 
 

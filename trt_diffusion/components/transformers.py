@@ -9,7 +9,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import BATCH, HEIGHT, WIDTH, ComponentDef, ComponentIO, ExportWrapper, SymbolicDim, TensorDecl, normal, rng, timesteps
+from .base import (
+    BATCH,
+    HEIGHT,
+    WIDTH,
+    ComponentDef,
+    ComponentIO,
+    ExportWrapper,
+    SymbolicDim,
+    TensorDecl,
+    normal,
+    rng,
+    timesteps,
+)
 from .model_config import ModelConfig
 
 IMAGE_TOKENS = SymbolicDim("image_tokens", "tokens")

@@ -14,7 +14,17 @@ import numpy as np
 import torch
 
 from .base import (
-    BATCH, HEIGHT, WIDTH, ComponentDef, ComponentIO, ExportWrapper, Geometry, SymbolicDim, TensorDecl, normal, rng,
+    BATCH,
+    HEIGHT,
+    WIDTH,
+    ComponentDef,
+    ComponentIO,
+    ExportWrapper,
+    Geometry,
+    SymbolicDim,
+    TensorDecl,
+    normal,
+    rng,
     timesteps,
 )
 from .model_config import ModelConfig

@@ -23,7 +23,7 @@ class Size:
     height: int
 
     @classmethod
-    def parse(cls, text: str) -> "Size":
+    def parse(cls, text: str) -> Size:
         """Parse 'WxH' (e.g. '768x512' is 768 wide, 512 high)."""
         parts = str(text).lower().replace(" ", "").split("x")
         if len(parts) != 2 or not all(p.isdigit() for p in parts):
@@ -50,7 +50,7 @@ class Bucket:
     max: Size
 
     @classmethod
-    def static(cls, size: Size) -> "Bucket":
+    def static(cls, size: Size) -> Bucket:
         return cls(size, size, size)
 
     @property

@@ -9,13 +9,23 @@ from pydantic import ValidationError
 
 from ..errors import ConfigError
 from ..families import Component, Family, family_info
-from .engine_spec import Bucket, Size
-from .schema import (
-    BUILTIN_DEFAULTS, BuildSettings, CfgMode, EnginesFile, FileSource, HubSource, LoraEntry, LoraMode, ModelEntry,
-    ParityThresholds, Precision, QuantizationSettings, RangeBucket,
-)
-from .preflight import PreflightSettings
 from ..remote_store import check_workspace_url, local_workspace
+from .engine_spec import Bucket, Size
+from .preflight import PreflightSettings
+from .schema import (
+    BUILTIN_DEFAULTS,
+    BuildSettings,
+    CfgMode,
+    EnginesFile,
+    FileSource,
+    HubSource,
+    LoraMode,
+    ModelEntry,
+    ParityThresholds,
+    Precision,
+    QuantizationSettings,
+    RangeBucket,
+)
 from .yaml_lines import LocatedYaml, load_located_yaml
 
 
@@ -237,7 +247,7 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         loras[lora_name] = ResolvedLora(lora_name, lora_path.resolve(), lora.mode, lora.scale)
 
     refittable = _merged(entry, defaults, "refittable")
-    if any(l.mode is LoraMode.refit for l in loras.values()):
+    if any(lora.mode is LoraMode.refit for lora in loras.values()):
         refittable = True
     # fp8/int8 denoisers refit too: the LoRA'd weights with their weight scales recomputed, the calibrated
     # activation scales kept (lora/quantized_refit.py); no recalibration

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
+from ..engines_file.load import ResolvedModel
 from ..errors import ModelError
 from ..families import Component
 from ..models.loading import component_folder, load_component, load_controlnet
-from ..engines_file.load import ResolvedModel
 from .grouping import ExportGroup
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from ..components.base import AXES, ComponentDef, ComponentIO, Geometry, SymbolicDim
 from ..components.model_config import ModelConfig
-from ..errors import ExportError
 from ..engines_file.engine_spec import Size
+from ..errors import ExportError
 from .grouping import ExportGroup
 
 

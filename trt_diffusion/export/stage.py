@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 
 from .. import progress as live
-from ..memory import release_memory
 from ..components import ExportWrapper, get_component, load_model_config
 from ..engines_file.engine_spec import EngineSpec
 from ..engines_file.load import EnginesConfig
+from ..memory import release_memory
 from ..store import Artifact, ArtifactStore, hash_inputs
+from .artifact_key import describe_inputs, tool_versions
 from .graph_passes import finalize_graph
 from .grouping import ExportGroup
-from .artifact_key import describe_inputs, tool_versions
 from .modules import load_group_module, lora_files, weights_folder
 from .parity import TOLERANCES, check_parity, reference_outputs
 from .shapes import ExportShapes, export_shapes
@@ -46,7 +46,7 @@ class ExportEvent:
     stage: str
     index: int
     total: int
-    result: "ExportResult | None" = None
+    result: ExportResult | None = None
 
 
 ProgressCallback = Callable[[ExportEvent], None]

@@ -11,7 +11,7 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -21,7 +21,7 @@ from .naming import UNPREFIXED, ComponentLayers, LoraLayer, component_key_counts
 
 logger = logging.getLogger(__name__)
 
-LoraSource = Union[str, Path, LoraFile]
+LoraSource = str | Path | LoraFile
 LoraWithScale = tuple[LoraSource, float]
 MAX_LISTED = 10  # unmatched keys shown in one error
 TEXT_MODEL_PREFIX = "text_model."

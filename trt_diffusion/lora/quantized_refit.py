@@ -57,7 +57,7 @@ class WeightQuantization:
                 "smoothing": list(self.smoothing) if self.smoothing is not None else None}
 
     @classmethod
-    def from_json(cls, data: dict) -> "WeightQuantization":
+    def from_json(cls, data: dict) -> WeightQuantization:
         smoothing = data.get("smoothing")
         axis = data.get("axis")
         return cls(kind=str(data["kind"]), scale=str(data["scale"]), axis=None if axis is None else int(axis),

@@ -113,7 +113,7 @@ def load_module(folder: Path, cls: type) -> torch.nn.Module:
                                          use_safetensors=True)
         else:
             module = cls.from_pretrained(folder, torch_dtype=torch.float32, use_safetensors=True)
-    except (OSError, ValueError, RuntimeError, EnvironmentError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         raise ModelError(f"cannot load {folder}: {_first_line(exc)}") from None
     except Exception as exc:  # safetensors raises its own error type for corrupt files
         if "safetensor" in type(exc).__module__.lower() or "header" in str(exc).lower():

@@ -11,10 +11,11 @@ import functools
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -250,7 +251,7 @@ class Thresholds(BaseModel):
     min_ssim: float = Field(ge=-1, le=1)
     max_lpips: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
-    def merged(self, overrides: Mapping[str, Any] | None) -> "Thresholds":
+    def merged(self, overrides: Mapping[str, Any] | None) -> Thresholds:
         """A copy with `overrides` (e.g. engines.yaml's `parity:` block) applied; unknown keys are an error."""
         if not overrides:
             return self

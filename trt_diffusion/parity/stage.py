@@ -8,23 +8,22 @@ image; an image does not depend on the rest of its batch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from ..components import Geometry, get_component, load_model_config
+from ..engines_file import EnginesConfig, expand
 from ..errors import TrtDiffusionError
 from ..families import Component, family_info
 from ..runtime.engines import RunnerTable
 from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
 from ..runtime.pipeline import EnginePipeline, GenerationRequest
 from ..runtime.reference import reference_runners
-from ..engines_file import EnginesConfig, expand
 from .metrics import tensor_diff, thresholds_for
-from .report import (ComponentDiff, ParityReport, ReportFiles, compare_image, judge_report, judge_variant,
-                     write_report)
+from .report import ComponentDiff, ParityReport, ReportFiles, compare_image, judge_report, judge_variant, write_report
 
 DEFAULT_PROMPTS = (
     "a photograph of an astronaut riding a horse",

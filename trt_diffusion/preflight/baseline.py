@@ -10,7 +10,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -106,7 +106,7 @@ def save_baseline(baseline: Baseline) -> Path:
             Image.fromarray(np.asarray(pixels, dtype=np.uint8)).save(buffer, format="PNG")
             (staging / _png_name(index)).write_bytes(buffer.getvalue())
             rows.append({"prompt": prompt, "seed": seed, "png": _png_name(index)})
-        document = {"schema_version": BASELINE_SCHEMA_VERSION, "created_at": datetime.now(timezone.utc).isoformat(),
+        document = {"schema_version": BASELINE_SCHEMA_VERSION, "created_at": datetime.now(UTC).isoformat(),
                     "model": baseline.model, "target": baseline.target, "engine_keys": sorted(baseline.engine_keys),
                     "size": baseline.size, "steps": baseline.steps, "guidance_scale": baseline.guidance_scale,
                     "images": rows}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -21,22 +21,22 @@ class Protocol(str, Enum):
 
 def preflight_command(
     config: Annotated[Path, typer.Argument(help="engines.yaml")],
-    url: Annotated[Optional[str], typer.Option("--url", help="HOST:PORT of a running server (default: package the "
+    url: Annotated[str | None, typer.Option("--url", help="HOST:PORT of a running server (default: package the "
                                                "built engines and start one on 127.0.0.1)")] = None,
     protocol: Annotated[Protocol, typer.Option("--protocol", help="grpc can cancel; http cannot (cancellation n/a)")]
     = Protocol.grpc,
-    metrics_url: Annotated[Optional[str], typer.Option("--metrics-url", help="HOST:PORT of the server's metrics "
+    metrics_url: Annotated[str | None, typer.Option("--metrics-url", help="HOST:PORT of the server's metrics "
                                                        "(with --url; default HOST:8002)")] = None,
-    only: Annotated[Optional[list[str]], typer.Option("--only", help=f"run only these: {', '.join(CHECK_NAMES)}")]
+    only: Annotated[list[str] | None, typer.Option("--only", help=f"run only these: {', '.join(CHECK_NAMES)}")]
     = None,
-    skip: Annotated[Optional[list[str]], typer.Option("--skip", help="leave these out")] = None,
+    skip: Annotated[list[str] | None, typer.Option("--skip", help="leave these out")] = None,
     save_baseline: Annotated[bool, typer.Option("--save-baseline", help="store the quality check's images as the "
                                                 "baseline (tied to these engines' keys)")] = False,
-    model: Annotated[Optional[str], typer.Option("--model", help="default: preflight.model or the only model")]
+    model: Annotated[str | None, typer.Option("--model", help="default: preflight.model or the only model")]
     = None,
-    target: Annotated[Optional[str], typer.Option("--target", help="whose engines (default preflight.target)")]
+    target: Annotated[str | None, typer.Option("--target", help="whose engines (default preflight.target)")]
     = None,
-    out: Annotated[Optional[Path], typer.Option("--out", help="report folder (default "
+    out: Annotated[Path | None, typer.Option("--out", help="report folder (default "
                                                 "<workspace>/reports/preflight)")] = None,
     in_process: Annotated[bool, typer.Option("--in-process", help="no server: the pipeline in this process")]
     = False,

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engines_file import EnginesConfig, EngineSpec, expand
 from ..errors import BuildError, ServeError
 from ..families import Component, family_info
-from ..engines_file import EngineSpec, EnginesConfig, expand
 from ..triton import naming
 from ..triton.client import ImageRequest
 from .deployment import DENOISERS, InProcessDeployment, ServedBucket, ServedDeployment

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from ..errors import ServeError
 from ..engines_file.engine_spec import Bucket, Size
+from ..errors import ServeError
 from ..triton.client import ImageRequest, RequestCancelled
 
 DENOISERS = ("unet", "transformer")
@@ -95,7 +95,7 @@ class _CountingRunner:
     """A runner that counts the denoiser's calls and honours the calling thread's deadline before each call,
     as the served BLS runners check `request.is_cancelled()`."""
 
-    def __init__(self, runner, counter: "_Counter", is_denoiser: bool, honour_deadline: bool):
+    def __init__(self, runner, counter: _Counter, is_denoiser: bool, honour_deadline: bool):
         self._runner, self._counter, self._is_denoiser, self._honour = runner, counter, is_denoiser, honour_deadline
         self.inputs = runner.inputs
 
@@ -393,7 +393,7 @@ class MemorySampler:
             self._take()
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> "MemorySampler":
+    def __enter__(self) -> MemorySampler:
         self._thread.start()
         return self
 

@@ -6,7 +6,7 @@ Infinity and NaN (PSNR of identical images is infinite) are written as the strin
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -46,7 +46,7 @@ class CheckResult(_Model):
     timeout_s: float = Field(gt=0)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "CheckResult":
+    def _consistent(self) -> CheckResult:
         if (self.status == "fail") != bool(self.failures):
             raise ValueError("status is 'fail' exactly when failures are given")
         if self.status == "n/a" and not self.reason:
@@ -84,7 +84,7 @@ class PreflightReport(_Model):
     passed: bool = Field(description="at least one check ran and none failed")
 
     @model_validator(mode="after")
-    def _verdict(self) -> "PreflightReport":
+    def _verdict(self) -> PreflightReport:
         names = [c.name for c in self.checks]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate checks: {names}")
@@ -94,10 +94,10 @@ class PreflightReport(_Model):
 
     @classmethod
     def build(cls, *, config: str, model: str, target: str, deployment: dict[str, Any], checks: list[CheckResult],
-              not_run: list[str]) -> "PreflightReport":
+              not_run: list[str]) -> PreflightReport:
         from ..parity.report.judge import collect_tool_versions
 
-        return cls(created_at=datetime.now(timezone.utc), tool_versions=collect_tool_versions(), config=config,
+        return cls(created_at=datetime.now(UTC), tool_versions=collect_tool_versions(), config=config,
                    model=model, target=target, deployment=DeploymentInfo(**deployment), checks=checks,
                    not_run=not_run, passed=bool(checks) and all(c.passed for c in checks))
 

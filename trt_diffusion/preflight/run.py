@@ -12,9 +12,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ..engines_file import EnginesConfig
 from ..engines_file.preflight import CHECK_NAMES
@@ -64,7 +64,8 @@ def run_preflight(config: EnginesConfig, *, url: str | None = None, protocol: st
                   progress: Callable[[str], None] | None = None) -> PreflightRun:
     """`deployment`: an already open Deployment to check (tests); else one is opened here and closed after."""
     from . import connect
-    from .baseline import folder_for, load_baseline, save_baseline as write_baseline
+    from .baseline import folder_for, load_baseline
+    from .baseline import save_baseline as write_baseline
     from .files import write_report
 
     progress = progress or (lambda message: None)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ def load_pipeline(model_dir: Path):
     try:
         # safetensors only: a pickled .bin can run code when loaded (models.loading.require_safetensors)
         pipe = diffusers.DiffusionPipeline.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True)
-    except (OSError, ValueError, EnvironmentError) as exc:
+    except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load the pipeline in {model_dir}: {str(exc).strip().splitlines()[0]}") from None
     pipe.set_progress_bar_config(disable=True)
     return pipe

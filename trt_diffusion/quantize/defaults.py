@@ -5,8 +5,8 @@ Pure data: no torch, no modelopt.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 # Module-name globs kept in higher precision unless engines.yaml re-includes them with "!pattern".
 # A pattern matches a module or any of its ancestors ("time_embedding" covers time_embedding.linear_1).

@@ -14,12 +14,19 @@ import numpy as np
 import torch
 
 from ..components import (
-    MID_RESIDUAL, ComponentDef, ComponentIO, ModelConfig, SymbolicDim, down_residual_name, get_component,
-    load_model_config, residual_layout,
+    MID_RESIDUAL,
+    ComponentDef,
+    ComponentIO,
+    ModelConfig,
+    SymbolicDim,
+    down_residual_name,
+    get_component,
+    load_model_config,
+    residual_layout,
 )
+from ..engines_file import ResolvedModel
 from ..errors import QuantizeError
 from ..families import Component, Family
-from ..engines_file import ResolvedModel
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one denoiser call
 

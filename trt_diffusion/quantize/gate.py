@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import QuantizeError
-from ..memory import release_memory
 from ..families import Family
+from ..memory import release_memory
 from ..parity.metrics import Thresholds, has_nonfinite, lpips_distance, psnr, ssim, tensor_diff, thresholds_for
 from .calibration import CalibrationRecipe, CallRecorder, denoiser_of, run_pipeline
 from .defaults import DENOISER_MIN_PSNR_DB, HELD_OUT_SEED_OFFSET
@@ -43,7 +44,7 @@ class GateThresholds:
 
     @classmethod
     def for_precision(cls, precision: str, parity_overrides: Mapping[str, Any] | None = None,
-                      min_output_psnr_db: float | None = None) -> "GateThresholds":
+                      min_output_psnr_db: float | None = None) -> GateThresholds:
         if precision not in DENOISER_MIN_PSNR_DB:
             raise QuantizeError(f"no quantization gate for precision {precision!r}")
         overrides = {k: v for k, v in (parity_overrides or {}).items() if v is not None}

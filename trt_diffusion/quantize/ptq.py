@@ -11,8 +11,8 @@ import io
 import logging
 import sys
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 

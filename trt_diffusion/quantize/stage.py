@@ -25,13 +25,13 @@ import onnx
 import torch
 
 from .. import progress as live
+from ..engines_file import EngineSpec, LoraMode, LoraVariant, Precision, ResolvedModel, expand, load_engines_file
 from ..errors import ConfigError, QuantizeError
 from ..export.artifact_key import folder_digest
 from ..export.modules import fuse_lora
 from ..families import Component, family_info
 from ..memory import release_memory
 from ..models.loading import component_folder
-from ..engines_file import EngineSpec, LoraMode, LoraVariant, Precision, ResolvedModel, expand, load_engines_file
 from ..store import Artifact, ArtifactStore, hash_inputs, sha256_file
 from .calibration import CalibrationRecipe, calibration_loop, capture_calls, denoiser_of, load_pipeline, t5_length
 from .defaults import HELD_OUT_SAMPLES

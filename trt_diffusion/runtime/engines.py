@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import RuntimeInputError
 from ..engines_file.engine_spec import Bucket, Size
+from ..errors import RuntimeInputError
 from .runners import Runner
 
 MAX_DYNAMIC_ROWS = 8  # requests' rows per denoiser call where the engine's batch is dynamic

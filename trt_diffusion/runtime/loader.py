@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..engines_file import EnginesConfig, EngineSpec, expand
 from ..errors import BuildError
 from ..families import Component, Family
-from ..engines_file import EngineSpec, EnginesConfig, expand
 from ..targets import get_target
 from ..targets.base import BuiltEngine
 from .engines import RunnerTable

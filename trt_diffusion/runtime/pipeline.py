@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
+from ..engines_file.engine_spec import Size
 from ..errors import RuntimeInputError
 from ..families import Family
-from ..engines_file.engine_spec import Size
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
 from .schedulers import make_scheduler, scheduler_names
 

@@ -12,6 +12,7 @@ from ..models.loading import load_component, load_controlnet
 from .engines import RunnerTable
 from .runners import TensorSpec, TorchRunner
 
+
 def reference_runners(model_dir: str | Path, family: Family | str, components=None,
                       controlnets: dict[str, Path] | None = None) -> RunnerTable:
     """A RunnerTable of torch modules (any size, any batch) for every component of the folder.

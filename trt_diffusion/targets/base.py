@@ -7,12 +7,13 @@ these methods, so knowing a target costs nothing until it is used.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ..engines_file import EngineSpec, EnginesConfig
+    from ..engines_file import EnginesConfig, EngineSpec
     from .onnx_facts import ProfileShapes
 
 # (ONNX whose initializers the engine holds, file or folder to write to): saves where each denoiser

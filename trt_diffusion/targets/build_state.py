@@ -19,7 +19,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
-from ..engines_file import EngineSpec, EnginesConfig
+from ..engines_file import EnginesConfig, EngineSpec
 from .base import BuildReport, EngineOutcome
 
 STATE_FILE = ".build-state.json"

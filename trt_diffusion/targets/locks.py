@@ -17,9 +17,9 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 STALE_AFTER_S = 600.0  # no heartbeat for this long: the holder is gone
 HEARTBEAT_S = 10.0

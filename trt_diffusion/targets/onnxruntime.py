@@ -13,17 +13,21 @@ import json
 import shutil
 import tempfile
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from ..errors import BuildError
 from ..engines_file.engine_spec import EngineSpec
+from ..errors import BuildError
 from .base import BuildRequest, BuiltEngine, TritonEngineModel
 from .manifests import MANIFEST_FILE, read_folder_manifest, trusted_folder_manifest
 from .onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
+
+if TYPE_CHECKING:
+    import onnx
 
 TARGET = "onnxruntime"
 MANIFEST_SCHEMA_VERSION = 1
@@ -122,7 +126,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             input_hash=input_hash, onnx_sha256=source_sha, engine_sha256=onnx_sha256(tmp / MODEL_FILE),
             static_shapes=static, offline_optimization=None if spec.refittable else SAVED_OPTIMIZATION,
             profile_shapes={k: tuple(map(tuple, v)) for k, v in profile.items()}, inputs=inputs, outputs=outputs,
-            build_seconds=time.perf_counter() - start, created_at=datetime.now(timezone.utc).isoformat(),
+            build_seconds=time.perf_counter() - start, created_at=datetime.now(UTC).isoformat(),
         )
         (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
         if final.exists():
@@ -137,7 +141,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
     return final, manifest, False
 
 
-def fix_dimensions(model: "onnx.ModelProto", shapes: dict[str, tuple[int, ...]]) -> None:
+def fix_dimensions(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:
     """Set every input's dims to the bucket's shape, and every other use of the same symbols."""
     symbols: dict[str, int] = {}
     for value in model.graph.input:
@@ -162,7 +166,7 @@ def fix_dimensions(model: "onnx.ModelProto", shapes: dict[str, tuple[int, ...]])
                 dim.dim_value = size
 
 
-def _save(model: "onnx.ModelProto", path: Path) -> None:
+def _save(model: onnx.ModelProto, path: Path) -> None:
     import onnx
 
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,

@@ -13,7 +13,7 @@ import os
 import platform
 import socket
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
@@ -78,7 +78,7 @@ def record_provenance(workspace: Path, spec: EngineSpec, path: Path, seconds: fl
         "schema_version": SCHEMA_VERSION, "key": spec.key, "name": spec.name, "target": spec.target,
         "model": spec.model, "component": spec.component, "precision": spec.precision,
         "engine": os.path.relpath(path, root), "files": files, "bytes": sum(f["bytes"] for f in files.values()),
-        "build_seconds": round(seconds, 3), "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": round(seconds, 3), "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "built_by": host_description(), "tools": tool_versions(),
     }
     atomic_write_bytes(provenance_path(root, spec.key), json.dumps(record, indent=2).encode())
@@ -119,5 +119,5 @@ def release_manifest(config, specs: list[EngineSpec], *, verify: bool = True) ->
         entries.append(entry)
     counts = {status: sum(e["status"] == status for e in entries) for status in ("ok", "modified", "unrecorded", "missing")}
     return {"schema_version": SCHEMA_VERSION, "engines_yaml": str(config.path), "verified": verify,
-            "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "counts": counts,
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"), "counts": counts,
             "engines": entries}

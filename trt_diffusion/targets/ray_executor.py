@@ -13,11 +13,12 @@ from __future__ import annotations
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from ..engines_file import EnginesConfig, EngineSpec
 from ..errors import BuildError, MissingDependencyError, TrtDiffusionError
-from ..engines_file import EngineSpec, EnginesConfig
 from .base import EngineOutcome, Failure
 from .provenance import tool_versions
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from ..errors import ConfigError
 from ..engines_file import EngineSpec
+from ..errors import ConfigError
 
 
 def parse_shard(text: str) -> tuple[int, int]:

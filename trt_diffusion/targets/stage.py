@@ -11,13 +11,13 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Callable
 
 from ..components import get_component, load_model_config
+from ..engines_file import EnginesConfig, EngineSpec
 from ..errors import TrtDiffusionError
-from ..engines_file import EngineSpec, EnginesConfig
 from . import get_target
 from .base import BuildReport, BuildRequest, EngineOutcome, Failure  # noqa: F401  (BuildReport re-exported)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -42,7 +42,7 @@ def package_command(
     config: Annotated[Path, typer.Argument(help="engines.yaml")],
     out: Annotated[Path, typer.Option("--out", help="repository folder to write (replaced if we wrote it)")]
     = Path("triton_repo"),
-    model: Annotated[Optional[str], typer.Option("--model", help="the model of engines.yaml to package")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="the model of engines.yaml to package")] = None,
     target: Annotated[str, typer.Option("--target", help="which built engines to serve: "
                                         f"{' | '.join(target_names())}")] = "onnxruntime",
     engine_backend: Annotated[EngineBackend, typer.Option(
@@ -62,7 +62,7 @@ def package_command(
     = WarmupData.zero,
     ensemble: Annotated[bool, typer.Option("--ensemble/--no-ensemble",
                                            help="also write <pipeline>_ensemble and its stage models")] = True,
-    batch_requests: Annotated[Optional[int], typer.Option(
+    batch_requests: Annotated[int | None, typer.Option(
         "--batch-requests", min=1, help="requests the entry gathers into one batch at most (shared denoiser calls "
         "over batch-N engines); default: what one call of the biggest UNet engine takes with CFG (batch 8: 4)")]
     = None,
@@ -136,22 +136,22 @@ def generate_command(
     url: Annotated[str, typer.Option("--url", help="HOST:PORT of the server's HTTP or gRPC endpoint")]
     = "127.0.0.1:8000",
     protocol: Annotated[Protocol, typer.Option("--protocol")] = Protocol.http,
-    pipeline: Annotated[Optional[str], typer.Option("--pipeline", help="model name; default: the only one")] = None,
-    negative_prompt: Annotated[Optional[str], typer.Option("--negative-prompt")] = None,
-    height: Annotated[Optional[int], typer.Option("--height", help="default: the server's first bucket")] = None,
-    width: Annotated[Optional[int], typer.Option("--width", help="default: the server's first bucket")] = None,
+    pipeline: Annotated[str | None, typer.Option("--pipeline", help="model name; default: the only one")] = None,
+    negative_prompt: Annotated[str | None, typer.Option("--negative-prompt")] = None,
+    height: Annotated[int | None, typer.Option("--height", help="default: the server's first bucket")] = None,
+    width: Annotated[int | None, typer.Option("--width", help="default: the server's first bucket")] = None,
     steps: Annotated[int, typer.Option("--steps")] = 20,
     guidance_scale: Annotated[float, typer.Option("--guidance-scale")] = 7.5,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    scheduler: Annotated[Optional[str], typer.Option("--scheduler")] = None,
-    controlnet: Annotated[Optional[str], typer.Option("--controlnet")] = None,
-    control_image: Annotated[Optional[Path], typer.Option("--control-image", help="image for the ControlNet")]
+    scheduler: Annotated[str | None, typer.Option("--scheduler")] = None,
+    controlnet: Annotated[str | None, typer.Option("--controlnet")] = None,
+    control_image: Annotated[Path | None, typer.Option("--control-image", help="image for the ControlNet")]
     = None,
-    controlnet_scale: Annotated[Optional[float], typer.Option("--controlnet-scale")] = None,
+    controlnet_scale: Annotated[float | None, typer.Option("--controlnet-scale")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout", help="seconds to wait for the image")] = 300.0,
     num_images: Annotated[int, typer.Option("--num-images", min=1, help="images for this prompt, seeds SEED, "
                                             "SEED+1, ...; written as OUTPUT-0.png, OUTPUT-1.png, ... when > 1")] = 1,
-    preview: Annotated[Optional[Path], typer.Option("--preview", help="save live previews in this folder "
+    preview: Annotated[Path | None, typer.Option("--preview", help="save live previews in this folder "
                                                     "(gRPC only: the streaming entry <pipeline>_stream)")] = None,
     preview_every: Annotated[int, typer.Option("--preview-every", min=1, help="a preview every N steps")] = 5,
 ):

@@ -8,8 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import ServeError
 from ..engines_file.engine_spec import Bucket, Size
+from ..errors import ServeError
 
 SCHEMA_VERSION = 1
 FILE_NAME = "pipeline.json"
@@ -55,7 +55,7 @@ class PipelineDescription:
         (Path(folder) / FILE_NAME).write_text(self.to_json())
 
     @classmethod
-    def read(cls, folder: Path) -> "PipelineDescription":
+    def read(cls, folder: Path) -> PipelineDescription:
         path = Path(folder) / FILE_NAME
         try:
             raw = json.loads(path.read_text())

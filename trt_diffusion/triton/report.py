@@ -52,7 +52,7 @@ class PackageReport:
         (Path(repo) / FILE_NAME).write_text(self.to_json())
 
     @classmethod
-    def read(cls, repo: str | Path) -> "PackageReport":
+    def read(cls, repo: str | Path) -> PackageReport:
         path = Path(repo) / FILE_NAME
         try:
             raw = json.loads(path.read_text())

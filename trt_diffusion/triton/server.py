@@ -27,7 +27,6 @@ from pathlib import Path
 from ..errors import ServeError
 from .signals import deferred_stop_signals
 
-
 # Triton's API groups a client needs the admin header for (`--http-restricted-api` / `--grpc-restricted-protocol`).
 # model-repository stays open: `generate` finds the pipeline through the index, and load/unload are refused
 # anyway (the server runs without --model-control-mode=explicit).
@@ -193,7 +192,7 @@ class TritonServer:
             if self.remove_work_dir:
                 shutil.rmtree(self.work_dir, ignore_errors=True)
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         self.start()
         return self
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -12,14 +12,14 @@ import shutil
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from ..errors import ServeError
 from ..engines_file.engine_spec import Size
-from .repository import PackageOptions, package
+from ..errors import ServeError
 from .report import PackageReport
+from .repository import PackageOptions, package
 from .server import ServerPorts, TritonServer, free_port
 from .signals import stop_signals_interrupt
 from .validate import validate_repository
@@ -36,8 +36,8 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
                   model: str | None = None, options: PackageOptions | None = None,
                   lora_variant: str | None = None) -> PackageReport:
     """Package the built engines of one model of engines.yaml as a Triton repository."""
-    from ..runtime.loader import built_engines
     from ..engines_file import load_engines_file
+    from ..runtime.loader import built_engines
 
     config = load_engines_file(config_path, check_sources=True)
     if model is None:

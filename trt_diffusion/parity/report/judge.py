@@ -4,9 +4,9 @@ and of a report, tool versions. The models (`model`) hold results; this module m
 from __future__ import annotations
 
 import platform
-from datetime import datetime, timezone
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
 from importlib import metadata
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -135,7 +135,7 @@ def judge_report(
     """The report of these variants: it passes only if there is one and every variant passes."""
     variants = list(variants)
     return ParityReport(
-        created_at=created_at or datetime.now(timezone.utc),
+        created_at=created_at or datetime.now(UTC),
         tool_versions=dict(collect_tool_versions() if tool_versions is None else tool_versions),
         variants=variants,
         passed=bool(variants) and all(variant.passed for variant in variants),

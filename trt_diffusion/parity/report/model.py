@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from ..metrics import Thresholds, TensorDiff
+from ..metrics import TensorDiff, Thresholds
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -60,7 +60,7 @@ class ImageComparison(_ReportModel):
     diff_png: PngName | None = Field(default=None, description="the |diff| heatmap, written by write_report")
 
     @model_validator(mode="after")
-    def _lpips_has_value_or_reason(self) -> "ImageComparison":
+    def _lpips_has_value_or_reason(self) -> ImageComparison:
         if self.lpips is None and not self.lpips_reason:
             raise ValueError("lpips_reason is required when lpips is null")
         return self
@@ -79,7 +79,7 @@ class ComponentDiff(_ReportModel):
     inf_count: int = Field(ge=0, description="+-inf values in the candidate")
 
     @classmethod
-    def from_tensor_diff(cls, component: str, output: str, diff: TensorDiff) -> "ComponentDiff":
+    def from_tensor_diff(cls, component: str, output: str, diff: TensorDiff) -> ComponentDiff:
         return cls(
             component=component,
             output=output,
@@ -118,7 +118,7 @@ class VariantResult(_ReportModel):
     )
 
     @model_validator(mode="after")
-    def _verdict_matches_reasons(self) -> "VariantResult":
+    def _verdict_matches_reasons(self) -> VariantResult:
         # A failure must say why, and a pass must not hide a failed image.
         if self.passed and (self.failure_reasons or not all(image.passed for image in self.images)):
             raise ValueError(f"variant {self.variant_id!r} is marked passed but has failures")
@@ -137,7 +137,7 @@ class ParityReport(_ReportModel):
     passed: bool
 
     @model_validator(mode="after")
-    def _consistent(self) -> "ParityReport":
+    def _consistent(self) -> ParityReport:
         ids = [variant.variant_id for variant in self.variants]
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:

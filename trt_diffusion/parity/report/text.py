@@ -4,7 +4,7 @@ ratio formatting (inf/NaN/missing), verdicts, thresholds."""
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..metrics import Thresholds
 from .model import VariantResult

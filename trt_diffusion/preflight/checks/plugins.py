@@ -89,9 +89,9 @@ def _pipeline(model, engines, make_runner, flags):
 
 
 def _lora_in_process(ctx: CheckContext, outcome: Outcome, settings, lora_name: str, lora, target: str) -> None:
+    from ...engines_file.schema import LoraMode
     from ...runtime.loader import built_engines, refit_weights, runner_for
     from ...runtime.pipeline import GenerationRequest
-    from ...engines_file.schema import LoraMode
 
     model = ctx.resolved_model
     try:

@@ -15,14 +15,14 @@ import os
 import shutil
 import tempfile
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from ...errors import BuildError
 from ...engines_file.engine_spec import EngineSpec
+from ...errors import BuildError
 from ..manifests import MANIFEST_FILE, read_folder_manifest, trusted_folder_manifest
 from ..onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
 from . import host, precision
@@ -211,7 +211,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             inputs=tensor_infos(compiled.inputs, [t.name for t in source_inputs]),
             outputs=tensor_infos(compiled.outputs, [t.name for t in source_outputs]),
             refit_constants=tuple(refit_constants), cache_blob=cache_blob, build_seconds=time.perf_counter() - start,
-            compile_seconds=compile_seconds, created_at=datetime.now(timezone.utc).isoformat())
+            compile_seconds=compile_seconds, created_at=datetime.now(UTC).isoformat())
         del compiled
         (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
         if final.exists():

@@ -6,13 +6,23 @@ import os
 import re
 from pathlib import Path
 
-from ...errors import BuildError, ServeError
 from ...engines_file.engine_spec import EngineSpec
+from ...errors import BuildError, ServeError
 from ..base import BuildRequest, BuiltEngine, TritonEngineModel
 from ..onnx_facts import onnx_sha256
 from . import host, precision
-from .engine import (MANIFEST_FILE, MODEL_FILE, TARGET, WEIGHTS_FILE, build_engine, build_input_hash, cache_dir,
-                     engine_dir, read_manifest, trusted_engine)
+from .engine import (
+    MANIFEST_FILE,
+    MODEL_FILE,
+    TARGET,
+    WEIGHTS_FILE,
+    build_engine,
+    build_input_hash,
+    cache_dir,
+    engine_dir,
+    read_manifest,
+    trusted_engine,
+)
 from .runner import OpenVINORunner
 
 TRITON_CACHE_FOLDER = "openvino-cache"  # in a Triton model's version folder, when the packaged blob does not fit

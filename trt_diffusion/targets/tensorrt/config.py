@@ -15,15 +15,15 @@ import re
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ...errors import BuildError, RefitError, RuntimeInputError
 from ...engines_file.engine_spec import EngineSpec
+from ...errors import BuildError, RefitError, RuntimeInputError
 from ..onnx_facts import (  # noqa: F401  (re-exported: the TensorRT build's ONNX facts)
     ProfileShapes,
     Shape,
@@ -121,10 +121,10 @@ class BuildFlags:
     workspace_bytes: int = 8 * GIB
 
     @classmethod
-    def for_spec(cls, spec: EngineSpec, onnx_has_qdq: bool) -> "BuildFlags":
+    def for_spec(cls, spec: EngineSpec, has_qdq: bool) -> BuildFlags:
         if spec.target != TARGET:
             raise BuildError(f"{spec.name}: target is {spec.target!r}, not {TARGET!r}")
-        _check_precision(spec, onnx_has_qdq)
+        _check_precision(spec, has_qdq)
         return cls(
             precision=spec.precision,
             tf32=bool(spec.option("tensorrt_tf32", True)),
@@ -292,7 +292,7 @@ def manifest_path(plan_path: str | Path) -> Path:
 
 
 def _utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 class RefitRecord(BaseModel):
@@ -346,7 +346,7 @@ class EngineManifest(BaseModel):
         return self.model_dump_json(indent=2)
 
     @classmethod
-    def from_json(cls, text: str, source: str = "engine manifest") -> "EngineManifest":
+    def from_json(cls, text: str, source: str = "engine manifest") -> EngineManifest:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as err:
@@ -366,7 +366,7 @@ class EngineManifest(BaseModel):
         atomic_write_bytes(path, self.to_json().encode())
 
     @classmethod
-    def read(cls, path: str | Path) -> "EngineManifest":
+    def read(cls, path: str | Path) -> EngineManifest:
         path = Path(path)
         if not path.is_file():
             raise BuildError(f"engine manifest {path} is missing: rebuild with `{REBUILD_COMMAND}`")

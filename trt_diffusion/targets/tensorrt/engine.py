@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import BuildError, MissingDependencyError, RefitError
 from ...engines_file.engine_spec import EngineSpec
+from ...errors import BuildError, MissingDependencyError, RefitError
 from .config import (
     REBUILD_COMMAND,
     TRT_DTYPE_NAMES,

@@ -14,8 +14,9 @@ check, and an ONNX Runtime engine would otherwise run any size.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ...errors import RuntimeInputError
 from . import pb

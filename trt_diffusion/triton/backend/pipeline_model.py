@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import RuntimeInputError
 from ...engines_file.engine_spec import Size
+from ...errors import RuntimeInputError
 from .. import contract
 from ..description import SKELETON_DIR, PipelineDescription
 from . import pb
