@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from ..engines_file.engine_spec import EngineSpec
 from ..errors import BuildError
 from .base import BuildRequest, BuiltEngine, TritonEngineModel
-from .manifests import MANIFEST_FILE, read_folder_manifest, trusted_folder_manifest
+from .manifests import MANIFEST_FILE, read_folder_manifest, record_files, trusted_folder_manifest, verify_engine_folder
 from .onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class OrtEngineManifest(BaseModel):
     outputs: tuple[TensorInfo, ...]
     build_seconds: float
     created_at: str
+    file_sha256: dict[str, str] = {}  # every file of the folder but the manifest (empty in older manifests)
 
 
 def engine_dir(workspace: str | Path, spec: EngineSpec) -> Path:
@@ -127,6 +128,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             static_shapes=static, offline_optimization=None if spec.refittable else SAVED_OPTIMIZATION,
             profile_shapes={k: tuple(map(tuple, v)) for k, v in profile.items()}, inputs=inputs, outputs=outputs,
             build_seconds=time.perf_counter() - start, created_at=datetime.now(UTC).isoformat(),
+            file_sha256=record_files(tmp),
         )
         (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
         if final.exists():
@@ -139,6 +141,12 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final, manifest, False
+
+
+def verify(folder: Path, manifest: OrtEngineManifest, *, where: str, full: bool = True) -> None:
+    """BuildError unless the folder holds the bytes its manifest records (see manifests.verify_engine_folder)."""
+    verify_engine_folder(folder, manifest, lambda f: onnx_sha256(f / MODEL_FILE), where=where, full=full,
+                         files=manifest.file_sha256)
 
 
 def fix_dimensions(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -202,9 +210,11 @@ def load_runner(folder: str | Path, *, name: str | None = None, providers=None, 
     from ..runtime.runners import OnnxRuntimeRunner
 
     folder = Path(folder)
-    if read_manifest(folder) is None:
+    manifest = read_manifest(folder)
+    if manifest is None:
         raise BuildError(f"{folder} is not a complete onnxruntime engine (no valid {MANIFEST_FILE}); rebuild it "
                          "with `trt-diffusion build engines.yaml --target onnxruntime`")
+    verify(folder, manifest, where=name or folder.name)  # every load reads the bytes it runs
     providers = list(providers or ["CPUExecutionProvider"])
     if initializers:
         from ..lora import onnxruntime_session
@@ -216,8 +226,12 @@ def load_runner(folder: str | Path, *, name: str | None = None, providers=None, 
     return OnnxRuntimeRunner(folder / MODEL_FILE, name=name or folder.name, session=session)
 
 
-def _engine_files(folder: Path) -> dict[str, Path]:
-    files = {f.name: f for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".")}
+def _engine_files(folder: Path, manifest: OrtEngineManifest) -> dict[str, Path]:
+    """The files to serve: those the manifest records (every file, for older manifests), the manifest."""
+    if manifest.file_sha256:
+        files = {name: folder / name for name in sorted({*manifest.file_sha256, MANIFEST_FILE})}
+    else:
+        files = {f.name: f for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".")}
     if MODEL_FILE not in files or MANIFEST_FILE not in files:
         raise BuildError(f"{folder} is not a complete onnxruntime engine ({MODEL_FILE} and {MANIFEST_FILE} needed)")
     return files
@@ -250,7 +264,10 @@ class OnnxRuntimeTarget:
     def find(self, workspace: Path, spec: EngineSpec) -> BuiltEngine | None:
         folder = engine_dir(workspace, spec)
         manifest = read_manifest(folder)
-        return BuiltEngine(spec, folder, manifest) if manifest and manifest.spec_key == spec.key else None
+        if not manifest or manifest.spec_key != spec.key:
+            return None
+        verify(folder, manifest, where=spec.name, full=False)  # a cached verdict while the files are unchanged
+        return BuiltEngine(spec, folder, manifest)
 
     def runner(self, engine: BuiltEngine, weights=None):
         initializers = self._initializers(engine, weights) if weights else None
@@ -264,7 +281,8 @@ class OnnxRuntimeTarget:
         return len(arrays)
 
     def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
-        files = _engine_files(Path(engine.path))
+        verify(Path(engine.path), engine.manifest, where=engine.spec.name)
+        files = _engine_files(Path(engine.path), engine.manifest)
         if engine_backend == "native":
             return TritonEngineModel("onnxruntime", "KIND_CPU", files, MODEL_FILE, notes=(
                 'backend "onnxruntime" engine models need NVIDIA\'s Triton containers; the tritonserver bundled '

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import ServeError
 from ..families import FAMILIES, Family
+from ..safe_paths import checked_name, is_link
 from ..targets import get_target
 from . import configs, contract, naming
 from .configs import EnsembleStep, ModelConfig, QueuePolicy, WarmupSample
@@ -326,6 +327,9 @@ def _write_model(root: Path, plan: _ModelPlan, model_dir: Path, family: Family, 
     version = folder / VERSION
     version.mkdir(parents=True)  # ensembles need an (empty) version folder too
     (folder / "config.pbtxt").write_text(configs.to_text(plan.config))
+    for name in plan.files:  # names come from engine manifests (shared workspaces): plain names of this folder
+        checked_name(name, where=f"model {plan.config.name} (engine {plan.record.source})", field="file name",
+                     error=ServeError)
     unlinkable = _onnx_external_data(plan.files)
     for name, source in plan.files.items():
         _place(source, version / name, options.link_files, hard_link=name not in unlinkable)
@@ -343,8 +347,12 @@ def _place(source: Path, target: Path, link: bool, hard_link: bool = True) -> No
     else a copy. ONNX external data is never hard-linked: onnx >= 1.20 (`onnx.load`, `onnx.checker`, and so
     ModelOpt and any user's ONNX tooling) refuses a data file with several links ("potential hardlink
     attack"), the packaged copy and the engine folder's own alike."""
+    if is_link(source):
+        raise ServeError(f"engine file {source} is a symbolic link; engine folders must hold only regular files")
     if not source.is_file():
         raise ServeError(f"engine file {source} is missing; rebuild the engine")
+    if os.path.lexists(target):  # never replace (or delete) a file this step did not create
+        raise ServeError(f"{target} already exists; refusing to overwrite it")
     if link:
         if _reflink(source, target):
             return
@@ -364,8 +372,10 @@ def _reflink(source: Path, target: Path) -> bool:
     """A copy-on-write clone of `source` (Btrfs, XFS, overlay on them...); False where the filesystem has none."""
     import fcntl
 
+    created = False  # only a file this call created may be removed again
     try:
         with open(source, "rb") as src, open(target, "xb") as dst:
+            created = True
             try:
                 fcntl.ioctl(dst.fileno(), _FICLONE, src.fileno())
             except OSError:
@@ -378,7 +388,8 @@ def _reflink(source: Path, target: Path) -> bool:
         shutil.copystat(source, target)
         return True
     except OSError:
-        target.unlink(missing_ok=True)
+        if created:
+            target.unlink(missing_ok=True)
         return False
 
 

@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError
-from ..manifests import MANIFEST_FILE, read_folder_manifest, trusted_folder_manifest
+from ...safe_paths import inside_folder
+from ..manifests import MANIFEST_FILE, read_folder_manifest, record_files, trusted_folder_manifest, verify_engine_folder
 from ..onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
 from . import host, precision
 
@@ -63,10 +64,11 @@ class OpenVINOEngineManifest(BaseModel):
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
     refit_constants: tuple[str, ...] = ()
-    cache_blob: str | None = None  # the compiled model's file in the cache folder (valid for cpu_fingerprint)  # ONNX initializers that are named Constants of the IR (refittable)
+    cache_blob: str | None = None  # the compiled model's file name in the cache folder (valid for cpu_fingerprint)
     build_seconds: float
     compile_seconds: float
     created_at: str
+    file_sha256: dict[str, str] = {}  # every file of the folder but the manifest (empty in older manifests)
 
 
 def engine_dir(workspace: str | Path, spec: EngineSpec) -> Path:
@@ -91,6 +93,19 @@ def engine_sha256(folder: Path) -> str:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def verify(folder: Path, manifest: OpenVINOEngineManifest, *, where: str, full: bool = True) -> None:
+    """BuildError unless the folder holds the bytes its manifest records (see manifests.verify_engine_folder)."""
+    verify_engine_folder(folder, manifest, engine_sha256, where=where, full=full, files=manifest.file_sha256)
+
+
+def cache_blob_path(folder: Path, manifest: OpenVINOEngineManifest, where: str, error) -> Path | None:
+    """`folder / manifest.cache_blob` once the name is checked to be a plain file name of that folder (a
+    manifest from a shared workspace is input: `../../Makefile` or `/etc/x` must not be read or written)."""
+    if manifest.cache_blob is None:
+        return None
+    return inside_folder(folder, manifest.cache_blob, where=where, field="cache_blob", error=error, name_only=True)
 
 
 def read_manifest(folder: Path) -> OpenVINOEngineManifest | None:
@@ -211,7 +226,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             inputs=tensor_infos(compiled.inputs, [t.name for t in source_inputs]),
             outputs=tensor_infos(compiled.outputs, [t.name for t in source_outputs]),
             refit_constants=tuple(refit_constants), cache_blob=cache_blob, build_seconds=time.perf_counter() - start,
-            compile_seconds=compile_seconds, created_at=datetime.now(UTC).isoformat())
+            compile_seconds=compile_seconds, created_at=datetime.now(UTC).isoformat(), file_sha256=record_files(tmp))
         del compiled
         (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
         if final.exists():

@@ -18,10 +18,12 @@ from .engine import (
     WEIGHTS_FILE,
     build_engine,
     build_input_hash,
+    cache_blob_path,
     cache_dir,
     engine_dir,
     read_manifest,
     trusted_engine,
+    verify,
 )
 from .runner import OpenVINORunner
 
@@ -110,9 +112,13 @@ class OpenVINOTarget:
     def find(self, workspace: Path, spec: EngineSpec) -> BuiltEngine | None:
         folder = engine_dir(workspace, spec)
         manifest = read_manifest(folder)
-        return BuiltEngine(spec, folder, manifest) if manifest and manifest.spec_key == spec.key else None
+        if not manifest or manifest.spec_key != spec.key:
+            return None
+        verify(folder, manifest, where=spec.name, full=False)  # a cached verdict while the files are unchanged
+        return BuiltEngine(spec, folder, manifest)
 
     def runner(self, engine: BuiltEngine, weights=None):
+        verify(Path(engine.path), engine.manifest, where=engine.spec.name)
         constants = self._constants(engine, weights) if weights else None
         cache = cache_dir(Path(engine.path).parent.parent, host.cpu_facts())
         return OpenVINORunner(engine.path, name=engine.spec.name, cache=cache, constants=constants)
@@ -120,6 +126,7 @@ class OpenVINOTarget:
     def refit(self, engine: BuiltEngine, weights, source_onnx) -> int:
         # Like onnxruntime: the refit happens when a runner is created (weight constants of the IR replaced
         # in memory, then compiled); check the LoRA fits and compile it once, exactly what a server does.
+        verify(Path(engine.path), engine.manifest, where=engine.spec.name)
         constants = self._constants(engine, weights) if weights else {}
         OpenVINORunner(engine.path, name=engine.spec.name, constants=constants)
         return len(constants)
@@ -127,16 +134,23 @@ class OpenVINOTarget:
     def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
         folder = Path(engine.path)
         manifest = engine.manifest
+        where = f"{engine.spec.name}: {folder / MANIFEST_FILE}"
         files = {name: folder / name for name in (MODEL_FILE, WEIGHTS_FILE, MANIFEST_FILE)}
         missing = [name for name, path in files.items() if not path.is_file()]
         if missing:
             raise ServeError(f"{folder} is not a complete openvino engine ({', '.join(missing)} missing); rebuild it")
+        blob_name = manifest.cache_blob
+        blob_path = cache_blob_path(folder, manifest, where, ServeError)  # checked before anything is read
+        try:
+            verify(folder, manifest, where=engine.spec.name)
+        except BuildError as exc:
+            raise ServeError(str(exc)) from None
         if engine_backend == "native":
             return self._native_model(engine, files)
-        if manifest.cache_blob and host.unavailable_reason() is None:
-            blob = cache_dir(folder.parent.parent, host.cpu_facts()) / manifest.cache_blob
+        if blob_path is not None and host.unavailable_reason() is None:
+            blob = cache_blob_path(cache_dir(folder.parent.parent, host.cpu_facts()), manifest, where, ServeError)
             if blob.is_file():  # the compiled model: a server on this CPU starts without compiling
-                files[manifest.cache_blob] = blob
+                files[blob_name] = blob
         if (folder / "refit_map.json").is_file():
             files["refit_map.json"] = folder / "refit_map.json"
         return TritonEngineModel("python", "KIND_CPU", files)
@@ -146,8 +160,10 @@ class OpenVINOTarget:
         manifest = read_manifest(folder)
         if manifest is None:
             raise BuildError(f"{folder} holds no valid openvino {MANIFEST_FILE}; package the repository again")
+        verify(folder, manifest, where=name)
         facts = host.cpu_facts()
-        if manifest.cache_blob and (folder / manifest.cache_blob).is_file() and manifest.cpu_fingerprint == facts.fingerprint():
+        blob = cache_blob_path(folder, manifest, f"{name}: {folder / MANIFEST_FILE}", BuildError)
+        if blob is not None and blob.is_file() and manifest.cpu_fingerprint == facts.fingerprint():
             cache = folder  # the blob packaged beside the IR was compiled by this OpenVINO on this CPU
         else:
             cache = folder / TRITON_CACHE_FOLDER / facts.fingerprint()
