@@ -2,7 +2,7 @@
 
 A `TrtDiffusionError` is the user's to fix (bad engines.yaml, missing folder, failed parity gate):
 the CLI prints its message and exits 1 with no traceback. Anything else is a bug in this tool
-and exits 2 with the traceback.
+and exits 3 with the traceback.
 """
 
 
@@ -56,4 +56,4 @@ class MissingDependencyError(TrtDiffusionError):
 
 class InternalError(Exception):
     """A bug in trt-diffusion found inside a stage that keeps going (one engine of many): not the user's
-    to fix. Deliberately not a TrtDiffusionError, so the CLI exits 2."""
+    to fix. Deliberately not a TrtDiffusionError, so the CLI exits 3 (cli/main.py)."""

@@ -26,10 +26,10 @@ from trt_diffusion.parity.report import (
     judge_report,
     judge_variant,
     read_report,
-    render_summary,
     write_report,
 )
 from trt_diffusion.parity.report import files as report_files
+from trt_diffusion.cli.parity_summary import render_summary
 
 SCRIPT_PROMPT = "<script>alert('x')</script> & a cat"
 NO_LPIPS = "LPIPS not computed: test"

@@ -104,15 +104,15 @@ def test_a_failing_engine_is_reported_and_the_others_build(tmp_path, built_sd15,
     assert "sd15-tiny.vae_decoder.64x64.b1.fp32" in captured.err and "Traceback" not in captured.err
 
 
-def test_a_bug_in_a_target_exits_2_with_its_traceback(tmp_path, built_sd15, monkeypatch, capsys):
-    """Any other exception is a bug: the other engines still build, then exit 2 with the traceback."""
+def test_a_bug_in_a_target_exits_3_with_its_traceback(tmp_path, built_sd15, monkeypatch, capsys):
+    """Any other exception is a bug: the other engines still build, then exit 3 with the traceback."""
     path = _fresh_workspace(tmp_path, built_sd15)
     _failing_vae_build(monkeypatch, RuntimeError("simulated builder crash"))
     report = api.build(path)
     (failed,) = report.failed
     assert failed.failure.internal and "simulated builder crash" in failed.failure.traceback
     assert len(report.built) + len(report.cached) == 3
-    assert main(["build", str(path)]) == 2
+    assert main(["build", str(path)]) == 3
     captured = capsys.readouterr()
     assert "Traceback" in captured.err and "simulated builder crash" in captured.err
     assert "internal error" in captured.err

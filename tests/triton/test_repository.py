@@ -184,7 +184,7 @@ def test_package_command(sd15_engines, tmp_path):
     import typer
     from typer.testing import CliRunner
 
-    from trt_diffusion.triton.commands import package_command
+    from trt_diffusion.cli.serve_commands import package_command
 
     app = typer.Typer()
     app.command("package")(package_command)

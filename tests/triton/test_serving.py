@@ -265,7 +265,7 @@ def test_generate_command_writes_the_png(served, tmp_path):
     from PIL import Image
     from typer.testing import CliRunner
 
-    from trt_diffusion.triton.commands import generate_command
+    from trt_diffusion.cli.serve_commands import generate_command
 
     app = typer.Typer()
     app.command("generate")(generate_command)

@@ -57,7 +57,7 @@ class TritonEngineModel:
 @dataclass(frozen=True)
 class Failure:
     """Why one engine failed: data, not a sentence to re-parse. `internal` marks a bug in trt-diffusion
-    (the CLI exits 2 with `traceback`) as opposed to bad input or a tool's refusal (exit 1)."""
+    (the CLI exits 3 with `traceback`) as opposed to bad input or a tool's refusal (exit 1)."""
 
     engine: str
     key: str

@@ -1,13 +1,12 @@
 """Parity reports: the data model (`model`), judging (`judge`), the files (`files`: JSON + JSON Schema,
-PNGs, diff heatmaps), the HTML page from Jinja2 templates (`html_page`) and the terminal summary
-(`terminal`). Import from here; the submodules are the seams, not separate APIs."""
+PNGs, diff heatmaps) and the HTML page from Jinja2 templates (`html_page`); the terminal summary is the
+CLI's (`cli/parity_summary.py`). Import from here; the submodules are the seams, not separate APIs."""
 
 from .files import REPORT_HTML, REPORT_JSON, REPORT_SCHEMA, ReportFiles, read_report, write_report
 from .heatmap import HEATMAP_GAIN, diff_heatmap, diff_png_name
 from .html_page import render_html
 from .judge import collect_tool_versions, compare_image, judge_report, judge_variant, variant_failures
 from .model import REPORT_SCHEMA_VERSION, ComponentDiff, ImageComparison, ParityReport, VariantResult
-from .terminal import render_summary
 from .text import max_lpips, min_psnr, min_ssim
 
 __all__ = [
@@ -15,5 +14,5 @@ __all__ = [
     "ImageComparison", "ParityReport", "ReportFiles", "VariantResult", "collect_tool_versions", "compare_image",
     "diff_heatmap", "diff_png_name", "judge_report", "judge_variant",
     "max_lpips", "min_psnr", "min_ssim", "read_report", "render_html",
-    "render_summary", "variant_failures", "write_report",
+    "variant_failures", "write_report",
 ]

@@ -1,12 +1,4 @@
-"""The `package`, `serve` and `generate` commands as plain typer-annotated functions.
-
-Registered by cli.py (one line each):
-
-    from .triton.commands import generate_command, package_command, serve_command
-    app.command("package")(package_command)
-    app.command("serve")(serve_command)
-    app.command("generate")(generate_command)
-"""
+"""The serving commands: package (a Triton model repository), serve (tritonserver on it), generate (ask it)."""
 
 from __future__ import annotations
 
@@ -15,12 +7,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from ..targets import check_target_name, target_names
-
-console = Console()
+from .console import console
+from .options import Transport
 
 
 class EngineBackend(str, Enum):
@@ -31,11 +22,6 @@ class EngineBackend(str, Enum):
 class WarmupData(str, Enum):
     zero = "zero"
     random = "random"
-
-
-class Protocol(str, Enum):
-    http = "http"
-    grpc = "grpc"
 
 
 def package_command(
@@ -73,8 +59,8 @@ def package_command(
                                          help="also write <pipeline>_stream (gRPC streaming, previews)")] = True,
 ):
     """Write a Triton model repository serving the built engines of one model."""
-    from .repository import PackageOptions
-    from .stage import package_stage
+    from ..triton.repository import PackageOptions
+    from ..triton.stage import package_stage
 
     options = PackageOptions(engine_backend=engine_backend.value, pipeline_instances=instances,
                              engine_instances=engine_instances, max_queue_size=max_queue_size,
@@ -111,7 +97,7 @@ def serve_command(
     = False,
 ):
     """Run tritonserver on the repository (127.0.0.1) until Ctrl-C."""
-    from .stage import serve
+    from ..triton.stage import serve
 
     def announce(report) -> None:
         console.print(f"ready in {report.seconds_to_ready:.1f} s ({len(report.models_ready)} models, all warm)")
@@ -135,7 +121,7 @@ def generate_command(
     output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write")] = Path("out.png"),
     url: Annotated[str, typer.Option("--url", help="HOST:PORT of the server's HTTP or gRPC endpoint")]
     = "127.0.0.1:8000",
-    protocol: Annotated[Protocol, typer.Option("--protocol")] = Protocol.http,
+    protocol: Annotated[Transport, typer.Option("--protocol")] = Transport.http,
     pipeline: Annotated[str | None, typer.Option("--pipeline", help="model name; default: the only one")] = None,
     negative_prompt: Annotated[str | None, typer.Option("--negative-prompt")] = None,
     height: Annotated[int | None, typer.Option("--height", help="default: the server's first bucket")] = None,
@@ -162,7 +148,7 @@ def generate_command(
     from PIL import Image
 
     from ..engines_file.engine_spec import Size
-    from .client import ImageRequest, generate_images, served_sizes, stream
+    from ..triton.client import ImageRequest, generate_images, served_sizes, stream
 
     if height is None or width is None:
         pipeline, sizes = served_sizes(url, pipeline, protocol.value)
@@ -178,7 +164,7 @@ def generate_command(
     start = time.perf_counter()
     output.parent.mkdir(parents=True, exist_ok=True)
     if preview is not None:
-        if protocol is not Protocol.grpc or num_images > 1:
+        if protocol is not Transport.grpc or num_images > 1:
             raise _UserError("--preview streams over gRPC, one image at a time: use --protocol grpc with the gRPC "
                              "port (8001) and no --num-images (HTTP has no streaming in Triton)")
         preview.mkdir(parents=True, exist_ok=True)
@@ -188,7 +174,7 @@ def generate_command(
             console.print(f"preview {preview / f'step-{step:04d}.png'}")
 
         if pipeline is None:
-            from .client import connect, find_pipeline
+            from ..triton.client import connect, find_pipeline
 
             client = connect(url, "grpc", 60.0)
             try:
@@ -209,3 +195,6 @@ def generate_command(
     console.print(f"wrote {', '.join(map(str, paths))} ({width}x{height}, {steps} steps, seed {seed}) in "
                   f"{time.perf_counter() - start:.2f} s"
                   + (f" (server: {timing.get('total_s', 0):.2f} s, batch {timing.get('batch')})" if timing else ""))
+
+
+COMMANDS = {"package": package_command, "serve": serve_command, "generate": generate_command}

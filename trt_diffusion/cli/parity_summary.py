@@ -1,12 +1,12 @@
-"""The one-screen terminal summary (a rich Table)."""
+"""The parity report's one-screen terminal summary (a rich Table)."""
 
 from __future__ import annotations
 
 from rich.table import Table
 from rich.text import Text
 
-from .model import ParityReport
-from .text import first_failure, format_db, format_ratio, lpips_note, min_psnr, min_ssim, verdict
+from ..parity.report.model import ParityReport
+from ..parity.report.text import first_failure, format_db, format_ratio, lpips_note, min_psnr, min_ssim, verdict
 
 
 def _verdict_style(passed: bool) -> str:

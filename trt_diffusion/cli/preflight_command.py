@@ -1,30 +1,23 @@
-"""The `preflight` command as a plain typer-annotated function (registered by cli.py in one line)."""
+"""The `preflight` command."""
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-from .names import CHECK_NAMES
-
-console = Console()
-
-
-class Protocol(str, Enum):
-    http = "http"
-    grpc = "grpc"
+from ..preflight.names import CHECK_NAMES
+from .console import console
+from .options import Transport
 
 
 def preflight_command(
     config: Annotated[Path, typer.Argument(help="engines.yaml")],
     url: Annotated[str | None, typer.Option("--url", help="HOST:PORT of a running server (default: package the "
                                                "built engines and start one on 127.0.0.1)")] = None,
-    protocol: Annotated[Protocol, typer.Option("--protocol", help="grpc can cancel; http cannot (cancellation n/a)")]
-    = Protocol.grpc,
+    protocol: Annotated[Transport, typer.Option("--protocol", help="grpc can cancel; http cannot (cancellation n/a)")]
+    = Transport.grpc,
     metrics_url: Annotated[str | None, typer.Option("--metrics-url", help="HOST:PORT of the server's metrics "
                                                        "(with --url; default HOST:8002)")] = None,
     only: Annotated[list[str] | None, typer.Option("--only", help=f"run only these: {', '.join(CHECK_NAMES)}")]
@@ -43,8 +36,8 @@ def preflight_command(
 ):
     """Run the pre-launch checklist against a Triton server; exit 1 when a check fails."""
     from .. import api
-    from .errors import PreflightError
-    from .terminal import render_summary
+    from ..preflight.errors import PreflightError
+    from .preflight_summary import render_summary
 
     only = [n for item in only or [] for n in item.split(",") if n]
     skip = [n for item in skip or [] for n in item.split(",") if n]

@@ -1,8 +1,8 @@
-"""The one-screen summary: a rich table, one row per check, with its first failure."""
+"""The preflight report's one-screen summary: a rich table, one row per check, with its first failure."""
 
 from __future__ import annotations
 
-from .model import PreflightReport
+from ..preflight.model import PreflightReport
 
 
 def render_summary(report: PreflightReport):

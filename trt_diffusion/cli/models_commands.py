@@ -1,0 +1,36 @@
+"""`models tiny`: seeded reference pipeline folders (the embedded default and the tests' models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..families import Family
+from .console import console
+
+
+def models_tiny(
+    out: Annotated[Path, typer.Option("--out", "-o", help="folder to write")] = Path("models/tiny-sd15"),
+    family: Annotated[Family, typer.Option("--family")] = Family.sd15,
+    size: Annotated[str, typer.Option(
+        "--size", help="tiny, or full (real UNet architecture, random weights; sd15, sdxl)")] = "tiny",
+    seed: int = 0,
+    controlnet: Annotated[bool, typer.Option("--controlnet", help="also write a ControlNet in <out>/controlnet")] = False,
+    lora: Annotated[bool, typer.Option("--lora", help="also write a LoRA in <out>/lora")] = False,
+    overwrite: bool = False,
+    if_missing: Annotated[bool, typer.Option("--if-missing", help="do nothing when <out> already exists")] = False,
+):
+    """Write a seeded reference pipeline folder that DiffusionPipeline.from_pretrained loads."""
+    from .. import api
+
+    if if_missing and (out / "model_index.json").is_file():
+        console.print(f"{out} exists; left as it is")
+        return
+    path = api.make_tiny_model(out, family.value, seed=seed, size=size, controlnet=controlnet, lora=lora,
+                               overwrite=overwrite)
+    console.print(f"wrote {family.value} ({size}) model to {path}")
+
+
+COMMANDS = {"tiny": models_tiny}
