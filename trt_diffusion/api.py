@@ -79,16 +79,22 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     engine on a cluster sharing the workspace.
     """
     from .engines_file.selection import select_specs
-    from .errors import MissingDependencyError
+    from .errors import ConfigError, MissingDependencyError
     from .targets import build_state, check_target_name, get_target
     from .targets.base import BuildReport
 
     config = load_engines_file(config_path, check_sources=True)
+    selected = select_specs(config, model, component)
     if target is not None:
         reason = get_target(check_target_name(target)).unavailable_reason()
         if reason is not None:
             raise MissingDependencyError(f"cannot build the {target} target on this machine: {reason}")
-    wanted = [s for s in select_specs(config, model, component) if target is None or s.target == target]
+        if not any(s.target == target for s in selected):
+            listed = ", ".join(dict.fromkeys(s.target for s in selected))
+            raise ConfigError(f"--target {target}: {config.path} asks for no {target} engines"
+                              f"{' of the selected models/components' if model or component else ''} "
+                              f"(its targets: {listed}); add {target} to `targets:` to build them")
+    wanted = [s for s in selected if target is None or s.target == target]
     report = BuildReport()
     for name in dict.fromkeys(s.target for s in wanted):
         reason = get_target(name).unavailable_reason()
@@ -96,6 +102,10 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
             report.skipped_targets[name] = reason
     wanted = [s for s in wanted if s.target not in report.skipped_targets]
     wanted = _without_specs_for_other_hosts(wanted, report.skipped_targets)
+    if not wanted and report.skipped_targets:  # a build that builds nothing says so, and fails
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in report.skipped_targets.items())
+        raise MissingDependencyError(f"nothing to build on this machine: every engine {config.path} asks for is "
+                                     f"for a target this machine cannot build ({reasons})")
     if shard is not None:
         from .targets.shards import shard_specs
 

@@ -87,6 +87,27 @@ def family_info(family: Family | str) -> FamilyInfo:
     return FAMILIES[Family(family)]
 
 
+# model_index.json's `_class_name` of each family's text-to-image pipeline (and the variants diffusers saves),
+# so engines.yaml's `family:` is checked against the folder it names.
+PIPELINE_CLASSES: dict[Family, tuple[str, ...]] = {
+    Family.sd15: ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline",
+                  "StableDiffusionControlNetPipeline"),
+    Family.sdxl: ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline",
+                  "StableDiffusionXLControlNetPipeline"),
+    Family.sd3: ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
+    Family.flux: ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline",
+                  "FluxKontextPipeline", "FluxControlPipeline"),
+}
+
+
+def family_of_pipeline_class(class_name: str) -> Family | None:
+    """The family whose pipeline a model_index.json names; None for a class no family claims."""
+    for family, classes in PIPELINE_CLASSES.items():
+        if class_name in classes:
+            return family
+    return None
+
+
 # The folder of a diffusers pipeline that holds each component (ControlNets have their own source).
 SUBFOLDER = {
     Component.text_encoder: "text_encoder",

@@ -22,6 +22,7 @@ class PlanRow:
     why: list[str] = field(default_factory=list)
     formula: str = ""
     runs_as: str = ""  # what the target computes for this precision, here and on other hosts
+    not_here: str | None = None  # why this machine cannot build the row's engines (None: it can)
 
     @property
     def disk_bytes(self) -> int | None:
@@ -39,6 +40,10 @@ class Plan:
         return len(self.specs)
 
     @property
+    def buildable_here(self) -> int:
+        return sum(r.engines for r in self.rows if r.not_here is None)
+
+    @property
     def total_disk_bytes(self) -> int:
         return sum(r.disk_bytes or 0 for r in self.rows)
 
@@ -50,6 +55,7 @@ class Plan:
         return {
             "config": str(self.config.path),
             "total_engines": self.total_engines,
+            "buildable_here": self.buildable_here,
             "total_disk_bytes": self.total_disk_bytes,
             "rows": [{**r.__dict__, "disk_bytes": r.disk_bytes} for r in self.rows],
             "engines": [
@@ -76,8 +82,16 @@ def make_plan(config: EnginesConfig, count_parameters: bool = True) -> Plan:
         label = f"{component}:{controlnet}" if controlnet else component
         why = [r for s in members for r in s.reasons]
         rows.append(PlanRow(model_name, label, target, precision, len(members), params, per_engine, why,
-                            formula=_formula(members), runs_as=_runs_as(target, precision)))
+                            formula=_formula(members), runs_as=_runs_as(target, precision),
+                            not_here=_not_here(target)))
     return Plan(config, specs, rows)
+
+
+def _not_here(target: str) -> str | None:
+    """Why this machine cannot build a target's engines (`build` skips them), or None."""
+    from .targets import get_target
+
+    return get_target(target).unavailable_reason()
 
 
 def _runs_as(target: str, precision: str) -> str:

@@ -57,6 +57,16 @@ CASES = [
     ("quantized-vae", "version: 1\nmodels:\n" + GOOD_MODEL + "    precision: {vae_decoder: int8}\n", 6,
      ["models.m.precision.vae_decoder", "int8 is for denoisers"]),
     ("opset-too-old", "version: 1\nbuild: {opset: 13}\nmodels:\n" + GOOD_MODEL, 2, ["build.opset", "greater than or equal to 18"]),
+    # what `plan` let through before (a plan of text encoders only), and what it said in pydantic's words
+    ("empty-buckets", "version: 1\nmodels:\n" + GOOD_MODEL + "    buckets: []\n", 6,
+     ["models.m.buckets", "at least one"]),
+    ("empty-targets", "version: 1\nmodels:\n" + GOOD_MODEL + "    targets: []\n", 6,
+     ["models.m.targets", "at least one"]),
+    ("family-not-the-folders", "version: 1\nmodels:\n  m:\n    source: {source}\n    family: sdxl\n", 5,
+     ["models.m.family", "StableDiffusionPipeline", "family sd15", "set family: sd15"]),
+    ("did-you-mean", "version: 1\nmodels:\n" + GOOD_MODEL + "    bucket: ['512x512']\n", 6,
+     ["models.m.bucket", "unknown key", "did you mean 'buckets'"]),
+    ("version-in-our-words", "version: 2\nmodels:\n" + GOOD_MODEL, 1, ["reads version: 1"]),
 ]
 
 
@@ -92,3 +102,27 @@ def test_debug_shows_the_traceback(tmp_path, capsys, tiny_sd15_dir):
 def test_missing_file(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "nope.yaml")]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_bad_bucket_is_one_message_in_the_files_words(tmp_path, capsys, tiny_sd15_dir):
+    path = write(tmp_path, "version: 1\nmodels:\n" + GOOD_MODEL + "    buckets: ['64by64', [64]]\n", tiny_sd15_dir)
+    assert main(["plan", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "2 problems" in err, err  # one per bucket, not one per union branch
+    assert "Input should be" not in err and "RangeBucket" not in err
+    assert "expected WIDTHxHEIGHT like '512x512', got '64by64'" in err and "a bucket is 'WIDTHxHEIGHT'" in err
+
+
+def test_a_missing_lora_file_is_reported_with_the_schema_errors(tmp_path, capsys, tiny_sd15_dir):
+    body = ("version: 1\nmodels:\n" + GOOD_MODEL + "    colour: red\n    loras:\n"
+            "      style: {source: nowhere.safetensors}\n")
+    assert main(["plan", str(write(tmp_path, body, tiny_sd15_dir))]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "2 problems" in err and "models.m.colour" in err and "LoRA file 'nowhere.safetensors' not found" in err
+
+
+def test_a_folder_instead_of_the_file_is_named(tmp_path, capsys, tiny_sd15_dir):
+    write(tmp_path, "version: 1\nmodels:\n" + GOOD_MODEL, tiny_sd15_dir)
+    assert main(["plan", str(tmp_path)]) == 1
+    assert f"{tmp_path} is a folder: did you mean {tmp_path / 'engines.yaml'}?" in " ".join(
+        capsys.readouterr().err.split())

@@ -28,12 +28,17 @@ def plan_command(config: ConfigArg, as_json: Annotated[bool, typer.Option("--jso
         table.add_column(column, justify="right" if numeric else "left", no_wrap=column != "why")
     for row in result.rows:
         params = f"{row.parameters / 1e6:.2f}M" if row.parameters is not None else "?"
-        table.add_row(row.model, row.component, row.target, row.precision, str(row.engines), params,
+        table.add_row(row.model, row.component, row.target + (" *" if row.not_here else ""), row.precision, str(row.engines), params,
                       human_bytes(row.disk_bytes), row.formula + (f"; {row.runs_as}" if row.runs_as else ""))
     console.print(table)
     console.print("batch shapes are the engine's batch: the image batch, doubled where CFG runs batched. "
                   "`--json` lists every engine with its key and reasons.")
-    console.print(f"[bold]{result.total_engines} engines[/bold], about {human_bytes(result.total_disk_bytes)} on disk")
+    console.print(f"[bold]{result.total_engines} engines[/bold], about {human_bytes(result.total_disk_bytes)} on disk"
+                  f"; {result.buildable_here} buildable on this machine")
+    reasons = dict.fromkeys((row.target, row.not_here) for row in result.rows if row.not_here)
+    for target, reason in reasons:
+        console.print(f"[yellow]not buildable here[/yellow] ({target}, marked *): {reason}", soft_wrap=True,
+                      highlight=False)
 
 
 def export_command(

@@ -12,7 +12,8 @@ from .console import console
 
 
 def models_tiny(
-    out: Annotated[Path, typer.Option("--out", "-o", help="folder to write")] = Path("models/tiny-sd15"),
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="folder to write (default models/tiny-FAMILY)")]
+    = None,
     family: Annotated[Family, typer.Option("--family")] = Family.sd15,
     size: Annotated[str, typer.Option(
         "--size", help="tiny, or full (real UNet architecture, random weights; sd15, sdxl)")] = "tiny",
@@ -22,9 +23,10 @@ def models_tiny(
     overwrite: bool = False,
     if_missing: Annotated[bool, typer.Option("--if-missing", help="do nothing when <out> already exists")] = False,
 ):
-    """Write a seeded reference pipeline folder that DiffusionPipeline.from_pretrained loads."""
+    """Write a seeded reference pipeline folder that diffusers' DiffusionPipeline.from_pretrained loads."""
     from .. import api
 
+    out = out or Path("models") / f"tiny-{family.value}"
     if if_missing and (out / "model_index.json").is_file():
         console.print(f"{out} exists; left as it is")
         return

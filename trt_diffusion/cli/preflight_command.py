@@ -16,7 +16,7 @@ def preflight_command(
     config: Annotated[Path, typer.Argument(help="engines.yaml")],
     url: Annotated[str | None, typer.Option("--url", help="HOST:PORT of a running server (default: package the "
                                                "built engines and start one on 127.0.0.1)")] = None,
-    protocol: Annotated[Transport, typer.Option("--protocol", help="grpc can cancel; http cannot (cancellation n/a)")]
+    protocol: Annotated[Transport, typer.Option("--protocol", case_sensitive=False, help="grpc can cancel; http cannot (cancellation n/a)")]
     = Transport.grpc,
     metrics_url: Annotated[str | None, typer.Option("--metrics-url", help="HOST:PORT of the server's metrics "
                                                        "(with --url; default HOST:8002)")] = None,

@@ -121,7 +121,7 @@ def generate_command(
     output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write")] = Path("out.png"),
     url: Annotated[str, typer.Option("--url", help="HOST:PORT of the server's HTTP or gRPC endpoint")]
     = "127.0.0.1:8000",
-    protocol: Annotated[Transport, typer.Option("--protocol")] = Transport.http,
+    protocol: Annotated[Transport, typer.Option("--protocol", case_sensitive=False)] = Transport.http,
     pipeline: Annotated[str | None, typer.Option("--pipeline", help="model name; default: the only one")] = None,
     negative_prompt: Annotated[str | None, typer.Option("--negative-prompt")] = None,
     height: Annotated[int | None, typer.Option("--height", help="default: the server's first bucket")] = None,

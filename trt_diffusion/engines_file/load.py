@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from ..errors import ConfigError
-from ..families import Component, Family, family_info
+from ..families import Component, Family, family_info, family_of_pipeline_class
 from ..remote_store import check_workspace_url, local_workspace
 from .engine_spec import Bucket, Size
 from .preflight import PreflightSettings
@@ -108,6 +111,10 @@ class _Problems:
 
 def load_engines_file(path: str | Path, *, check_sources: bool = True) -> EnginesConfig:
     path = Path(path)
+    if path.is_dir():
+        inside = path / "engines.yaml"
+        hint = f": did you mean {inside}?" if inside.is_file() else " (give the engines.yaml file, not its folder)"
+        raise ConfigError(f"{path} is a folder{hint}")
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     located = load_located_yaml(path)
@@ -121,9 +128,11 @@ def load_engines_file(path: str | Path, *, check_sources: bool = True) -> Engine
     try:
         parsed = EnginesFile.model_validate(located.data)
     except ValidationError as exc:
-        for error in exc.errors():
+        for error in _one_branch_per_value(exc.errors()):
             field_path = _data_path(located.data, error["loc"])
             problems.add(field_path, _friendly(error))
+        if check_sources:  # in the same pass: a missing folder or LoRA file is not news after the schema is fixed
+            _check_raw_sources(located.data, path.parent, problems)
         problems.raise_if_any()
         raise  # unreachable: a ValidationError always has errors
     url_problem = check_workspace_url(parsed.build.workspace)
@@ -152,15 +161,122 @@ def _check_preflight(parsed: EnginesFile, models: dict[str, ResolvedModel], prob
 
 
 def _friendly(error: dict) -> str:
+    """pydantic's error in the words of engines.yaml."""
     kind, msg = error["type"], error["msg"]
     if kind == "extra_forbidden":
-        return "unknown key"
+        key = error["loc"][-1] if error["loc"] else ""
+        close = difflib.get_close_matches(str(key), _schema_keys(), n=1, cutoff=0.6)
+        return "unknown key" + (f" (did you mean {close[0]!r}?)" if close else "")
     if kind == "enum":
         expected = error.get("ctx", {}).get("expected", "")
         return f"{error.get('input')!r} is not one of {expected}"
     if kind == "missing":
         return "required key is missing"
+    if kind == "literal_error" and error["loc"] == ("version",):
+        return f"{error.get('input')!r} is not a known format version (this trt-diffusion reads version: 1)"
+    if kind in ("model_type", "dict_type", "string_type") and _is_bucket(error["loc"]):
+        return f"a bucket is 'WIDTHxHEIGHT' or {{min, opt, max}}, got {error.get('input')!r}"
+    if kind == "string_type":
+        return f"expected a text value, got {error.get('input')!r}"
+    if kind in ("dict_type", "model_type"):
+        return f"expected a mapping (key: value), got {error.get('input')!r}"
+    if kind == "list_type":
+        return f"expected a list, got {error.get('input')!r}"
+    if kind in ("int_type", "int_parsing"):
+        return f"expected a whole number, got {error.get('input')!r}"
     return msg.removeprefix("Value error, ")
+
+
+def _is_bucket(loc: tuple) -> bool:
+    return "buckets" in loc
+
+
+def _one_branch_per_value(errors: list[dict]) -> list[dict]:
+    """A value that fits no branch of a union (a bucket: a string or a mapping) gets pydantic's complaint from
+    every branch; keep the branch the value was written as — a string's errors, or a mapping's."""
+    def value_path(error):
+        return tuple(p for p in error["loc"] if not _is_branch_tag(p))
+
+    def branch(error):
+        tags = [p for p in error["loc"] if _is_branch_tag(p)]
+        return tags[0] if tags else None
+
+    kept = []
+    by_value: dict[tuple, list[dict]] = {}
+    for error in errors:
+        by_value.setdefault(value_path(error)[:_union_depth(error)], []).append(error)
+    for group in by_value.values():
+        branches = {branch(e) for e in group} - {None}
+        if len(branches) < 2:
+            kept.extend(group)
+            continue
+        written_as_mapping = any(isinstance(e.get("input"), dict) for e in group if branch(e) is not None
+                                 and e["type"] not in ("model_type", "dict_type")) or any(
+            e["type"] == "missing" for e in group)
+        wrong_shape = ("string_type",) if written_as_mapping else ("model_type", "dict_type")
+        kept.extend(e for e in group if e["type"] not in wrong_shape)
+    return kept
+
+
+def _union_depth(error: dict) -> int:
+    """How many plain path parts lead to the value a union branch judged (its errors may go deeper)."""
+    depth = 0
+    for part in error["loc"]:
+        if _is_branch_tag(part):
+            return depth
+        depth += 1
+    return depth
+
+
+def _is_branch_tag(part) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part.startswith(
+        ("function-", "RangeBucket", "HubSource", "FileSource", "constrained-", "list[", "dict[")))
+
+
+@functools.cache
+def _schema_keys() -> tuple[str, ...]:
+    """Every key engines.yaml knows, for did-you-mean."""
+    from pydantic import BaseModel
+
+    from . import preflight, schema
+
+    keys = set()
+    for module in (schema, preflight):
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, BaseModel) and value is not BaseModel:
+                keys.update(value.model_fields)
+    return tuple(sorted(keys))
+
+
+def _check_raw_sources(data, root: Path, problems: _Problems) -> None:
+    """Model folders and LoRA files that do not exist, read from the raw YAML when the schema failed."""
+    models = data.get("models") if isinstance(data, dict) else None
+    for name, entry in (models or {}).items() if isinstance(models, dict) else ():
+        if not isinstance(entry, dict):
+            continue
+        source = entry.get("source")
+        if isinstance(source, str) and not (root / source).is_dir():
+            problems.add(("models", name, "source"), f"model folder {source!r} not found (looked in "
+                                                     f"{(root / source).resolve()})")
+        loras = entry.get("loras")
+        for lora_name, lora in loras.items() if isinstance(loras, dict) else ():
+            file = lora.get("source") if isinstance(lora, dict) else None
+            if isinstance(file, str) and not (root / file).is_file():
+                problems.add(("models", name, "loras", lora_name, "source"),
+                             f"LoRA file {file!r} not found (looked in {(root / file).resolve()})")
+
+
+def _check_family_matches_folder(entry: ModelEntry, source: ResolvedSource, where: tuple, problems: _Problems) -> None:
+    """`family: sd15` on an SDXL folder builds engines of the wrong shapes: say so from model_index.json."""
+    index = source.path / "model_index.json"
+    try:
+        class_name = json.loads(index.read_text()).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return  # a missing or unreadable index is reported by the source check
+    implied = family_of_pipeline_class(class_name) if isinstance(class_name, str) else None
+    if implied is not None and implied is not entry.family:
+        problems.add(where, f"the folder's model_index.json names {class_name} (family {implied.value}), not "
+                            f"{entry.family.value}: set family: {implied.value}")
 
 
 def _data_path(data, loc: tuple) -> tuple:
@@ -258,6 +374,8 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
                                       problems, check_sources)
     else:
         source = _resolve_source(entry.source, base + ("source",), root, problems, check_sources, "model_index.json")
+        if check_sources:
+            _check_family_matches_folder(entry, source, base + ("family",), problems)
     for cn_name, cn in entry.controlnets.items():
         if isinstance(cn.source, FileSource):
             problems.add(base + ("controlnets", cn_name, "source"), "single-file ControlNets are not supported; "

@@ -190,6 +190,14 @@ class ModelSettings(Strict):
     def _one_or_many(cls, value):
         return value if value is None or isinstance(value, list) else [value]
 
+    @field_validator("cfg", "targets", "batch", "components", "buckets")
+    @classmethod
+    def _not_empty(cls, value):
+        # An empty list is never meant: `buckets: []` would plan text encoders only, `targets: []` nothing.
+        if value is not None and not value:
+            raise ValueError("must list at least one value (leave the key out for the default)")
+        return value
+
 
 class ModelEntry(ModelSettings):
     source: Source

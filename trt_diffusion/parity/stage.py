@@ -77,8 +77,7 @@ def run_parity(config: EnginesConfig, out_dir: Path, options: ParityOptions, *, 
                         variants.append(result)
                         images.update(pngs)
     if not variants:
-        raise TrtDiffusionError(f"no built engines to compare in {config.workspace}; run "
-                                f"`trt-diffusion build {config.path}` first")
+        raise TrtDiffusionError(_nothing_to_compare(config, targets))
     report = judge_report(variants)
     return ParityRun(report, write_report(report, images, out_dir))
 
@@ -201,3 +200,25 @@ def _component_diffs(model, bucket, engines: list[BuiltEngine], runners: dict, r
                                 f"> {limit:g} (max abs {diff.max_abs:.3g})")
                 failing_engines.append(spec.name)
     return diffs, failures, failing_engines
+
+
+def _nothing_to_compare(config: EnginesConfig, targets: list[str] | None) -> str:
+    """Why no variant ran, with the step that would make one: a target the file does not list, a target this
+    machine cannot build (a build would build nothing), or engines not built yet."""
+    from ..targets import get_target
+
+    listed = list(dict.fromkeys(t for model in config.models.values() for t in model.targets))
+    asked = list(targets or listed)
+    unlisted = [t for t in asked if t not in listed]
+    if unlisted:
+        return (f"{config.path} lists no {', '.join(unlisted)} engines (its targets: {', '.join(listed)}); "
+                "add the target to the models' `targets:` and build, or choose --target from those")
+    unavailable = {t: get_target(t).unavailable_reason() for t in asked}
+    if all(unavailable.values()):
+        reasons = "; ".join(f"{t}: {reason}" for t, reason in unavailable.items())
+        return (f"no built engines to compare in {config.workspace}, and this machine cannot build them ({reasons}); "
+                "build them on a host that can (a shared build.workspace) or compare another target")
+    buildable = [t for t in asked if not unavailable[t]]
+    return (f"no built engines to compare in {config.workspace}; run "
+            f"`trt-diffusion build {config.path}" + (f" --target {buildable[0]}" if len(buildable) == 1 else "")
+            + "` first")
