@@ -44,7 +44,7 @@ class TensorRTTarget:
     def onnx_precision(self, precision: str) -> str:
         """The ONNX export a `precision` engine is built from (strongly typed: the graph's dtypes are the
         engine's): fp32, fp16 and bf16 graphs (fp32 I/O) for those precisions; fp8/int8 engines are built
-        from the quantize stage's Q/DQ graph, converted to Q/DQ over fp16 (`engine_onnx`, `qdq_fp16.py`)."""
+        from the quantize stage's Q/DQ graph, converted to Q/DQ over the family's base, fp16 or bf16 (`engine_onnx`, `qdq_fp16.py`)."""
         return precision if precision in ("fp32", "fp16", "bf16") else "fp32"
 
     def build_options(self, config) -> dict:
@@ -116,14 +116,15 @@ class TensorRTTarget:
         save it in place with the manifest recording what it now holds (`refit`: None means base again)."""
         from ...lora import RefitMap, refit_weights_for_tensorrt
         from . import engine as trt_engine
-        from .config import QUANTIZED_PRECISIONS
+        from .config import QUANTIZED_PRECISIONS, qdq_base_precision
 
         onnx_path = source_onnx()
         refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
         loaded = trt_engine.load_engine(engine.path)
-        if engine.spec.precision in QUANTIZED_PRECISIONS:  # weights with their recomputed scales, over fp16
-            arrays = refit_weights_for_tensorrt(refit_map, weights, precision="fp16") if weights else {}
-            # the ONNX the plan was built from (Q/DQ over fp16); the plan is <workspace>/engines/tensorrt/x.plan
+        if engine.spec.precision in QUANTIZED_PRECISIONS:  # weights with their recomputed scales, over the Q/DQ base
+            arrays = (refit_weights_for_tensorrt(refit_map, weights, precision=qdq_base_precision(engine.spec))
+                      if weights else {})
+            # the ONNX the plan was built from (Q/DQ over its base); the plan is <workspace>/engines/tensorrt/x.plan
             base_onnx = _engine_onnx(engine.spec, Path(onnx_path), Path(engine.path).parents[2])
             trt_engine.refit_quantized_from_base(loaded, base_onnx, arrays)
         else:
@@ -147,12 +148,13 @@ class TensorRTTarget:
 
 
 def _engine_onnx(spec, onnx_path: Path, workspace: Path) -> Path:
-    from .config import QUANTIZED_PRECISIONS, onnx_compute_dtype
+    from .config import QUANTIZED_PRECISIONS, onnx_compute_dtype, qdq_base_precision
 
     if spec.precision in QUANTIZED_PRECISIONS and onnx_compute_dtype(onnx_path) == "float32":
-        from .qdq_fp16 import qdq_fp16_onnx
+        from .qdq_fp16 import qdq_base_onnx
 
-        return qdq_fp16_onnx(onnx_path, workspace / "engines" / "tensorrt" / "qdq-fp16")
+        base = qdq_base_precision(spec)
+        return qdq_base_onnx(onnx_path, workspace / "engines" / "tensorrt" / f"qdq-{base}", base)
     return onnx_path
 
 
