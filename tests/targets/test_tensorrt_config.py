@@ -448,7 +448,7 @@ def test_manifest_round_trip(tmp_path):
     manifest = make_manifest()
     assert EngineManifest.from_json(manifest.to_json()) == manifest
     raw = json.loads(manifest.to_json())
-    assert raw["schema_version"] == 2 and raw["target"] == "tensorrt" and raw["refit"] is None
+    assert raw["schema_version"] == 3 and raw["target"] == "tensorrt" and raw["refit"] is None
     assert raw["profile_shapes"]["sample"] == [[2, 4, 64, 64]] * 3
     assert raw["flags"]["refit"] is True and raw["created_at"].endswith("+00:00")
 
@@ -464,7 +464,7 @@ def test_unreadable_manifests_are_build_errors(tmp_path):
     with pytest.raises(BuildError, match="not valid JSON"):
         EngineManifest.from_json("{")
     older = json.loads(make_manifest().to_json()) | {"schema_version": 1}  # v1 did not record refits: never trusted
-    with pytest.raises(BuildError, match="schema_version 1; this trt-diffusion reads 2"):
+    with pytest.raises(BuildError, match="schema_version 1; this trt-diffusion reads 3"):
         EngineManifest.from_json(json.dumps(older))
     broken = json.loads(make_manifest().to_json())
     del broken["onnx_sha256"]

@@ -20,7 +20,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from trt_diffusion.errors import RefitError
+from trt_diffusion.errors import BuildError, RefitError
 from trt_diffusion.targets.tensorrt import engine as target
 from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo
 
@@ -314,7 +314,7 @@ class PickledPlans:
         return pickle.dumps(engine.weights)
 
     @staticmethod
-    def deserialize(plan: bytes, manifest) -> FakeEngine:
+    def deserialize(plan: bytes, manifest, allow_host_code=False) -> FakeEngine:
         import pickle
 
         return FakeEngine(pickle.loads(plan))
@@ -339,14 +339,20 @@ def built_plan(tmp_path, monkeypatch):
     plan = tmp_path / "engines" / "tiny.plan"
     plan.parent.mkdir()
     plan.write_bytes(PickledPlans.serialize(FakeEngine(engine_weights())))
-    manifest = make_engine().manifest.model_copy(update={"plan_bytes": plan.stat().st_size})
-    manifest.write(manifest_path(plan))
     onnx_path = base_onnx(tmp_path / "model.onnx")
+    from trt_diffusion.targets.tensorrt.config import onnx_sha256
+    from trt_diffusion.targets.tensorrt.plan_trust import plan_sha256
+
+    manifest = make_engine().manifest.model_copy(update={
+        "plan_bytes": plan.stat().st_size, "plan_sha256": plan_sha256(plan.read_bytes()),
+        "onnx_sha256": onnx_sha256(onnx_path)})
+    manifest.write(manifest_path(plan))
 
     def reload() -> BuiltEngine:
         from trt_diffusion.targets.tensorrt.config import EngineManifest
 
-        return BuiltEngine(spec=types.SimpleNamespace(precision="fp32", name="tiny"), path=plan,
+        return BuiltEngine(spec=types.SimpleNamespace(precision="fp32", name="tiny", key="k" * 16,
+                                                      option=lambda name, default=None: default), path=plan,
                            manifest=EngineManifest.read(manifest_path(plan)))
 
     return trt_target.TensorRTTarget(), reload, onnx_path
@@ -393,3 +399,10 @@ def test_an_interrupted_refit_never_leaves_a_plan_that_passes_for_base(built_pla
     manifest = reload().manifest
     assert manifest.refit is not None and manifest.refit.in_progress is True
     assert not manifest.is_base  # `build` rebuilds it; the next `refit` restores every weight from the ONNX
+    # #27 item 4: nothing loads it for inference; `refit` (from the ONNX) takes the plan as it is and repairs it
+    with pytest.raises(BuildError, match="refit of its plan was interrupted"):
+        target.load_engine(reload().path)
+    monkeypatch.setattr(config, "atomic_write_bytes", real_write)
+    assert trt_target.refit(reload(), None, lambda: onnx_path) == 0
+    assert reload().manifest.is_base
+    assert_weights(target.load_engine(reload().path), engine_weights())

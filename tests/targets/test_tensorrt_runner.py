@@ -13,6 +13,7 @@ tests/targets/test_tensorrt_gpu.py, does on a GPU host): that TensorRT and CUDA 
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -146,6 +147,7 @@ def _plan(tmp_path: Path, name: str, profile, plan_bytes: int = 1000) -> Path:
     EngineManifest(
         spec_key=name, spec_name=name, tensorrt_version="10.13.0.35", compute_capability=(8, 9), device_name="fake",
         flags={}, profile_shapes=profile, onnx_sha256="0" * 64, plan_bytes=plan_bytes, build_seconds=0.0,
+        plan_sha256=hashlib.sha256(plan.read_bytes()).hexdigest(),
         inputs=(TensorInfo(name="sample", dtype="float32", shape=shape),),
         outputs=(TensorInfo(name="out", dtype="float32", shape=shape),),
     ).write(manifest_path(plan))
@@ -307,6 +309,26 @@ def test_an_engine_entered_with_with_is_never_unloaded(tmp_path):
             b.run(_sample())
         assert a.active and not b.active
     assert rig.cudart.live_device == 0 and rig.cudart.live_host == 0
+
+
+def test_a_plan_refitted_on_disk_is_refused_until_the_runner_reloads(tmp_path):
+    """#27 item 4: `trt-diffusion refit` rewrites the plan and manifest in place; a runner that loaded the old plan
+    (or that would lazily reload after an unload) must not switch LoRA silently."""
+    from trt_diffusion.targets.tensorrt import save_refitted_plan
+
+    rig = Rig(tmp_path)
+    runner = rig.runner("unet")
+    runner.run(_sample())
+    save_refitted_plan(runner.path, runner.manifest, b"\1" * 1000, {"w": np.ones(3, np.float32)})
+    with pytest.raises(RuntimeInputError, match=r"refitted on disk .* runner.reload\(\)"):
+        runner.run(_sample())
+    runner.deactivate()  # nor does a lazy load after an unload take it
+    with pytest.raises(RuntimeInputError, match="refitted on disk"):
+        runner.run(_sample())
+    runner.reload()  # explicitly: the runner now describes and runs the refitted plan
+    assert runner.manifest.refit is not None and runner.manifest.refit.names == ("w",)
+    np.testing.assert_array_equal(runner.run(_sample())["out"], _sample()["sample"] * 2 + 1)
+    assert rig.loads == ["unet", "unet"]
 
 
 # ---------------------------------------------------------------------------------------------- cuda-python names

@@ -74,17 +74,19 @@ class TensorRTTarget:
         return _engine_onnx(request.spec, Path(request.onnx_path), Path(request.workspace))
 
     def is_current(self, request: BuildRequest) -> bool:
-        """Reuse a plan only when its manifest records exactly these inputs on this TensorRT and GPU, and
-        the plan still holds the weights it was built with (a refitted plan is never taken for a build)."""
+        """Reuse a plan only when its manifest records exactly these inputs on this TensorRT and GPU, the plan
+        is the one its manifest's sha256 names, and it still holds the weights it was built with (a refitted
+        plan is never taken for a build)."""
         from . import config as trt_config
         from .engine import host_info
+        from .plan_trust import plan_file_problem
 
         plan = trt_config.engine_path(request.workspace, request.spec)
         try:
             manifest = trt_config.EngineManifest.read(trt_config.manifest_path(plan))
         except Exception:  # missing or unreadable: build
             return False
-        if not plan.is_file() or plan.stat().st_size != manifest.plan_bytes:
+        if plan_file_problem(manifest, plan) is not None:  # missing, resized or changed: build
             return False
         trt_version, compute_capability, _ = host_info()
         onnx_path = self.engine_onnx(request)
@@ -93,23 +95,33 @@ class TensorRTTarget:
                                               flags, request.profile, trt_version, compute_capability)
 
     def find(self, workspace: Path, spec) -> BuiltEngine | None:
+        """The built engine of `spec`: a plan whose sha256 is the one its manifest records (a verdict cached on
+        the file's inode, size and mtime). A plan whose refit was interrupted is found (`refit` restores it);
+        loading it for inference is refused."""
         from .config import EngineManifest, engine_path, manifest_path
+        from .plan_trust import plan_file_problem
 
         plan = engine_path(workspace, spec)
         try:
             manifest = EngineManifest.read(manifest_path(plan))
         except Exception:  # missing or unreadable manifest: not built
             return None
-        return BuiltEngine(spec, plan, manifest) if plan.is_file() and manifest.spec_key == spec.key else None
+        if manifest.spec_key != spec.key or plan_file_problem(manifest, plan, for_refit=True) is not None:
+            return None
+        return BuiltEngine(spec, plan, manifest)
 
     def runner(self, engine: BuiltEngine, weights=None):
+        import functools
+
         from ...errors import RefitError
+        from .engine import load_engine
         from .runner import TensorRTRunner
 
         if weights:
             raise RefitError("LoRA refit at load time is not implemented for the tensorrt target; apply it with "
                              "`trt-diffusion refit --target tensorrt`")
-        return TensorRTRunner(engine.path, name=engine.spec.name)
+        # the spec goes with the load: host code only where the spec asks for version compatibility
+        return TensorRTRunner(engine.path, name=engine.spec.name, loader=functools.partial(load_engine, spec=engine.spec))
 
     def refit(self, engine: BuiltEngine, weights, source_onnx) -> int:
         """Refit the plan from its base ONNX (so no earlier LoRA stays behind), then `weights` over it, and
@@ -119,13 +131,15 @@ class TensorRTTarget:
         from .config import QUANTIZED_PRECISIONS, qdq_base_precision
 
         onnx_path = source_onnx()
+        # the ONNX the plan was built from (for fp8/int8: Q/DQ over its base); the plan is
+        # <workspace>/engines/tensorrt/x.plan. Checked against the manifest before it is taken as the base.
+        base_onnx = _engine_onnx(engine.spec, Path(onnx_path), Path(engine.path).parents[2])
+        check_refit_base(engine.manifest, base_onnx)
         refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
-        loaded = trt_engine.load_engine(engine.path)
+        loaded = trt_engine.load_engine(engine.path, spec=engine.spec, for_refit=True)
         if engine.spec.precision in QUANTIZED_PRECISIONS:  # weights with their recomputed scales, over the Q/DQ base
             arrays = (refit_weights_for_tensorrt(refit_map, weights, precision=qdq_base_precision(engine.spec))
                       if weights else {})
-            # the ONNX the plan was built from (Q/DQ over its base); the plan is <workspace>/engines/tensorrt/x.plan
-            base_onnx = _engine_onnx(engine.spec, Path(onnx_path), Path(engine.path).parents[2])
             trt_engine.refit_quantized_from_base(loaded, base_onnx, arrays)
         else:
             arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
@@ -134,8 +148,14 @@ class TensorRTTarget:
         return len(arrays)
 
     def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
+        from ...errors import BuildError
         from .config import manifest_path
+        from .plan_trust import interrupted_refit_problem, plan_file_problem
 
+        problem = interrupted_refit_problem(engine.manifest) or plan_file_problem(engine.manifest, engine.path,
+                                                                                   cached=False)
+        if problem:  # packaged files are hashed in full: a repository never carries a plan its manifest disowns
+            raise BuildError(problem)
         files = {"model.plan": Path(engine.path), "manifest.json": manifest_path(engine.path)}
         return TritonEngineModel("tensorrt_plan", "KIND_GPU", files, "model.plan", notes=(
             "platform tensorrt_plan needs NVIDIA's Triton containers with the TensorRT version and GPU the plans "
@@ -158,6 +178,20 @@ def _engine_onnx(spec, onnx_path: Path, workspace: Path) -> Path:
     return onnx_path
 
 
+def check_refit_base(manifest, base_onnx: Path) -> None:
+    """RefitError unless `base_onnx` is the ONNX the plan was built from (its manifest's `onnx_sha256`): a
+    re-export of a changed model would otherwise pass for the base, and a refit from it mixes two models."""
+    from ...errors import RefitError
+    from .config import REBUILD_COMMAND, onnx_sha256
+
+    digest = onnx_sha256(base_onnx)
+    if digest != manifest.onnx_sha256:
+        raise RefitError(
+            f"cannot refit engine {manifest.spec_name}: the fresh export {base_onnx} is not the ONNX the plan was "
+            f"built from (sha256 {digest[:12]}…, the manifest records {manifest.onnx_sha256[:12]}…): the model or "
+            f"the exporter changed since the build; rebuild with `{REBUILD_COMMAND}`")
+
+
 def save_refitted_plan(plan_path: Path, manifest, plan, weights) -> None:
     """Replace a plan with its refitted form, the manifest saying what it holds at every moment.
 
@@ -167,12 +201,13 @@ def save_refitted_plan(plan_path: Path, manifest, plan, weights) -> None:
     its ONNX; it never passes for a base engine. `plan` is any buffer (TensorRT's IHostMemory).
     """
     from .config import RefitRecord, atomic_write_bytes, manifest_path, weights_digest
+    from .plan_trust import plan_sha256
 
-    nbytes = memoryview(plan).nbytes
+    nbytes, digest = memoryview(plan).nbytes, plan_sha256(plan)
     record = RefitRecord(weights_sha256=weights_digest(weights), names=tuple(sorted(weights))) if weights else None
     pending = RefitRecord(weights_sha256=record.weights_sha256 if record else "", names=record.names if record else (),
-                          in_progress=True)
+                          in_progress=True, replacing_sha256=manifest.plan_sha256)
     manifest_file = manifest_path(plan_path)
-    manifest.model_copy(update={"refit": pending, "plan_bytes": nbytes}).write(manifest_file)
+    manifest.model_copy(update={"refit": pending, "plan_bytes": nbytes, "plan_sha256": digest}).write(manifest_file)
     atomic_write_bytes(plan_path, plan)
-    manifest.model_copy(update={"refit": record, "plan_bytes": nbytes}).write(manifest_file)
+    manifest.model_copy(update={"refit": record, "plan_bytes": nbytes, "plan_sha256": digest}).write(manifest_file)

@@ -39,7 +39,7 @@ from ..onnx_facts import (  # noqa: F401  (re-exported: the TensorRT build's ONN
 )
 
 TARGET = "tensorrt"
-MANIFEST_SCHEMA_VERSION = 2  # 2: `refit` records what a refit wrote into the plan
+MANIFEST_SCHEMA_VERSION = 3  # 2: `refit` records what a refit wrote into the plan; 3: `plan_sha256`
 REBUILD_COMMAND = "trt-diffusion build engines.yaml --target tensorrt"
 GIB = 1 << 30
 
@@ -324,6 +324,8 @@ class RefitRecord(BaseModel):
     # True while a refit is being saved: written before the plan is replaced, so a refit interrupted between
     # the two files leaves a plan that is never taken for its base (the next refit restores it from the ONNX)
     in_progress: bool = False
+    # while in progress: the sha256 of the plan being replaced (the file on disk is that one or the new one)
+    replacing_sha256: str | None = None
     refitted_at: str = Field(default_factory=lambda: _utc_now())
 
 
@@ -358,6 +360,9 @@ class EngineManifest(BaseModel):
     # None: the plan holds the weights it was built with (the base). Set by `refit`, cleared by a restore.
     refit: RefitRecord | None = None
     plan_bytes: int
+    # sha256 of the plan this manifest describes: checked before TensorRT deserializes it (plan_trust.py);
+    # None only in manifests made in code, which nothing loads
+    plan_sha256: str | None = None
     build_seconds: float
     created_at: str = Field(default_factory=_utc_now)
 

@@ -53,6 +53,7 @@ from .config import (
     validate_profile,
     weights_for_refit,
 )
+from .plan_trust import check_plan_bytes, host_code_allowed, interrupted_refit_problem, plan_sha256
 
 if TYPE_CHECKING:  # the annotations below are TensorRT's own types (tensorrt-stubs in the test extra)
     import tensorrt as trt
@@ -420,6 +421,7 @@ def build_engine(
         outputs=_tensor_infos(network.get_output(i) for i in range(network.num_outputs)),
         refit_map=str(refit_map) if refit_map is not None else None,
         plan_bytes=plan.nbytes,
+        plan_sha256=plan_sha256(plan),
         build_seconds=round(build_seconds, 3),
     )
     manifest.write(manifest_file)
@@ -444,25 +446,26 @@ class TensorRTEngine:
     refitted_names: set[str] = field(default_factory=set)
 
 
-def _check_plan_file(plan_path: Path, manifest: EngineManifest) -> None:
+def _check_plan_file(plan_path: Path, manifest: EngineManifest, for_refit: bool) -> None:
+    """Missing or resized: refused before the (multi-GB) read; the digest is checked on the bytes read."""
     if not plan_path.is_file():
         raise BuildError(f"engine plan {plan_path} is missing: rebuild with `{REBUILD_COMMAND}`")
     size = plan_path.stat().st_size
-    if size != manifest.plan_bytes:
+    if size != manifest.plan_bytes and not (for_refit and manifest.refit is not None and manifest.refit.in_progress):
         raise BuildError(
             f"engine plan {plan_path} has {size} bytes, its manifest says {manifest.plan_bytes} "
             f"(an interrupted copy?): rebuild with `{REBUILD_COMMAND}`"
         )
 
 
-def _deserialize(plan: bytes, manifest: EngineManifest) -> trt.ICudaEngine:
+def _deserialize(plan: bytes, manifest: EngineManifest, allow_host_code: bool) -> trt.ICudaEngine:
     import tensorrt as trt
 
     mark = _ERRORS.mark()
     runtime = trt.Runtime(_trt_logger())
-    if manifest.flags.get("version_compatible"):
-        # a version-compatible plan carries its lean runtime (host code): allowed only for our own plans,
-        # which the manifest check above has just matched
+    if allow_host_code:
+        # a version-compatible plan carries its lean runtime (host code): only for a plan whose bytes matched
+        # its manifest's sha256 and whose spec asks for it (plan_trust.host_code_allowed)
         runtime.engine_host_code_allowed = True
     engine = runtime.deserialize_cuda_engine(plan)
     if engine is None:
@@ -471,19 +474,30 @@ def _deserialize(plan: bytes, manifest: EngineManifest) -> trt.ICudaEngine:
     return engine
 
 
-def load_engine(plan_path: str | Path, host: HostInfo | None = None) -> TensorRTEngine:
-    """Read the manifest, refuse a plan built for another TensorRT or GPU, then deserialize.
+def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: EngineSpec | None = None,
+                for_refit: bool = False) -> TensorRTEngine:
+    """Read the manifest, refuse a plan built for another TensorRT or GPU, a plan whose bytes are not the ones
+    its manifest's sha256 names, and one whose refit was interrupted; then deserialize.
 
-    `host` is (TensorRT version, compute capability, device name) when the caller already knows
-    it; by default it is probed.
+    `host` is (TensorRT version, compute capability, device name) when the caller already knows it; by default
+    it is probed. `spec`, when known, must ask for `tensorrt_version_compatible` before a version-compatible plan
+    may run its host code. `for_refit`: `refit` may load a plan whose refit was interrupted (it restores every
+    weight from the ONNX), and nothing else may.
     """
     plan_path = Path(plan_path)
     manifest = EngineManifest.read(manifest_path(plan_path))
+    if spec is not None and manifest.spec_key != spec.key:
+        raise BuildError(f"engine plan {plan_path} was built for spec {manifest.spec_key}, not {spec.key} "
+                         f"({spec.name}): rebuild with `{REBUILD_COMMAND}`")
     trt_version, compute_capability, device_name = host if host is not None else host_info()
     check_engine_compatible(manifest, trt_version, compute_capability, device_name)
-    _check_plan_file(plan_path, manifest)
+    if not for_refit and (problem := interrupted_refit_problem(manifest)):
+        raise BuildError(problem)
+    _check_plan_file(plan_path, manifest, for_refit)
     _require_tensorrt()
-    engine = _deserialize(plan_path.read_bytes(), manifest)
+    plan = plan_path.read_bytes()
+    digest = check_plan_bytes(manifest, plan, f"engine plan {plan_path}", for_refit=for_refit)
+    engine = _deserialize(plan, manifest, host_code_allowed(manifest, digest, spec))
     refitted = set(manifest.refit.names) if manifest.refit is not None else set()
     return TensorRTEngine(plan_path=plan_path, manifest=manifest, engine=engine, refitted_names=refitted)
 

@@ -218,11 +218,7 @@ class TensorRTRunner:
         self.path = Path(plan_path)
         self.name = name or self.path.name
         self.key = f"{self.name}@{self.path}"
-        self.manifest = EngineManifest.read(manifest_path(self.path))
-        self.inputs = {t.name: TensorSpec(np.dtype(numpy_dtype_for(t.dtype) or np.float32),
-                                          tuple(d if d >= 0 else None for d in t.shape))
-                       for t in self.manifest.inputs}
-        self.output_names = [t.name for t in self.manifest.outputs]
+        self._read_manifest()
         # None: as CUDA_GRAPH_ENV says (off by default); captured only for static-shape engines in any case
         self.cuda_graph = cuda_graph if cuda_graph is not None else os.environ.get(CUDA_GRAPH_ENV, "") in ("1", "true")
         self.stats = RunnerStats()
@@ -242,6 +238,38 @@ class TensorRTRunner:
         self._entered = 0
 
     # ------------------------------------------------------------------ lifecycle
+
+    def _read_manifest(self) -> None:
+        self.manifest = EngineManifest.read(manifest_path(self.path))
+        self._manifest_stat = _stat_key(manifest_path(self.path))
+        self.inputs = {t.name: TensorSpec(np.dtype(numpy_dtype_for(t.dtype) or np.float32),
+                                          tuple(d if d >= 0 else None for d in t.shape))
+                       for t in self.manifest.inputs}
+        self.output_names = [t.name for t in self.manifest.outputs]
+
+    def _refuse_if_changed_on_disk(self, seen: EngineManifest | None = None) -> None:
+        """A plan refitted (or rebuilt) on disk since this runner read its manifest is never run silently: the
+        runner keeps running what it describes, or refuses; `reload()` takes the new plan explicitly. One stat
+        per call; the manifest is read again only when the file changed."""
+        if seen is None:
+            stat = _stat_key(manifest_path(self.path))
+            if stat == self._manifest_stat:
+                return
+            seen = EngineManifest.read(manifest_path(self.path))
+            self._manifest_stat = stat
+        if (seen.plan_sha256, seen.refit) != (self.manifest.plan_sha256, self.manifest.refit):
+            self._manifest_stat = None  # keep refusing until reload()
+            what = (f"LoRA weights {seen.refit.weights_sha256[:12]}…" if seen.refit and not seen.refit.in_progress
+                    else "a refit in progress" if seen.refit else "its base weights")
+            raise RuntimeInputError(
+                f"{self.name}: the engine plan {self.path} was refitted on disk since this runner read it (it now "
+                f"holds {what}); call runner.reload() to run the new plan, or keep a runner per LoRA")
+
+    def reload(self) -> None:
+        """Take the plan and manifest as they are on disk now (after a refit): unload, re-read, load on next use."""
+        with self.group.lock:
+            self.deactivate()
+            self._read_manifest()
 
     @property
     def group(self) -> EngineGroup:
@@ -292,6 +320,7 @@ class TensorRTRunner:
 
                     self._loader = load_engine
                 self.engine = self._loader(self.path)
+                self._refuse_if_changed_on_disk(self.engine.manifest)
                 engine: trt.ICudaEngine = self.engine.engine
                 context = engine.create_execution_context(trt_mod.ExecutionContextAllocationStrategy.USER_MANAGED)
                 if context is None:
@@ -381,6 +410,7 @@ class TensorRTRunner:
         check_feeds(self.manifest, {k: _FeedView(v) for k, v in feeds.items()})
         group = self.group
         with group.lock:
+            self._refuse_if_changed_on_disk()
             self.activate()
             assert group.budget is not None
             group.budget.pin(self.key)
@@ -504,6 +534,14 @@ class TensorRTRunner:
             outputs[name] = out
         cuda.wait(torch_stream if torch_stream is not None else _torch_stream(), stream, self.group.event())
         return outputs
+
+
+def _stat_key(path: Path) -> tuple[int, int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 def _torch_stream() -> int:

@@ -1,0 +1,175 @@
+"""Plan integrity (#27 item 4, with the plan sha256 and host-code gate of #32 finding 4), on CPU.
+
+A plan is trusted by the sha256 its manifest records, not by a flag and a file size: `is_current`, `find`,
+packaging and loading check it; TensorRT's `engine_host_code_allowed` (a version-compatible plan runs the lean
+runtime it embeds) is enabled only for a plan whose bytes match a verified manifest whose spec asks for
+`tensorrt_version_compatible`; a manifest that says a refit is in progress is never loaded for inference;
+`refit` refuses a fresh export that is not the ONNX the plan was built from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import trt_diffusion.targets.tensorrt as trt_target
+from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
+from trt_diffusion.errors import BuildError, RefitError
+from trt_diffusion.targets.base import BuildRequest, BuiltEngine
+from trt_diffusion.targets.tensorrt import engine as trt_engine
+from trt_diffusion.targets.tensorrt.config import (
+    BuildFlags,
+    EngineManifest,
+    RefitRecord,
+    TensorInfo,
+    engine_path,
+    manifest_path,
+    onnx_sha256,
+    validate_profile,
+)
+
+HOST = ("10.13.0.35", (9, 0), "NVIDIA H200")
+PROFILE = {"sample": ((1, 4, 8, 8),) * 3}
+
+
+def spec(version_compatible: bool = False, refittable: bool = False) -> EngineSpec:
+    options = {"tensorrt_version_compatible": True} if version_compatible else {}
+    return EngineSpec(model="m", family="sd15", source="s", component="unet", target="tensorrt", precision="fp32",
+                      batch=1, bucket=Bucket.static(Size(64, 64)), refittable=refittable,
+                      build_options=tuple(sorted(options.items())))
+
+
+def tiny_onnx(path: Path, value: float = 1.0) -> Path:
+    weight = numpy_helper.from_array(np.full((4, 4, 1, 1), value, np.float32), "conv.weight")
+    graph = helper.make_graph([helper.make_node("Conv", ["sample", "conv.weight"], ["out"])], "g",
+                              [helper.make_tensor_value_info("sample", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              initializer=[weight])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def built(tmp_path: Path, the_spec: EngineSpec, onnx_path: Path, plan: bytes = b"PLAN" * 64) -> Path:
+    """A plan and manifest as `build_engine` leaves them."""
+    path = engine_path(tmp_path, the_spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(plan)
+    EngineManifest(
+        spec_key=the_spec.key, spec_name=the_spec.name, tensorrt_version=HOST[0], compute_capability=HOST[1],
+        device_name=HOST[2], flags=BuildFlags.for_spec(the_spec, False).to_dict(),
+        profile_shapes=validate_profile(PROFILE), onnx_sha256=onnx_sha256(onnx_path),
+        inputs=(TensorInfo(name="sample", dtype="float32", shape=(1, 4, 8, 8)),),
+        outputs=(TensorInfo(name="out", dtype="float32", shape=(1, 4, 8, 8)),),
+        plan_bytes=len(plan), plan_sha256=hashlib.sha256(plan).hexdigest(), build_seconds=0.1,
+    ).write(manifest_path(path))
+    return path
+
+
+def tamper(path: Path) -> None:
+    """Same size, other bytes (and a later mtime): what a size check cannot see."""
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def host(monkeypatch):
+    monkeypatch.setattr(trt_engine, "host_info", lambda: HOST)
+
+
+class FakeRuntime:
+    """`tensorrt.Runtime` as far as loading goes: records whether host code was allowed at deserialization."""
+
+    seen: list[bool] = []
+
+    def __init__(self, logger):
+        self.engine_host_code_allowed = False
+
+    def deserialize_cuda_engine(self, plan):
+        FakeRuntime.seen.append(self.engine_host_code_allowed)
+        return types.SimpleNamespace(plan=bytes(plan))
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    module = types.ModuleType("tensorrt")
+    module.__version__, module.Builder, module.Runtime = HOST[0], object, FakeRuntime
+    monkeypatch.setitem(sys.modules, "tensorrt", module)
+    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
+    FakeRuntime.seen = []
+    return FakeRuntime
+
+
+def test_is_current_and_find_refuse_a_plan_whose_bytes_changed(tmp_path, host):
+    the_spec, onnx_path = spec(), tiny_onnx(tmp_path / "model.onnx")
+    plan = built(tmp_path, the_spec, onnx_path)
+    request = BuildRequest(spec=the_spec, onnx_path=onnx_path, workspace=tmp_path, profile=PROFILE,
+                           timing_cache_dir=tmp_path / "cache")
+    target = trt_target.TensorRTTarget()
+    assert target.is_current(request) and target.find(tmp_path, the_spec) is not None
+    tamper(plan)
+    assert not target.is_current(request)  # rebuilt, not reused
+    assert target.find(tmp_path, the_spec) is None  # never served
+    with pytest.raises(BuildError, match="sha256"):
+        target.triton_model(BuiltEngine(the_spec, plan, EngineManifest.read(manifest_path(plan))),
+                            engine_backend="tensorrt")
+
+
+def test_host_code_only_for_a_verified_version_compatible_plan(tmp_path, fake_runtime):
+    onnx_path = tiny_onnx(tmp_path / "model.onnx")
+    compatible, plain = spec(version_compatible=True), spec()
+    plan = built(tmp_path, compatible, onnx_path)
+    trt_engine.load_engine(plan, host=HOST, spec=compatible)
+    trt_engine.load_engine(built(tmp_path, plain, onnx_path), host=HOST, spec=plain)
+    assert fake_runtime.seen == [True, False]
+    tamper(plan)  # a planted plan beside a manifest that says version_compatible
+    with pytest.raises(BuildError, match="sha256"):
+        trt_engine.load_engine(plan, host=HOST, spec=compatible)
+    assert fake_runtime.seen == [True, False]  # refused before TensorRT saw it
+
+
+def test_host_code_needs_the_spec_to_ask_for_it(tmp_path, fake_runtime):
+    """A manifest edited to say version_compatible, with the plan's digest re-recorded: the spec decides."""
+    onnx_path = tiny_onnx(tmp_path / "model.onnx")
+    plain = spec()
+    plan = built(tmp_path, plain, onnx_path)
+    manifest = EngineManifest.read(manifest_path(plan))
+    manifest.model_copy(update={"flags": {**manifest.flags, "version_compatible": True}}).write(manifest_path(plan))
+    trt_engine.load_engine(plan, host=HOST, spec=plain)
+    assert fake_runtime.seen == [False]
+
+
+def test_a_manifest_with_a_refit_in_progress_is_never_loaded(tmp_path, fake_runtime):
+    onnx_path = tiny_onnx(tmp_path / "model.onnx")
+    the_spec = spec(refittable=True)
+    plan = built(tmp_path, the_spec, onnx_path)
+    manifest = EngineManifest.read(manifest_path(plan))
+    pending = RefitRecord(weights_sha256="ab" * 32, names=("conv.weight",), in_progress=True)
+    manifest.model_copy(update={"refit": pending}).write(manifest_path(plan))
+    with pytest.raises(BuildError, match="refit .*interrupted"):
+        trt_engine.load_engine(plan, host=HOST, spec=the_spec)
+    assert fake_runtime.seen == []
+
+
+def test_refit_refuses_a_fresh_export_that_is_not_the_plans_onnx(tmp_path, monkeypatch):
+    onnx_path = tiny_onnx(tmp_path / "model.onnx")
+    the_spec = spec(refittable=True)
+    plan = built(tmp_path, the_spec, onnx_path)
+    other = tiny_onnx(tmp_path / "other.onnx", value=2.0)  # the model changed since the build
+    loads = []
+    monkeypatch.setattr(trt_engine, "load_engine", lambda *a, **k: loads.append(a) or pytest.fail("loaded"))
+    lora = types.ModuleType("trt_diffusion.lora")
+    lora.RefitMap = types.SimpleNamespace(load=lambda path, onnx_path: None)
+    lora.refit_weights_for_tensorrt = lambda refit_map, weights, precision: dict(weights)
+    monkeypatch.setitem(sys.modules, "trt_diffusion.lora", lora)
+    engine = BuiltEngine(the_spec, plan, EngineManifest.read(manifest_path(plan)))
+    with pytest.raises(RefitError, match="not the ONNX .* built from"):
+        trt_target.TensorRTTarget().refit(engine, None, lambda: other)
+    assert loads == []
