@@ -3,6 +3,8 @@ ControlNet configs from hand-made manifests, and the wiring checks. Fast; runs i
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
@@ -35,7 +37,7 @@ def trt_engine(tmp_path, engine_spec: EngineSpec, inputs, outputs, profile) -> B
     manifest = EngineManifest(spec_key=engine_spec.key, spec_name=engine_spec.name, tensorrt_version="10.13.0",
                               compute_capability=(9, 0), device_name="test", flags={}, profile_shapes=profile,
                               onnx_sha256="0" * 64, inputs=tuple(inputs), outputs=tuple(outputs), plan_bytes=15,
-                              build_seconds=0.0)
+                              plan_sha256=hashlib.sha256(b"not a real plan").hexdigest(), build_seconds=0.0)
     manifest.write(manifest_path(plan))
     return BuiltEngine(engine_spec, plan, manifest)
 
