@@ -273,3 +273,30 @@ def preflight(config_path: str | Path, *, url: str | None = None, protocol: str 
                          save_baseline=save_baseline, model=model, target=target,
                          out_dir=Path(out_dir) if out_dir else None, in_process=in_process, deployment=deployment,
                          progress=progress)
+
+
+def generate_in_process(config_path: str | Path, request, *, model: str | None = None,
+                        target: str = "onnxruntime"):
+    """Images for one `triton.client.ImageRequest` from the built engines, in this process (no server), as
+    TensorRT's diffusion demo runs them: (images uint8 [N, H, W, 3], the model's name). N = request.num_images."""
+    import numpy as np
+
+    from .errors import ConfigError
+    from .runtime.loader import engine_runners
+    from .runtime.pipeline import EnginePipeline, GenerationRequest
+
+    config = load_engines_file(config_path, check_sources=True)
+    if model is None:
+        if len(config.models) != 1:
+            raise ConfigError(f"{config.path} has {len(config.models)} models ({', '.join(config.models)}); "
+                              "name one with --model")
+        (model,) = config.models
+    model_dir, family, table = engine_runners(config, model, target)
+    pipeline = EnginePipeline(model_dir, family, table)
+    images = [pipeline.generate(GenerationRequest(  # NUM_IMAGES as the server reads it: seeds SEED, SEED + 1, ...
+        prompt=request.prompt, height=request.height, width=request.width, steps=request.steps,
+        guidance_scale=request.guidance_scale, seed=request.seed + i, negative_prompt=request.negative_prompt,
+        scheduler=request.scheduler or "default", controlnet=request.controlnet, control_image=request.control_image,
+        controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale)).images[0]
+        for i in range(request.num_images or 1)]
+    return np.stack(images), model

@@ -278,6 +278,65 @@ def test_generate_command_writes_the_png(served, tmp_path):
     np.testing.assert_array_equal(written, local_image(served, request(steps=3, seed=4)))
 
 
+def _cli(*argv: str):
+    """The whole command line in process (main: argv parsing and exit codes)."""
+    from trt_diffusion.cli import main
+
+    return main(list(argv))
+
+
+def test_guidance_1_runs_without_cfg_on_the_batch_2_engines(served):
+    # the default build is `cfg: batched` (UNet batch 2 only): a no-CFG request runs on it, padded
+    image_request = request(seed=3, guidance_scale=1.0)
+    image = remote(served, image_request)
+    np.testing.assert_array_equal(image, local_image(served, image_request))
+    assert not np.array_equal(image, local_image(served, request(seed=3)))  # CFG off changed the image
+
+
+def test_generate_writes_its_request_into_the_png_and_repeats_it(served, tmp_path, capsys):
+    from PIL import Image
+
+    from trt_diffusion.image_files import read_png_parameters
+
+    out = tmp_path / "out.png"
+    # the URL's scheme chooses gRPC (no --protocol)
+    assert _cli("generate", "--url", f"grpc://{served.server.grpc_url}", "--prompt", PROMPT, "--steps", "3",
+                "--seed", "6", "--negative-prompt", "fog", "-o", str(out)) == 0
+    with Image.open(out) as image:
+        text = image.text
+    assert text["parameters"].splitlines()[0] == PROMPT and "Negative prompt: fog" in text["parameters"]
+    assert "Steps: 3" in text["parameters"] and "Seed: 6" in text["parameters"] and "Size: 64x64" in text["parameters"]
+    recorded = read_png_parameters(out)
+    assert (recorded.prompt, recorded.seed, recorded.steps, recorded.model) == (PROMPT, 6, 3, served.report.entry)
+    # the same command again does not overwrite: a numbered name; --from repeats the request exactly
+    assert _cli("generate", "--url", served.server.http_url, "--from", str(out), "-o", str(out)) == 0
+    again = tmp_path / "out-0001.png"
+    np.testing.assert_array_equal(np.asarray(Image.open(again)), np.asarray(Image.open(out)))
+    # options given beside --from win
+    assert _cli("generate", "--url", served.server.http_url, "--from", str(out), "--seed", "7", "-o", str(out)) == 0
+    assert read_png_parameters(tmp_path / "out-0002.png").seed == 7
+    assert _cli("generate", "--url", served.server.http_url, "--from", str(out), "--overwrite", "-o", str(out)) == 0
+    assert not (tmp_path / "out-0003.png").exists()
+
+
+@pytest.mark.parametrize("protocol,port", [("http", "grpc"), ("grpc", "http")])
+def test_a_client_on_the_wrong_port_is_told_so(served, protocol, port, capsys):
+    address = served.url(port)
+    assert _cli("generate", "--url", address, "--protocol", protocol, "--prompt", PROMPT, "--timeout", "20") == 1
+    err = " ".join(capsys.readouterr().err.split())
+    expected = "gRPC port (8001 by default)" if port == "grpc" else "HTTP port (8000 by default)"
+    assert expected in err and "Traceback" not in err, err
+
+
+def test_unknown_pipeline_and_controlnet_names_list_what_is_served(served, capsys):
+    assert _cli("generate", "--url", served.server.http_url, "--pipeline", "nope", "--prompt", PROMPT) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"serves no pipeline 'nope'; it serves: {served.report.entry}" in err, err
+    control = np.zeros((SIZE, SIZE, 3), np.uint8)
+    with pytest.raises(ServeError, match=r"no ControlNet named 'depth' is served \(served: canny\)"):
+        remote(served, request(controlnet="depth", control_image=control))
+
+
 # ---------------------------------------------------------------------------- errors
 
 

@@ -117,17 +117,30 @@ def serve_command(
 
 
 def generate_command(
-    prompt: Annotated[str, typer.Option("--prompt", help="what to draw")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write")] = Path("out.png"),
-    url: Annotated[str, typer.Option("--url", help="HOST:PORT of the server's HTTP or gRPC endpoint")]
-    = "127.0.0.1:8000",
-    protocol: Annotated[Transport, typer.Option("--protocol", case_sensitive=False)] = Transport.http,
+    ctx: typer.Context,
+    prompt: Annotated[str | None, typer.Option("--prompt", help="what to draw")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write; taken names get OUTPUT-0001.png, "
+                                         "... unless --overwrite")] = Path("out.png"),
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace OUTPUT if it exists")] = False,
+    url: Annotated[str, typer.Option("--url", help="the server: HOST:PORT, http://HOST:PORT or grpc://HOST:PORT "
+                                     "(the scheme chooses the protocol)")] = "127.0.0.1:8000",
+    protocol: Annotated[Transport | None, typer.Option("--protocol", case_sensitive=False,
+                                                       help="default: from --url's scheme, else http")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="engines.yaml: run its built engines in this "
+                                                "process instead of asking a server")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="with --config: the model (default: the only one)")]
+    = None,
+    target: Annotated[str, typer.Option("--target", help="with --config: whose engines")] = "onnxruntime",
+    from_png: Annotated[Path | None, typer.Option("--from", help="repeat the request a PNG of generate (or an "
+                                                  "A1111 `parameters` text) records; options given here override")]
+    = None,
     pipeline: Annotated[str | None, typer.Option("--pipeline", help="model name; default: the only one")] = None,
     negative_prompt: Annotated[str | None, typer.Option("--negative-prompt")] = None,
     height: Annotated[int | None, typer.Option("--height", help="default: the server's first bucket")] = None,
     width: Annotated[int | None, typer.Option("--width", help="default: the server's first bucket")] = None,
-    steps: Annotated[int, typer.Option("--steps")] = 20,
-    guidance_scale: Annotated[float, typer.Option("--guidance-scale")] = 7.5,
+    steps: Annotated[int, typer.Option("--steps", min=1)] = 20,
+    guidance_scale: Annotated[float, typer.Option("--guidance-scale", help="<= 1: no CFG (distilled models)")]
+    = 7.5,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     scheduler: Annotated[str | None, typer.Option("--scheduler")] = None,
     controlnet: Annotated[str | None, typer.Option("--controlnet")] = None,
@@ -141,60 +154,120 @@ def generate_command(
                                                     "(gRPC only: the streaming entry <pipeline>_stream)")] = None,
     preview_every: Annotated[int, typer.Option("--preview-every", min=1, help="a preview every N steps")] = 5,
 ):
-    """Ask a running server for one image (or --num-images N) and save it as PNG."""
+    """Ask a running server (or, with --config, the built engines in this process) for an image; save it as PNG
+    with its request in the PNG's text (A1111 `parameters` and JSON)."""
     import time
 
-    import numpy as np
-    from PIL import Image
+    from ..errors import ServeError
+    from ..image_files import ImageParameters, output_paths, read_png_parameters, save_png
+    from ..triton.client import ImageRequest
 
-    from ..engines_file.engine_spec import Size
-    from ..triton.client import ImageRequest, generate_images, served_sizes, stream
+    given = {name for name in ctx.params if _given(ctx, name)}
+    if from_png is not None:  # the PNG's request, under what this command line sets
+        recorded = read_png_parameters(from_png)
+        prompt = prompt if "prompt" in given else recorded.prompt
+        negative_prompt = negative_prompt if "negative_prompt" in given else recorded.negative_prompt
+        steps = steps if "steps" in given else recorded.steps
+        guidance_scale = guidance_scale if "guidance_scale" in given else recorded.guidance_scale
+        seed = seed if "seed" in given else recorded.seed
+        scheduler = scheduler if "scheduler" in given else recorded.scheduler
+        height = height if "height" in given else recorded.height or None
+        width = width if "width" in given else recorded.width or None
+    if not prompt:
+        raise typer.BadParameter("what to draw (or --from PNG to repeat an image's request)", param_hint="'--prompt'")
+    transport = _transport(url, protocol)
+    if config is None and (height is None or width is None):
+        from ..engines_file.engine_spec import Size
+        from ..triton.client import served_sizes
 
-    if height is None or width is None:
-        pipeline, sizes = served_sizes(url, pipeline, protocol.value)
+        pipeline, sizes = served_sizes(url, pipeline, transport.value)
         first = Size.parse(sizes[0])
         height, width = height or first.height, width or first.width
-    control = None
-    if control_image is not None:
-        control = np.asarray(Image.open(control_image).convert("RGB").resize((width, height)), dtype=np.uint8)
-    from ..errors import ServeError as _UserError
-
+    elif config is not None and (height is None or width is None):
+        raise typer.BadParameter("give --height and --width with --config", param_hint="'--height'")
+    control = _control_image(control_image, width, height) if control_image is not None else None
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None)
+    paths = output_paths(output, num_images, overwrite=overwrite)
     start = time.perf_counter()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    if preview is not None:
-        if protocol is not Transport.grpc or num_images > 1:
-            raise _UserError("--preview streams over gRPC, one image at a time: use --protocol grpc with the gRPC "
-                             "port (8001) and no --num-images (HTTP has no streaming in Triton)")
-        preview.mkdir(parents=True, exist_ok=True)
+    parameters: dict = {}
+    if config is not None:
+        from .. import api
 
-        def save(step: int, picture) -> None:
-            Image.fromarray(picture).save(preview / f"step-{step:04d}.png")
-            console.print(f"preview {preview / f'step-{step:04d}.png'}")
-
-        if pipeline is None:
-            from ..triton.client import connect, find_pipeline
-
-            client = connect(url, "grpc", 60.0)
-            try:
-                pipeline = find_pipeline(client, url)
-            finally:
-                client.close()
-        image, _, parameters = stream(url, request, model=f"{pipeline}_stream", preview_every=preview_every,
-                                      timeout_s=timeout_s, on_preview=save)
-        images = image[None]
+        images, pipeline = api.generate_in_process(config, request, model=model, target=target)
+    elif preview is not None:
+        if transport is not Transport.grpc or num_images > 1:
+            raise ServeError("--preview streams over gRPC, one image at a time: use --url grpc://HOST:8001 and no "
+                             "--num-images (HTTP has no streaming in Triton)")
+        images, parameters, pipeline = _streamed(url, request, pipeline, preview, preview_every, timeout_s)
     else:
-        images, parameters = generate_images(url, request, pipeline=pipeline, protocol=protocol.value,
+        from ..triton.client import generate_images
+
+        images, parameters = generate_images(url, request, pipeline=pipeline, protocol=transport.value,
                                              timeout_s=timeout_s)
-    paths = [output] if len(images) == 1 else [output.with_name(f"{output.stem}-{i}{output.suffix}")
-                                                for i in range(len(images))]
-    for path, image in zip(paths, images):
-        Image.fromarray(image).save(path)
+    for i, (path, image) in enumerate(zip(paths, images)):
+        save_png(image, path, ImageParameters(
+            prompt=prompt, width=width, height=height, steps=steps, guidance_scale=guidance_scale, seed=seed + i,
+            negative_prompt=negative_prompt, scheduler=scheduler, model=pipeline, controlnet=controlnet,
+            controlnet_scale=controlnet_scale))
     timing = parameters.get("timing") or {}
     console.print(f"wrote {', '.join(map(str, paths))} ({width}x{height}, {steps} steps, seed {seed}) in "
                   f"{time.perf_counter() - start:.2f} s"
-                  + (f" (server: {timing.get('total_s', 0):.2f} s, batch {timing.get('batch')})" if timing else ""))
+                  + (f" (server: {timing.get('total_s', 0):.2f} s, batch {timing.get('batch')})" if timing else ""),
+                  soft_wrap=True, highlight=False)
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def _transport(url: str, protocol: Transport | None) -> Transport:
+    """--protocol, else the URL's scheme (grpc:// and grpcs:// mean gRPC), else HTTP."""
+    from ..triton.client import parse_url
+
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    chosen = protocol or (Transport.grpc if scheme in ("grpc", "grpcs") else Transport.http)
+    parse_url(url, chosen.value)  # refuses a scheme that contradicts --protocol, with the reason
+    return chosen
+
+
+def _control_image(path: Path, width: int, height: int):
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    from ..errors import ConfigError
+
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB").resize((width, height)), dtype=np.uint8)
+    except FileNotFoundError:
+        raise ConfigError(f"--control-image {path}: no such file") from None
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ConfigError(f"--control-image {path}: not a readable image ({exc})") from None
+
+
+def _streamed(url: str, request, pipeline: str | None, preview: Path, preview_every: int, timeout_s: float):
+    """(images [1, H, W, 3], response parameters, pipeline) from the streaming entry, saving each preview."""
+    from PIL import Image
+
+    from ..triton.client import connect, find_pipeline, stream
+
+    preview.mkdir(parents=True, exist_ok=True)
+
+    def save(step: int, picture) -> None:
+        Image.fromarray(picture).save(preview / f"step-{step:04d}.png")
+        console.print(f"preview {preview / f'step-{step:04d}.png'}", soft_wrap=True, highlight=False)
+
+    if pipeline is None:
+        client = connect(url, "grpc", 60.0)
+        try:
+            pipeline = find_pipeline(client, url)
+        finally:
+            client.close()
+    image, _, parameters = stream(url, request, model=f"{pipeline}_stream", preview_every=preview_every,
+                                  timeout_s=timeout_s, on_preview=save)
+    return image[None], parameters, pipeline
 
 
 COMMANDS = {"package": package_command, "serve": serve_command, "generate": generate_command}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..engines_file.engine_spec import Bucket, Size
 from ..errors import RuntimeInputError
 from .runners import Runner
@@ -44,8 +46,16 @@ class RunnerTable:
         for entry in candidates:
             if entry.batch in (None, batch):
                 return entry.runner
+        larger = sorted((e for e in candidates if e.batch is not None and e.batch > batch), key=lambda e: e.batch)
+        if larger:  # e.g. a no-CFG request (guidance <= 1) on a `cfg: batched` build's batch-2 engines
+            return BatchPaddedRunner(larger[0].runner, batch, larger[0].batch)
         have = sorted(e.batch for e in candidates if e.batch is not None)
         raise RuntimeInputError(f"no {component} engine for batch {batch} at {size}; built batches: {have}")
+
+    def largest_batch(self, component: str, size: Size | None) -> int | None:
+        """The largest fixed batch among the engines covering `size`; None when one takes any batch."""
+        batches = self.batches(component, size)
+        return None if None in batches or not batches else max(batches)
 
     def supported_sizes(self, component: str, controlnet: str | None = None) -> list[str]:
         labels = [e.bucket.label for e in self.entries
@@ -57,3 +67,36 @@ class RunnerTable:
         found = [e for e in self.entries if e.component == component and e.controlnet == controlnet
                  and (e.bucket is None or size is None or e.bucket.covers(size))]
         return sorted(found, key=lambda e: (e.bucket is None, not (e.bucket and e.bucket.is_static)))
+
+
+class BatchPaddedRunner:
+    """A fixed-batch engine serving fewer rows: the feeds are padded with copies of their last row and the
+    outputs cut back to the rows asked for. It costs a full-batch call, so a no-CFG request (guidance <= 1) on a
+    `cfg: batched` build runs at the cost of a CFG step; `cfg: split` builds the batch-N engines that serve it
+    at full speed (docs/triton.md). Feeds are numpy arrays, or torch tensors on the device path."""
+
+    def __init__(self, runner: Runner, rows: int, batch: int):
+        self.runner, self.rows, self.batch = runner, rows, batch
+        self.name = f"{runner.name} (batch {batch}, {rows} row{'s' if rows > 1 else ''} used)"
+        self.inputs = runner.inputs
+        self.device_tensors = getattr(runner, "device_tensors", False)
+
+    def run(self, feeds):
+        padded = {name: _pad_rows(value, self.rows, self.batch) for name, value in feeds.items()}
+        outputs = self.runner.run(padded)
+        return {name: value[:self.rows] if _leading(value) == self.batch else value for name, value in outputs.items()}
+
+
+def _leading(value) -> int | None:
+    shape = getattr(value, "shape", ())
+    return shape[0] if len(shape) else None
+
+
+def _pad_rows(value, rows: int, batch: int):
+    if _leading(value) != rows:
+        return value  # not batch-major (a scalar input): as it is
+    if isinstance(value, np.ndarray):
+        return np.concatenate([value, np.repeat(value[-1:], batch - rows, axis=0)])
+    import torch
+
+    return torch.cat([value, value[-1:].expand(batch - rows, *value.shape[1:])])

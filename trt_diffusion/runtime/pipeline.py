@@ -158,7 +158,9 @@ class EnginePipeline:
                             f"{', '.join(scheduler_names(self.family.value))}")
         if request.controlnet is not None:
             if not self.runners.has("controlnet", request.controlnet):
-                problems.append(f"no ControlNet named {request.controlnet!r} was built")
+                served = sorted({e.controlnet for e in self.runners.entries if e.controlnet})
+                problems.append(f"no ControlNet named {request.controlnet!r} is served (served: "
+                                f"{', '.join(served) or 'none: this pipeline has no ControlNet'})")
             if request.control_image is None:
                 problems.append("a ControlNet request needs CONTROL_IMAGE")
             elif request.control_image.shape != (request.height, request.width, 3):
@@ -205,8 +207,8 @@ class EnginePipeline:
         if None in batches:
             return None
         cfg = self.family is not Family.flux and request.guidance_scale > 1.0
-        if not cfg:
-            return {b for b in batches if b}
+        if not cfg:  # any rows up to the largest engine batch: fewer are padded (runtime/engines.py)
+            return set(range(1, max(b for b in batches if b) + 1)) if any(batches) else set()
         if 2 * request.batch in batches:  # batched CFG, as the request alone
             return {b // 2 for b in batches if b and b % 2 == 0}
         return {b for b in batches if b}  # split CFG

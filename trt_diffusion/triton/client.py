@@ -140,9 +140,56 @@ def server_error(err: Exception, url: str, pipeline: str) -> ServeError:
         return RequestRejected(text)
     if "cancel" in lowered or "deadline" in lowered:
         return RequestCancelled(text)
+    wrong_port = _wrong_port(lowered, url)
+    if wrong_port:
+        return ServeError(wrong_port)
+    if "unexpected inference input 'controlnet" in lowered:
+        return ServeError(f"Triton at {url}: model {pipeline} serves no ControlNet (package a model with "
+                          "`controlnets:` in engines.yaml); leave out --controlnet and --control-image")
     if isinstance(err, OSError) or "failed to connect" in lowered or "connection refused" in lowered:
         return ServeError(f"cannot reach Triton at {url} ({message or err}); is `trt-diffusion serve` running?")
     return ServeError(text)
+
+
+def _wrong_port(lowered: str, url: str) -> str | None:
+    """The message for a client speaking the other protocol than the port it reached (8000 HTTP, 8001 gRPC)."""
+    if "expected http/" in lowered:  # an HTTP client on the gRPC port: the reply is HTTP/2 frames
+        return (f"the server at {url} did not answer HTTP/1.1: is that Triton's gRPC port (8001 by default)? Use "
+                f"--url grpc://{strip_scheme(url)}, or the HTTP port (8000)")
+    grpc_refused = "http1.x server" in lowered or ("unavailable" in lowered and "socket closed" in lowered)
+    if grpc_refused and _answers_http(url):  # gRPC on the HTTP port: the connection is taken, then closed
+        return (f"the server at {url} answered HTTP/1.1, not gRPC: is that Triton's HTTP port (8000 by default)? "
+                f"Use --url http://{strip_scheme(url)}, or the gRPC port (8001)")
+    return None
+
+
+def _answers_http(url: str) -> bool:
+    """Whether something at `url` answers a plain HTTP/1.1 request (one short probe, 2 s at most)."""
+    import http.client
+
+    host, _, port = strip_scheme(url).rpartition(":")
+    try:
+        connection = http.client.HTTPConnection(host or "127.0.0.1", int(port), timeout=2)
+        try:
+            connection.request("GET", "/v2/health/live")
+            return connection.getresponse().status > 0
+        finally:
+            connection.close()
+    except (OSError, ValueError, http.client.HTTPException):
+        return False
+
+
+def unknown_pipeline(client, url: str, pipeline: str) -> ServeError | None:
+    """When `pipeline` is not a model the server has, the message that lists the pipelines it serves."""
+    try:
+        index = client.get_model_repository_index()
+    except Exception:  # noqa: BLE001 - the original error stands
+        return None
+    names = [m["name"] if isinstance(m, dict) else m.name for m in _index_models(index)]
+    if pipeline in names:
+        return None
+    entries = [name for name in names if _role(client, name) == "entry"]
+    return ServeError(f"Triton at {url} serves no pipeline {pipeline!r}; it serves: {', '.join(entries) or 'none'}")
 
 
 def infer(client, module, pipeline: str, request: ImageRequest, *, protocol: str, timeout_s: float,
@@ -224,8 +271,16 @@ def generate_images(url: str, request: ImageRequest, *, pipeline: str | None = N
     module = client_module(protocol)
     client = connect(url, protocol, timeout_s)
     try:
+        named = pipeline is not None
         pipeline = pipeline or find_pipeline(client, url)
-        return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url)
+        try:
+            return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url)
+        except ServeError as err:
+            unknown = unknown_pipeline(client, url, pipeline) if named and "unknown model" in str(err).lower() \
+                else None
+            if unknown is not None:
+                raise unknown from None
+            raise
     finally:
         client.close()
 
@@ -325,6 +380,8 @@ def served_sizes(url: str, pipeline: str | None = None, protocol: str = "http") 
     """(pipeline, sizes to ask for: one per bucket) as the server's entry model declares them."""
     client = connect(url, protocol, 60.0)
     try:
+        if pipeline is not None and (unknown := unknown_pipeline(client, url, pipeline)) is not None:
+            raise unknown
         pipeline = pipeline or find_pipeline(client, url)
         sizes = [s for s in _parameter(client, pipeline, "request_sizes").split(";") if s]
     finally:
