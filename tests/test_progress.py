@@ -87,3 +87,18 @@ def test_the_console_script_prints_progress_lines_into_a_log_file(tmp_path, tiny
     assert done.returncode == 0, text
     assert "export 1/1 sd15-tiny.vae_decoder.fp32: torch.onnx.export" in text, text
     assert "export 1/1 sd15-tiny.vae_decoder.fp32: ONNX Runtime vs PyTorch" in text, text
+
+
+def test_every_line_is_stamped_with_one_clock(lines):
+    """Successive tasks do not restart the stamp: the lines read as one timeline (stage time in "done in")."""
+    import time
+
+    from trt_diffusion import progress
+
+    with progress.task("export", total=2, heartbeat_s=0) as first:
+        first.step(1, "a")
+    time.sleep(0.15)
+    with progress.task("export", total=2, heartbeat_s=0) as second:
+        second.step(2, "b")
+    stamps = [float(line[1:line.index("s]")]) for line in lines()]
+    assert stamps == sorted(stamps) and stamps[-1] - stamps[0] >= 0.1, stamps

@@ -1,13 +1,14 @@
 """Live progress of long work as plain lines: stage, step k of n, elapsed.
 
 Library code reports through `task(stage, ...)`: each record goes to the `trt_diffusion.progress` logger
-as one line,
+as one line, stamped with the command's clock,
 
     [   52.3s] export 2/5 sd15-tiny.unet.fp32: exporting
     [  112.3s] export 2/5 sd15-tiny.unet.fp32: exporting (still running)
 
 and a task that reports nothing for `HEARTBEAT_S` seconds logs a "still running" line, so a long
-torch.onnx.export, calibration or engine build shows it is alive in a CI log. Elapsed time is the task's.
+torch.onnx.export, calibration or engine build shows it is alive in a CI log. The stamp is the command's
+one clock (successive tasks do not restart it); a task's own time ends its "done" line.
 
 Nothing is printed until someone listens: the CLI calls `show_plain_lines()` when stderr is not a terminal
 (CI, `> build.log 2>&1`), where rich's live bars print nothing; on a terminal the bars show the same
@@ -36,6 +37,14 @@ def _heartbeat_default() -> float:
 
 
 HEARTBEAT_S = _heartbeat_default()
+
+# One clock for every line of a command: seconds since it started (show_plain_lines restarts it), so the
+# timestamps of nested and successive tasks read as one timeline; each task's own duration is in its "done" line.
+_clock_start = time.monotonic()
+
+
+def clock() -> float:
+    return time.monotonic() - _clock_start
 
 
 class Task:
@@ -68,7 +77,7 @@ class Task:
         if self.position is not None:
             count = f" {self.position}/{self.total}" if self.total else f" {self.position}"
         subject = f" {self.subject}" if self.subject else ""
-        return f"[{self.elapsed:>9.1f}s] {self.stage}{count}{subject}: {self.detail if detail is None else detail}"
+        return f"[{clock():>9.1f}s] {self.stage}{count}{subject}: {self.detail if detail is None else detail}"
 
     def step(self, position: int | None = None, detail: str | None = None, *, total: int | None = None,
              force: bool = False) -> None:
@@ -144,8 +153,9 @@ _handler: logging.Handler | None = None
 
 def show_plain_lines(stream: IO[str] | None = None) -> logging.Handler:
     """Print progress lines to `stream` (default: stderr at the time of each line). Idempotent."""
-    global _handler
+    global _handler, _clock_start
     if _handler is None:
+        _clock_start = time.monotonic()
         _handler = _PlainLines(stream)
         log.addHandler(_handler)
         log.setLevel(logging.INFO)
