@@ -54,8 +54,11 @@ SOURCE_KINDS = ("onnx", "quantized", "calibration")  # artifacts engines are bui
 LOCK_STALE_AFTER_S = 600.0  # a remote lock nobody has touched for this long belongs to a dead builder
 LOCK_HEARTBEAT_S = 10.0
 LOCK_POLL_S = 0.5
+CLOCK_SKEW_S = 120.0  # a lock touched further in the future than this is not a heartbeat: it is stale
 STATE_FILE = ".store-state.json"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_MAX_RECORD_BYTES = 16 << 20  # a record lists files: far below this
 
 
 class StoreError(TrtDiffusionError):
@@ -193,13 +196,40 @@ class RemoteStore:
             return None
         except Exception as exc:  # noqa: BLE001
             raise self._error(f"read the record of {unit}", exc) from None
+        if len(data) > _MAX_RECORD_BYTES:
+            raise StoreError(f"{self.shown}: the record of {unit} is {len(data)} bytes, not a record; publish it again")
         try:
             record = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise StoreError(f"{self.shown}: the record of {unit} is not JSON; publish it again") from None
+        if not isinstance(record, dict):
+            raise StoreError(f"{self.shown}: the record of {unit} is not a JSON object; publish it again")
         if record.get("schema_version") != SCHEMA_VERSION or record.get("unit") != unit:
             raise StoreError(f"{self.shown}: the record of {unit} is of another schema or unit")
+        self.check_record(unit, record)
         return record
+
+    def check_record(self, unit: str, record: dict) -> None:
+        """StoreError unless every file the record names is a well-formed entry inside its own unit: a unit's
+        folder (`onnx/<name>.<key>/…`, `engines/<target>/<name>.<key>/…`), a plan's same-stem siblings, and
+        the provenance record of its key. Another unit's files, the cache's own state files, locks and hidden
+        names are refused, so one host's record can only ever write its own unit."""
+        where = f"{self.shown}: the record of {unit}"
+        files = record.get("files")
+        if not isinstance(files, dict) or not files:
+            raise StoreError(f"{where}: field 'files' is not a non-empty mapping; publish it again")
+        for relative in files:
+            self._local_path(relative, where)
+        allowed = unit_paths(unit, record.get("key"), where)
+        for relative, entry in files.items():
+            if not allowed(relative):
+                raise StoreError(f"{where}: field 'files' names {relative!r}, which is outside the unit {unit}; "
+                                 "refusing the whole record")
+            if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str)
+                    or not _SHA256.fullmatch(entry["sha256"]) or type(entry.get("bytes")) is not int
+                    or entry["bytes"] < 0):
+                raise StoreError(f"{where}: the entry of {relative!r} is not {{sha256: 64 hex digits, bytes: an "
+                                 "integer}; publish it again")
 
     def records(self, units: Iterable[str]) -> dict[str, dict]:
         found = {}
@@ -230,11 +260,19 @@ class RemoteStore:
         log.info("published %s to %s", unit, self.shown)
         return True
 
+    def _remote_sha256(self, key: str) -> str:
+        digest = hashlib.sha256()
+        with self.fs.open(key, "rb") as handle:
+            while block := handle.read(8 << 20):
+                digest.update(block)
+        return digest.hexdigest()
+
     def _put_blob(self, path: Path, sha256: str) -> None:
         final = self.blob_key(sha256)
         try:
-            if self.fs.exists(final) and self.fs.info(final).get("size") == path.stat().st_size:
-                return  # content-addressed: the same bytes are there
+            if (self.fs.exists(final) and self.fs.info(final).get("size") == path.stat().st_size
+                    and self._remote_sha256(final) == sha256):
+                return  # content-addressed, and verified: the same bytes are there (an overwritten blob is repaired)
             temp = self._key("tmp", f"{sha256}.{secrets.token_hex(6)}")
             self.fs.put_file(str(path), temp)
             self.fs.mv(temp, final)
@@ -253,9 +291,12 @@ class RemoteStore:
 
     def pull(self, unit: str, record: dict | None = None) -> bool:
         """Make the cache hold exactly the files the unit's record names, each verified; False when it did."""
-        record = record or self.record(unit)
         if record is None:
-            return False
+            record = self.record(unit)
+            if record is None:
+                return False
+        else:
+            self.check_record(unit, record)
         wanted = {}
         for relative, entry in record["files"].items():
             self._local_path(relative)  # refuses a path that leaves the cache
@@ -311,12 +352,15 @@ class RemoteStore:
             raise StoreError(f"{path} is not in the workspace cache {base}")
         return path.relative_to(base).as_posix()
 
-    def _local_path(self, relative: str) -> Path:
-        from .store import inside
+    def _local_path(self, relative: str, where: str | None = None) -> Path:
+        from .safe_paths import inside_folder
 
-        if relative.startswith("/") or ".." in relative.split("/"):
-            raise StoreError(f"{self.shown}: a record names {relative!r}, which is not a path in the workspace")
-        return inside(self.cache, self.cache / relative)
+        where = where or f"{self.shown}: a record"
+        try:
+            return inside_folder(self.cache, relative, where=where, field="files", error=StoreError)
+        except StoreError as exc:
+            raise StoreError(f"{where} names {relative!r}, which is not a path in the workspace (a relative path "
+                             "inside its unit: no absolute path, '..', empty or '.' part, or symbolic link)") from exc
 
     # A file is verified once; afterwards its (size, mtime) vouch for it until it changes.
     def _state(self) -> dict:
@@ -374,8 +418,8 @@ class RemoteStore:
         while not self._create_lock(path, token):
             holder = self._read_lock(path)
             if holder is not None and _lock_is_stale(holder, stale_after_s):
-                log.warning("breaking the stale lock of %s held by %s (no heartbeat for %.0f s)", key,
-                            holder.get("host"), time.time() - holder.get("touched", 0))
+                log.warning("breaking the stale lock of %s held by %s (dead, malformed, or no heartbeat for %s s)",
+                            key, holder.get("host"), holder.get("touched"))
                 self._break_lock(path, holder)
                 continue
             if not waited:
@@ -406,10 +450,11 @@ class RemoteStore:
 
     def _read_lock(self, path: str) -> dict | None:
         try:
-            return json.loads(self.fs.cat_file(path))
+            holder = json.loads(self.fs.cat_file(path))
+            return holder if isinstance(holder, dict) else {"touched": 0.0}  # not a lock body: it expires
         except FileNotFoundError:
             return None
-        except ValueError:
+        except (ValueError, RecursionError):
             return {"touched": 0.0}  # not ours to read: treat as untouched, it expires
         except Exception as exc:  # noqa: BLE001
             raise self._error("read a build lock", exc) from None
@@ -425,13 +470,54 @@ def _lock_body(token: str) -> bytes:
     return json.dumps({**_host(), "token": token, "touched": time.time()}).encode()
 
 
-def _lock_is_stale(holder: dict, stale_after_s: float) -> bool:
-    if holder.get("host") == socket.gethostname() and holder.get("pid") and holder.get("pid") != os.getpid():
+def _lock_is_stale(holder, stale_after_s: float) -> bool:
+    """A dead holder on this host, no heartbeat for `stale_after_s`, or a lock that is not one (malformed, or
+    touched in the future beyond clock skew: `touched: 1e18` would otherwise hold its key forever)."""
+    if not isinstance(holder, dict):
+        return True
+    pid = holder.get("pid")
+    if holder.get("host") == socket.gethostname() and type(pid) is int and pid > 0 and pid != os.getpid():
         from .targets.locks import _alive
 
-        if not _alive(int(holder["pid"])):
+        if not _alive(pid):
             return True
-    return time.time() - float(holder.get("touched", 0.0)) > stale_after_s
+    touched = holder.get("touched", 0.0)
+    if type(touched) not in (int, float) or touched != touched:  # a string, a bool, NaN
+        return True
+    age = time.time() - float(touched)
+    return age > stale_after_s or age < -CLOCK_SKEW_S
+
+
+def unit_paths(unit: str, key, where: str):
+    """A test of the workspace paths a record of `unit` may name (its folder, a plan's same-stem siblings, the
+    provenance of its key); StoreError when the unit's name itself is not a unit."""
+    from .safe_paths import checked_relative
+
+    parts = checked_relative(unit, where=where, field="unit", error=StoreError).parts
+    kind_ok = (len(parts) == 2 and parts[0] in SOURCE_KINDS) or (len(parts) == 3 and parts[0] == "engines")
+    if not kind_ok or any(p.startswith(".") for p in parts) or unit.endswith(".lock"):
+        raise StoreError(f"{where}: {unit!r} is not a unit (<kind>/<name>.<key> or engines/<target>/<name>.<key>)")
+    unit_key = _unit_key(unit)
+    provenance = f"provenance/{key}.json" if isinstance(key, str) and key == unit_key and unit_key else None
+    folder_prefix = unit + "/"
+    is_file_unit = parts[0] == "engines" and parts[-1].rsplit(".", 1)[-1] != unit_key  # `<name>.<key>.plan`
+    stem = parts[-1].rsplit(".", 1)[0] if is_file_unit else None
+    sibling_dir = "/".join(parts[:-1]) + "/"
+
+    def allowed(relative: str) -> bool:
+        names = relative.split("/")
+        if any(n.startswith(".") or n.endswith(".lock") for n in names):
+            return False  # the cache's state files, locks, temporaries
+        if relative == provenance:
+            return True
+        if relative.startswith(folder_prefix):
+            return True
+        if stem and relative.startswith(sibling_dir) and "/" not in relative[len(sibling_dir):]:
+            name = relative[len(sibling_dir):]
+            return name.startswith(stem + ".") and _unit_key(name) == unit_key
+        return False
+
+    return allowed
 
 
 def _filesystem(url: str, storage_options: dict):
@@ -532,6 +618,7 @@ def pull_engines(config, keys: Iterable[str]) -> int:
         if unit.rsplit(".", 1)[-1] in wanted or _unit_key(unit) in wanted:
             pulled += store.pull(unit)
     return pulled
+
 
 
 def _unit_key(unit: str) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 STALE_AFTER_S = 600.0  # no heartbeat for this long: the holder is gone
 HEARTBEAT_S = 10.0
 POLL_S = 0.2
+CLOCK_SKEW_S = 120.0  # hosts sharing a workspace may disagree on the time by this much
 
 
 @contextmanager
@@ -90,14 +91,20 @@ def clean_temporaries(workspace: Path, name: str, key: str) -> list[Path]:
 def is_stale(path: Path, stale_after_s: float = STALE_AFTER_S, now: float | None = None) -> bool:
     """A lock whose holder died on this host, or that no holder has touched for `stale_after_s`."""
     try:
-        holder = json.loads(path.read_text())
         touched = path.stat().st_mtime
-    except (OSError, ValueError):
-        return False  # being written or just removed: look again
+        holder = json.loads(path.read_text())
+    except OSError:
+        return False  # just removed: look again
+    except (ValueError, RecursionError):
+        holder = None  # being written, or not a lock: its age decides
     now = time.time() if now is None else now
-    if holder.get("host") == socket.gethostname() and not _alive(int(holder.get("pid", -1))):
+    pid = holder.get("pid") if isinstance(holder, dict) else None
+    if isinstance(holder, dict) and holder.get("host") == socket.gethostname() and type(pid) is int and pid > 0 \
+            and not _alive(pid):
         return True
-    return now - touched > stale_after_s
+    age = now - touched
+    # touched in the future beyond clock skew (a planted `touch -d 2100-01-01`): not a heartbeat, stale
+    return age > stale_after_s or age < -CLOCK_SKEW_S
 
 
 def _try_create(path: Path) -> bool:
