@@ -31,6 +31,7 @@ if fake.stub_path() is None:
     pytest.skip(f"tensorrt-stubs are not installed (pip install --no-deps {fake.STUB_PACKAGE})", allow_module_level=True)
 
 from trt_diffusion.targets.tensorrt.runner import EngineGroup, TensorRTRunner  # noqa: E402
+from trt_diffusion.targets.tensorrt.runner import _device_empty as REAL_DEVICE_EMPTY  # noqa: E402
 
 STATIC = {"sample": ((2, 4, 8, 8),) * 3}
 DYNAMIC = {"sample": ((1, 4, 8, 8), (2, 4, 8, 8), (4, 4, 16, 16))}
@@ -140,16 +141,17 @@ def _description(profile, activation_bytes=1 << 20):
         compute=lambda feeds: {"out": feeds["sample"] * 2 + 1}, activation_bytes=activation_bytes)
 
 
-def _plan(tmp_path: Path, name: str, profile, plan_bytes: int = 1000) -> Path:
+def _plan(tmp_path: Path, name: str, profile, plan_bytes: int = 1000, device_memory_bytes: int | None = None,
+          output_dtype: str = "float32") -> Path:
     plan = tmp_path / f"{name}.plan"
     plan.write_bytes(b"\0" * plan_bytes)
     shape = tuple(d if lo == hi else -1 for d, lo, hi in zip(profile["sample"][2], *profile["sample"][::2]))
     EngineManifest(
         spec_key=name, spec_name=name, tensorrt_version="10.13.0.35", compute_capability=(8, 9), device_name="fake",
         flags={}, profile_shapes=profile, onnx_sha256="0" * 64, plan_bytes=plan_bytes, build_seconds=0.0,
-        plan_sha256=hashlib.sha256(plan.read_bytes()).hexdigest(),
+        plan_sha256=hashlib.sha256(plan.read_bytes()).hexdigest(), device_memory_bytes=device_memory_bytes,
         inputs=(TensorInfo(name="sample", dtype="float32", shape=shape),),
-        outputs=(TensorInfo(name="out", dtype="float32", shape=shape),),
+        outputs=(TensorInfo(name="out", dtype=output_dtype, shape=shape),),
     ).write(manifest_path(plan))
     return plan
 
@@ -157,16 +159,17 @@ def _plan(tmp_path: Path, name: str, profile, plan_bytes: int = 1000) -> Path:
 class Rig:
     """One fake GPU: the stub-generated TensorRT, the fake CUDA runtime, a group, runners over fake plans."""
 
-    def __init__(self, tmp_path: Path, bound_bytes: int = 1 << 30):
+    def __init__(self, tmp_path: Path, bound_bytes: int = 1 << 30, cudart=None):
         self.tmp_path = tmp_path
         self.trt = fake.FakeTensorRT()
-        self.cudart = fake.FakeCudart()
+        self.cudart = cudart if cudart is not None else fake.FakeCudart()
         self.group = EngineGroup(cuda=Cuda(self.cudart), bound_bytes=bound_bytes)
         self.loads: list[str] = []
 
-    def runner(self, name, profile=STATIC, *, activation_bytes=1 << 20, plan_bytes=1000, cuda_graph=False):
-        plan = _plan(self.tmp_path, name, profile, plan_bytes)
-        description = _description(profile, activation_bytes)
+    def runner(self, name, profile=STATIC, *, activation_bytes=1 << 20, plan_bytes=1000, cuda_graph=False,
+               device_memory_bytes=None, description=None, output_dtype="float32"):
+        plan = _plan(self.tmp_path, name, profile, plan_bytes, device_memory_bytes, output_dtype)
+        description = description or _description(profile, activation_bytes)
 
         def load(path):
             self.loads.append(name)
@@ -379,3 +382,162 @@ def test_pipeline_keeps_latents_on_the_host_unless_every_denoiser_runner_takes_d
     assert device(trt_runner, host_runner) is None  # one runner on the host: the host path for all
     request.controlnet = "canny"
     assert device(trt_runner) is None  # ControlNet residuals are computed on the host
+
+
+# ---------------------------------------------------------------------------------------------- asynchronous CUDA
+# (#27 items 3 and 7) tests/shared/tensorrt_async_cuda.py: queued streams, real event semantics, injectable
+# allocation failure. The synchronous stand-in above runs every copy at once, so it cannot show ordering bugs.
+
+
+@pytest.fixture
+def async_rig(tmp_path, monkeypatch):
+    from tensorrt_async_cuda import AsyncCudart, FakeCudaTensor
+
+    from trt_diffusion.targets.tensorrt import runner as runner_module
+
+    cudart = AsyncCudart()
+    rig = Rig(tmp_path, cudart=cudart)
+    rig.torch_stream = cudart.external_stream()
+    rig.allocated = []
+    monkeypatch.setattr(runner_module, "_torch_stream", lambda: rig.torch_stream)
+
+    def device_empty(shape, dtype):
+        out = FakeCudaTensor(cudart, cudart.cudaMalloc(max(dm.tensor_bytes(shape, dtype), 1))[1], shape,
+                             dm.torch_dtype_name(dtype), torch_stream=rig.torch_stream)
+        rig.allocated.append(out)
+        return out
+
+    monkeypatch.setattr(runner_module, "_device_empty", device_empty)
+    rig.tensor = lambda array, contiguous=True: FakeCudaTensor.produced(cudart, rig.torch_stream, array,
+                                                                        contiguous=contiguous)
+    return rig
+
+
+def test_device_feeds_wait_for_torchs_contiguous_copies(async_rig):
+    """`.contiguous()` of a non-contiguous tensor queues a copy on torch's stream: the runner's stream must wait
+    for it, so the event is recorded after every `.contiguous()`, not before (today's order read zeros)."""
+    rig = async_rig
+    runner = rig.runner("unet")
+    sample = _sample()["sample"]
+    out = runner.run({"sample": rig.tensor(sample, contiguous=False)})["out"]
+    rig.cudart.run_stream(rig.group.stream)  # the runner's stream first, as far as its waits let it: a legal order
+    np.testing.assert_array_equal(out.numpy_after(rig.torch_stream), sample * 2 + 1)
+
+
+def test_device_outputs_are_ready_on_torchs_stream_only_after_the_engine_ran(async_rig):
+    rig = async_rig
+    runner = rig.runner("unet", cuda_graph=True)
+    for seed in range(3):  # eager, capture, replay: each output waited for on torch's stream
+        sample = _sample(seed=seed)["sample"]
+        out = runner.run({"sample": rig.tensor(sample)})["out"]
+        assert rig.cudart.pending(rig.group.stream) > 0  # nothing ran yet: no host sync on the device path
+        np.testing.assert_array_equal(out.numpy_after(rig.torch_stream), sample * 2 + 1)
+    assert runner.stats.graph_launches == 2
+
+
+def test_host_path_reads_its_pinned_buffers_only_after_the_copies_ran(async_rig):
+    rig = async_rig
+    runner = rig.runner("unet", DYNAMIC)
+    for seed, shape in enumerate([(1, 4, 8, 8), (4, 4, 16, 16), (2, 4, 8, 12)]):
+        feeds = _sample(shape, seed)
+        np.testing.assert_array_equal(runner.run(feeds)["out"], feeds["sample"] * 2 + 1)
+
+
+def test_fp8_device_outputs_are_torchs_float8_e4m3fn(async_rig, monkeypatch):
+    """#27 item 7: a manifest says `float8e4m3`; torch's dtype is `float8_e4m3fn` (`torch.float8e4m3` does not
+    exist: the device path raised AttributeError for every fp8 output)."""
+    import torch
+
+    from trt_diffusion.targets.tensorrt import runner as runner_module
+    from trt_diffusion.targets.tensorrt.config import TRT_DTYPE_NAMES
+
+    for name in TRT_DTYPE_NAMES.values():
+        if name not in dm.NO_TORCH_DTYPE:
+            assert isinstance(getattr(torch, dm.torch_dtype_name(name)), torch.dtype), name
+    monkeypatch.setitem(fake.NUMPY_OF, "FP8", np.uint8)
+    made = []
+    monkeypatch.setattr(torch, "empty", lambda shape, dtype, device: made.append(dtype) or _fp8_tensor(async_rig, shape))
+    monkeypatch.setattr(runner_module, "_device_empty", REAL_DEVICE_EMPTY)  # the runner's own dtype mapping
+    (low, _, high), = STATIC.values()
+    description = fake.EngineDescription(
+        inputs={"sample": ("FLOAT", low, low, high)}, outputs={"out": "FP8"},
+        output_shape=lambda shapes: {"out": shapes.get("sample", high)},
+        compute=lambda feeds: {"out": np.full(feeds["sample"].shape, 0x38, np.uint8)})  # 1.0 in e4m3
+    runner = async_rig.runner("unet_fp8", description=description, output_dtype="float8e4m3")
+    out = runner.run({"sample": async_rig.tensor(_sample()["sample"])})["out"]
+    assert made == [torch.float8_e4m3fn]
+    assert (out.numpy_after(async_rig.torch_stream) == 0x38).all()
+
+
+def _fp8_tensor(rig, shape):
+    from tensorrt_async_cuda import FakeCudaTensor
+
+    return FakeCudaTensor(rig.cudart, rig.cudart.cudaMalloc(int(np.prod(shape)))[1], shape, "float8_e4m3fn",
+                          torch_stream=rig.torch_stream)
+
+
+def _bound_to_live_memory(rig) -> bool:
+    return all(c._activation is None or c._activation[0] in rig.cudart.device for c in rig.trt.contexts
+               if c._activation and c._activation[1])
+
+
+def test_a_failed_activation_malloc_leaves_no_context_bound_to_freed_memory(async_rig):
+    """#27 item 3: bind_activation freed the shared allocation before allocating the larger one; a failed
+    cudaMalloc left every member (and its captured graph) bound to the freed pointer."""
+    rig = async_rig
+    small = rig.runner("text_encoder", activation_bytes=1000, cuda_graph=True)
+    for _ in range(3):
+        small.run(_sample())  # eager, capture, replay
+    rig.cudart.fail_malloc(1)  # the larger allocation fails once: freeing the old one first makes room
+    rig.runner("unet", activation_bytes=9000).run(_sample())
+    assert _bound_to_live_memory(rig)
+    rig.cudart.fail_malloc(2)  # and when it fails for good
+    with pytest.raises(Exception, match="cudaErrorMemoryAllocation"):
+        rig.runner("vae", activation_bytes=90000).run(_sample())
+    assert _bound_to_live_memory(rig)
+    feeds = _sample(seed=4)  # the earlier members rebind; no graph replays into the freed allocation
+    np.testing.assert_array_equal(small.run(feeds)["out"], feeds["sample"] * 2 + 1)
+    assert _bound_to_live_memory(rig)
+
+
+def test_admission_budgets_the_activation_memory_the_manifest_records(tmp_path):
+    """#27 item 3: `admit` never passed `shared_after`, so an engine whose activation memory did not fit was
+    loaded anyway and the bound exceeded; the manifest's `device_memory_bytes` is budgeted before the load."""
+    mib = 1 << 20
+    rig = Rig(tmp_path, bound_bytes=1024 * mib)
+    a = rig.runner("unet.512", plan_bytes=400 * mib, activation_bytes=100 * mib, device_memory_bytes=100 * mib)
+    b = rig.runner("unet.1024", plan_bytes=400 * mib, activation_bytes=300 * mib, device_memory_bytes=300 * mib)
+    a.run(_sample())
+    b.run(_sample())  # 400 + 400 + 300 > 1024: a goes first
+    assert not a.active and b.active
+    assert rig.group.budget.used_bytes <= rig.group.budget.bound_bytes
+
+
+def test_in_process_refit_is_queued_on_the_stream_and_drops_the_captured_graph(async_rig, monkeypatch):
+    """#27 item 7 and the hot-swap design: `runner.refit` queues `refit_cuda_engine_async` on the runner's stream
+    (after the runs already queued, before later ones), drops the captured graph and records the LoRA in the
+    in-memory manifest."""
+    from trt_diffusion.targets.tensorrt import engine as trt_engine
+    from trt_diffusion.targets.tensorrt.config import weights_digest
+
+    rig = async_rig
+    runner = rig.runner("unet", cuda_graph=True)
+    for _ in range(3):
+        runner.run({"sample": rig.tensor(_sample()["sample"])})  # device path: nothing synchronized
+    calls = []
+
+    def refit_engine(engine, weights, base_weights=None, stream_handle=None):
+        calls.append((stream_handle, rig.cudart.pending(rig.group.stream)))
+        rig.cudart.enqueue(stream_handle, "refit", lambda: None)
+
+    monkeypatch.setattr(trt_engine, "refit_engine", refit_engine)
+    lora = {"w": np.ones(3, np.float32)}
+    runner.refit(lora)
+    assert calls == [(int(rig.group.stream), calls[0][1])] and calls[0][1] > 0  # queued behind the pending runs
+    assert runner._graph is None and rig.cudart.calls["cudaGraphExecDestroy"] == 1
+    assert runner.manifest.refit.weights_sha256 == weights_digest(lora)
+    out = runner.run({"sample": rig.tensor(_sample(seed=5)["sample"])})["out"]
+    labels = [label for label, _ in rig.cudart.queues[int(rig.group.stream)] if label != "wait"]
+    assert labels.index("refit") < len(labels) - 1 - labels[::-1].index("execute")  # the refit before the next run
+    np.testing.assert_array_equal(out.numpy_after(rig.torch_stream), _sample(seed=5)["sample"] * 2 + 1)
+    assert runner.stats.graph_captures == 1 and runner.stats.eager_runs == 2  # warm-up again after the refit

@@ -363,6 +363,9 @@ class EngineManifest(BaseModel):
     # sha256 of the plan this manifest describes: checked before TensorRT deserializes it (plan_trust.py);
     # None only in manifests made in code, which nothing loads
     plan_sha256: str | None = None
+    # `device_memory_size_v2` of the engine (its activation memory, profile 0): the runner budgets the shared
+    # activation allocation with it before loading; None when the build could not read it back
+    device_memory_bytes: int | None = None
     build_seconds: float
     created_at: str = Field(default_factory=_utc_now)
 

@@ -219,6 +219,19 @@ TORCH_DTYPE_NAMES = {
 }
 
 
+# manifest dtype name -> torch's name where they differ (torch has no 4-bit dtypes: none for int4/float4e2m1)
+TORCH_NAME_OF = {"float8e4m3": "float8_e4m3fn", "float8e8m0": "float8_e8m0fnu"}
+NO_TORCH_DTYPE = ("int4", "float4e2m1")
+
+
+def torch_dtype_name(dtype: str) -> str:
+    """The `torch.<name>` of a manifest dtype name (`float8e4m3` is torch's `float8_e4m3fn`); ValueError for the
+    packed 4-bit types torch cannot hold."""
+    if dtype in NO_TORCH_DTYPE:
+        raise ValueError(f"torch has no dtype for {dtype}: an engine output of that type cannot come back as a tensor")
+    return TORCH_NAME_OF.get(dtype, dtype)
+
+
 @dataclass(frozen=True)
 class FeedInfo:
     dtype: str

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -65,6 +66,7 @@ INSTALL_HINT = (
     "pip install 'trt-diffusion[tensorrt]' --extra-index-url https://pypi.nvidia.com"
 )
 
+REFIT_THREADS = max(1, min(8, (os.cpu_count() or 1)))
 HostInfo = tuple[str, tuple[int, int], str]  # (TensorRT version, compute capability, device name)
 
 
@@ -408,6 +410,7 @@ def build_engine(
     except OSError as err:  # the engine is good; a cache is only a speed-up
         LOG.warning("could not update timing cache %s: %s", cache_path, err)
 
+    device_memory_bytes = _device_memory_of(plan, flags.version_compatible, spec.name)
     manifest = EngineManifest(
         spec_key=spec.key,
         spec_name=spec.name,
@@ -422,11 +425,28 @@ def build_engine(
         refit_map=str(refit_map) if refit_map is not None else None,
         plan_bytes=plan.nbytes,
         plan_sha256=plan_sha256(plan),
+        device_memory_bytes=device_memory_bytes,
         build_seconds=round(build_seconds, 3),
     )
     manifest.write(manifest_file)
     LOG.info("built %s in %.1f s (%s)", spec.name, build_seconds, out_path)
     return manifest
+
+
+def _device_memory_of(plan: trt.IHostMemory, version_compatible: bool, spec_name: str) -> int | None:
+    """The activation memory the plan just built needs (`device_memory_size_v2`), read back once at build time so
+    runners budget it before loading (the builder does not report it). Our own plan, just built: its host code
+    (version-compatible) may run. None, with a warning, when it cannot be read."""
+    import tensorrt as trt
+
+    try:
+        runtime = trt.Runtime(_trt_logger())
+        runtime.engine_host_code_allowed = version_compatible
+        engine = runtime.deserialize_cuda_engine(plan)
+        return int(engine.device_memory_size_v2) if engine is not None else None
+    except Exception as err:  # noqa: BLE001 - the plan is good; the figure is only for budgeting
+        LOG.warning("%s: could not read the engine's device memory size back (%s)", spec_name, err)
+        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,7 +550,9 @@ def _refitter(engine: TensorRTEngine) -> trt.Refitter:
     _require_tensorrt()
     import tensorrt as trt
 
-    return trt.Refitter(engine.engine, _trt_logger())
+    refitter = trt.Refitter(engine.engine, _trt_logger())
+    refitter.max_threads = REFIT_THREADS  # weights validated and copied in parallel (hot swap on a serving host)
+    return refitter
 
 
 def refittable_weight_names(engine: TensorRTEngine) -> list[str]:
@@ -563,7 +585,10 @@ def _set_named_weights(refitter: trt.Refitter, prepared: Mapping[str, np.ndarray
         raise RefitError(f"TensorRT rejected weight(s) {rejected} for engine {engine_name}")
 
 
-def _refit_cuda_engine(engine: TensorRTEngine, refitter: trt.Refitter, written: Iterable[str]) -> None:
+def _refit_cuda_engine(engine: TensorRTEngine, refitter: trt.Refitter, written: Iterable[str],
+                       stream_handle: int | None = None) -> None:
+    """`refit_cuda_engine`, or with `stream_handle` `refit_cuda_engine_async` on the stream every run of the
+    engine is queued on (a serving runner's: ordered after the runs already queued, no host sync)."""
     name = engine.manifest.spec_name
     missing = sorted(n or "<unnamed>" for n in refitter.get_missing_weights())
     if missing:
@@ -572,7 +597,8 @@ def _refit_cuda_engine(engine: TensorRTEngine, refitter: trt.Refitter, written: 
             "(fused with the ones given); pass base_weights or include them"
         )
     mark = _ERRORS.mark()
-    if not refitter.refit_cuda_engine():
+    done = refitter.refit_cuda_engine() if stream_handle is None else refitter.refit_cuda_engine_async(stream_handle)
+    if not done:
         # TensorRT may have written some of them: count all as changed so a restore covers them
         engine.refitted_names |= set(written)
         raise RefitError(_with_trt_errors(f"TensorRT failed to refit engine {name}", mark))
@@ -582,6 +608,7 @@ def refit_engine(
     engine: TensorRTEngine,
     weights: Mapping[str, np.ndarray],
     base_weights: Mapping[str, np.ndarray] | None = None,
+    stream_handle: int | None = None,
 ) -> None:
     """Write new weights (by ONNX initializer name) into a refittable engine, in place.
 
@@ -599,7 +626,7 @@ def refit_engine(
     prepared = prepare_refit_weights(name, _prototypes(refitter, wanted), wanted)
     _set_named_weights(refitter, prepared, name)
     prepared.update(_fill_missing_weights(refitter, name, base_weights))
-    _refit_cuda_engine(engine, refitter, wanted)
+    _refit_cuda_engine(engine, refitter, wanted, stream_handle)
     engine.refitted_names = set(weights)
 
 
@@ -681,6 +708,7 @@ def refit_from_base(
     engine: TensorRTEngine,
     base_onnx: str | Path,
     weights: Mapping[str, np.ndarray] | None = None,
+    stream_handle: int | None = None,
 ) -> None:
     """Every refittable weight from the base ONNX, then `weights` over them, in one refit.
 
@@ -704,6 +732,6 @@ def refit_from_base(
     # `prepared` and `parser_refitter` hold the weights TensorRT reads until refit_cuda_engine returns
     prepared = prepare_refit_weights(name, _prototypes(refitter, weights), weights) if weights else {}
     _set_named_weights(refitter, prepared, name)
-    _refit_cuda_engine(engine, refitter, refitter.get_all_weights())
+    _refit_cuda_engine(engine, refitter, refitter.get_all_weights(), stream_handle)
     del parser_refitter
     engine.refitted_names = set(prepared)

@@ -27,7 +27,7 @@ import numpy as np
 from ...errors import RuntimeInputError
 from ...runtime.runners import TensorSpec
 from .config import EngineManifest, check_feeds, manifest_path, numpy_dtype_for
-from .cudart import Cuda, host_array
+from .cudart import Cuda, CudaError, host_array
 from .device_memory import (
     MEMORY_ENV,
     EngineBudget,
@@ -44,6 +44,7 @@ from .device_memory import (
     outputs_on_device,
     shared_activation_bytes,
     tensor_bytes,
+    torch_dtype_name,
 )
 
 if TYPE_CHECKING:
@@ -103,34 +104,80 @@ class EngineGroup:
     def members(self) -> list[str]:
         return list(self._members)
 
-    def admit(self, runner: TensorRTRunner, resident_bytes: int) -> None:
-        """Make room for `runner` (unloading least recently used lazily loaded engines) before it loads."""
+    def admit(self, runner: TensorRTRunner, resident_bytes: int, activation_bytes: int | None = None) -> None:
+        """Make room for `runner` (unloading least recently used lazily loaded engines) before it loads.
+        `activation_bytes` (its manifest's `device_memory_bytes`) is what it adds to the shared activation
+        allocation: budgeted now, before the load, not discovered after it."""
         budget = self._open()
-        evict = budget.admit(runner.key, resident_bytes)
+        needs = {**self._needs, runner.key: activation_bytes} if activation_bytes is not None else None
+        shared_after = shared_activation_bytes(needs) if needs is not None else None
+        evict = budget.admit(runner.key, resident_bytes, shared_after=shared_after)
         self._members[runner.key] = runner  # first, so the group stays open while others leave
         for key in evict:
             self._members[key].deactivate()
 
     def bind_activation(self, runner: TensorRTRunner, context: trt.IExecutionContext, needed: int) -> None:
         """Give `context` the shared activation memory, growing it (and rebinding every member) when
-        `needed` is more than it holds."""
+        `needed` is more than it holds.
+
+        The new allocation is made before the old one is freed, so a failed cudaMalloc leaves every member
+        bound to memory that is still allocated. Where both do not fit at once, the old one is freed first:
+        then every member is unbound and the generation bumped before the second try, so no context and no
+        captured graph is left pointing at freed memory whatever that try gives."""
         self._needs[runner.key] = needed
         size = shared_activation_bytes(self._needs)
         if size > self.activation_bytes:
             self.cuda.synchronize(self.stream)  # nothing may still run in the old allocation
+            try:
+                pointer = self.cuda.malloc(size)
+            except CudaError:
+                if not self.activation_pointer:
+                    self._needs.pop(runner.key, None)
+                    raise
+                held = self.activation_bytes
+                self._release_activation()  # not both at once: free first, nothing left bound to it
+                try:
+                    pointer = self.cuda.malloc(size)
+                except CudaError:
+                    self._needs.pop(runner.key, None)
+                    self._restore_activation(held)  # the members that fitted get memory again, then the error
+                    raise
             if self.activation_pointer:
-                self.cuda.free(self.activation_pointer)
-                self.stats["activation_frees"] += 1
-            self.activation_pointer = self.cuda.malloc(size) if size else 0
-            self.activation_bytes = size
+                self._release_activation()
+            self.activation_pointer, self.activation_bytes = pointer, size
             self.activation_generation += 1
             self.stats["activation_allocations"] += 1
             for key, member in self._members.items():
                 if key != runner.key and member.context is not None:
                     member.context.set_device_memory(self.activation_pointer, self.activation_bytes)
+                    member.bound_generation = self.activation_generation
         if self.budget is not None:
             self.budget.set_shared(self.activation_bytes)
         context.set_device_memory(self.activation_pointer, self.activation_bytes)
+        runner.bound_generation = self.activation_generation
+
+    def _restore_activation(self, nbytes: int) -> None:
+        """After a failed growth: an allocation of the size the earlier members fitted in, every one rebound (a new
+        generation: their graphs recapture). Left unbound when even that fails; they rebind before running."""
+        try:
+            self.activation_pointer = self.cuda.malloc(nbytes)
+        except CudaError:
+            return
+        self.activation_bytes = nbytes
+        self.activation_generation += 1
+        for member in self._members.values():
+            if member.context is not None and member.key in self._needs:
+                member.context.set_device_memory(self.activation_pointer, self.activation_bytes)
+                member.bound_generation = self.activation_generation
+
+    def _release_activation(self) -> None:
+        """Free the shared allocation; the generation moves on, so no member runs or replays into it unbound."""
+        self.cuda.free(self.activation_pointer)
+        self.stats["activation_frees"] += 1
+        self.activation_pointer, self.activation_bytes = 0, 0
+        self.activation_generation += 1
+        for member in self._members.values():
+            member.bound_generation = -1
 
     def leave(self, runner: TensorRTRunner) -> None:
         self._members.pop(runner.key, None)
@@ -236,11 +283,15 @@ class TensorRTRunner:
         self._warm_key: GraphKey | None = None
         self._pending = False  # work queued on the stream that reads the pinned buffers
         self._entered = 0
+        self.bound_generation = -1  # the group's activation generation this context is bound to
+        self._refit_pinned = False
+        self._activation_need = 0
 
     # ------------------------------------------------------------------ lifecycle
 
     def _read_manifest(self) -> None:
         self.manifest = EngineManifest.read(manifest_path(self.path))
+        self._disk_manifest = self.manifest  # as on disk; `manifest` also records in-process refits
         self._manifest_stat = _stat_key(manifest_path(self.path))
         self.inputs = {t.name: TensorSpec(np.dtype(numpy_dtype_for(t.dtype) or np.float32),
                                           tuple(d if d >= 0 else None for d in t.shape))
@@ -257,7 +308,7 @@ class TensorRTRunner:
                 return
             seen = EngineManifest.read(manifest_path(self.path))
             self._manifest_stat = stat
-        if (seen.plan_sha256, seen.refit) != (self.manifest.plan_sha256, self.manifest.refit):
+        if (seen.plan_sha256, seen.refit) != (self._disk_manifest.plan_sha256, self._disk_manifest.refit):
             self._manifest_stat = None  # keep refusing until reload()
             what = (f"LoRA weights {seen.refit.weights_sha256[:12]}…" if seen.refit and not seen.refit.in_progress
                     else "a refit in progress" if seen.refit else "its base weights")
@@ -266,7 +317,8 @@ class TensorRTRunner:
                 f"holds {what}); call runner.reload() to run the new plan, or keep a runner per LoRA")
 
     def reload(self) -> None:
-        """Take the plan and manifest as they are on disk now (after a refit): unload, re-read, load on next use."""
+        """Take the plan and manifest as they are on disk now (after a refit): unload, re-read, load on next use.
+        An in-process refit is dropped with the unload."""
         with self.group.lock:
             self.deactivate()
             self._read_manifest()
@@ -313,7 +365,7 @@ class TensorRTRunner:
                     group.budget.touch(self.key)
                 return
             trt_mod = self._trt_mod()
-            group.admit(self, self.manifest.plan_bytes)
+            group.admit(self, self.manifest.plan_bytes, self.manifest.device_memory_bytes)
             try:
                 if self._loader is None:
                     from .engine import load_engine
@@ -321,6 +373,9 @@ class TensorRTRunner:
                     self._loader = load_engine
                 self.engine = self._loader(self.path)
                 self._refuse_if_changed_on_disk(self.engine.manifest)
+                if self.manifest.refit != self._disk_manifest.refit:  # an in-process refit is not on disk
+                    raise RuntimeInputError(f"{self.name}: the engine was unloaded after an in-process refit and the "
+                                            "plan on disk does not hold those weights: refit it again, or reload()")
                 engine: trt.ICudaEngine = self.engine.engine
                 context = engine.create_execution_context(trt_mod.ExecutionContextAllocationStrategy.USER_MANAGED)
                 if context is None:
@@ -328,7 +383,8 @@ class TensorRTRunner:
                                             "(out of GPU memory?)")
                 self.context = context
                 self.stats.contexts_created += 1
-                group.bind_activation(self, context, int(engine.device_memory_size_v2))
+                self._activation_need = int(engine.device_memory_size_v2)
+                group.bind_activation(self, context, self._activation_need)
                 self._allocate(self._io_tensors(trt_mod, engine, context))
                 self.stats.activations += 1
                 self.stats.graph_skip_reason = graph_capture_reason(self.cuda_graph, self.manifest.profile_shapes)
@@ -390,10 +446,10 @@ class TensorRTRunner:
             if group.stream is not None and (self._pending or self.active):
                 group.cuda.synchronize(group.stream)
             self._pending = False
-            if self._graph is not None:
-                group.cuda.graph_destroy(self._graph)
-                self._graph, self._graph_key = None, None
-            self._warm_key = None
+            self._drop_graph()
+            if self._refit_pinned and group.budget is not None:
+                group.budget.unpin(self.key)
+            self._refit_pinned = False
             for buffer in self._buffers.values():
                 self._free(buffer)
             self._buffers.clear()
@@ -402,6 +458,55 @@ class TensorRTRunner:
             self.context = None
             self.engine = None
             group.leave(self)
+
+    # ------------------------------------------------------------------ refit in process (LoRA hot swap)
+
+    def refit(self, weights: Mapping[str, np.ndarray] | None, *, base_onnx: str | Path | None = None,
+              base_weights: Mapping[str, np.ndarray] | None = None) -> None:
+        """Write LoRA-fused weights (ONNX initializer names; None: back to base) into the loaded engine, in
+        memory; the plan on disk is untouched (`trt-diffusion refit` rewrites that).
+
+        Queued on the group's stream (`refit_cuda_engine_async`) after every run already queued there, and
+        before any later one: no run reads half-written weights. The captured CUDA graph is dropped (it recorded
+        the old weights' kernels' parameters) and recaptured on the next runs. With `base_onnx`, every weight comes
+        from the ONNX the plan was built from first (no residue of an earlier LoRA); else `base_weights` restore
+        what an earlier refit changed. The in-memory manifest records what the engine now holds."""
+        from . import engine as trt_engine
+        from .config import RefitRecord, weights_digest
+
+        group = self.group
+        with group.lock:
+            self.activate()
+            assert self.engine is not None and group.stream is not None
+            cuda = group.cuda
+            if self._pending:  # device outputs of the last call: their copies are queued before the refit anyway
+                self._pending = False
+            self._drop_graph()
+            handle = cuda.stream_handle(group.stream)
+            arrays = dict(weights or {})
+            if base_onnx is not None:
+                trt_engine.refit_from_base(self.engine, base_onnx, arrays or None, stream_handle=handle)
+            elif arrays or self.engine.refitted_names:
+                if not arrays:
+                    if base_weights is None:
+                        raise RuntimeInputError(f"{self.name}: restoring the base weights needs base_onnx or "
+                                                "base_weights")
+                    trt_engine.refit_to_base(self.engine, base_weights)
+                else:
+                    trt_engine.refit_engine(self.engine, arrays, base_weights, stream_handle=handle)
+            record = (RefitRecord(weights_sha256=weights_digest(arrays), names=tuple(sorted(arrays)))
+                      if arrays else None)
+            self.manifest = self.manifest.model_copy(update={"refit": record})
+            self.engine.manifest = self.manifest
+            self.stats.extra["refits"] += 1
+            if not self._refit_pinned and group.budget is not None:  # never unloaded behind the LoRA's back
+                group.budget.pin(self.key)
+                self._refit_pinned = True
+
+    def _drop_graph(self) -> None:
+        if self._graph is not None:
+            self.group.cuda.graph_destroy(self._graph)
+        self._graph, self._graph_key, self._warm_key = None, None, None
 
     # ------------------------------------------------------------------ running
 
@@ -434,18 +539,19 @@ class TensorRTRunner:
         if self._pending:  # the last call's copies may still read the pinned buffers about to be rewritten
             cuda.synchronize(stream)
             self._pending = False
-        torch_stream = None
-        keep: list[Any] = []  # device sources stay referenced until their copies are queued behind the stream's end
+        if self.bound_generation != group.activation_generation:  # the shared allocation moved or was freed
+            group.bind_activation(self, context, self._activation_need)
+        # device sources: `.contiguous()` may queue a copy on torch's stream, so the runner's stream waits on
+        # torch's only after every such copy is queued; they stay referenced until their copies are queued
+        keep = {name: value.contiguous() for name, value in feeds.items() if describe_feed(value).on_device}
+        torch_stream = _torch_stream() if keep else None
+        if torch_stream is not None:
+            cuda.wait(stream, torch_stream, group.event())  # the producer's work (and the copies) come first
         for name, value in feeds.items():
             buffer = self._buffers[name]
             nbytes = tensor_bytes(shapes[name], buffer.tensor.dtype)
-            if describe_feed(value).on_device:
-                if torch_stream is None:
-                    torch_stream = _torch_stream()
-                    cuda.wait(stream, torch_stream, group.event())  # the producer's work comes first
-                source = value.contiguous()
-                keep.append(source)
-                cuda.copy_on_device(buffer.device, int(source.data_ptr()), nbytes, stream)
+            if name in keep:
+                cuda.copy_on_device(buffer.device, int(keep[name].data_ptr()), nbytes, stream)
             else:
                 array = np.ascontiguousarray(value)
                 host_array(buffer.host, nbytes, array.dtype, array.shape)[...] = array
@@ -523,17 +629,22 @@ class TensorRTRunner:
         return outputs
 
     def _device_outputs(self, stream: Any, torch_stream: Any) -> dict[str, Any]:
-        import torch
-
         cuda, outputs = self.group.cuda, {}
         for name in self.output_names:
             buffer = self._buffers[name]
             shape = self._output_shapes[name]
-            out = torch.empty(shape, dtype=getattr(torch, buffer.tensor.dtype), device="cuda")
+            out = _device_empty(shape, buffer.tensor.dtype)
             cuda.copy_on_device(int(out.data_ptr()), buffer.device, tensor_bytes(shape, buffer.tensor.dtype), stream)
             outputs[name] = out
         cuda.wait(torch_stream if torch_stream is not None else _torch_stream(), stream, self.group.event())
         return outputs
+
+
+def _device_empty(shape: Shape, dtype: str) -> Any:
+    """A torch CUDA tensor for an output of manifest dtype `dtype` (fp8 outputs are torch's float8_e4m3fn)."""
+    import torch
+
+    return torch.empty(shape, dtype=getattr(torch, torch_dtype_name(dtype)), device="cuda")
 
 
 def _stat_key(path: Path) -> tuple[int, int, int] | None:
