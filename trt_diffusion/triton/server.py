@@ -72,6 +72,13 @@ def _bundled_server(work_dir: Path) -> tuple[Path, Path, dict[str, str]]:
     return binary, backends, env
 
 
+def tensorrt_args(repo: Path) -> list[str]:
+    """`--backend-config=tensorrt,version-compatible=true` when a packaged plan was built version-compatible."""
+    from ..targets.tensorrt.triton_args import tritonserver_args
+
+    return tritonserver_args(repo)
+
+
 @dataclass
 class TritonServer:
     repo: Path
@@ -108,7 +115,8 @@ class TritonServer:
             "--grpc-address=127.0.0.1", f"--grpc-port={self.ports.grpc}",
             "--metrics-address=127.0.0.1", f"--metrics-port={self.ports.metrics}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--strict-readiness=true",
-            "--exit-on-error=true", "--log-verbose=0", *self.restriction_args(), *self.extra_args,
+            "--exit-on-error=true", "--log-verbose=0", *self.restriction_args(), *tensorrt_args(self.repo),
+            *self.extra_args,
         ]
         return args, env
 
