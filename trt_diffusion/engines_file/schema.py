@@ -146,6 +146,9 @@ class TensorRTSettings(Strict):
     # built on a host with that GPU (`build --ray` asks for a Ray resource of the same name). Empty: the
     # architecture of the GPU that builds.
     architectures: list[Annotated[str, Field(pattern=r"^sm_[0-9]{2,3}[a-z]?$")]] = Field(default_factory=list)
+    # TensorRT 11.3 can drop a GEMM bias in REFIT engines (NVIDIA's known issue): `build` refuses refittable
+    # specs on 11.3.x unless this is true (then part of the engines' identity: they rebuild when it changes)
+    allow_refit_on_11_3: bool = False
 
 
 class FarmSettings(Strict):
