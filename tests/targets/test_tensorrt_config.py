@@ -761,3 +761,41 @@ def test_a_multi_gb_onnx_is_hashed_once_per_run(monkeypatch, tmp_path):
     os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert onnx_sha256(path) != first
     assert reads[2:] == ["model.onnx", "model.onnx.data"]
+
+
+# ---------------------------------------------------------------------------------------------- #27 item 6
+
+
+@needs_no_tensorrt
+def test_refittable_builds_are_refused_on_tensorrt_11_3_unless_waived(monkeypatch, tmp_path):
+    """TensorRT 11.3 can drop a GEMM bias in REFIT engines: `build` refuses refittable specs there, before
+    TensorRT starts, naming the known issue, unless engines.yaml sets build.tensorrt.allow_refit_on_11_3."""
+    from types import SimpleNamespace
+
+    import trt_diffusion.targets.tensorrt as trt_target
+    from trt_diffusion.engines_file.schema import TensorRTSettings
+    from trt_diffusion.targets.tensorrt import engine
+    from trt_diffusion.targets.tensorrt.config import check_refit_supported
+
+    onnx_path = save(conv_model(), tmp_path / "conv.onnx")
+    monkeypatch.setattr(engine, "check_can_build", lambda spec: None)
+    monkeypatch.setattr(engine, "_require_tensorrt", lambda: None)
+    monkeypatch.setattr(engine, "host_info", lambda: ("11.3.0.7", (9, 0), "NVIDIA H200"))
+    parsed = []
+    monkeypatch.setattr(engine, "_parse_onnx", lambda *a: parsed.append(a) or pytest.fail("TensorRT was started"))
+    profile = {"sample": ((2, 4, 8, 8),) * 3}
+    with pytest.raises(BuildError, match=r"refused on TensorRT 11.3.0.7: .*drop the bias of a GEMM.*known issue"
+                                         r".*allow_refit_on_11_3: true"):
+        engine.build_engine(onnx_path, make_spec("fp32", refittable=True), profile, tmp_path / "e.plan",
+                            tmp_path / "cache")
+    assert parsed == []
+    check_refit_supported(make_spec("fp32", refittable=False), "11.3.0.7")  # not refittable: built
+    check_refit_supported(make_spec("fp32", refittable=True), "11.4.0.1")  # other releases: built
+    check_refit_supported(make_spec("fp32", refittable=True), "10.13.0.35")
+    # the waiver travels from engines.yaml to the spec's options (and only when set: default keys unchanged)
+    options = trt_target.TensorRTTarget().build_options(
+        SimpleNamespace(build=SimpleNamespace(tensorrt=TensorRTSettings(allow_refit_on_11_3=True))))
+    check_refit_supported(make_spec("fp32", refittable=True, options=options), "11.3.0.7")
+    default = trt_target.TensorRTTarget().build_options(SimpleNamespace(build=SimpleNamespace(
+        tensorrt=TensorRTSettings())))
+    assert "tensorrt_allow_refit_on_11_3" not in default

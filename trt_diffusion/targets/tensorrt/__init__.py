@@ -48,8 +48,12 @@ class TensorRTTarget:
         return precision if precision in ("fp32", "fp16", "bf16") else "fp32"
 
     def build_options(self, config) -> dict:
-        return {"tensorrt_optimization_level": config.build.tensorrt.optimization_level,
-                "tensorrt_workspace_gb": config.build.tensorrt.workspace_gb}
+        settings = config.build.tensorrt
+        options = {"tensorrt_optimization_level": settings.optimization_level,
+                   "tensorrt_workspace_gb": settings.workspace_gb}
+        if getattr(settings, "allow_refit_on_11_3", False):  # only when set: the default keeps every key as it was
+            options["tensorrt_allow_refit_on_11_3"] = True
+        return options
 
     def build(self, request: BuildRequest) -> tuple[Path, bool]:
         from . import config as trt_config

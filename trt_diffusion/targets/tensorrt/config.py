@@ -221,6 +221,28 @@ def check_hardware(spec: EngineSpec, compute_capability: tuple[int, int], device
         )
 
 
+# TensorRT releases with a known defect in refittable engines, and NVIDIA's words for it (the 11.3 release
+# notes' known issues): a gpu test (tests/targets/test_tensorrt_gpu.py) compares a refittable engine with ONNX
+# Runtime before a release leaves this list.
+REFIT_KNOWN_ISSUES: dict[tuple[int, int], str] = {
+    (11, 3): "TensorRT 11.3 can drop the bias of a GEMM in engines built with the REFIT flag (NVIDIA's known issue "
+             "in the 11.3 release notes), so a refittable engine may compute wrong results",
+}
+REFIT_WAIVER_OPTION = "tensorrt_allow_refit_on_11_3"
+
+
+def check_refit_supported(spec: EngineSpec, trt_version: str) -> None:
+    """BuildError for a refittable spec on a TensorRT release with a known refit defect, unless engines.yaml
+    waives it (`build.tensorrt.allow_refit_on_11_3: true`)."""
+    issue = REFIT_KNOWN_ISSUES.get(parse_trt_version(trt_version)[:2])
+    if spec.refittable and issue and not spec.option(REFIT_WAIVER_OPTION, False):
+        raise BuildError(
+            f"{spec.name}: refittable engines are refused on TensorRT {trt_version}: {issue}. Build on another "
+            "TensorRT release, make the model not refittable (LoRAs `mode: fused`), or accept the risk with "
+            "`build: {tensorrt: {allow_refit_on_11_3: true}}` in engines.yaml and check the engine with `parity`"
+        )
+
+
 # ----------------------------------------------------------------------------------------------
 # Versions, compute capabilities, paths
 # ----------------------------------------------------------------------------------------------

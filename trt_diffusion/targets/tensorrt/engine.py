@@ -41,6 +41,7 @@ from .config import (
     check_hardware,
     check_onnx_precision,
     check_profile_against_inputs,
+    check_refit_supported,
     manifest_path,
     network_creation_flags,
     onnx_compute_dtype,
@@ -393,6 +394,7 @@ def build_engine(
     check_can_build(spec)
     _require_tensorrt()
     trt_version, compute_capability, device_name = host_info()
+    check_refit_supported(spec, trt_version)  # before TensorRT builds anything
     digest = onnx_sha256(onnx_path)
     cache_path = timing_cache_path(timing_cache_dir, compute_capability, trt_version, device_name)
 
