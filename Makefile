@@ -78,11 +78,10 @@ serve: package
 	$(TD) serve --repo $(REPO) $(SERVE_ARGS)
 
 # The pre-launch checklist against a server it packages and starts on 127.0.0.1 (or ARGS="--url HOST:PORT"):
-# build/reports/preflight/preflight.html; exit 1 when a check fails. The first run saves the quality baseline.
-PREFLIGHT_BASELINE ?= build/preflight/baseline/sd15-tiny/baseline.json
+# build/reports/preflight/preflight.html; exit 1 when a check fails. The first run saves the quality baseline
+# (where CONFIG keeps it: the command reads the file's workspace and preflight settings).
 preflight: build-engines
-	@if [ ! -f $(PREFLIGHT_BASELINE) ]; then $(TD) preflight $(CONFIG) --only quality --save-baseline; fi
-	$(TD) preflight $(CONFIG) $(ARGS)
+	$(TD) preflight $(CONFIG) --save-baseline-if-missing $(ARGS)
 
 # Ask a running server (make serve, in another shell) for an image.
 generate: venv

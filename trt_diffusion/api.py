@@ -262,7 +262,8 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
 def preflight(config_path: str | Path, *, url: str | None = None, protocol: str = "grpc",
               metrics_url: str | None = None, only: list[str] | None = None, skip: list[str] | None = None,
               save_baseline: bool = False, model: str | None = None, target: str | None = None,
-              out_dir: str | Path | None = None, in_process: bool = False, deployment=None, progress=None):
+              out_dir: str | Path | None = None, in_process: bool = False, deployment=None, progress=None,
+              save_baseline_if_missing: bool = False):
     """The pre-launch checklist (docs/preflight.md) against a server preflight starts on loopback from the built
     engines, the one at `url`, or in process; writes preflight.json + preflight.html. The report's `passed`
     says whether every check passed (the CLI exits 1 when not)."""
@@ -272,7 +273,7 @@ def preflight(config_path: str | Path, *, url: str | None = None, protocol: str 
     return run_preflight(config, url=url, protocol=protocol, metrics_url=metrics_url, only=only, skip=skip,
                          save_baseline=save_baseline, model=model, target=target,
                          out_dir=Path(out_dir) if out_dir else None, in_process=in_process, deployment=deployment,
-                         progress=progress)
+                         progress=progress, save_baseline_if_missing=save_baseline_if_missing)
 
 
 def generate_in_process(config_path: str | Path, request, *, model: str | None = None,

@@ -56,8 +56,9 @@ def run_cli(*args) -> int:
 def test_whole_list_passes_over_url_and_lists_all_eight(served, tmp_path, capsys):
     server, path = served
     metrics = f"127.0.0.1:{server.ports.metrics}"
+    # what `make preflight` runs first: saves the baseline where this file keeps it, as none is there yet
     assert run_cli(path, "--url", server.grpc_url, "--metrics-url", metrics, "--only", "quality",
-                   "--save-baseline", "--out", tmp_path / "saving") == 0
+                   "--save-baseline-if-missing", "--out", tmp_path / "saving") == 0
     out = tmp_path / "report"
     code = run_cli(path, "--url", server.grpc_url, "--metrics-url", metrics, "--out", out)
     printed = capsys.readouterr()

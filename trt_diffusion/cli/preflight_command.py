@@ -25,6 +25,9 @@ def preflight_command(
     skip: Annotated[list[str] | None, typer.Option("--skip", help="leave these out")] = None,
     save_baseline: Annotated[bool, typer.Option("--save-baseline", help="store the quality check's images as the "
                                                 "baseline (tied to these engines' keys)")] = False,
+    save_baseline_if_missing: Annotated[bool, typer.Option(
+        "--save-baseline-if-missing", help="--save-baseline when this file's model has no baseline yet (a first "
+        "run; `make preflight`)")] = False,
     model: Annotated[str | None, typer.Option("--model", help="default: preflight.model or the only model")]
     = None,
     target: Annotated[str | None, typer.Option("--target", help="whose engines (default preflight.target)")]
@@ -44,7 +47,8 @@ def preflight_command(
     with console.status("preflight") as status:
         run = api.preflight(config, url=url, protocol=protocol.value, metrics_url=metrics_url, only=only or None,
                             skip=skip or None, save_baseline=save_baseline, model=model, target=target, out_dir=out,
-                            in_process=in_process, progress=lambda message: status.update(message))
+                            in_process=in_process, progress=lambda message: status.update(message),
+                            save_baseline_if_missing=save_baseline_if_missing)
     console.print(render_summary(run.report))
     if run.baseline is not None:
         console.print(f"baseline saved: {run.baseline}")

@@ -61,19 +61,23 @@ def run_preflight(config: EnginesConfig, *, url: str | None = None, protocol: st
                   metrics_url: str | None = None, only: list[str] | None = None, skip: list[str] | None = None,
                   save_baseline: bool = False, model: str | None = None, target: str | None = None,
                   out_dir: Path | None = None, in_process: bool = False, deployment=None,
-                  progress: Callable[[str], None] | None = None) -> PreflightRun:
-    """`deployment`: an already open Deployment to check (tests); else one is opened here and closed after."""
+                  progress: Callable[[str], None] | None = None, save_baseline_if_missing: bool = False
+                  ) -> PreflightRun:
+    """`deployment`: an already open Deployment to check (tests); else one is opened here and closed after.
+    `save_baseline_if_missing`: a first run saves the quality baseline where this file's settings keep it."""
     from . import connect
-    from .baseline import folder_for, load_baseline
+    from .baseline import BASELINE_FILE, folder_for, load_baseline
     from .baseline import save_baseline as write_baseline
     from .files import write_report
 
     progress = progress or (lambda message: None)
     settings = config.preflight
     chosen = select(only, skip)
+    model = resolve_model(config, model)
+    if save_baseline_if_missing and "quality" in chosen:
+        save_baseline = save_baseline or not (folder_for(config, model, settings) / BASELINE_FILE).is_file()
     if save_baseline and "quality" not in chosen:
         raise PreflightError("--save-baseline records the quality check's images: do not leave `quality` out")
-    model = resolve_model(config, model)
     target = target or settings.target
     if target not in config.models[model].targets:
         raise PreflightError(f"{model} does not build the {target} target (targets: "
