@@ -6,6 +6,7 @@ Only reading and format detection live here; turning keys into module names is `
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -70,10 +71,63 @@ def read_lora_file(path: str | Path) -> LoraFile:
         raise ModelError(f"cannot read LoRA file {file}: {exc}") from None
     if not tensors:
         raise ModelError(f"LoRA file {file} holds no tensors")
+    _check_tensors(file, tensors)
     adapter_metadata: dict = {}
     if metadata.get(ADAPTER_METADATA_KEY):
+        text = metadata[ADAPTER_METADATA_KEY]
+        if len(text) > _MAX_METADATA:
+            raise ModelError(f"LoRA file {file}: its {ADAPTER_METADATA_KEY} metadata is {len(text)} characters; "
+                             "that is not adapter metadata")
         try:
-            adapter_metadata = json.loads(metadata[ADAPTER_METADATA_KEY])
-        except json.JSONDecodeError as exc:
-            raise ModelError(f"LoRA file {file}: its {ADAPTER_METADATA_KEY} metadata is not JSON ({exc})") from None
+            adapter_metadata = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise ModelError(f"LoRA file {file}: its {ADAPTER_METADATA_KEY} metadata is not JSON ({reason})") from None
+        _check_metadata(file, adapter_metadata)
     return LoraFile(path=file, tensors=tensors, naming=detect_naming(list(tensors)), adapter_metadata=adapter_metadata)
+
+
+_MAX_METADATA = 1 << 20
+_NUMBER_FIELDS = ("r", "lora_alpha")
+_PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
+
+
+def _is_number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _check_tensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """ModelError naming the key for a tensor no LoRA holds: an alpha that is not one finite number, an empty
+    (rank 0) weight, non-finite values (they would make every refitted weight non-finite)."""
+    for key, tensor in tensors.items():
+        if key.endswith(".alpha"):
+            if tensor.numel() != 1:
+                raise ModelError(f"LoRA file {file}: {key} holds {tensor.numel()} values; an alpha is one number")
+            if not math.isfinite(float(tensor.reshape(()).double())):
+                raise ModelError(f"LoRA file {file}: {key} is {float(tensor.reshape(()).double())}; an alpha must be "
+                                 "a finite number")
+            continue
+        if tensor.numel() == 0:
+            raise ModelError(f"LoRA file {file}: {key} is empty (shape {list(tensor.shape)}): a LoRA of rank 0 "
+                             "changes nothing and its scaling alpha / rank is undefined")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ModelError(f"LoRA file {file}: {key} holds non-finite values (inf or NaN)")
+
+
+def _check_metadata(file: Path, metadata) -> None:
+    """ModelError naming the field for adapter metadata of the wrong shape (diffusers writes a JSON object of
+    PEFT LoraConfig fields, optionally scoped `unet.lora_alpha`)."""
+    where = f"LoRA file {file}: its {ADAPTER_METADATA_KEY} metadata"
+    if not isinstance(metadata, dict):
+        raise ModelError(f"{where} is a JSON {type(metadata).__name__}, not an object of adapter settings")
+    for key, value in metadata.items():
+        field = key.rsplit(".", 1)[-1]
+        if field in _NUMBER_FIELDS and not (_is_number(value) and value >= 0):
+            raise ModelError(f"{where}: {key} is {value!r}, not a finite non-negative number")
+        if field == "r" and value == 0:
+            raise ModelError(f"{where}: {key} is 0; a LoRA has rank 1 or more")
+        if field in _PATTERN_FIELDS:
+            if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) for k, v in value.items()):
+                raise ModelError(f"{where}: {key} is not an object of module patterns to finite numbers")
+        if field == "use_rslora" and not isinstance(value, bool):
+            raise ModelError(f"{where}: {key} is {value!r}, not true or false")

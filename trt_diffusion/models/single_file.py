@@ -73,15 +73,15 @@ def checkpoint_keys(file: Path) -> list[str]:
     """The tensor names of a safetensors file, from its header only (no weights read)."""
     import struct
 
-    from .weight_headers import read_header
+    from .weight_headers import header_keys
 
     try:
-        header = read_header(Path(file))
+        return header_keys(Path(file))
+    except ModelError as exc:  # the header is read against the format's grammar, within bounded memory
+        reason = str(exc).removeprefix(f"{file}: ")
+        raise ModelError(f"cannot read checkpoint {file}: not a readable .safetensors file ({reason})") from None
     except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
         raise ModelError(f"cannot read checkpoint {file}: not a readable .safetensors file ({exc})") from None
-    if not isinstance(header, dict):
-        raise ModelError(f"cannot read checkpoint {file}: not a readable .safetensors file")
-    return list(header)
 
 
 def detect_family(file: Path, keys: list[str] | None = None) -> str:
@@ -111,6 +111,7 @@ def convert_single_file(file: str | os.PathLike, out: str | os.PathLike, *, fami
     config_dir = Path(config) if config is not None else reference_config_dir(family)
     if not (config_dir / "model_index.json").is_file():
         raise ModelError(f"checkpoint {file}: config {config_dir} is not a diffusers folder (no model_index.json)")
+    _check_config_folder(config_dir)
     out = Path(out)
     if is_converted(out, file, config_dir):
         return out
@@ -143,6 +144,27 @@ def convert_single_file(file: str | os.PathLike, out: str | os.PathLike, *, fami
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _check_config_folder(config_dir: Path) -> None:
+    """The model-folder allow-list for a `config:` folder too: diffusers' from_single_file imports the module
+    each model_index.json entry names, so every entry must name a diffusers or transformers class (and every
+    component's config.json `_class_name` a plain class name)."""
+    from .loading import read_model_index
+
+    index = read_model_index(config_dir)
+    for key, entry in index.items():
+        if not (isinstance(entry, list) and entry and entry[0] is not None):
+            continue
+        config = config_dir / key / "config.json"
+        if not config.is_file():
+            continue
+        try:
+            class_name = json.loads(config.read_text()).get("_class_name")
+        except (OSError, ValueError, AttributeError):
+            raise ModelError(f"{config}: not a JSON object of model settings") from None
+        if class_name is not None and not (isinstance(class_name, str) and class_name.isidentifier()):
+            raise ModelError(f"{config}: _class_name {class_name!r} is not a plain class name")
 
 
 def is_converted(out: Path, file: Path, config_dir: Path) -> bool:
