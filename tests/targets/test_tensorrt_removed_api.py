@@ -1,11 +1,12 @@
 """No code of trt-diffusion names a TensorRT API that TensorRT 11 removed.
 
-The list is NVIDIA's "Migrating from TensorRT 10.x to 11.x" guide, "Removed Python APIs and Replacements"
-(docs.nvidia.com/deeplearning/tensorrt/latest/api/migration/tensorrt-10x-to-11x-python-api-reference.html),
-with the C++ reference page of the same guide for the classes the Python page lists by their C++ names,
-and the TensorRT 11.0 Python API reference for NetworkDefinitionCreationFlag (EXPLICIT_BATCH is gone; only
-STRONGLY_TYPED, deprecated and ignored, and the two plugin flags remain) and Builder (no platform_has_*).
-The TensorRT 10.13 stubs still declare all of these, so the type check cannot catch them: this scan does.
+The list is generated from the source, not kept by hand (#27 item 9): `scripts/tensorrt_removed_api.py` diffed
+the pybind11 binding sources (`python/src/**/*.cpp`, tensorrt and its ONNX parser) of NVIDIA/TensorRT's
+`release/10.13` and `release/11.1` branches and wrote `trt_diffusion/targets/tensorrt/removed_api.json`, with the
+commits it read. Regenerate it with the script against a clone of github.com/NVIDIA/TensorRT. What bindings cannot
+say stays hand-kept below: trtexec's removed options and Polygraphy's CreateConfig precision keywords (both from
+NVIDIA's "Migrating from TensorRT 10.x to 11.x" guide). The TensorRT 10.13 stubs still declare every removed
+name, so the type check cannot catch them: this scan does.
 
 The scan reads the Python AST of every module of the package and of scripts/ (attribute names, names,
 getattr with a literal, Polygraphy's CreateConfig precision keywords) and trtexec command lines in shell
@@ -15,6 +16,8 @@ scripts; test_the_scan_finds_every_kind_of_use proves on every run that it can f
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 from pathlib import Path
 
@@ -22,35 +25,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCANNED = [REPO / "trt_diffusion", REPO / "scripts"]
+GENERATED = REPO / "trt_diffusion" / "targets" / "tensorrt" / "removed_api.json"
+REMOVED = json.loads(GENERATED.read_text())
+# Removed members whose name is a common word our own code uses for other things (`spec.precision`): matched on
+# no receiver (a scan on any receiver would flag every engine spec). ILayer.precision is weak typing, gone with it.
+GENERIC_NAMES = {"precision"}
+# the generator's own source names them in strings only; nothing else may
+EXEMPT = {REPO / "scripts" / "tensorrt_removed_api.py"}
+SOURCE_ENV = "TRT_DIFFUSION_TENSORRT_GIT_DIR"  # a clone of github.com/NVIDIA/TensorRT: the list is regenerated and compared
 
 # Enum members removed in 11.x, by enum
-REMOVED_MEMBERS = {
-    # "Strong typing with ModelOpt AutoCast" (FP16, BF16), "Explicit quantization with Q/DQ nodes" (INT8, FP8,
-    # INT4, FP4), "Strong typing (always enforced)" (the precision constraints), DIRECT_IO "Removed (unneeded)"
-    "BuilderFlag": {"FP16", "BF16", "INT8", "FP8", "INT4", "FP4", "OBEY_PRECISION_CONSTRAINTS",
-                    "PREFER_PRECISION_CONSTRAINTS", "DIRECT_IO"},
-    "NetworkDefinitionCreationFlag": {"EXPLICIT_BATCH"},
-}
-# Attributes and methods removed in 11.x (distinctive names: matched on any receiver)
-REMOVED_ATTRIBUTES = {
-    # IBuilderConfig: "Explicit quantization with Q/DQ nodes"
-    "int8_calibrator", "set_calibration_profile", "get_calibration_profile", "set_quantization_flag",
-    "get_quantization_flag", "quantization_flags", "clear_quantization_flag",
-    # IBuilderConfig.algorithm_selector: "Use editable mode in ITimingCache instead"
-    "algorithm_selector",
-    # ICudaEngine: replaced by the _v2 forms
-    "device_memory_size", "get_device_memory_size_for_profile",
-    # Builder: "use strongly typed networks / explicit quantization instead of querying platform support"
-    "platform_has_fast_fp16", "platform_has_fast_int8", "platform_has_tf32",
-    # ILayer per-layer precision (weak typing): strong typing decides every tensor's type
-    "set_output_type", "reset_output_type", "output_type_is_set", "reset_precision", "precision_is_set",
-}
+REMOVED_MEMBERS = {enum: set(members) for enum, members in REMOVED["enum_members"].items()}
+# Attributes and methods removed in 11.x from a class that still exists (distinctive names: matched on any receiver)
+REMOVED_ATTRIBUTES = {name for names in REMOVED["members"].values() for name in names} - GENERIC_NAMES
 # Classes removed in 11.x
-REMOVED_CLASSES = {
-    "IInt8Calibrator", "IInt8LegacyCalibrator", "IInt8EntropyCalibrator", "IInt8EntropyCalibrator2",
-    "IInt8MinMaxCalibrator", "CalibrationAlgoType", "QuantizationFlag",
-    "IAlgorithm", "IAlgorithmContext", "IAlgorithmIOInfo", "IAlgorithmSelector", "IAlgorithmVariant",
-}
+REMOVED_CLASSES = set(REMOVED["classes"])
 # Polygraphy's CreateConfig sets BuilderFlag.FP16/BF16/INT8/FP8 for these keywords
 CREATE_CONFIG_PRECISION_KEYWORDS = {"fp16", "bf16", "int8", "fp8", "int4", "fp4", "precision_constraints", "calibrator"}
 # trtexec options that set the removed flags ("trtexec Command-Line Usage" page of the guide)
@@ -104,7 +93,7 @@ def removed_trtexec_options(text: str, filename: str) -> list[str]:
 
 def scanned_files() -> list[Path]:
     return sorted(p for root in SCANNED if root.is_dir() for p in root.rglob("*")
-                  if p.suffix in (".py", ".sh") and "__pycache__" not in p.parts)
+                  if p.suffix in (".py", ".sh") and "__pycache__" not in p.parts and p not in EXEMPT)
 
 
 def test_no_code_names_an_api_tensorrt_11_removed():
@@ -162,3 +151,55 @@ def test_builder_flags_of_every_spec_are_kept_in_11():
                 names = set(flags.builder_flags()) | set(flags.cleared_builder_flags())
                 assert not names & REMOVED_MEMBERS["BuilderFlag"], (precision, names)
                 assert names <= {"REFIT", "STRIP_PLAN", "VERSION_COMPATIBLE", "TF32"}
+
+
+def test_the_generated_list_has_its_provenance_and_the_names_a_hand_list_missed():
+    provenance = REMOVED["provenance"]
+    assert provenance["repository"] == "https://github.com/NVIDIA/TensorRT"
+    assert (provenance["old"]["ref"], provenance["new"]["ref"]) == ("release/10.13", "release/11.1")
+    assert all(re.fullmatch(r"[0-9a-f]{40}", provenance[side]["commit"]) for side in ("old", "new"))
+    # what the hand-kept list of the migration guide missed (#27 item 9)
+    assert {"weight_streaming_budget", "minimum_weight_streaming_budget",
+            "create_execution_context_without_device_memory", "get_dynamic_range", "set_dynamic_range",
+            "dynamic_range", "all_shape_inputs_specified", "supports_model"} <= REMOVED_ATTRIBUTES
+    assert {"IStreamReader", "IInt8EntropyCalibrator2", "IAlgorithmSelector"} <= REMOVED_CLASSES
+    assert {"FP16", "INT8", "WEIGHTLESS"} <= REMOVED_MEMBERS["BuilderFlag"]
+    # kept in 11.1's bindings, whatever the guide said: STRIP_PLAN (WEIGHTLESS's alias), DIRECT_IO, the _v2 forms
+    assert not {"STRIP_PLAN", "REFIT", "DIRECT_IO", "WEIGHT_STREAMING"} & REMOVED_MEMBERS["BuilderFlag"]
+    assert not {"weight_streaming_budget_v2", "device_memory_size_v2", "IStreamReaderV2"} & (
+        REMOVED_ATTRIBUTES | REMOVED_CLASSES)
+
+
+def test_the_generator_reads_pybind11_bindings():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen", REPO / "scripts" / "tensorrt_removed_api.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    old = gen.bindings(['''
+        py::class_<ICudaEngine> engine{m, "ICudaEngine", "doc"};
+        engine.def("gone_v1", &f, "a; b").def_property_readonly("kept", [](ICudaEngine& e) { return 1; });
+        py::enum_<BuilderFlag>(m, "BuilderFlag", R"trtdoc(FP16 (a) ; )trtdoc")
+            .value("FP16", BuilderFlag::kFP16).value("REFIT", BuilderFlag::kREFIT);
+        py::class_<IInt8Calibrator>(m, "IInt8Calibrator").def("get_batch", &g);
+        m.def("get_plugin_registry", &h);
+    '''])
+    new = gen.bindings(['''
+        py::class_<ICudaEngine>(m, "ICudaEngine").def_property_readonly("kept", &k);
+        py::enum_<BuilderFlag>(m, "BuilderFlag").value("REFIT", BuilderFlag::kREFIT);
+        m.def("get_plugin_registry", &h);
+    '''])
+    diff = gen.removed(old, new)
+    assert diff["classes"] == ["IInt8Calibrator"] and diff["enum_members"] == {"BuilderFlag": ["FP16"]}
+    assert diff["members"] == {"ICudaEngine": ["gone_v1"]} and diff["functions"] == []
+
+
+@pytest.mark.skipif(not os.environ.get(SOURCE_ENV), reason=f"{SOURCE_ENV} names no clone of NVIDIA/TensorRT")
+def test_the_committed_list_is_what_the_generator_writes(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "removed.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "tensorrt_removed_api.py"), "--git-dir",
+                    os.environ[SOURCE_ENV], "--out", str(out)], check=True, capture_output=True)
+    assert json.loads(out.read_text()) == REMOVED
