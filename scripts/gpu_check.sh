@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${1:-build/gpu_check.json}"
 work="${GPU_CHECK_WORK:-build/gpu_check}"
-python="${PYTHON_BIN:-.venv/bin/python}"
+python="${PYTHON_BIN:-$( [ -x .venv-gpu/bin/python ] && echo .venv-gpu/bin/python || echo .venv/bin/python )}"  # make test-gpu makes .venv-gpu
 runs="${GPU_CHECK_RUNS:-20}"
 read -r -a extra <<< "${GPU_CHECK_ARGS:-}"
 

@@ -51,3 +51,24 @@ def test_report_without_a_gpu_matches_the_schema(tmp_path):
     jsonschema.validate(report, json.loads(SCHEMA.read_text()))
     assert report["benchmarks"] == [] and report["benchmark_skipped"]
     assert report["test_gpu"]["stopped_with"] == "make test-gpu: this host cannot run the gpu suite: no TensorRT"
+
+
+def test_host_check_fails_without_cuda_torch_and_says_why(tmp_path, capsys, monkeypatch):
+    """#27 item 8: `make test-gpu` stops (exit 1) where torch has no CUDA, naming it; with CUDA but no TensorRT it
+    selects the CUDA-only gpu tests. This machine's torch is a CPU build."""
+    from trt_diffusion.targets.tensorrt import host_check
+
+    status = tmp_path / "gpu_host.json"
+    assert host_check.main(["--mode", "--json", str(status)]) == 1
+    assert "CPU build (no CUDA)" in capsys.readouterr().err
+    assert json.loads(status.read_text())["mode"] == "none"
+    monkeypatch.setattr(host_check, "torch_cuda_reason", lambda: None)  # a CUDA host without TensorRT
+    assert host_check.main(["--mode"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "cuda-only" and "TensorRT is missing" in captured.err
+
+
+def test_make_test_gpu_runs_the_cuda_only_tests_without_tensorrt_and_then_fails():
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile[makefile.index("test-gpu: $(GPU_VENV)/.installed"):]
+    assert '-m "gpu and not tensorrt"' in recipe and "exit 1" in recipe and "--system-site-packages" in makefile
