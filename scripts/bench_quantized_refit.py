@@ -51,7 +51,7 @@ def images(config, **kw):
 
 
 def compare(reference, candidate) -> dict:
-    from trt_diffusion.parity.metrics import psnr, ssim
+    from trt_diffusion.metrics import psnr, ssim
 
     values = [(psnr(r, c), ssim(r[0], c[0])) for r, c in zip(reference, candidate)]
     worst = min(v[0] for v in values)

@@ -1,5 +1,5 @@
 """The tree's shape: every test file is collected, no folder hides behind a name pytest skips, and no
-module outside trt_diffusion/targets/ compares a target's name."""
+module outside trt_diffusion/targets/ (and the registry that names them) compares a target's name."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_no_module_outside_targets_compares_a_target_name():
     names = _target_names()
     found = []
     for path in PACKAGE.rglob("*.py"):
-        if (PACKAGE / "targets") in path.parents:
+        if (PACKAGE / "targets") in path.parents or path == PACKAGE / "target_registry.py":
             continue
         for line, name in _compared_names(ast.parse(path.read_text()), names):
             found.append(f"{path.relative_to(ROOT)}:{line}: {name!r}")

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from trt_diffusion import metrics
 from trt_diffusion.errors import ConfigError
-from trt_diffusion.parity import metrics
-from trt_diffusion.parity.metrics import (
+from trt_diffusion.metrics import (
     ALEXNET_WEIGHTS_FILE,
     DEFAULT_THRESHOLDS,
     Thresholds,

@@ -15,7 +15,7 @@ import yaml
 
 from trt_diffusion.engines_file import EngineSpec, expand, load_engines_file
 from trt_diffusion.errors import BuildError
-from trt_diffusion.parity.metrics import psnr, ssim, thresholds_for
+from trt_diffusion.metrics import psnr, ssim, thresholds_for
 
 PROMPTS = ["a lighthouse on a cliff at dusk", "a red bicycle leaning on a brick wall"]
 ARGS = dict(height=64, width=64, steps=4, guidance_scale=5.0, seed=7)

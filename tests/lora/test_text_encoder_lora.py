@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.errors import RefitError
-from trt_diffusion.parity.metrics import psnr
+from trt_diffusion.metrics import psnr
 from trt_diffusion.runtime.loader import engine_runners, refit_weights
 from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.schedulers import make_scheduler

@@ -15,7 +15,8 @@ from PIL import Image
 from pydantic import ValidationError
 from rich.console import Console
 
-from trt_diffusion.parity.metrics import Thresholds, tensor_diff, thresholds_for
+from trt_diffusion.cli.parity_summary import render_summary
+from trt_diffusion.metrics import Thresholds, tensor_diff, thresholds_for
 from trt_diffusion.parity.report import (
     ComponentDiff,
     ImageComparison,
@@ -29,7 +30,6 @@ from trt_diffusion.parity.report import (
     write_report,
 )
 from trt_diffusion.parity.report import files as report_files
-from trt_diffusion.cli.parity_summary import render_summary
 
 SCRIPT_PROMPT = "<script>alert('x')</script> & a cat"
 NO_LPIPS = "LPIPS not computed: test"

@@ -152,7 +152,7 @@ def test_a_check_that_overruns_its_timeout_fails_and_says_so(config_path, prefli
 
 
 def test_every_check_has_a_module():
-    from trt_diffusion.preflight.names import CHECK_NAMES
+    from trt_diffusion.checklist import CHECK_NAMES
 
     assert [get_check(n).name for n in CHECK_NAMES] == list(CHECK_NAMES)
     assert shutil.which  # noqa: B018 - keep the import used

@@ -11,11 +11,11 @@ import shutil
 
 import pytest
 
+from trt_diffusion.checklist import CHECK_NAMES
 from trt_diffusion.cli import main
 from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.preflight import connect
 from trt_diffusion.preflight.checks.base import CheckContext
-from trt_diffusion.preflight.names import CHECK_NAMES
 from trt_diffusion.preflight.run import run_check
 
 pytestmark = [pytest.mark.triton, pytest.mark.timeout(600)]

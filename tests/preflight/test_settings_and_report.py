@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
+from trt_diffusion.checklist import CHECK_NAMES
 from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.errors import ConfigError
 from trt_diffusion.preflight.errors import PreflightError
 from trt_diffusion.preflight.model import CheckResult, PreflightReport
-from trt_diffusion.preflight.names import CHECK_NAMES
 from trt_diffusion.preflight.run import select
 
 BASE = """version: 1

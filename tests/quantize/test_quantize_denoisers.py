@@ -12,8 +12,8 @@ import torch
 from trt_diffusion.components import Geometry
 from trt_diffusion.engines_file import Size
 from trt_diffusion.lora.onnx_graph import graph_consumers
+from trt_diffusion.metrics import psnr
 from trt_diffusion.models.loading import load_component
-from trt_diffusion.parity.metrics import psnr
 from trt_diffusion.quantize import ptq
 from trt_diffusion.quantize.defaults import DENOISER_MIN_PSNR_DB
 from trt_diffusion.quantize.feeds import denoiser_interface

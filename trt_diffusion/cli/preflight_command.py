@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..preflight.names import CHECK_NAMES
+from ..checklist import CHECK_NAMES
 from .console import console
 from .options import Transport
 

@@ -47,7 +47,7 @@ def expand(config: EnginesConfig) -> list[EngineSpec]:
 def _target_variants(config: EnginesConfig, model: ResolvedModel):
     """(target, its key-affecting options) for every engine variant a target makes of one spec: one for
     most targets; one per GPU architecture for a target that builds per architecture (tensorrt)."""
-    from ..targets import get_target
+    from ..target_registry import get_target
 
     for target in model.targets:
         chosen = get_target(target)

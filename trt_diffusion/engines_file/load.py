@@ -306,7 +306,7 @@ def _merged(entry: ModelEntry, defaults, name: str):
     if value is None:
         value = BUILTIN_DEFAULTS.get(name)
     if value is None and name == "targets":
-        from ..targets import default_target_names
+        from ..target_registry import default_target_names
 
         value = list(default_target_names())
     return value

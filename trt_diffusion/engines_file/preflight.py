@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..preflight.names import CHECK_NAMES  # noqa: F401 - re-exported
-
 DEFAULT_QUALITY_PROMPTS = (
     "a photograph of an astronaut riding a horse",
     "a watercolor painting of a quiet harbor at dawn",

@@ -34,8 +34,8 @@ class Precision(str, Enum):
 
 
 def _known_target(value: str) -> str:
-    # The registry knows the targets by name without importing them (targets/__init__.py).
-    from ..targets import target_names
+    # The registry knows the targets by name without importing them (target_registry.py).
+    from ..target_registry import target_names
 
     if value not in target_names():
         raise ValueError(f"unknown target {value!r}; known targets: {', '.join(target_names())}")

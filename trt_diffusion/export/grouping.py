@@ -29,7 +29,7 @@ def onnx_precision(precision: str, target: str | None = None) -> str:
     """fp32 | fp16 | bf16: the precision of the ONNX a `precision` engine of `target` is exported as."""
     if target is not None:
         from ..errors import TrtDiffusionError
-        from ..targets import get_target
+        from ..target_registry import get_target
 
         try:
             declared = getattr(get_target(target), "onnx_precision", None)

@@ -26,7 +26,7 @@ import torch
 from ..components.base import ComponentDef, Geometry
 from ..components.model_config import ModelConfig
 from ..errors import ExportError
-from ..parity.metrics import psnr, tensor_diff
+from ..metrics import psnr, tensor_diff
 
 FP16_MAX = 65504.0
 IMAGE_DATA_RANGE = 2.0  # decoder pixels span [-1, 1]

@@ -18,11 +18,11 @@ from ..components import Geometry, get_component, load_model_config
 from ..engines_file import EnginesConfig, expand
 from ..errors import TrtDiffusionError
 from ..families import Component, family_info
+from ..metrics import tensor_diff, thresholds_for
 from ..runtime.engines import RunnerTable
 from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
 from ..runtime.pipeline import EnginePipeline, GenerationRequest
 from ..runtime.reference import reference_runners
-from .metrics import tensor_diff, thresholds_for
 from .report import ComponentDiff, ParityReport, ReportFiles, compare_image, judge_report, judge_variant, write_report
 
 DEFAULT_PROMPTS = (

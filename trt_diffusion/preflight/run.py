@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checklist import CHECK_NAMES
 from ..engines_file import EnginesConfig
-from ..engines_file.preflight import CHECK_NAMES
 from .checks import get_check
 from .checks.base import CheckContext, Outcome
 from .errors import PreflightError

@@ -30,7 +30,7 @@ import torch
 from ..errors import QuantizeError
 from ..families import Family
 from ..memory import release_memory
-from ..parity.metrics import Thresholds, has_nonfinite, lpips_distance, psnr, ssim, tensor_diff, thresholds_for
+from ..metrics import Thresholds, has_nonfinite, lpips_distance, psnr, ssim, tensor_diff, thresholds_for
 from .calibration import CalibrationRecipe, CallRecorder, denoiser_of, run_pipeline
 from .defaults import DENOISER_MIN_PSNR_DB, HELD_OUT_SEED_OFFSET
 from .feeds import DenoiserInterface, as_numpy

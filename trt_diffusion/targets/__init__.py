@@ -1,94 +1,23 @@
-"""Targets: one module per backend behind one protocol (`base.Target`), and the registry that knows them.
+"""Targets: one module per backend behind one protocol (`base.Target`).
 
-The registry maps a name to `"module:Class"` and imports the module on first use, so listing the targets
-(engines.yaml validation, CLI choices) imports no runtime. A target whose module fails to import stays
-registered: `get_target` then raises `MissingDependencyError` with the reason, and `availability()`
-reports it. `targets/tensorrt/` is the only importer of `tensorrt`, `targets/onnxruntime.py` of
-`onnxruntime` for building; no module outside this package compares a target's name.
+The registry that knows them by name is `trt_diffusion.target_registry` (re-exported here); it imports a
+target's module on first use, so listing the targets imports no runtime. `targets/tensorrt/` is the only
+importer of `tensorrt`, `targets/onnxruntime.py` of `onnxruntime` for building; no module outside this package
+compares a target's name.
 """
 
 from __future__ import annotations
 
-import importlib
-import threading
-from dataclasses import dataclass
-
-from ..errors import ConfigError, MissingDependencyError
+from ..target_registry import (
+    availability,
+    check_target_name,
+    default_target_names,
+    get_target,
+    register_target,
+    target_names,
+    unregister_target,
+)
 from .base import BuildReport, BuildRequest, BuiltEngine, EngineOutcome, Failure, Target, TritonEngineModel
-
-
-@dataclass(frozen=True)
-class _Entry:
-    locator: str | Target  # "package.module:Class", or an instance (targets defined at run time, e.g. tests)
-    in_default: bool  # part of engines.yaml's default `targets` when a file lists none
-
-
-_REGISTRY: dict[str, _Entry] = {
-    "tensorrt": _Entry("trt_diffusion.targets.tensorrt:TensorRTTarget", in_default=True),
-    "onnxruntime": _Entry("trt_diffusion.targets.onnxruntime:OnnxRuntimeTarget", in_default=True),
-    # The `openvino` extra: skipped with the reason where OpenVINO is not installed, like tensorrt.
-    "openvino": _Entry("trt_diffusion.targets.openvino:OpenVINOTarget", in_default=True),
-}
-_instances: dict[str, Target] = {}
-_lock = threading.Lock()
-
-
-def target_names() -> tuple[str, ...]:
-    """Every registered target, in registration order."""
-    return tuple(_REGISTRY)
-
-
-def default_target_names() -> tuple[str, ...]:
-    return tuple(name for name, entry in _REGISTRY.items() if entry.in_default)
-
-
-def check_target_name(name: str) -> str:
-    """`name` when it is a registered target, else ConfigError listing the known ones."""
-    if name not in _REGISTRY:
-        raise ConfigError(f"unknown target {name!r}; known targets: {', '.join(_REGISTRY)}")
-    return name
-
-
-def register_target(name: str, target: str | Target, *, in_default: bool = False) -> None:
-    """Register a target by `"module:Class"` (imported on first use) or as an instance."""
-    with _lock:
-        _REGISTRY[name] = _Entry(target, in_default)
-        _instances.pop(name, None)
-
-
-def unregister_target(name: str) -> None:
-    with _lock:
-        _REGISTRY.pop(name, None)
-        _instances.pop(name, None)
-
-
-def get_target(name: str) -> Target:
-    check_target_name(name)
-    with _lock:
-        if name not in _instances:
-            entry = _REGISTRY[name]
-            if isinstance(entry.locator, str):
-                module_name, _, class_name = entry.locator.partition(":")
-                try:
-                    module = importlib.import_module(module_name)
-                except ImportError as exc:
-                    raise MissingDependencyError(f"the {name} target cannot be loaded: {exc}") from exc
-                _instances[name] = getattr(module, class_name)()
-            else:
-                _instances[name] = entry.locator
-        return _instances[name]
-
-
-def availability() -> dict[str, str | None]:
-    """target -> None when this host can build and run it, else the reason it cannot."""
-    result: dict[str, str | None] = {}
-    for name in _REGISTRY:
-        try:
-            result[name] = get_target(name).unavailable_reason()
-        except MissingDependencyError as exc:
-            result[name] = str(exc)
-    return result
-
 
 __all__ = [
     "BuildReport", "BuildRequest", "BuiltEngine", "EngineOutcome", "Failure", "Target", "TritonEngineModel",

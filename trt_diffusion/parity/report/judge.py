@@ -10,7 +10,7 @@ from importlib import metadata
 
 import numpy as np
 
-from ..metrics import Thresholds, lpips_distance, psnr, ssim
+from ...metrics import Thresholds, lpips_distance, psnr, ssim
 from .model import ComponentDiff, ImageComparison, ParityReport, VariantResult
 
 # Package distributions whose versions a report records (those not installed are left out).

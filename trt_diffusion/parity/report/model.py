@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
-from ..metrics import TensorDiff, Thresholds
+from ...metrics import TensorDiff, Thresholds
 
 REPORT_SCHEMA_VERSION = 1
 

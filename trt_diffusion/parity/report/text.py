@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..metrics import Thresholds
+from ...metrics import Thresholds
 from .model import VariantResult
 
 

@@ -1,10 +1,10 @@
-"""The eight checks of the pre-launch checklist, in the order they run (spec.preflight.CHECK_NAMES)."""
+"""The eight checks of the pre-launch checklist, in the order they run (checklist.CHECK_NAMES)."""
 
 from __future__ import annotations
 
 from importlib import import_module
 
-from ...engines_file.preflight import CHECK_NAMES
+from ...checklist import CHECK_NAMES
 from .base import Check
 
 

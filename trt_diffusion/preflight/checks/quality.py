@@ -3,7 +3,7 @@ per image (LPIPS when its weights are present), gated. `--save-baseline` stores 
 
 from __future__ import annotations
 
-from ...parity.metrics import Thresholds
+from ...metrics import Thresholds
 from ...parity.report.judge import compare_image
 from ..baseline import Baseline, folder_for
 from .base import Check, CheckContext, Outcome, not_applicable
