@@ -134,40 +134,49 @@ def time_first_requests(deployment, steps: int, timeout_s: float = 600.0) -> dic
 def connect_served(url: str, protocol: str, config: EnginesConfig, engines: Engines,
                    metrics_url: str | None = None) -> ServedDeployment:
     """The server at `url`, checked to serve this model's built engines: one clear error otherwise."""
-    from ..triton.client import client_module, connect, parse_url
+    from ..triton.client import client_module, connect, deadline, parse_url
 
     client_module(protocol)
     address, _ = parse_url(url, protocol)
     pipeline = naming.entry_name(naming.sanitize(engines.model))
     client = connect(url, protocol, 30.0)
     try:
-        try:
-            live = client.is_server_live()
-        except Exception as err:  # noqa: BLE001 - tritonclient raises its own exception or a socket error
-            raise ServeError(f"cannot reach Triton at {url} over {protocol} ({_message(err)}); is "
-                             "`trt-diffusion serve` running there?") from None
-        if not live:
-            raise ServeError(f"Triton at {url} is not live")
-        models = _models(client, protocol)
-        entries = {name: params for name, (params, _) in models.items() if params.get("trt_diffusion_role") == "entry"}
-        if pipeline not in entries:
-            served = ", ".join(sorted(entries)) or "no trt-diffusion pipeline"
-            raise ServeError(f"Triton at {url} serves {served}, not {engines.model} of {config.path}; serve this "
-                             f"model's repository (trt-diffusion package {config.path} && trt-diffusion serve)")
-        by_key = engines.by_key()
-        served_keys = {params.get("engine_key"): name for name, (params, _) in models.items()
-                       if name.startswith(f"{pipeline}__") and params.get("trt_diffusion_role") == "engine"}
-        foreign = sorted(name for key, name in served_keys.items() if key not in by_key)
-        if foreign or not served_keys:
-            listed = ", ".join(foreign[:4]) or "none"
-            raise ServeError(f"Triton at {url} serves {pipeline} with other engines than the {engines.target} "
-                             f"engines built in {config.workspace} ({len(foreign)} not built here: {listed}); "
-                             "package and serve the engines of this workspace")
-        served = [e for e in engines.found if e.spec.key in served_keys]  # engines.yaml's order, not the index's
-        entry_config = models[pipeline][1]
-        instances, queue = _instances_and_queue(entry_config)
+        with deadline(CONNECT_DEADLINE_S, url, "reading what the server serves"):
+            return _connect_served(client, url, address, protocol, pipeline, config, engines, metrics_url)
     finally:
         client.close()
+
+
+CONNECT_DEADLINE_S = 120.0  # the whole conversation that checks a --url server (each reply is read within it)
+
+
+def _connect_served(client, url: str, address: str, protocol: str, pipeline: str, config: EnginesConfig,
+                    engines: Engines, metrics_url: str | None) -> ServedDeployment:
+    try:
+        live = client.is_server_live()
+    except Exception as err:  # noqa: BLE001 - tritonclient raises its own exception or a socket error
+        raise ServeError(f"cannot reach Triton at {url} over {protocol} ({_message(err)}); is "
+                         "`trt-diffusion serve` running there?") from None
+    if not live:
+        raise ServeError(f"Triton at {url} is not live")
+    models = _models(client, protocol, url)
+    entries = {name: params for name, (params, _) in models.items() if params.get("trt_diffusion_role") == "entry"}
+    if pipeline not in entries:
+        served = ", ".join(sorted(entries)) or "no trt-diffusion pipeline"
+        raise ServeError(f"Triton at {url} serves {served}, not {engines.model} of {config.path}; serve this "
+                         f"model's repository (trt-diffusion package {config.path} && trt-diffusion serve)")
+    by_key = engines.by_key()
+    served_keys = {params.get("engine_key"): name for name, (params, _) in models.items()
+                   if name.startswith(f"{pipeline}__") and params.get("trt_diffusion_role") == "engine"}
+    foreign = sorted(name for key, name in served_keys.items() if key not in by_key)
+    if foreign or not served_keys:
+        listed = ", ".join(foreign[:4]) or "none"
+        raise ServeError(f"Triton at {url} serves {pipeline} with other engines than the {engines.target} "
+                         f"engines built in {config.workspace} ({len(foreign)} not built here: {listed}); "
+                         "package and serve the engines of this workspace")
+    served = [e for e in engines.found if e.spec.key in served_keys]  # engines.yaml's order, not the index's
+    entry_config = models[pipeline][1]
+    instances, queue = _instances_and_queue(entry_config, url)
     return ServedDeployment(
         address, protocol, pipeline=pipeline, family=config.models[engines.model].family.value,
         buckets=served_buckets(served), controlnets=_controlnets(served), engine_keys=[e.spec.key for e in served],
@@ -179,31 +188,56 @@ def _message(err: Exception) -> str:
     return err.message() if hasattr(err, "message") and callable(err.message) else str(err)
 
 
-def _models(client, protocol: str) -> dict[str, tuple[dict[str, str], dict]]:
-    """name -> (string parameters, config as JSON) of every loaded model."""
+def _models(client, protocol: str, url: str = "") -> dict[str, tuple[dict[str, str], dict]]:
+    """name -> (string parameters, config as JSON) of every loaded model; ServeError for a malformed reply."""
+    from ..triton.client import malformed
+
     kwargs = {"as_json": True} if protocol == "grpc" else {}
-    index = client.get_model_repository_index(**kwargs)
-    rows = index.get("models", []) if isinstance(index, dict) else index
+    try:
+        index = client.get_model_repository_index(**kwargs)
+    except Exception as err:  # noqa: BLE001 - tritonclient's own error, a socket error, or unparsable JSON
+        if isinstance(err, ServeError):
+            raise
+        raise ServeError(f"Triton at {url}: cannot read its repository index ({_message(err)[:200]})") from None
+    try:
+        rows = index.get("models", []) if isinstance(index, dict) else index
+        rows = list(rows)
+    except (TypeError, AttributeError) as exc:
+        raise malformed(url, "the repository index", exc) from None
     found = {}
     for row in rows:
+        if not isinstance(row, dict):
+            raise malformed(url, "the repository index", TypeError(f"a row is {type(row).__name__}, not an object"))
         name = row.get("name")
-        if not name or row.get("state", "READY") != "READY":
+        if not isinstance(name, str) or not name or row.get("state", "READY") != "READY":
             continue
         try:
             config = client.get_model_config(name, **kwargs)
+        except ServeError:
+            raise
         except Exception:  # noqa: BLE001 - a model that failed to load has no config
             continue
-        config = config.get("config", config)
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        try:
+            config = config.get("config", config)
+            params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        except (TypeError, AttributeError) as exc:
+            raise malformed(url, f"the config of {name}", exc) from None
+        if not all(isinstance(v, str) for v in params.values()):
+            raise malformed(url, f"the config of {name}", TypeError("a string parameter is not a string"))
         found[name] = (params, config)
     return found
 
 
-def _instances_and_queue(config: dict) -> tuple[int | None, int | None]:
-    groups = config.get("instance_group") or []
-    instances = sum(int(g.get("count", 1)) for g in groups) or None
-    policy = (config.get("dynamic_batching") or {}).get("default_queue_policy") or {}
-    queue = int(policy.get("max_queue_size", 0) or 0)
+def _instances_and_queue(config: dict, url: str = "") -> tuple[int | None, int | None]:
+    from ..triton.client import malformed
+
+    try:
+        groups = config.get("instance_group") or []
+        instances = sum(int(g.get("count", 1)) for g in groups) or None
+        policy = (config.get("dynamic_batching") or {}).get("default_queue_policy") or {}
+        queue = int(policy.get("max_queue_size", 0) or 0)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise malformed(url, "the entry model's config", exc) from None
     return instances, queue or None
 
 

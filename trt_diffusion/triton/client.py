@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +15,9 @@ from . import contract
 from .configs import ROLE
 
 PROTOCOLS = ("http", "grpc")
+# A server is input too: what one may send back is bounded before it is read or allocated.
+MAX_RESPONSE_BYTES = 64 << 20  # one reply (an image batch is far smaller)
+MAX_SERVED_SIDE = 8192  # a size a server declares (request_sizes) is asked for, and a control image made for it
 _TYPES = {t.name: contract.TRITON_TO_WIRE[t.data_type]
           for t in (*contract.request_inputs(True), contract.NUM_IMAGES, contract.PREVIEW_EVERY)}
 
@@ -114,7 +120,7 @@ def make_inputs(module, tensors: dict[str, np.ndarray]) -> list:
     return inputs
 
 
-def connect(url: str, protocol: str = "http", timeout_s: float = 300.0):
+def connect(url: str, protocol: str = "http", timeout_s: float = 300.0, max_response_bytes: int = MAX_RESPONSE_BYTES):
     module = client_module(protocol)
     address, tls = parse_url(url, protocol)
     if protocol == "http":
@@ -123,10 +129,93 @@ def connect(url: str, protocol: str = "http", timeout_s: float = 300.0):
             import gevent.ssl
 
             tls_options = {"ssl": True, "ssl_context_factory": gevent.ssl.create_default_context}
-        # network_timeout bounds the whole response; one connection is enough for one request at a time
-        return module.InferenceServerClient(address, connection_timeout=min(timeout_s, 60.0),
-                                            network_timeout=timeout_s, **tls_options)
-    return module.InferenceServerClient(address, ssl=tls)  # gRPC TLS: the system's root certificates
+        # network_timeout bounds one read; `deadline` bounds the whole exchange
+        client = module.InferenceServerClient(address, connection_timeout=min(timeout_s, 60.0),
+                                              network_timeout=timeout_s, **tls_options)
+        _cap_responses(client, url, max_response_bytes)
+        return client
+    # gRPC TLS: the system's root certificates; replies above the cap are refused by gRPC itself
+    return module.InferenceServerClient(address, ssl=tls, channel_args=[
+        ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", max_response_bytes)])
+
+
+class ResponseTooLarge(ServeError):
+    """A server's reply is larger than the client accepts."""
+
+
+class _CappedResponse:
+    """A geventhttpclient response whose body is read at most `limit` bytes in all, in bounded chunks."""
+
+    def __init__(self, response, url: str, limit: int):
+        self._response, self._url, self._limit, self._read = response, url, limit, 0
+
+    def __getattr__(self, name):
+        return getattr(self._response, name)
+
+    def read(self, length: int | None = None) -> bytes:
+        parts, got = [], 0
+        while length is None or got < length:
+            chunk = self._response.read(1 << 20 if length is None else min(1 << 20, length - got))
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+            self._read += len(chunk)
+            if self._read > self._limit:
+                self._response.release()
+                raise ResponseTooLarge(f"Triton at {self._url}: the reply is larger than {self._limit} bytes; "
+                                       "refusing to read it")
+        return b"".join(parts)
+
+
+def _cap_responses(client, url: str, limit: int) -> None:
+    """Every reply of this HTTP client checked against `limit`: its declared Content-Length before any body is
+    read, and the bytes as they are read (chunked or close-delimited replies declare nothing)."""
+    def capped(call):
+        def wrapper(*args, **kwargs):
+            response = call(*args, **kwargs)
+            declared = response.get("content-length")
+            try:
+                size = int(declared) if declared is not None else None
+            except (TypeError, ValueError):
+                raise ServeError(f"Triton at {url}: the reply declares Content-Length {declared!r}") from None
+            if size is not None and size > limit:
+                response.release()
+                raise ResponseTooLarge(f"Triton at {url}: the reply declares {size} bytes, more than the {limit} "
+                                       "this client reads; refusing it")
+            return _CappedResponse(response, url, limit)
+        return wrapper
+
+    client._get, client._post = capped(client._get), capped(client._post)
+
+
+@contextlib.contextmanager
+def deadline(timeout_s: float, url: str, what: str = "the request") -> Iterator[float]:
+    """The whole exchange within `timeout_s` (the HTTP client's own timeout is per read: a server sending a
+    byte a second would hold it forever). Yields the monotonic time it ends at; gRPC calls pass what is left
+    as their own deadline (`remaining`)."""
+    import gevent
+
+    end = time.monotonic() + timeout_s
+    timer = gevent.Timeout(timeout_s)
+    timer.start()
+    try:
+        yield end
+    except gevent.Timeout as exc:
+        if exc is not timer:
+            raise
+        raise RequestCancelled(f"Triton at {url}: {what} did not complete within its {timeout_s:g} s deadline "
+                               "(--timeout)") from None
+    finally:
+        timer.close()
+
+
+def remaining(end: float | None, default: float) -> float:
+    return default if end is None else max(0.01, end - time.monotonic())
+
+
+def malformed(url: str, what: str, exc: Exception) -> ServeError:
+    return ServeError(f"Triton at {url}: malformed reply to {what} ({type(exc).__name__}: {str(exc)[:200]})")
 
 
 def server_error(err: Exception, url: str, pipeline: str) -> ServeError:
@@ -185,7 +274,10 @@ def unknown_pipeline(client, url: str, pipeline: str) -> ServeError | None:
         index = client.get_model_repository_index()
     except Exception:  # noqa: BLE001 - the original error stands
         return None
-    names = [m["name"] if isinstance(m, dict) else m.name for m in _index_models(index)]
+    try:
+        names = _model_names(index, url)
+    except ServeError:
+        return None
     if pipeline in names:
         return None
     entries = [name for name in names if _role(client, name) == "entry"]
@@ -214,18 +306,28 @@ def infer_images(client, module, pipeline: str, request: ImageRequest, *, protoc
             result = client.infer(pipeline, inputs, outputs=outputs, client_timeout=timeout_s, parameters=parameters)
         else:
             result = client.infer(pipeline, inputs, outputs=outputs, parameters=parameters)
+    except ServeError:
+        raise
     except Exception as err:  # tritonclient raises InferenceServerException, sockets raise OS errors
         if timing and "unexpected inference output 'TIMING'" in str(err):
             return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url,
                                 timing=False)
+        if isinstance(err, (ValueError, KeyError, TypeError)):
+            raise malformed(url, f"the request to {pipeline}", err) from None
         raise server_error(err, url, pipeline) from None
-    images = result.as_numpy("IMAGE")
+    try:
+        images = result.as_numpy("IMAGE")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise malformed(url, f"the request to {pipeline} (IMAGE)", exc) from None
     expected = request.num_images or 1
     if (images is None or images.ndim != 4 or images.shape[0] != expected or images.shape[-1] != 3
             or images.dtype != np.uint8):
         raise ServeError(f"Triton at {url}, model {pipeline}: expected IMAGE uint8 [{expected}, H, W, 3], got "
                          f"{None if images is None else (images.dtype, list(images.shape))}")
-    return images, response_parameters(result.get_response(), result)
+    try:
+        return images, response_parameters(result.get_response(), result)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise malformed(url, f"the request to {pipeline} (parameters)", exc) from None
 
 
 def response_parameters(response: Any, result: Any = None) -> dict:
@@ -259,8 +361,10 @@ def generate(url: str, *, pipeline: str | None = None, prompt: str, height: int,
                            controlnet, control_image, controlnet_scale)
     client = connect(url, protocol, timeout_s)
     try:
-        pipeline = pipeline or find_pipeline(client, url)
-        return infer(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url)
+        with deadline(timeout_s, url) as end:
+            pipeline = pipeline or find_pipeline(client, url)
+            return infer(client, module, pipeline, request, protocol=protocol, timeout_s=remaining(end, timeout_s),
+                         url=url)
     finally:
         client.close()
 
@@ -272,15 +376,19 @@ def generate_images(url: str, request: ImageRequest, *, pipeline: str | None = N
     client = connect(url, protocol, timeout_s)
     try:
         named = pipeline is not None
-        pipeline = pipeline or find_pipeline(client, url)
-        try:
-            return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url)
-        except ServeError as err:
-            unknown = unknown_pipeline(client, url, pipeline) if named and "unknown model" in str(err).lower() \
-                else None
-            if unknown is not None:
-                raise unknown from None
-            raise
+        with deadline(timeout_s, url) as end:
+            pipeline = pipeline or find_pipeline(client, url)
+            try:
+                return infer_images(client, module, pipeline, request, protocol=protocol,
+                                    timeout_s=remaining(end, timeout_s), url=url)
+            except RequestCancelled:
+                raise
+            except ServeError as err:
+                unknown = unknown_pipeline(client, url, pipeline) if named and "unknown model" in str(err).lower() \
+                    else None
+                if unknown is not None:
+                    raise unknown from None
+                raise
     finally:
         client.close()
 
@@ -299,7 +407,8 @@ def stream(url: str, request: ImageRequest, *, model: str, preview_every: int | 
         tensors["PREVIEW_EVERY"] = np.array([[preview_every]], np.int32)
     inputs = make_inputs(grpc, tensors)
     results: queue.Queue = queue.Queue()
-    client = grpc.InferenceServerClient(strip_scheme(url))
+    client = grpc.InferenceServerClient(strip_scheme(url), channel_args=[
+        ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)])
     previews: list[tuple[int, np.ndarray]] = []
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)),
@@ -348,7 +457,7 @@ def find_pipeline(client, url: str) -> str:
         index = client.get_model_repository_index()
     except Exception as err:  # noqa: BLE001
         raise server_error(err, url, "(repository index)") from None
-    names = [m["name"] if isinstance(m, dict) else m.name for m in _index_models(index)]
+    names = _model_names(index, url)
     entries = [name for name in names if _role(client, name) == "entry"]
     if len(entries) != 1:
         listed = ", ".join(entries) or "none"
@@ -361,13 +470,27 @@ def _index_models(index: Any) -> list:
     return list(index.models) if hasattr(index, "models") else list(index)
 
 
+def _model_names(index: Any, url: str) -> list[str]:
+    """The model names of a repository index reply; ServeError when it is not one."""
+    try:
+        names = [m["name"] if isinstance(m, dict) else m.name for m in _index_models(index)]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise malformed(url, "the repository index", exc) from None
+    if not all(isinstance(n, str) for n in names):
+        raise malformed(url, "the repository index", TypeError("a model name is not a string"))
+    return names
+
+
 def _parameter(client, model: str, key: str) -> str:
     try:
         config = client.get_model_config(model)
     except Exception:  # noqa: BLE001 - a model that failed to load has no config to read
         return ""
     if isinstance(config, dict):  # HTTP: JSON
-        return config.get("parameters", {}).get(key, {}).get("string_value", "")
+        parameters = config.get("parameters", {})
+        entry = parameters.get(key, {}) if isinstance(parameters, dict) else {}
+        value = entry.get("string_value", "") if isinstance(entry, dict) else ""
+        return value if isinstance(value, str) else ""  # a malformed config reads as no parameter
     parameters = config.config.parameters  # gRPC: ModelConfigResponse
     return parameters[key].string_value if key in parameters else ""
 
@@ -380,12 +503,30 @@ def served_sizes(url: str, pipeline: str | None = None, protocol: str = "http") 
     """(pipeline, sizes to ask for: one per bucket) as the server's entry model declares them."""
     client = connect(url, protocol, 60.0)
     try:
-        if pipeline is not None and (unknown := unknown_pipeline(client, url, pipeline)) is not None:
-            raise unknown
-        pipeline = pipeline or find_pipeline(client, url)
-        sizes = [s for s in _parameter(client, pipeline, "request_sizes").split(";") if s]
+        with deadline(60.0, url, "reading the served sizes"):
+            if pipeline is not None and (unknown := unknown_pipeline(client, url, pipeline)) is not None:
+                raise unknown
+            pipeline = pipeline or find_pipeline(client, url)
+            sizes = [s for s in _parameter(client, pipeline, "request_sizes").split(";") if s]
     finally:
         client.close()
     if not sizes:
         raise ServeError(f"Triton at {url}: model {pipeline} declares no sizes; is it a trt-diffusion pipeline?")
+    for label in sizes:
+        check_served_size(label, url, pipeline)
     return pipeline, sizes
+
+
+def check_served_size(label: str, url: str, pipeline: str) -> None:
+    """A size a server declares, before anything is allocated for it: WIDTHxHEIGHT, positive sides <= MAX_SERVED_SIDE."""
+    from ..engines_file.engine_spec import Size
+    from ..errors import ConfigError
+
+    try:
+        size = Size.parse(label)
+    except (ConfigError, ValueError, TypeError):
+        raise ServeError(f"Triton at {url}: model {pipeline} declares request size {label[:40]!r}, which is not "
+                         "WIDTHxHEIGHT") from None
+    if not (0 < size.height <= MAX_SERVED_SIDE and 0 < size.width <= MAX_SERVED_SIDE):
+        raise ServeError(f"Triton at {url}: model {pipeline} declares request size {label!r}, beyond "
+                         f"{MAX_SERVED_SIDE} pixels a side; refusing to make a request (or control image) of it")
