@@ -168,6 +168,9 @@ class BuildSettings(Strict):
     opset: int = Field(20, ge=18, le=23)  # dynamo export: 17 gives graphs ORT rejects (FACTS.md)
     jobs: int = Field(1, ge=1)
     memory_budget_gb: float = Field(16.0, gt=0)
+    # manifest: package/serve check each engine against its own manifest's sha256 (any writer of the workspace
+    # can re-seal); signed: they also require a release manifest signed by a key given to --verify (signing.py)
+    trust: Literal["manifest", "signed"] = "manifest"
     tensorrt: TensorRTSettings = TensorRTSettings()
     farm: FarmSettings = FarmSettings()
 

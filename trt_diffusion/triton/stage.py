@@ -12,10 +12,11 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import signing
 from ..engines_file.engine_spec import Size
 from ..errors import ServeError
 from .report import PackageReport
@@ -34,8 +35,13 @@ FIRST_REQUEST_STEPS = 20
 
 def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", target: str = "onnxruntime", *,
                   model: str | None = None, options: PackageOptions | None = None,
-                  lora_variant: str | None = None) -> PackageReport:
-    """Package the built engines of one model of engines.yaml as a Triton repository."""
+                  lora_variant: str | None = None, verify_keys: Sequence[str | Path] = (),
+                  release: str | Path | None = None) -> PackageReport:
+    """Package the built engines of one model of engines.yaml as a Triton repository.
+
+    `verify_keys` (public keys; several for rotation), required when engines.yaml says `build.trust: signed`:
+    every engine must be exactly what the signed release manifest (`release`, default
+    <workspace>/release-manifest.json) lists; the verified release is copied into the repository for serve."""
     from ..engines_file import load_engines_file
     from ..runtime.loader import built_engines
 
@@ -47,7 +53,21 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
         model = next(iter(config.models))
     engines = built_engines(config, model, target, lora_variant=lora_variant)
     resolved = config.models[model]
-    return package(engines, resolved.source.path, resolved.family, model, out_dir, options)
+    release_path = Path(release) if release else Path(config.workspace) / signing.RELEASE_FILE
+    if config.build.trust == "signed" and not verify_keys:
+        raise signing.SignatureError(f"{config.path}: build.trust is signed: give the release's public key with "
+                                     "--verify PUBKEY")
+    if verify_keys:
+        signing.verify_engines(engines, config.workspace, release_path, verify_keys)
+    report = package(engines, resolved.source.path, resolved.family, model, out_dir, options)
+    if verify_keys:
+        shutil.copyfile(release_path, Path(out_dir) / signing.RELEASE_FILE)  # serve --verify checks it again
+    if config.build.trust == "signed":  # serve then requires --verify too
+        (Path(out_dir) / TRUST_FILE).write_text(json.dumps({"trust": "signed"}) + "\n")
+    return report
+
+
+TRUST_FILE = "trust.json"  # beside the models: what the workspace required when it was packaged
 
 
 @dataclass
@@ -96,14 +116,20 @@ def _ports(http_port: int | None, grpc_port: int | None, metrics_port: int | Non
 def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
           metrics_port: int | None = None, work_dir: str | Path | None = None, ready_timeout_s: float = 900.0,
           first_request: bool = True, protocol: str = "grpc",
-          admin_apis: bool = False) -> tuple[TritonServer, WarmupReport]:
+          admin_apis: bool = False, verify_keys: Sequence[str | Path] = ()) -> tuple[TritonServer, WarmupReport]:
     """Start a server on `repo` (bound to 127.0.0.1) and wait until it is ready and warm.
 
     `admin_apis`: leave Triton's shared-memory, trace and logging APIs open to every client
-    (closed by default: see server.py)."""
+    (closed by default: see server.py). `verify_keys`: every engine model's files must be covered by the
+    repository's signed release manifest (signing.verify_repository), checked before the server starts."""
     repo = Path(repo).resolve()
     report = PackageReport.read(repo)
     validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
+    if (repo / TRUST_FILE).is_file() and not verify_keys:
+        raise signing.SignatureError(f"{repo} was packaged from a workspace with build.trust: signed; serve it "
+                                     "with --verify PUBKEY")
+    if verify_keys:
+        signing.verify_repository(repo, verify_keys)
     temporary = work_dir is None  # a folder made here is removed when the server stops (or fails to start)
     work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trt-diffusion-serve-"))
     try:
@@ -182,7 +208,7 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
           metrics_port: int | None = 8002, work_dir: str | Path | None = None, first_request: bool = True,
           ready_timeout_s: float = 900.0, on_ready: Callable[[WarmupReport], None] | None = None,
-          admin_apis: bool = False) -> WarmupReport | None:
+          admin_apis: bool = False, verify_keys: Sequence[str | Path] = ()) -> WarmupReport | None:
     """Start, report, then block until Ctrl-C / SIGTERM, and stop cleanly.
 
     A stop while starting, while the first requests are timed or while serving stops tritonserver and its stubs
@@ -197,7 +223,7 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
         try:
             server, warmup = start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                                    work_dir=work_dir, ready_timeout_s=ready_timeout_s, first_request=first_request,
-                                   admin_apis=admin_apis)
+                                   admin_apis=admin_apis, verify_keys=verify_keys)
             if on_ready:
                 on_ready(warmup)
             while server.is_alive():
