@@ -196,6 +196,8 @@ class EngineDescription:
     output_shape: Callable[[dict[str, tuple]], dict[str, tuple]]
     compute: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
     activation_bytes: int = 1 << 20
+    # optimization profiles (engine_layout: profiles): name -> (min, opt, max) each; None: inputs' ranges only
+    profiles: list[dict[str, tuple]] | None = None
 
 
 class FakeTensorRT:
@@ -217,6 +219,8 @@ class FakeTensorRT:
         def context_behaviours():
             def set_input_shape(self, name: str, shape: tuple) -> bool:
                 low, high = description.inputs[name][1], description.inputs[name][3]
+                if description.profiles:
+                    low, _, high = description.profiles[self._profile][name]
                 ok = len(shape) == len(low) and all(lo <= d <= hi for d, lo, hi in zip(shape, low, high))
                 if ok:
                     self._shapes[name] = tuple(shape)
@@ -233,6 +237,14 @@ class FakeTensorRT:
 
             def set_device_memory(self, memory: int, size: int) -> None:
                 self._activation = (memory, size)
+
+            def set_optimization_profile_async(self, profile_index: int, stream_handle: int) -> bool:
+                if not description.profiles or not 0 <= profile_index < len(description.profiles):
+                    return False
+                self._profile = profile_index
+                self._shapes.clear()  # TensorRT: every input shape must be set again
+                self._calls["set_optimization_profile_async"] += 1
+                return True
 
             def execute_async_v3(self, stream_handle: int) -> bool:
                 if self._activation is None or self._activation[1] < description.activation_bytes:
@@ -261,6 +273,7 @@ class FakeTensorRT:
             object.__setattr__(self, "_shapes", {})
             object.__setattr__(self, "_addresses", {})
             object.__setattr__(self, "_activation", None)
+            object.__setattr__(self, "_profile", 0)
             object.__setattr__(self, "_calls", Counter())
             object.__setattr__(self, "_enqueue", lambda: enqueue(self))
 
@@ -285,6 +298,8 @@ class FakeTensorRT:
                 return getattr(trt.DataType, member)
 
             def get_tensor_profile_shape(self, name: str, profile_index: int) -> list:
+                if description.profiles:
+                    return [Dims(s) for s in description.profiles[profile_index][name]]
                 return [Dims(s) for s in description.inputs[name][1:]]
 
             def num_io_tensors(self) -> int:
