@@ -142,7 +142,7 @@ def _description(profile, activation_bytes=1 << 20):
 
 
 def _plan(tmp_path: Path, name: str, profile, plan_bytes: int = 1000, device_memory_bytes: int | None = None,
-          output_dtype: str = "float32") -> Path:
+          output_dtype: str = "float32", profiles=None) -> Path:
     plan = tmp_path / f"{name}.plan"
     plan.write_bytes(b"\0" * plan_bytes)
     shape = tuple(d if lo == hi else -1 for d, lo, hi in zip(profile["sample"][2], *profile["sample"][::2]))
@@ -150,6 +150,7 @@ def _plan(tmp_path: Path, name: str, profile, plan_bytes: int = 1000, device_mem
         spec_key=name, spec_name=name, tensorrt_version="10.13.0.35", compute_capability=(8, 9), device_name="fake",
         flags={}, profile_shapes=profile, onnx_sha256="0" * 64, plan_bytes=plan_bytes, build_seconds=0.0,
         plan_sha256=hashlib.sha256(plan.read_bytes()).hexdigest(), device_memory_bytes=device_memory_bytes,
+        profiles=tuple(profiles) if profiles else None,
         inputs=(TensorInfo(name="sample", dtype="float32", shape=shape),),
         outputs=(TensorInfo(name="out", dtype=output_dtype, shape=shape),),
     ).write(manifest_path(plan))
@@ -167,8 +168,8 @@ class Rig:
         self.loads: list[str] = []
 
     def runner(self, name, profile=STATIC, *, activation_bytes=1 << 20, plan_bytes=1000, cuda_graph=False,
-               device_memory_bytes=None, description=None, output_dtype="float32"):
-        plan = _plan(self.tmp_path, name, profile, plan_bytes, device_memory_bytes, output_dtype)
+               device_memory_bytes=None, description=None, output_dtype="float32", profiles=None):
+        plan = _plan(self.tmp_path, name, profile, plan_bytes, device_memory_bytes, output_dtype, profiles)
         description = description or _description(profile, activation_bytes)
 
         def load(path):
@@ -541,3 +542,35 @@ def test_in_process_refit_is_queued_on_the_stream_and_drops_the_captured_graph(a
     assert labels.index("refit") < len(labels) - 1 - labels[::-1].index("execute")  # the refit before the next run
     np.testing.assert_array_equal(out.numpy_after(rig.torch_stream), _sample(seed=5)["sample"] * 2 + 1)
     assert runner.stats.graph_captures == 1 and runner.stats.eager_runs == 2  # warm-up again after the refit
+
+
+
+# ---------------------------------------------------------------------------------------------- engine_layout: profiles
+
+
+def test_a_multi_profile_engine_runs_each_shape_in_its_profile(tmp_path):
+    """One engine, weights once, one profile per bucket: the runner selects the profile a request fits
+    (set_optimization_profile_async), sets every input shape again after a switch, and keeps one set of buffers
+    sized for the largest profile."""
+    from trt_diffusion.targets.tensorrt.layout import profile_envelope
+
+    profiles = [{"sample": ((2, 4, 8, 8),) * 3}, {"sample": ((2, 4, 16, 16),) * 3},
+                {"sample": ((1, 4, 8, 8), (1, 4, 12, 12), (1, 4, 24, 24))}]
+    envelope = profile_envelope(profiles)
+    (low, opt, high), = envelope.values()
+    description = fake.EngineDescription(
+        inputs={"sample": ("FLOAT", low, opt, high)}, outputs={"out": "FLOAT"},
+        output_shape=lambda shapes: {"out": shapes["sample"]}, compute=lambda feeds: {"out": feeds["sample"] * 2 + 1},
+        profiles=profiles)
+    rig = Rig(tmp_path)
+    runner = rig.runner("unet", envelope, description=description, profiles=profiles)
+    for shape in [(2, 4, 8, 8), (2, 4, 16, 16), (1, 4, 20, 20), (2, 4, 8, 8), (2, 4, 8, 8)]:
+        feeds = _sample(shape)
+        np.testing.assert_array_equal(runner.run(feeds)["out"], feeds["sample"] * 2 + 1)
+    context = rig.trt.contexts[0]
+    assert context._profile == 0 and len(rig.trt.contexts) == 1 and runner.stats.device_allocations == 2
+    assert runner._buffers["sample"].capacity == dm.align_up(dm.tensor_bytes((1, 4, 24, 24), "float32"))
+    # activation sizing visits profiles 2, 1, 0; then the runs switch 0 -> 1 -> 2 -> 0
+    assert context._calls["set_optimization_profile_async"] == 3 + 3
+    with pytest.raises(RuntimeInputError, match=r"fit none of the engine's 3 profiles"):
+        runner.run(_sample((2, 4, 12, 12)))  # inside the envelope, inside no profile

@@ -375,6 +375,9 @@ class EngineManifest(BaseModel):
     device_name: str
     flags: dict[str, Any]
     profile_shapes: dict[str, tuple[Shape, Shape, Shape]]
+    # engine_layout: profiles — the optimization profiles in TensorRT's order (profile_shapes is then their
+    # envelope, layout.profile_envelope); None: one profile, profile_shapes
+    profiles: tuple[dict[str, tuple[Shape, Shape, Shape]], ...] | None = None
     onnx_sha256: str
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
@@ -554,6 +557,14 @@ def check_feeds(manifest: EngineManifest, feeds: Mapping[str, Any]) -> None:
     for info in manifest.inputs:
         if info.name in feeds:
             problems += _feed_problems(info, feeds[info.name], manifest.profile_shapes.get(info.name))
+    if not problems and manifest.profiles:  # inside the envelope, but inside one of the profiles?
+        from .layout import select_profile
+
+        shapes = {name: tuple(int(d) for d in feeds[name].shape) for name in expected}
+        if select_profile(manifest.profiles, shapes) is None:
+            listed = "; ".join(f"profile {i}: " + ", ".join(f"{n} {lo}..{hi}" for n, (lo, _, hi) in prof.items())
+                               for i, prof in enumerate(manifest.profiles))
+            problems.append(f"shapes {shapes} fit none of the engine's {len(manifest.profiles)} profiles ({listed})")
     if problems:
         raise RuntimeInputError(
             f"inputs for engine {manifest.spec_name} do not match it:\n  "

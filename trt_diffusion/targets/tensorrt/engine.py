@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -55,6 +55,7 @@ from .config import (
     validate_profile,
     weights_for_refit,
 )
+from .layout import profile_envelope
 from .plan_trust import check_plan_bytes, host_code_allowed, interrupted_refit_problem, plan_sha256
 
 if TYPE_CHECKING:  # the annotations below are TensorRT's own types (tensorrt-stubs in the test extra)
@@ -302,8 +303,10 @@ def _parse_onnx(onnx_path: Path, trt_version: str,
     return builder, network, parser
 
 
-def _create_config(builder: trt.Builder, flags: BuildFlags, shapes: ProfileShapes, cache_path: Path,
+def _create_config(builder: trt.Builder, flags: BuildFlags, profiles: Sequence[ProfileShapes], cache_path: Path,
                    spec_name: str) -> trt.IBuilderConfig:
+    """The builder config: flags, workspace, and one optimization profile per entry of `profiles` (one for a
+    per-shape engine; one per bucket × batch shape for `engine_layout: profiles`, in the manifest's order)."""
     import tensorrt as trt
 
     mark = _ERRORS.mark()
@@ -314,11 +317,13 @@ def _create_config(builder: trt.Builder, flags: BuildFlags, shapes: ProfileShape
         config.clear_flag(_builder_flag(name))
     config.builder_optimization_level = flags.builder_optimization_level
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, flags.workspace_bytes)
-    profile = builder.create_optimization_profile()
-    for name, (min_shape, opt_shape, max_shape) in shapes.items():
-        profile.set_shape(name, trt.Dims(list(min_shape)), trt.Dims(list(opt_shape)), trt.Dims(list(max_shape)))
-    if config.add_optimization_profile(profile) < 0:
-        raise BuildError(_with_trt_errors(f"{spec_name}: TensorRT rejected the optimization profile {shapes}", mark))
+    for index, shapes in enumerate(profiles):
+        profile = builder.create_optimization_profile()
+        for name, (min_shape, opt_shape, max_shape) in shapes.items():
+            profile.set_shape(name, trt.Dims(list(min_shape)), trt.Dims(list(opt_shape)), trt.Dims(list(max_shape)))
+        if config.add_optimization_profile(profile) != index:
+            raise BuildError(_with_trt_errors(
+                f"{spec_name}: TensorRT rejected optimization profile {index} {dict(shapes)}", mark))
     # the file is replaced atomically under the cache lock, so reading it needs no lock
     cached = cache_path.read_bytes() if cache_path.is_file() else b""
     cache = config.create_timing_cache(cached)
@@ -379,16 +384,22 @@ def build_engine(
     out_path: str | Path,
     timing_cache_dir: str | Path,
     refit_map: str | Path | None = None,
+    extra_profiles: Sequence[ProfileShapes] = (),
 ) -> EngineManifest:
     """Build one strongly typed engine: the plan at `out_path`, its manifest beside it, the timing cache updated.
+
+    `extra_profiles` (engine_layout: profiles): more optimization profiles after `profile_shapes`, one engine
+    holding the weights once for every bucket × batch shape; the manifest records them all.
 
     Everything that can be checked without TensorRT (profile, ONNX inputs, precision vs Q/DQ and vs the
     ONNX's dtypes, the GPU's compute capability) is checked first, so a wrong request fails the same way
     on a CPU host and never starts a TensorRT builder.
     """
     onnx_path, out_path = Path(onnx_path), Path(out_path)
-    shapes = validate_profile(profile_shapes)
-    check_profile_against_inputs(shapes, onnx_input_shapes(onnx_path))
+    profiles = [validate_profile(shapes) for shapes in (profile_shapes, *extra_profiles)]
+    for shapes in profiles:
+        check_profile_against_inputs(shapes, onnx_input_shapes(onnx_path))
+    shapes = profile_envelope(profiles) if len(profiles) > 1 else profiles[0]
     flags = BuildFlags.for_spec(spec, onnx_has_qdq(onnx_path))
     check_onnx_precision(spec, onnx_compute_dtype(onnx_path))
     check_can_build(spec)
@@ -400,7 +411,7 @@ def build_engine(
 
     started = time.perf_counter()
     builder, network, _parser = _parse_onnx(onnx_path, trt_version, spec.name)
-    config = _create_config(builder, flags, shapes, cache_path, spec.name)
+    config = _create_config(builder, flags, profiles, cache_path, spec.name)
     plan = _build_plan(builder, network, config, spec.name)
     build_seconds = time.perf_counter() - started
 
@@ -421,6 +432,7 @@ def build_engine(
         device_name=device_name,
         flags=flags.to_dict(),
         profile_shapes=shapes,
+        profiles=tuple(profiles) if len(profiles) > 1 else None,
         onnx_sha256=digest,
         inputs=_tensor_infos(network.get_input(i) for i in range(network.num_inputs)),
         outputs=_tensor_infos(network.get_output(i) for i in range(network.num_outputs)),

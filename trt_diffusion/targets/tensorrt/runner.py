@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...errors import RuntimeInputError
-from ...runtime.runners import TensorSpec
+from ..runner_base import TensorSpec
 from .config import EngineManifest, check_feeds, manifest_path, numpy_dtype_for
 from .cudart import Cuda, CudaError, host_array
 from .device_memory import (
@@ -46,6 +46,7 @@ from .device_memory import (
     tensor_bytes,
     torch_dtype_name,
 )
+from .layout import select_profile
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -284,6 +285,7 @@ class TensorRTRunner:
         self._pending = False  # work queued on the stream that reads the pinned buffers
         self._entered = 0
         self.bound_generation = -1  # the group's activation generation this context is bound to
+        self._profile = 0  # the context's optimization profile
         self._refit_pinned = False
         self._activation_need = 0
 
@@ -386,6 +388,8 @@ class TensorRTRunner:
                 self._activation_need = int(engine.device_memory_size_v2)
                 group.bind_activation(self, context, self._activation_need)
                 self._allocate(self._io_tensors(trt_mod, engine, context))
+                # the outputs at the shapes now set (a multi-profile engine's buffers are sized for another one)
+                self._output_shapes = {n: _dims(context.get_tensor_shape(n)) for n in self.output_names}
                 self.stats.activations += 1
                 self.stats.graph_skip_reason = graph_capture_reason(self.cuda_graph, self.manifest.profile_shapes)
             except BaseException:
@@ -394,21 +398,36 @@ class TensorRTRunner:
 
     def _io_tensors(self, trt_mod: Any, engine: trt.ICudaEngine, context: trt.IExecutionContext) -> list[IOTensor]:
         """Every I/O tensor at its largest shape: inputs from the profile, outputs as TensorRT infers
-        them with every input at its largest shape."""
+        them with every input at its largest shape. A multi-profile engine (engine_layout: profiles): each
+        profile in turn at its largest shapes, every buffer sized for the largest of them; profile 0 stays set."""
         from .engine import _dtype_name
 
-        largest = max_input_shapes(self.manifest.profile_shapes)
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         inputs = [n for n in names if engine.get_tensor_mode(n) == trt_mod.TensorIOMode.INPUT]
-        for name in inputs:
-            if name not in largest:
-                largest[name] = _dims(engine.get_tensor_profile_shape(name, 0)[2])
-            self._set_shape(context, name, largest[name])
-        tensors = []
-        for name in names:
-            shape = largest[name] if name in inputs else _dims(context.get_tensor_shape(name))
-            tensors.append(IOTensor(name, name in inputs, _dtype_name(engine.get_tensor_dtype(name)), shape))
-        return tensors
+        profiles = list(self.manifest.profiles or [self.manifest.profile_shapes])
+        dtypes = {name: _dtype_name(engine.get_tensor_dtype(name)) for name in names}
+        biggest: dict[str, Shape] = {}
+        for index in reversed(range(len(profiles))):  # profile 0 last: the one left active
+            if len(profiles) > 1:
+                self._select_profile(context, index)
+            largest = max_input_shapes(profiles[index])
+            for name in inputs:
+                if name not in largest:
+                    largest[name] = _dims(engine.get_tensor_profile_shape(name, index)[2])
+                self._set_shape(context, name, largest[name])
+            for name in names:
+                shape = largest[name] if name in inputs else _dims(context.get_tensor_shape(name))
+                if name not in biggest or tensor_bytes(shape, dtypes[name]) > tensor_bytes(biggest[name], dtypes[name]):
+                    biggest[name] = shape
+        return [IOTensor(name, name in inputs, dtypes[name], biggest[name]) for name in names]
+
+    def _select_profile(self, context: trt.IExecutionContext, index: int) -> None:
+        """Make optimization profile `index` the context's (queued on the group's stream); every input shape must
+        then be set again."""
+        if not context.set_optimization_profile_async(index, self.group.cuda.stream_handle(self.group.stream)):
+            raise RuntimeInputError(f"{self.name}: TensorRT refused optimization profile {index}")
+        self._profile = index
+        self._shapes.clear()
 
     def _set_shape(self, context: trt.IExecutionContext, name: str, shape: Shape) -> None:
         if not context.set_input_shape(name, shape):
@@ -455,6 +474,7 @@ class TensorRTRunner:
             self._buffers.clear()
             self._shapes.clear()
             self._output_shapes.clear()
+            self._profile = 0
             self.context = None
             self.engine = None
             group.leave(self)
@@ -531,6 +551,15 @@ class TensorRTRunner:
         stream = group.stream
         on_device = outputs_on_device(feeds)
         shapes = {name: describe_feed(value).shape for name, value in feeds.items()}
+        if self.manifest.profiles:  # engine_layout: profiles: the tightest profile that holds these shapes
+            wanted = select_profile(self.manifest.profiles, shapes)
+            if wanted is None:  # check_feeds let it through: a bug, not a user error
+                raise AssertionError(f"{self.name}: no profile for {shapes}")
+            if wanted != self._profile:
+                if self._pending:
+                    cuda.synchronize(stream)
+                    self._pending = False
+                self._select_profile(context, wanted)
         if shapes != {k: self._shapes.get(k) for k in shapes}:
             for name, shape in shapes.items():
                 self._set_shape(context, name, shape)
