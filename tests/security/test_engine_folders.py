@@ -135,3 +135,21 @@ def test_the_manifest_records_every_file_of_the_engine(tmp_path, tiny_onnx):
     (folder / "extra.txt").write_text("planted")  # not recorded: not served
     files = target.triton_model(target.find(workspace, spec), engine_backend="python").files
     assert "extra.txt" not in files and "model.onnx" in files
+
+
+def test_a_provenance_record_cannot_name_files_outside_the_workspace(tmp_path):
+    from types import SimpleNamespace
+
+    from trt_diffusion.targets.provenance import provenance_path, release_manifest
+
+    workspace, secret = tmp_path / "ws", tmp_path / "secret.env"
+    secret.write_text("token")
+    spec = make_spec("onnxruntime")
+    record = provenance_path(workspace, spec.key)
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"engine": "x", "bytes": 1, "build_seconds": 0, "built_at": "", "built_by": {},
+                                  "tools": {}, "files": {"../secret.env": {"sha256": "0" * 64, "bytes": 5}}}))
+    config = SimpleNamespace(workspace=workspace, path=tmp_path / "engines.yaml")
+    entry = release_manifest(config, [spec])["engines"][0]
+    assert entry["status"] == "modified"
+    assert "must be a path inside its folder" in entry["problems"][0]

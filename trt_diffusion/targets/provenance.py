@@ -18,6 +18,8 @@ from importlib import metadata
 from pathlib import Path
 
 from ..engines_file import EngineSpec
+from ..errors import ConfigError
+from ..safe_paths import inside_folder
 from .onnx_facts import atomic_write_bytes
 
 SCHEMA_VERSION = 1
@@ -109,7 +111,11 @@ def release_manifest(config, specs: list[EngineSpec], *, verify: bool = True) ->
             problems = []
             if verify:
                 for relative, expected in record["files"].items():
-                    file = root / relative
+                    try:  # a record from a shared workspace names paths inside it, never elsewhere
+                        file = inside_folder(root, relative, where=str(record_file), field="files")
+                    except ConfigError as exc:
+                        problems.append(str(exc))
+                        continue
                     if not file.is_file():
                         problems.append(f"{relative}: missing")
                     elif file_sha256(file) != expected["sha256"]:
