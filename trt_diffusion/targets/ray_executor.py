@@ -64,16 +64,26 @@ def _export_group(config_path: str, keys: list[str], driver_versions: dict, prep
 
 
 def _portable(config: EnginesConfig, path: Path) -> str:
-    """A path inside the workspace relative to it: with a URL workspace each node has its own cache folder."""
+    """A path inside the workspace relative to it (with a URL workspace each node has its own cache folder);
+    nothing outside the workspace crosses between driver and workers."""
     try:
-        return Path(path).resolve().relative_to(Path(config.workspace)).as_posix()
+        return Path(path).resolve().relative_to(Path(config.workspace).resolve()).as_posix()
     except ValueError:
-        return str(path)
+        raise BuildError(f"{path} is outside the workspace {config.workspace}: only workspace paths cross "
+                         "between the Ray driver and its workers") from None
+
+
+def _in_workspace(config: EnginesConfig, path: object, what: str) -> Path:
+    """A path received across the driver/worker boundary: relative to the workspace and inside it (no absolute
+    path, no '..', no symbolic link), else BuildError naming it."""
+    from ..safe_paths import inside_folder
+
+    return inside_folder(config.workspace, path, where=f"a Ray task's {what}", field="path", error=BuildError)
 
 
 def _local_source(config: EnginesConfig, path: str, *, pull: bool = False) -> Path:
     """The ONNX a task builds from on this node (pulled from a URL workspace when this node lacks it)."""
-    resolved = Path(path) if Path(path).is_absolute() else Path(config.workspace) / path
+    resolved = _in_workspace(config, path, "ONNX source")
     if pull and not resolved.is_file():
         from ..remote_store import pull_sources
 
@@ -97,7 +107,7 @@ def _build_engine(config_path: str, key: str, onnx_path: str, driver_versions: d
         config = load_engines_file(config_path, check_sources=True)
         spec = next(s for s in expand(config) if s.key == key)
         path, cached = build_one(config, spec, _local_source(config, onnx_path, pull=True))
-        return {"path": str(path), "cached": cached, "seconds": time.perf_counter() - start, "node": node}
+        return {"path": _portable(config, path), "cached": cached, "seconds": time.perf_counter() - start, "node": node}
     except TrtDiffusionError as exc:
         return {"error": str(exc), "internal": False, "seconds": time.perf_counter() - start, "node": node}
     except Exception as exc:  # noqa: BLE001 - a bug: carried back with its traceback
@@ -159,7 +169,7 @@ def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str
             result = {"error": f"the build task failed after {retries} retries: {_task_error(exc)}", "internal": False}
         if nodes is not None and "node" in result:
             nodes[spec.key] = result["node"]
-        results[spec.key] = _outcome(spec, result)
+        results[spec.key] = _outcome(config, spec, result)
         progress(results[spec.key].status.lower(), spec)
     for key, failure in failures.items():
         spec = next(s for s in specs if s.key == key)
@@ -180,9 +190,15 @@ def _task_error(exc: Exception) -> str:
     return str(cause or exc).strip().splitlines()[-1] if str(cause or exc).strip() else type(exc).__name__
 
 
-def _outcome(spec: EngineSpec, result: dict) -> EngineOutcome:
+def _outcome(config: EnginesConfig, spec: EngineSpec, result: dict) -> EngineOutcome:
     if "error" in result:
-        failure = Failure(spec.name, spec.key, result["error"], internal=bool(result.get("internal")),
+        failure = Failure(spec.name, spec.key, str(result["error"]), internal=bool(result.get("internal")),
                           traceback=result.get("traceback"))
         return EngineOutcome(spec, None, seconds=result.get("seconds", 0.0), failure=failure)
-    return EngineOutcome(spec, Path(result["path"]), cached=result["cached"], seconds=result["seconds"])
+    try:  # the driver walks this path (provenance, publish): it must be an engine of this workspace
+        path = _in_workspace(config, result.get("path"), "engine path")
+        if Path(result["path"]).parts[0] != "engines":
+            raise BuildError(f"a Ray task's engine path {result['path']!r} is not under engines/ of the workspace")
+    except BuildError as exc:
+        return EngineOutcome(spec, None, failure=Failure(spec.name, spec.key, str(exc)))
+    return EngineOutcome(spec, path, cached=bool(result.get("cached")), seconds=float(result.get("seconds", 0.0)))
