@@ -173,3 +173,103 @@ def test_refit_refuses_a_fresh_export_that_is_not_the_plans_onnx(tmp_path, monke
     with pytest.raises(RefitError, match="not the ONNX .* built from"):
         trt_target.TensorRTTarget().refit(engine, None, lambda: other)
     assert loads == []
+
+
+# ---------------------------------------------------------------------------------------------- streamed loading
+
+
+class StreamingRuntime(FakeRuntime):
+    """deserialize_cuda_engine(IStreamReaderV2) as the binding drives it: read(num_bytes, stream) until the plan is
+    in; `overwrite` rewrites the file in place after the first chunk (what the second hash must catch)."""
+
+    chunks: list[int] = []
+    overwrite: Path | None = None
+
+    def deserialize_cuda_engine(self, plan):
+        if not hasattr(plan, "read"):
+            return super().deserialize_cuda_engine(plan)
+        FakeRuntime.seen.append(self.engine_host_code_allowed)
+        data = b""
+        while True:
+            chunk = plan.read(1 << 30, 0)
+            if not chunk:
+                break
+            StreamingRuntime.chunks.append(len(chunk))
+            data += bytes(chunk)
+            if StreamingRuntime.overwrite is not None:
+                with open(StreamingRuntime.overwrite, "r+b") as handle:
+                    handle.seek(len(data))
+                    handle.write(b"\xff")
+                StreamingRuntime.overwrite = None
+        return types.SimpleNamespace(plan=data)
+
+
+@pytest.fixture
+def streaming_runtime(monkeypatch, fake_runtime):
+    from trt_diffusion.targets.tensorrt import plan_stream
+
+    module = sys.modules["tensorrt"]
+    module.Runtime = StreamingRuntime
+    module.IStreamReaderV2 = type("IStreamReaderV2", (), {"__init__": lambda self: None})
+    module.SeekPosition = types.SimpleNamespace(SET="SET", CUR="CUR", END="END")
+    monkeypatch.setattr(plan_stream, "CHUNK_BYTES", 100)
+    StreamingRuntime.chunks, StreamingRuntime.overwrite = [], None
+    return StreamingRuntime
+
+
+def test_a_streamed_load_reads_the_verified_plan_in_chunks(tmp_path, streaming_runtime):
+    onnx_path = tiny_onnx(tmp_path / "model.onnx")
+    the_spec = spec()
+    plan = built(tmp_path, the_spec, onnx_path, plan=bytes(range(256)) * 4)
+    engine = trt_engine.load_engine(plan, host=HOST, spec=the_spec, stream=True)
+    assert engine.engine.plan == plan.read_bytes()
+    assert max(streaming_runtime.chunks) <= 100 and sum(streaming_runtime.chunks) == 1024  # never the whole plan
+    tamper(plan)
+    with pytest.raises(BuildError, match="sha256"):
+        trt_engine.load_engine(plan, host=HOST, spec=the_spec, stream=True)
+    assert streaming_runtime.seen == [False]  # refused before TensorRT read a byte
+
+
+def test_a_plan_rewritten_in_place_while_it_streams_is_dropped(tmp_path, streaming_runtime):
+    onnx_path = tiny_onnx(tmp_path / "model.onnx")
+    the_spec = spec()
+    plan = built(tmp_path, the_spec, onnx_path, plan=bytes(range(256)) * 4)
+    streaming_runtime.overwrite = plan
+    with pytest.raises(BuildError, match="changed while it was being loaded"):
+        trt_engine.load_engine(plan, host=HOST, spec=the_spec, stream=True)
+
+
+def test_host_code_plans_stream_only_when_nobody_else_can_rewrite_them(tmp_path):
+    from trt_diffusion.targets.tensorrt.plan_stream import load_mode, privately_writable
+
+    gib = 1 << 30
+    assert load_mode(10 * gib, host_code=False, private=False) == "stream"
+    assert load_mode(10 * gib, host_code=True, private=True) == "stream"
+    assert load_mode(10 * gib, host_code=True, private=False) == "memory"  # verified bytes in memory instead
+    assert load_mode(100 << 20, host_code=False, private=True) == "memory"  # small plans: one read
+    path = tmp_path / "p.plan"
+    path.write_bytes(b"x")
+    path.chmod(0o644)
+    assert privately_writable(path)
+    path.chmod(0o664)
+    assert not privately_writable(path)
+
+
+# ---------------------------------------------------------------------------------------------- stripped plans
+
+
+def test_a_stripped_plan_loads_only_with_the_onnx_it_was_built_from(tmp_path, fake_runtime, monkeypatch):
+    onnx_path = tiny_onnx(tmp_path / "model.onnx")
+    stripped = spec()
+    stripped = EngineSpec(**{**stripped.__dict__, "build_options": (("tensorrt_strip_plan", True),)})
+    flags = BuildFlags.for_spec(stripped, False)
+    assert flags.strip_plan and {"STRIP_PLAN", "REFIT_IDENTICAL"} <= set(flags.builder_flags())
+    plan = built(tmp_path, stripped, onnx_path)
+    refits = []
+    monkeypatch.setattr(trt_engine, "refit_from_base", lambda engine, onnx, weights=None: refits.append(onnx))
+    with pytest.raises(BuildError, match="stripped plan .*weights_onnx"):
+        trt_engine.load_engine(plan, host=HOST, spec=stripped)
+    trt_engine.load_engine(plan, host=HOST, spec=stripped, weights_onnx=onnx_path)
+    assert refits == [onnx_path]
+    with pytest.raises(RefitError, match="not the ONNX the plan was built from"):
+        trt_engine.load_engine(plan, host=HOST, spec=stripped, weights_onnx=tiny_onnx(tmp_path / "b.onnx", 3.0))

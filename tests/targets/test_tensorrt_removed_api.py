@@ -143,14 +143,16 @@ def test_builder_flags_of_every_spec_are_kept_in_11():
 
     for precision in KNOWN_PRECISIONS:
         for refittable in (False, True) if precision not in QUANTIZED_PRECISIONS else (False,):
-            for options in ({}, {"tensorrt_tf32": False, "tensorrt_version_compatible": True}):
+            for options in ({}, {"tensorrt_tf32": False, "tensorrt_version_compatible": True},
+                            {"tensorrt_strip_plan": True, "tensorrt_weight_streaming": True}):
                 spec = EngineSpec(model="m", family="sd15", source="s", component="unet", target="tensorrt",
                                   precision=precision, batch=1, bucket=Bucket.static(Size(512, 512)),
                                   refittable=refittable, build_options=tuple(sorted(options.items())))
                 flags = BuildFlags.for_spec(spec, precision in QUANTIZED_PRECISIONS)
                 names = set(flags.builder_flags()) | set(flags.cleared_builder_flags())
                 assert not names & REMOVED_MEMBERS["BuilderFlag"], (precision, names)
-                assert names <= {"REFIT", "STRIP_PLAN", "VERSION_COMPATIBLE", "TF32"}
+                assert names <= {"REFIT", "REFIT_IDENTICAL", "STRIP_PLAN", "WEIGHT_STREAMING", "VERSION_COMPATIBLE",
+                                  "TF32"}
 
 
 def test_the_generated_list_has_its_provenance_and_the_names_a_hand_list_missed():

@@ -142,15 +142,15 @@ def _description(profile, activation_bytes=1 << 20):
 
 
 def _plan(tmp_path: Path, name: str, profile, plan_bytes: int = 1000, device_memory_bytes: int | None = None,
-          output_dtype: str = "float32", profiles=None) -> Path:
+          output_dtype: str = "float32", profiles=None, **manifest_fields) -> Path:
     plan = tmp_path / f"{name}.plan"
     plan.write_bytes(b"\0" * plan_bytes)
     shape = tuple(d if lo == hi else -1 for d, lo, hi in zip(profile["sample"][2], *profile["sample"][::2]))
     EngineManifest(
         spec_key=name, spec_name=name, tensorrt_version="10.13.0.35", compute_capability=(8, 9), device_name="fake",
-        flags={}, profile_shapes=profile, onnx_sha256="0" * 64, plan_bytes=plan_bytes, build_seconds=0.0,
+        profile_shapes=profile, onnx_sha256="0" * 64, plan_bytes=plan_bytes, build_seconds=0.0,
         plan_sha256=hashlib.sha256(plan.read_bytes()).hexdigest(), device_memory_bytes=device_memory_bytes,
-        profiles=tuple(profiles) if profiles else None,
+        profiles=tuple(profiles) if profiles else None, **{"flags": {}, **manifest_fields},
         inputs=(TensorInfo(name="sample", dtype="float32", shape=shape),),
         outputs=(TensorInfo(name="out", dtype=output_dtype, shape=shape),),
     ).write(manifest_path(plan))
@@ -168,8 +168,10 @@ class Rig:
         self.loads: list[str] = []
 
     def runner(self, name, profile=STATIC, *, activation_bytes=1 << 20, plan_bytes=1000, cuda_graph=False,
-               device_memory_bytes=None, description=None, output_dtype="float32", profiles=None):
-        plan = _plan(self.tmp_path, name, profile, plan_bytes, device_memory_bytes, output_dtype, profiles)
+               device_memory_bytes=None, description=None, output_dtype="float32", profiles=None, runner_options=None,
+               **manifest_fields):
+        plan = _plan(self.tmp_path, name, profile, plan_bytes, device_memory_bytes, output_dtype, profiles,
+                     **manifest_fields)
         description = description or _description(profile, activation_bytes)
 
         def load(path):
@@ -177,7 +179,8 @@ class Rig:
             return SimpleNamespace(engine=self.trt.engine(description, self.cudart),
                                    manifest=EngineManifest.read(manifest_path(path)))
 
-        return TensorRTRunner(plan, name=name, group=self.group, cuda_graph=cuda_graph, loader=load, trt_module=self.trt)
+        return TensorRTRunner(plan, name=name, group=self.group, cuda_graph=cuda_graph, loader=load, trt_module=self.trt,
+                              **(runner_options or {}))
 
 
 def _sample(shape=(2, 4, 8, 8), seed=0):
@@ -574,3 +577,29 @@ def test_a_multi_profile_engine_runs_each_shape_in_its_profile(tmp_path):
     assert context._calls["set_optimization_profile_async"] == 3 + 3
     with pytest.raises(RuntimeInputError, match=r"fit none of the engine's 3 profiles"):
         runner.run(_sample((2, 4, 12, 12)))  # inside the envelope, inside no profile
+
+
+
+# ---------------------------------------------------------------------------------------------- weight streaming
+
+
+def test_a_weight_streaming_budget_is_set_before_the_context_and_budgeted_at_admission(tmp_path):
+    """Two 800 MiB engines whose 600 MiB of streamable weights keep 100 MiB on the GPU each fit a 1 GiB bound
+    together; without the budget the first is unloaded for the second."""
+    mib = 1 << 20
+    rig = Rig(tmp_path, bound_bytes=1024 * mib)
+    streaming = dict(plan_bytes=800 * mib, flags={"weight_streaming": True}, streamable_weights_bytes=600 * mib,
+                     runner_options={"weight_budget_bytes": 100 * mib})
+    a, b = rig.runner("flux.512", **streaming), rig.runner("flux.1024", **streaming)
+    a.run(_sample())
+    b.run(_sample())
+    assert a.active and b.active and rig.group.budget.used_bytes <= 1024 * mib
+    assert a.engine.engine.weight_streaming_budget_v2 == 100 * mib
+    c = rig.runner("flux.2048", plan_bytes=800 * mib, flags={"weight_streaming": True},
+                   streamable_weights_bytes=600 * mib)  # no budget: all 800 MiB resident
+    c.run(_sample())
+    assert c.active and not a.active
+    with pytest.raises(dm.MemoryBudgetError, match="not built with weight streaming"):
+        rig.runner("unet", runner_options={"weight_budget_bytes": 0}).run(_sample())
+    assert dm.weight_streaming_budget(10 * mib, 6 * mib, True, "e") == 6 * mib  # capped at the streamable size
+    assert dm.resident_bytes(800, 600, 0) == 200 and dm.resident_bytes(800, None, 0) == 800

@@ -115,7 +115,12 @@ class BuildFlags:
     tf32: bool = True
     strongly_typed: bool = True  # always: recorded so a manifest says how its plan was built
     refit: bool = False
+    # STRIP_PLAN: a plan without its weights (a small release artifact); the runner refits them from the ONNX the
+    # plan was built from when it loads (`engine.load_engine(weights_onnx=...)`). REFIT_IDENTICAL unless refittable.
     strip_plan: bool = False
+    # WEIGHT_STREAMING: weights may stay in host memory and stream in at run time, within a budget the runner sets
+    # (`weight_streaming_budget_v2`): FLUX-class models on GPUs smaller than their weights
+    weight_streaming: bool = False
     version_compatible: bool = False
     builder_optimization_level: int = 3
     workspace_bytes: int = 8 * GIB
@@ -129,6 +134,8 @@ class BuildFlags:
             precision=spec.precision,
             tf32=bool(spec.option("tensorrt_tf32", True)),
             refit=spec.refittable,
+            strip_plan=bool(spec.option("tensorrt_strip_plan", False)),
+            weight_streaming=bool(spec.option("tensorrt_weight_streaming", False)),
             version_compatible=bool(spec.option("tensorrt_version_compatible", False)),
             builder_optimization_level=_option_int(spec, "tensorrt_optimization_level", 3, 0, 5),
             workspace_bytes=_option_workspace_bytes(spec),
@@ -145,6 +152,10 @@ class BuildFlags:
             names.append("REFIT")
         if self.strip_plan:
             names.append("STRIP_PLAN")
+            if not self.refit:  # the weights come back from the very ONNX the plan was built from
+                names.append("REFIT_IDENTICAL")
+        if self.weight_streaming:
+            names.append("WEIGHT_STREAMING")
         if self.version_compatible:
             names.append("VERSION_COMPATIBLE")
         return tuple(names)
@@ -391,6 +402,8 @@ class EngineManifest(BaseModel):
     # `device_memory_size_v2` of the engine (its activation memory, profile 0): the runner budgets the shared
     # activation allocation with it before loading; None when the build could not read it back
     device_memory_bytes: int | None = None
+    # `streamable_weights_size` of an engine built with weight streaming (None otherwise or unread)
+    streamable_weights_bytes: int | None = None
     build_seconds: float
     created_at: str = Field(default_factory=_utc_now)
 

@@ -209,6 +209,34 @@ class EngineBudget:
 
 
 # ----------------------------------------------------------------------------------------------
+# Weight streaming (engines built with WEIGHT_STREAMING)
+# ----------------------------------------------------------------------------------------------
+
+
+def weight_streaming_budget(requested_bytes: int | None, streamable_bytes: int | None, built_streaming: bool,
+                            engine_name: str) -> int | None:
+    """The `weight_streaming_budget_v2` a runner sets before creating its context, or None to leave TensorRT's
+    default (every weight resident). `requested_bytes`: how much of the streamable weights may stay on the GPU
+    (0 streams the most); at or above the streamable size nothing streams."""
+    if requested_bytes is None:
+        return None
+    if not built_streaming:
+        raise MemoryBudgetError(f"engine {engine_name} was not built with weight streaming "
+                                "(build option tensorrt_weight_streaming): a weight budget cannot apply")
+    if requested_bytes < 0:
+        raise MemoryBudgetError(f"engine {engine_name}: a weight streaming budget is >= 0 bytes, got {requested_bytes}")
+    return requested_bytes if streamable_bytes is None else min(requested_bytes, streamable_bytes)
+
+
+def resident_bytes(plan_bytes: int, streamable_bytes: int | None, budget_bytes: int | None) -> int:
+    """GPU memory an engine's weights hold once loaded (what admission budgets): the plan, less the streamable
+    weights beyond the budget."""
+    if budget_bytes is None or not streamable_bytes:
+        return plan_bytes
+    return max(0, plan_bytes - streamable_bytes + min(budget_bytes, streamable_bytes))
+
+
+# ----------------------------------------------------------------------------------------------
 # Feeds: numpy arrays (host) or torch CUDA tensors (device), described without importing torch
 # ----------------------------------------------------------------------------------------------
 

@@ -56,6 +56,14 @@ from .config import (
     weights_for_refit,
 )
 from .layout import profile_envelope
+from .plan_stream import (
+    STREAM_THRESHOLD_BYTES,
+    ChunkSource,
+    load_mode,
+    open_verified,
+    privately_writable,
+    stream_reader,
+)
 from .plan_trust import check_plan_bytes, host_code_allowed, interrupted_refit_problem, plan_sha256
 
 if TYPE_CHECKING:  # the annotations below are TensorRT's own types (tensorrt-stubs in the test extra)
@@ -262,7 +270,9 @@ def _builder_flag(name: str) -> trt.BuilderFlag:
 
     return {
         "REFIT": trt.BuilderFlag.REFIT,
+        "REFIT_IDENTICAL": trt.BuilderFlag.REFIT_IDENTICAL,
         "STRIP_PLAN": trt.BuilderFlag.STRIP_PLAN,
+        "WEIGHT_STREAMING": trt.BuilderFlag.WEIGHT_STREAMING,
         "VERSION_COMPATIBLE": trt.BuilderFlag.VERSION_COMPATIBLE,
         "TF32": trt.BuilderFlag.TF32,
     }[name]
@@ -423,7 +433,7 @@ def build_engine(
     except OSError as err:  # the engine is good; a cache is only a speed-up
         LOG.warning("could not update timing cache %s: %s", cache_path, err)
 
-    device_memory_bytes = _device_memory_of(plan, flags.version_compatible, spec.name)
+    device_memory_bytes, streamable = _engine_sizes(plan, flags.version_compatible, spec.name)
     manifest = EngineManifest(
         spec_key=spec.key,
         spec_name=spec.name,
@@ -440,6 +450,7 @@ def build_engine(
         plan_bytes=plan.nbytes,
         plan_sha256=plan_sha256(plan),
         device_memory_bytes=device_memory_bytes,
+        streamable_weights_bytes=streamable if flags.weight_streaming else None,
         build_seconds=round(build_seconds, 3),
     )
     manifest.write(manifest_file)
@@ -447,20 +458,22 @@ def build_engine(
     return manifest
 
 
-def _device_memory_of(plan: trt.IHostMemory, version_compatible: bool, spec_name: str) -> int | None:
-    """The activation memory the plan just built needs (`device_memory_size_v2`), read back once at build time so
-    runners budget it before loading (the builder does not report it). Our own plan, just built: its host code
-    (version-compatible) may run. None, with a warning, when it cannot be read."""
+def _engine_sizes(plan: trt.IHostMemory, version_compatible: bool, spec_name: str) -> tuple[int | None, int | None]:
+    """(activation memory `device_memory_size_v2`, `streamable_weights_size`) of the plan just built, read back
+    once at build time so runners budget them before loading (the builder reports neither). Our own plan, just
+    built: its host code (version-compatible) may run. (None, None), with a warning, when they cannot be read."""
     import tensorrt as trt
 
     try:
         runtime = trt.Runtime(_trt_logger())
         runtime.engine_host_code_allowed = version_compatible
         engine = runtime.deserialize_cuda_engine(plan)
-        return int(engine.device_memory_size_v2) if engine is not None else None
-    except Exception as err:  # noqa: BLE001 - the plan is good; the figure is only for budgeting
-        LOG.warning("%s: could not read the engine's device memory size back (%s)", spec_name, err)
-        return None
+        if engine is None:
+            return None, None
+        return int(engine.device_memory_size_v2), int(engine.streamable_weights_size)
+    except Exception as err:  # noqa: BLE001 - the plan is good; the figures are only for budgeting
+        LOG.warning("%s: could not read the engine's memory sizes back (%s)", spec_name, err)
+        return None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,15 +522,21 @@ def _deserialize(plan: bytes, manifest: EngineManifest, allow_host_code: bool) -
 
 
 def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: EngineSpec | None = None,
-                for_refit: bool = False) -> TensorRTEngine:
+                for_refit: bool = False, stream: bool | None = None,
+                weights_onnx: str | Path | None = None) -> TensorRTEngine:
     """Read the manifest, refuse a plan built for another TensorRT or GPU, a plan whose bytes are not the ones
     its manifest's sha256 names, and one whose refit was interrupted; then deserialize.
 
     `host` is (TensorRT version, compute capability, device name) when the caller already knows it; by default
     it is probed. `spec`, when known, must ask for `tensorrt_version_compatible` before a version-compatible plan
     may run its host code. `for_refit`: `refit` may load a plan whose refit was interrupted (it restores every
-    weight from the ONNX), and nothing else may.
+    weight from the ONNX), and nothing else may. `stream`: through an IStreamReaderV2 in chunks (plan_stream.py;
+    None: for plans of 1 GiB and more). A stripped plan (STRIP_PLAN) gets its weights from `weights_onnx`, the ONNX
+    it was built from (its sha256 checked against the manifest), before anything runs it.
     """
+    if manifest_strips_weights(plan_path) and weights_onnx is None:
+        raise BuildError(f"engine plan {plan_path} is a stripped plan (STRIP_PLAN): load it with the ONNX it was "
+                         "built from (weights_onnx), whose weights are refitted into it")
     plan_path = Path(plan_path)
     manifest = EngineManifest.read(manifest_path(plan_path))
     if spec is not None and manifest.spec_key != spec.key:
@@ -528,12 +547,54 @@ def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: En
     if not for_refit and (problem := interrupted_refit_problem(manifest)):
         raise BuildError(problem)
     _check_plan_file(plan_path, manifest, for_refit)
-    _require_tensorrt()
-    plan = plan_path.read_bytes()
-    digest = check_plan_bytes(manifest, plan, f"engine plan {plan_path}", for_refit=for_refit)
-    engine = _deserialize(plan, manifest, host_code_allowed(manifest, digest, spec))
+    trt_mod = _require_tensorrt()
+    wants_host_code = host_code_allowed(manifest, manifest.plan_sha256, spec)  # if the bytes verify
+    mode = "memory" if stream is False else load_mode(
+        manifest.plan_bytes, wants_host_code, privately_writable(plan_path),
+        threshold=0 if stream else STREAM_THRESHOLD_BYTES)
+    if mode == "stream":
+        engine = _deserialize_streamed(trt_mod, plan_path, manifest, wants_host_code, for_refit)
+    else:
+        plan = plan_path.read_bytes()
+        digest = check_plan_bytes(manifest, plan, f"engine plan {plan_path}", for_refit=for_refit)
+        engine = _deserialize(plan, manifest, host_code_allowed(manifest, digest, spec))
+        del plan
     refitted = set(manifest.refit.names) if manifest.refit is not None else set()
-    return TensorRTEngine(plan_path=plan_path, manifest=manifest, engine=engine, refitted_names=refitted)
+    loaded = TensorRTEngine(plan_path=plan_path, manifest=manifest, engine=engine, refitted_names=refitted)
+    if manifest.flags.get("strip_plan") and weights_onnx is not None:
+        from . import check_refit_base
+
+        check_refit_base(manifest, Path(weights_onnx))
+        refit_from_base(loaded, weights_onnx)  # every stripped weight, from the ONNX the plan was built from
+    return loaded
+
+
+def manifest_strips_weights(plan_path: str | Path) -> bool:
+    try:
+        return bool(EngineManifest.read(manifest_path(plan_path)).flags.get("strip_plan"))
+    except BuildError:
+        return False
+
+
+def _deserialize_streamed(trt_mod: ModuleType, plan_path: Path, manifest: EngineManifest, host_code: bool,
+                          for_refit: bool) -> trt.ICudaEngine:
+    """Verify through one open handle, then let TensorRT pull the plan from it in chunks; an engine whose bytes
+    differed on the second read is dropped."""
+    mark = _ERRORS.mark()
+    handle, digest = open_verified(plan_path, manifest, for_refit=for_refit)
+    with handle:
+        source = ChunkSource(handle)
+        runtime = trt_mod.Runtime(_trt_logger())
+        if host_code:
+            runtime.engine_host_code_allowed = True
+        engine = runtime.deserialize_cuda_engine(stream_reader(source))
+        if engine is not None and not source.verdict(digest, manifest.plan_bytes):
+            del engine
+            raise BuildError(f"engine plan {plan_path} changed while it was being loaded: rebuild or reload it")
+    if engine is None:
+        raise BuildError(_with_trt_errors(
+            f"engine {manifest.spec_name} could not be deserialized: rebuild with `{REBUILD_COMMAND}`", mark))
+    return engine
 
 
 def run_engine(engine: TensorRTEngine | str | Path, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -559,7 +620,7 @@ def run_engine(engine: TensorRTEngine | str | Path, feeds: Mapping[str, np.ndarr
 
 
 def _refitter(engine: TensorRTEngine) -> trt.Refitter:
-    if not engine.manifest.flags.get("refit"):
+    if not (engine.manifest.flags.get("refit") or engine.manifest.flags.get("strip_plan")):
         raise RefitError(f"engine {engine.manifest.spec_name} was not built refittable (refittable: false in its spec)")
     _require_tensorrt()
     import tensorrt as trt

@@ -42,9 +42,11 @@ from .device_memory import (
     memory_bound_bytes,
     needs_new_buffer,
     outputs_on_device,
+    resident_bytes,
     shared_activation_bytes,
     tensor_bytes,
     torch_dtype_name,
+    weight_streaming_budget,
 )
 from .layout import select_profile
 
@@ -262,7 +264,8 @@ class TensorRTRunner:
     device_tensors = True  # takes torch CUDA tensors and gives them back without host copies
 
     def __init__(self, plan_path: str | Path, *, name: str | None = None, group: EngineGroup | None = None,
-                 cuda_graph: bool | None = None, loader: Loader | None = None, trt_module: Any = None):
+                 cuda_graph: bool | None = None, loader: Loader | None = None, trt_module: Any = None,
+                 weight_budget_bytes: int | None = None):
         self.path = Path(plan_path)
         self.name = name or self.path.name
         self.key = f"{self.name}@{self.path}"
@@ -270,6 +273,8 @@ class TensorRTRunner:
         # None: as CUDA_GRAPH_ENV says (off by default); captured only for static-shape engines in any case
         self.cuda_graph = cuda_graph if cuda_graph is not None else os.environ.get(CUDA_GRAPH_ENV, "") in ("1", "true")
         self.stats = RunnerStats()
+        # weight streaming: how many bytes of the streamable weights stay on the GPU (None: all of them)
+        self.weight_budget_bytes = weight_budget_bytes
         self._group = group
         self._loader = loader
         self._trt = trt_module
@@ -367,7 +372,11 @@ class TensorRTRunner:
                     group.budget.touch(self.key)
                 return
             trt_mod = self._trt_mod()
-            group.admit(self, self.manifest.plan_bytes, self.manifest.device_memory_bytes)
+            streamable = self.manifest.streamable_weights_bytes
+            budget = weight_streaming_budget(self.weight_budget_bytes, streamable,
+                                             bool(self.manifest.flags.get("weight_streaming")), self.name)
+            group.admit(self, resident_bytes(self.manifest.plan_bytes, streamable, budget),
+                        self.manifest.device_memory_bytes)
             try:
                 if self._loader is None:
                     from .engine import load_engine
@@ -379,6 +388,8 @@ class TensorRTRunner:
                     raise RuntimeInputError(f"{self.name}: the engine was unloaded after an in-process refit and the "
                                             "plan on disk does not hold those weights: refit it again, or reload()")
                 engine: trt.ICudaEngine = self.engine.engine
+                if budget is not None:  # before the context: its scratch memory depends on the budget
+                    engine.weight_streaming_budget_v2 = budget
                 context = engine.create_execution_context(trt_mod.ExecutionContextAllocationStrategy.USER_MANAGED)
                 if context is None:
                     raise RuntimeInputError(f"{self.name}: TensorRT could not create an execution context "
