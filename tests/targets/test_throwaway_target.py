@@ -113,7 +113,7 @@ class ThrowawayTarget:
         return TritonEngineModel("python", "KIND_CPU", files)
 
     def runner_from_files(self, folder, name):
-        from trt_diffusion.runtime.runners import OnnxRuntimeRunner
+        from trt_diffusion.targets.onnxruntime_runner import OnnxRuntimeRunner
 
         model_file = json.loads((Path(folder) / "manifest.json").read_text())["model_file"]
         return OnnxRuntimeRunner(Path(folder) / model_file, name=name)

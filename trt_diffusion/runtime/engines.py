@@ -8,7 +8,7 @@ import numpy as np
 
 from ..engines_file.engine_spec import Bucket, Size
 from ..errors import RuntimeInputError
-from .runners import Runner
+from ..targets.runner_base import Runner
 
 MAX_DYNAMIC_ROWS = 8  # requests' rows per denoiser call where the engine's batch is dynamic
 

@@ -9,8 +9,9 @@ import numpy as np
 
 from ..families import Component, Family
 from ..models.loading import load_component, load_controlnet
+from ..targets.runner_base import TensorSpec
 from .engines import RunnerTable
-from .runners import TensorSpec, TorchRunner
+from .runners import TorchRunner
 
 
 def reference_runners(model_dir: str | Path, family: Family | str, components=None,

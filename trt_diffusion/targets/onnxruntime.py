@@ -207,7 +207,7 @@ def load_runner(folder: str | Path, *, name: str | None = None, providers=None, 
     refittable engine: the LoRA refit of the onnxruntime target."""
     import onnxruntime as ort
 
-    from ..runtime.runners import OnnxRuntimeRunner
+    from .onnxruntime_runner import OnnxRuntimeRunner
 
     folder = Path(folder)
     manifest = read_manifest(folder)

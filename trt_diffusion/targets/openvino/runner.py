@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import BuildError, RefitError
-from ...runtime.runners import TensorSpec, check_feeds
+from ..runner_base import BaseRunner, TensorSpec
 from . import host, precision
 from .engine import MANIFEST_FILE, MODEL_FILE, OpenVINOEngineManifest, compile_config, port_named, read_manifest
 
@@ -75,7 +75,7 @@ def replace_constants(model, arrays: Mapping[str, np.ndarray], refittable: tuple
     return len(arrays)
 
 
-class OpenVINORunner:
+class OpenVINORunner(BaseRunner):
     """One OpenVINO compiled model on the CPU; `constants` (ONNX initializer name -> array) replace weight
     constants of a refittable engine before compiling (the LoRA refit of this target: the files stay base)."""
 
@@ -111,8 +111,7 @@ class OpenVINORunner:
         self.output_names = list(self._ports)
         self._lock = threading.Lock()
 
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        check_feeds(self.name, self.inputs, feeds)
+    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with self._lock:
             results = self.request.infer({self._inputs[k]: np.ascontiguousarray(v) for k, v in feeds.items()})
             return {name: np.array(results[port], copy=True) for name, port in self._ports.items()}

@@ -67,8 +67,10 @@ class EngineGroup:
     """The engines of one pipeline on one GPU: one stream, one shared activation allocation, one bound on
     the GPU memory loaded engines hold, one lock (so two of them never run at once)."""
 
-    def __init__(self, *, cuda: Cuda | None = None, bound_bytes: int | None = None):
+    def __init__(self, *, cuda: Cuda | None = None, bound_bytes: int | None = None, device: int | None = None):
         self.lock = threading.RLock()
+        # the GPU this group's engines live on (a Triton instance group on GPU N); None: the thread's current one
+        self.device = device
         self._cuda = cuda
         self._bound_bytes = bound_bytes
         self.stream: Any = None
@@ -87,7 +89,14 @@ class EngineGroup:
             self._cuda = Cuda()
         return self._cuda
 
+    def use_device(self) -> None:
+        """Make the group's GPU current in the calling thread: CUDA's current device is per thread, and a runner
+        is called from whichever thread serves a request."""
+        if self.device is not None:
+            self.cuda.set_device(self.device)
+
     def _open(self) -> EngineBudget:
+        self.use_device()
         if self.budget is None:
             if self._bound_bytes is None:
                 _, total = self.cuda.mem_get_info()
@@ -211,17 +220,16 @@ class EngineGroup:
             self.budget.set_shared(0)
 
 
-_DEFAULT_GROUP: EngineGroup | None = None
+_DEFAULT_GROUPS: dict[int | None, EngineGroup] = {}
 _DEFAULT_LOCK = threading.Lock()
 
 
-def default_group() -> EngineGroup:
-    """The process's group: the runners a target hands out (one pipeline, one GPU) share it."""
-    global _DEFAULT_GROUP
+def default_group(device: int | None = None) -> EngineGroup:
+    """The process's group for a GPU: the runners a target hands out for one pipeline on one GPU share it."""
     with _DEFAULT_LOCK:
-        if _DEFAULT_GROUP is None:
-            _DEFAULT_GROUP = EngineGroup()
-        return _DEFAULT_GROUP
+        if device not in _DEFAULT_GROUPS:
+            _DEFAULT_GROUPS[device] = EngineGroup(device=device)
+        return _DEFAULT_GROUPS[device]
 
 
 @dataclass
@@ -265,7 +273,7 @@ class TensorRTRunner:
 
     def __init__(self, plan_path: str | Path, *, name: str | None = None, group: EngineGroup | None = None,
                  cuda_graph: bool | None = None, loader: Loader | None = None, trt_module: Any = None,
-                 weight_budget_bytes: int | None = None):
+                 weight_budget_bytes: int | None = None, device: int | None = None):
         self.path = Path(plan_path)
         self.name = name or self.path.name
         self.key = f"{self.name}@{self.path}"
@@ -275,6 +283,9 @@ class TensorRTRunner:
         self.stats = RunnerStats()
         # weight streaming: how many bytes of the streamable weights stay on the GPU (None: all of them)
         self.weight_budget_bytes = weight_budget_bytes
+        if group is not None and device is not None and group.device != device:
+            raise RuntimeInputError(f"{self.name}: its group is on GPU {group.device}, not GPU {device}")
+        self._device = device
         self._group = group
         self._loader = loader
         self._trt = trt_module
@@ -333,7 +344,7 @@ class TensorRTRunner:
     @property
     def group(self) -> EngineGroup:
         if self._group is None:
-            self._group = default_group()
+            self._group = default_group(self._device)
         return self._group
 
     @property
@@ -367,6 +378,7 @@ class TensorRTRunner:
         """Load the engine, create its context, bind the shared activation memory, allocate the buffers."""
         group = self.group
         with group.lock:
+            group.use_device()
             if self.active:
                 if group.budget is not None:
                     group.budget.touch(self.key)
@@ -379,9 +391,12 @@ class TensorRTRunner:
                         self.manifest.device_memory_bytes)
             try:
                 if self._loader is None:
+                    import functools
+
                     from .engine import load_engine
 
-                    self._loader = load_engine
+                    # the compatibility check reads the group's GPU (hosts may mix GPU architectures)
+                    self._loader = functools.partial(load_engine, device=group.device or 0)
                 self.engine = self._loader(self.path)
                 self._refuse_if_changed_on_disk(self.engine.manifest)
                 if self.manifest.refit != self._disk_manifest.refit:  # an in-process refit is not on disk
@@ -473,6 +488,7 @@ class TensorRTRunner:
         """Free everything activation made; the runner can be activated again."""
         group = self.group
         with group.lock:
+            group.use_device()
             if group.stream is not None and (self._pending or self.active):
                 group.cuda.synchronize(group.stream)
             self._pending = False
@@ -546,6 +562,7 @@ class TensorRTRunner:
         check_feeds(self.manifest, {k: _FeedView(v) for k, v in feeds.items()})
         group = self.group
         with group.lock:
+            group.use_device()
             self._refuse_if_changed_on_disk()
             self.activate()
             assert group.budget is not None

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...errors import TrtDiffusionError
 from ...runtime.engines import RunnerTable
-from ...runtime.runners import TensorSpec, check_feeds
+from ...targets.runner_base import TensorSpec, check_feeds
 from ..description import EngineEntry, PipelineDescription
 from . import pb
 

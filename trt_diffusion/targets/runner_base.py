@@ -1,0 +1,104 @@
+"""One runner base for every backend, as Polygraphy's `BaseRunner`: a runner is a lifecycle.
+
+`runner = target.runner(engine)` builds the object; `with runner:` (or `activate()`) allocates what it holds
+for its life, once; `run(feeds)` checks names, dtypes and shapes against `inputs` and says what it expected — a
+wrong feed is one clear `RuntimeInputError`, not a backend's stack trace — then calls the subclass's `_run`;
+`deactivate()` frees. A runner used without `with` is activated on its first `run`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import RuntimeInputError
+
+Dim = int | str | None  # a fixed size, or a symbolic/dynamic one
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: np.dtype
+    shape: tuple[Dim, ...]
+
+    def describe(self) -> str:
+        dims = ",".join(str(d) if isinstance(d, int) else (d or "?") for d in self.shape)
+        return f"{np.dtype(self.dtype).name}[{dims}]"
+
+
+class Runner(Protocol):
+    """What the pipeline and the Triton models call: any object with these (a BaseRunner, a wrapper of one)."""
+
+    name: str
+    inputs: dict[str, TensorSpec]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+def check_feeds(name: str, inputs: dict[str, TensorSpec], feeds: dict[str, np.ndarray]) -> None:
+    missing = [k for k in inputs if k not in feeds]
+    extra = [k for k in feeds if k not in inputs]
+    problems = []
+    if missing:
+        problems.append(f"missing input(s) {missing}")
+    if extra:
+        problems.append(f"unexpected input(s) {extra}")
+    for key, spec in inputs.items():
+        if key not in feeds:
+            continue
+        value = feeds[key]
+        if value.dtype != spec.dtype:
+            problems.append(f"{key}: dtype {value.dtype.name}, expected {np.dtype(spec.dtype).name}")
+        if len(value.shape) != len(spec.shape) or any(
+            isinstance(want, int) and got != want for got, want in zip(value.shape, spec.shape)
+        ):
+            problems.append(f"{key}: shape {list(value.shape)}, expected {spec.describe()}")
+    if problems:
+        expected = ", ".join(f"{k} {s.describe()}" for k, s in inputs.items())
+        raise RuntimeInputError(f"{name}: {'; '.join(problems)} (expects: {expected})")
+
+
+class BaseRunner:
+    """The lifecycle every runner shares. Subclasses set `name` and `inputs` and implement `_run` (and, where they
+    hold resources, `_activate`/`_deactivate`)."""
+
+    name: str
+    inputs: dict[str, TensorSpec]
+
+    @property
+    def active(self) -> bool:
+        return getattr(self, "_active", False)
+
+    def activate(self) -> None:
+        if not self.active:
+            self._activate()
+            self._active = True
+
+    def deactivate(self) -> None:
+        if self.active:
+            self._deactivate()
+            self._active = False
+
+    def __enter__(self):
+        self.activate()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.deactivate()
+
+    def run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        self.activate()
+        check_feeds(self.name, self.inputs, feeds)
+        return self._run(feeds)
+
+    def _activate(self) -> None:
+        """Allocate what the runner holds while active (nothing by default)."""
+
+    def _deactivate(self) -> None:
+        """Free what `_activate` allocated."""
+
+    def _run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
