@@ -362,6 +362,8 @@ class FakeCudart:
         self.calls: Counter[str] = Counter()
         self.capturing: dict[int, list | None] = {}
         self.streams: set[int] = set()
+        self.current_device = 0
+        self.malloc_devices: set[int] = set()  # the devices allocations were made on
         self._next = 1 << 20
 
     def _count(self, name: str) -> None:
@@ -396,9 +398,16 @@ class FakeCudart:
     def live_host(self) -> int:
         return len(self.host)
 
+    # devices: the current device of the calling thread, as CUDA keeps it
+    def cudaSetDevice(self, device):
+        self._count("cudaSetDevice")
+        self.current_device = device
+        return (self.cudaError_t.cudaSuccess,)
+
     # memory
     def cudaMalloc(self, size):
         self._count("cudaMalloc")
+        self.malloc_devices.add(self.current_device)
         if sum(map(len, self.device.values())) + size > self.total_bytes:
             return (self.cudaError_t.cudaErrorMemoryAllocation, None)
         pointer = self._new()
