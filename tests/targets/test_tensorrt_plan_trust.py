@@ -81,7 +81,7 @@ def tamper(path: Path) -> None:
 
 @pytest.fixture
 def host(monkeypatch):
-    monkeypatch.setattr(trt_engine, "host_info", lambda: HOST)
+    monkeypatch.setattr(trt_engine, "host_info", lambda device_index=0: HOST)
 
 
 class FakeRuntime:

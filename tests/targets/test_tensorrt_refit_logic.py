@@ -330,7 +330,7 @@ def built_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(FakeEngine, "serialize", lambda self: PickledPlans.serialize(self), raising=False)
     monkeypatch.setattr(target, "_deserialize", PickledPlans.deserialize)
     monkeypatch.setattr(target, "_require_tensorrt", lambda: sys.modules["tensorrt"])
-    monkeypatch.setattr(target, "host_info", lambda: ("10.13.0.35", (9, 0), "NVIDIA H200"))
+    monkeypatch.setattr(target, "host_info", lambda device_index=0: ("10.13.0.35", (9, 0), "NVIDIA H200"))
     lora = types.ModuleType("trt_diffusion.lora")  # the LoRA -> initializer mapping is tested in tests/lora
     lora.RefitMap = types.SimpleNamespace(load=lambda path, onnx_path: None)
     lora.refit_weights_for_tensorrt = lambda refit_map, weights, precision: dict(weights)

@@ -296,9 +296,9 @@ def test_graph_recaptured_after_the_shared_activation_moves(tmp_path):
 
 
 def test_memory_bound_unloads_the_least_recently_used_engine(tmp_path):
-    rig = Rig(tmp_path, bound_bytes=1 << 30)
-    a = rig.runner("unet.512", plan_bytes=600 << 20)
-    b = rig.runner("unet.1024", plan_bytes=600 << 20)
+    rig = Rig(tmp_path, bound_bytes=1 << 20)  # KiB for MiB: the plans are written and hashed
+    a = rig.runner("unet.512", plan_bytes=600 << 10, activation_bytes=1 << 10)
+    b = rig.runner("unet.1024", plan_bytes=600 << 10, activation_bytes=1 << 10)
     a.run(_sample())
     b.run(_sample())  # both do not fit: a (least recently used, not running) is unloaded first
     assert not a.active and b.active and rig.group.members == [b.key]
@@ -308,9 +308,9 @@ def test_memory_bound_unloads_the_least_recently_used_engine(tmp_path):
 
 
 def test_an_engine_entered_with_with_is_never_unloaded(tmp_path):
-    rig = Rig(tmp_path, bound_bytes=1 << 30)
-    a = rig.runner("unet.512", plan_bytes=600 << 20)
-    b = rig.runner("unet.1024", plan_bytes=600 << 20)
+    rig = Rig(tmp_path, bound_bytes=1 << 20)
+    a = rig.runner("unet.512", plan_bytes=600 << 10, activation_bytes=1 << 10)
+    b = rig.runner("unet.1024", plan_bytes=600 << 10, activation_bytes=1 << 10)
     with a:
         with pytest.raises(dm.MemoryBudgetError, match=r"engine unet.1024@.* needs .*held in use. Raise TRT_DIFFUSION_TENSORRT_MEMORY_GB"):
             b.run(_sample())
@@ -507,7 +507,7 @@ def test_a_failed_activation_malloc_leaves_no_context_bound_to_freed_memory(asyn
 def test_admission_budgets_the_activation_memory_the_manifest_records(tmp_path):
     """#27 item 3: `admit` never passed `shared_after`, so an engine whose activation memory did not fit was
     loaded anyway and the bound exceeded; the manifest's `device_memory_bytes` is budgeted before the load."""
-    mib = 1 << 20
+    mib = 1 << 10  # KiB stand for MiB: the budget is unit-free, and the fake allocates what it is asked
     rig = Rig(tmp_path, bound_bytes=1024 * mib)
     a = rig.runner("unet.512", plan_bytes=400 * mib, activation_bytes=100 * mib, device_memory_bytes=100 * mib)
     b = rig.runner("unet.1024", plan_bytes=400 * mib, activation_bytes=300 * mib, device_memory_bytes=300 * mib)
@@ -586,16 +586,17 @@ def test_a_multi_profile_engine_runs_each_shape_in_its_profile(tmp_path):
 def test_a_weight_streaming_budget_is_set_before_the_context_and_budgeted_at_admission(tmp_path):
     """Two 800 MiB engines whose 600 MiB of streamable weights keep 100 MiB on the GPU each fit a 1 GiB bound
     together; without the budget the first is unloaded for the second."""
-    mib = 1 << 20
+    mib = 1 << 10  # KiB stand for MiB (plans are written and hashed, activations allocated, by the fakes)
     rig = Rig(tmp_path, bound_bytes=1024 * mib)
-    streaming = dict(plan_bytes=800 * mib, flags={"weight_streaming": True}, streamable_weights_bytes=600 * mib,
+    streaming = dict(plan_bytes=800 * mib, activation_bytes=mib, flags={"weight_streaming": True},
+                     streamable_weights_bytes=600 * mib,
                      runner_options={"weight_budget_bytes": 100 * mib})
     a, b = rig.runner("flux.512", **streaming), rig.runner("flux.1024", **streaming)
     a.run(_sample())
     b.run(_sample())
     assert a.active and b.active and rig.group.budget.used_bytes <= 1024 * mib
     assert a.engine.engine.weight_streaming_budget_v2 == 100 * mib
-    c = rig.runner("flux.2048", plan_bytes=800 * mib, flags={"weight_streaming": True},
+    c = rig.runner("flux.2048", plan_bytes=800 * mib, activation_bytes=mib, flags={"weight_streaming": True},
                    streamable_weights_bytes=600 * mib)  # no budget: all 800 MiB resident
     c.run(_sample())
     assert c.active and not a.active
@@ -603,3 +604,26 @@ def test_a_weight_streaming_budget_is_set_before_the_context_and_budgeted_at_adm
         rig.runner("unet", runner_options={"weight_budget_bytes": 0}).run(_sample())
     assert dm.weight_streaming_budget(10 * mib, 6 * mib, True, "e") == 6 * mib  # capped at the streamable size
     assert dm.resident_bytes(800, 600, 0) == 200 and dm.resident_bytes(800, None, 0) == 800
+
+
+# ---------------------------------------------------------------------------------------------- device choice
+
+
+def test_a_group_on_gpu_n_makes_it_current_in_every_calling_thread(tmp_path):
+    """A Triton instance group on GPU 1: every allocation and launch of its runners happens with GPU 1 current,
+    whichever thread calls (CUDA's current device is per thread)."""
+    import threading
+
+    rig = Rig(tmp_path)
+    rig.group = EngineGroup(cuda=Cuda(rig.cudart), bound_bytes=1 << 30, device=1)
+    runner = rig.runner("unet")
+    rig.cudart.current_device = 0
+    runner.run(_sample())
+    assert rig.cudart.malloc_devices == {1}
+    rig.cudart.current_device = 0  # another thread's default
+    worker = threading.Thread(target=lambda: runner.run(_sample()))
+    worker.start()
+    worker.join()
+    assert rig.cudart.current_device == 1 and rig.cudart.calls["cudaSetDevice"] >= 2
+    with pytest.raises(RuntimeInputError, match="its group is on GPU 1, not GPU 0"):
+        TensorRTRunner(runner.path, group=rig.group, device=0)

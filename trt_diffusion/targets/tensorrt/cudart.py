@@ -66,6 +66,11 @@ class Cuda:
             return None
         return values[0] if len(values) == 1 else tuple(values)
 
+    # devices
+    def set_device(self, index: int) -> None:
+        """Make GPU `index` (as CUDA numbers them, after CUDA_VISIBLE_DEVICES) this thread's current device."""
+        self._check(self._rt.cudaSetDevice(index), "cudaSetDevice")
+
     # memory
     def malloc(self, nbytes: int) -> int:
         return int(self._check(self._rt.cudaMalloc(nbytes), "cudaMalloc"))

@@ -110,7 +110,7 @@ class CudaDevice:
     name: str
 
 
-def _device_from_cuda_python() -> CudaDevice | str:
+def _device_from_cuda_python(index: int = 0) -> CudaDevice | str:
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
@@ -122,34 +122,36 @@ def _device_from_cuda_python() -> CudaDevice | str:
     status, count = cudart.cudaGetDeviceCount()
     if status != success:
         return f"the CUDA runtime reports {status.name}"
-    if count == 0:
-        return "the CUDA runtime sees no device"
-    status, props = cudart.cudaGetDeviceProperties(0)
+    if count <= index:
+        return f"the CUDA runtime sees {count} device(s), no device {index}"
+    status, props = cudart.cudaGetDeviceProperties(index)
     if status != success:
         return f"cudaGetDeviceProperties failed with {status.name}"
     name = props.name.split(b"\0", 1)[0].decode(errors="replace") if isinstance(props.name, bytes) else str(props.name)
     return CudaDevice((int(props.major), int(props.minor)), name)
 
 
-def _device_from_torch() -> CudaDevice | str:
+def _device_from_torch(index: int = 0) -> CudaDevice | str:
     try:
         import torch
     except ImportError as err:
         return f"torch is not installed ({err})"
     if not torch.cuda.is_available():
         return f"torch sees no CUDA device (its build: CUDA {torch.version.cuda or 'none'})"
-    major, minor = torch.cuda.get_device_capability(0)
-    return CudaDevice((int(major), int(minor)), torch.cuda.get_device_name(0))
+    if torch.cuda.device_count() <= index:
+        return f"torch sees {torch.cuda.device_count()} CUDA device(s), no device {index}"
+    major, minor = torch.cuda.get_device_capability(index)
+    return CudaDevice((int(major), int(minor)), torch.cuda.get_device_name(index))
 
 
-@functools.lru_cache(maxsize=1)
-def _probe_cuda_device() -> tuple[CudaDevice | None, tuple[str, ...]]:
-    """Device 0 as the CUDA runtime numbers it (honours CUDA_VISIBLE_DEVICES); cuda-python first,
-    torch as the fallback. Cached: the GPU does not change within a process."""
+@functools.lru_cache(maxsize=16)
+def _probe_cuda_device(index: int = 0) -> tuple[CudaDevice | None, tuple[str, ...]]:
+    """Device `index` as the CUDA runtime numbers it (honours CUDA_VISIBLE_DEVICES); cuda-python first,
+    torch as the fallback. Cached: the GPUs do not change within a process."""
     reasons = []
     for probe in (_device_from_cuda_python, _device_from_torch):
         try:
-            found = probe()
+            found = probe(index)
         except Exception as err:  # noqa: BLE001 - a broken CUDA install is a reason, not a crash
             found = f"{probe.__name__}: {type(err).__name__}: {err}"
         if isinstance(found, CudaDevice):
@@ -169,10 +171,10 @@ def tensorrt_available() -> tuple[bool, str]:
     return True, f"TensorRT {trt.__version__} on {device.name} ({sm_name(device.compute_capability)})"
 
 
-def host_info() -> HostInfo:
-    """(TensorRT version, GPU compute capability, GPU name) of this host; MissingDependencyError otherwise."""
+def host_info(device_index: int = 0) -> HostInfo:
+    """(TensorRT version, compute capability, name) of GPU `device_index`; MissingDependencyError otherwise."""
     trt = _require_tensorrt()
-    device, reasons = _probe_cuda_device()
+    device, reasons = _probe_cuda_device(device_index)
     if device is None:
         raise MissingDependencyError("no CUDA device: " + "; ".join(reasons) + f"; {INSTALL_HINT}")
     return str(trt.__version__), device.compute_capability, device.name
@@ -523,7 +525,7 @@ def _deserialize(plan: bytes, manifest: EngineManifest, allow_host_code: bool) -
 
 def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: EngineSpec | None = None,
                 for_refit: bool = False, stream: bool | None = None,
-                weights_onnx: str | Path | None = None) -> TensorRTEngine:
+                weights_onnx: str | Path | None = None, device: int = 0) -> TensorRTEngine:
     """Read the manifest, refuse a plan built for another TensorRT or GPU, a plan whose bytes are not the ones
     its manifest's sha256 names, and one whose refit was interrupted; then deserialize.
 
@@ -542,7 +544,7 @@ def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: En
     if spec is not None and manifest.spec_key != spec.key:
         raise BuildError(f"engine plan {plan_path} was built for spec {manifest.spec_key}, not {spec.key} "
                          f"({spec.name}): rebuild with `{REBUILD_COMMAND}`")
-    trt_version, compute_capability, device_name = host if host is not None else host_info()
+    trt_version, compute_capability, device_name = host if host is not None else host_info(device)
     check_engine_compatible(manifest, trt_version, compute_capability, device_name)
     if not for_refit and (problem := interrupted_refit_problem(manifest)):
         raise BuildError(problem)
