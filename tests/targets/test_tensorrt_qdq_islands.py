@@ -157,3 +157,59 @@ def test_qdq_over_bf16_makes_a_valid_bf16_graph_with_fp32_io_and_islands():
     casts = {helper.get_attribute_value(a) for n in converted.graph.node if n.op_type == "Cast" for a in n.attribute}
     assert TensorProto.FLOAT16 not in casts and TensorProto.BFLOAT16 in casts
     assert [v.type.tensor_type.elem_type for v in converted.graph.output] == [TensorProto.FLOAT] * 3
+
+
+@pytest.mark.slow
+def test_a_dynamo_export_of_tiny_sdxl_and_flux_keeps_valid_fp32_islands(tmp_path):
+    """On real exports (tiny SDXL UNet: timestep and time_ids; tiny FLUX transformer: timestep, guidance, rotary
+    embeddings, RMSNorm): the fp16 base is a valid graph ONNX Runtime runs (the pass before #27 made every dynamo
+    export invalid: a float Range lowered to fp16), within fp16 rounding of fp32, and the bf16 base passes the
+    checker. About 20 s (two dynamo exports)."""
+    import torch
+
+    from trt_diffusion.models.tiny import build_tiny_pipeline
+    from trt_diffusion.targets.tensorrt.fp32_islands import fp32_island_nodes
+
+    class SDXL(torch.nn.Module):
+        def __init__(self, unet):
+            super().__init__()
+            self.unet = unet
+
+        def forward(self, x, t, e, te, ti):
+            return self.unet(x, t, e, added_cond_kwargs={"text_embeds": te, "time_ids": ti}, return_dict=False)[0]
+
+    class FLUX(torch.nn.Module):
+        def __init__(self, transformer):
+            super().__init__()
+            self.transformer = transformer
+
+        def forward(self, h, e, p, t, img, txt, g):
+            return self.transformer(hidden_states=h, encoder_hidden_states=e, pooled_projections=p, timestep=t,
+                                    img_ids=img, txt_ids=txt, guidance=g, return_dict=False)[0]
+
+    torch.manual_seed(0)
+    unet = build_tiny_pipeline("sdxl").unet.eval()
+    c = unet.config
+    sdxl_inputs = (torch.randn(1, 4, 8, 8), torch.tensor([999.0]), torch.randn(1, 77, c.cross_attention_dim),
+                   torch.randn(1, c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim),
+                   torch.tensor([[1024.0, 1024, 0, 0, 1024, 1024]]))
+    torch.manual_seed(0)
+    transformer = build_tiny_pipeline("flux").transformer.eval()
+    f = transformer.config
+    flux_inputs = (torch.randn(1, 16, f.in_channels), torch.randn(1, 8, f.joint_attention_dim),
+                   torch.randn(1, f.pooled_projection_dim), torch.tensor([0.999]), torch.zeros(16, 3),
+                   torch.zeros(8, 3), torch.tensor([3.5]))
+    for name, module, inputs in (("sdxl", SDXL(unet).eval(), sdxl_inputs), ("flux", FLUX(transformer).eval(), flux_inputs)):
+        path = tmp_path / f"{name}.onnx"
+        with torch.no_grad():
+            torch.onnx.export(module, inputs, str(path), dynamo=True, optimize=False, opset_version=20)
+        model = onnx.load(str(path))
+        feeds = {i.name: a.numpy() for i, a in zip(model.graph.input, inputs)}
+        reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        islands = fp32_island_nodes(model)
+        assert {"Sin", "Cos", "Range"} <= {model.graph.node[i].op_type for i in islands}, name
+        converted = qdq_over_fp16(onnx.load(str(path)))
+        onnx.checker.check_model(converted)
+        got = ort.InferenceSession(converted.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        assert np.abs(got - reference).max() < 5e-3 * max(1.0, float(np.abs(reference).max())), name
+        onnx.checker.check_model(qdq_over_precision(onnx.load(str(path)), "bf16"))
