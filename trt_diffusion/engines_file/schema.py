@@ -13,24 +13,9 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from ..families import Component, Family
+from ..precision import Precision
 from .engine_spec import Size
 from .preflight import PreflightSettings
-
-
-class Precision(str, Enum):
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-    fp8 = "fp8"
-    int8 = "int8"
-
-    @property
-    def is_quantized(self) -> bool:
-        return self in (Precision.fp8, Precision.int8)
-
-    @property
-    def bytes_per_parameter(self) -> float:
-        return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}[self.value]
 
 
 def _known_target(value: str) -> str:
@@ -149,6 +134,12 @@ class TensorRTSettings(Strict):
     # TensorRT 11.3 can drop a GEMM bias in REFIT engines (NVIDIA's known issue): `build` refuses refittable
     # specs on 11.3.x unless this is true (then part of the engines' identity: they rebuild when it changes)
     allow_refit_on_11_3: bool = False
+    # Build options of every TensorRT engine (docs/tensorrt.md); each is part of the engines' keys only when it is
+    # not the default, so adding these fields changed no existing key
+    version_compatible: bool = False  # VERSION_COMPATIBLE: loads on newer TensorRT (10 -> 11); lean runtime in the plan
+    strip_plan: bool = False  # STRIP_PLAN: plans without weights, refitted from their ONNX at load
+    weight_streaming: bool = False  # WEIGHT_STREAMING: weights may stream from host memory within a runner budget
+    tf32: bool = True  # TF32 math in fp32 layers
 
 
 class FarmSettings(Strict):
