@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
-from trt_diffusion.errors import BuildError, MissingDependencyError, RefitError, RuntimeInputError
+from trt_diffusion.errors import BuildError, ConfigError, MissingDependencyError, RefitError, RuntimeInputError
 from trt_diffusion.targets.tensorrt.config import (
     GIB,
     REBUILD_COMMAND,
@@ -320,7 +320,7 @@ def test_precision_and_qdq_must_agree(qdq_onnx):
         BuildFlags.for_spec(make_spec("fp16"), onnx_has_qdq(qdq_onnx))
     # fp8/int8 engines refit (LoRA'd weights with recomputed weight scales: tests/lora/test_quantized_refit.py)
     assert BuildFlags.for_spec(make_spec("int8", refittable=True), True).refit is True
-    with pytest.raises(BuildError, match="unknown precision 'fp4'"):
+    with pytest.raises(ConfigError, match="unknown precision 'fp4'"):  # typed specs: refused when made
         BuildFlags.for_spec(make_spec("fp4"), False)
 
 
@@ -798,4 +798,8 @@ def test_refittable_builds_are_refused_on_tensorrt_11_3_unless_waived(monkeypatc
     check_refit_supported(make_spec("fp32", refittable=True, options=options), "11.3.0.7")
     default = trt_target.TensorRTTarget().build_options(SimpleNamespace(build=SimpleNamespace(
         tensorrt=TensorRTSettings())))
-    assert "tensorrt_allow_refit_on_11_3" not in default
+    assert set(default) == {"tensorrt_optimization_level", "tensorrt_workspace_gb"}  # default keys unchanged
+    chosen = trt_target.TensorRTTarget().build_options(SimpleNamespace(build=SimpleNamespace(
+        tensorrt=TensorRTSettings(version_compatible=True, strip_plan=True, weight_streaming=True, tf32=False))))
+    flags = BuildFlags.for_spec(make_spec("fp32", options=chosen), False)
+    assert (flags.version_compatible, flags.strip_plan, flags.weight_streaming, flags.tf32) == (True, True, True, False)

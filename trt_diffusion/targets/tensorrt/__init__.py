@@ -11,6 +11,10 @@ from pathlib import Path
 
 from ..base import BuildRequest, BuiltEngine, TritonEngineModel
 
+# build.tensorrt settings that become `tensorrt_<name>` build options when not their default
+OPTIONAL_SETTINGS = {"allow_refit_on_11_3": False, "version_compatible": False, "strip_plan": False,
+                     "weight_streaming": False, "tf32": True}
+
 
 class TensorRTTarget:
     name = "tensorrt"
@@ -51,8 +55,11 @@ class TensorRTTarget:
         settings = config.build.tensorrt
         options = {"tensorrt_optimization_level": settings.optimization_level,
                    "tensorrt_workspace_gb": settings.workspace_gb}
-        if getattr(settings, "allow_refit_on_11_3", False):  # only when set: the default keeps every key as it was
-            options["tensorrt_allow_refit_on_11_3"] = True
+        # only where not the default: a default keeps every engine's key as it was
+        for name, default in OPTIONAL_SETTINGS.items():
+            value = getattr(settings, name, default)
+            if value != default:
+                options[f"tensorrt_{name}"] = value
         return options
 
     def build(self, request: BuildRequest) -> tuple[Path, bool]:
