@@ -165,17 +165,16 @@ def _without_specs_for_other_hosts(specs, skipped: dict[str, str]):
 
 def _quantized_sources(config, specs) -> dict[str, Path]:
     """spec key -> Q/DQ ONNX for fp8/int8 specs (quantizing what is not cached yet; the gate must pass)."""
-    from .families import Component
     from .quantize.stage import quantize_component
 
     sources, done = {}, {}
     for spec in specs:
-        if spec.precision not in ("fp8", "int8"):
+        if not spec.precision.is_quantized:
             continue
         variant = (spec.model, spec.component, spec.precision, spec.lora_variant)
         if variant not in done:
             done[variant] = quantize_component(
-                config.models[spec.model], Component(spec.component), spec.precision, spec.lora_variant,
+                config.models[spec.model], spec.component, spec.precision, spec.lora_variant,
                 config.workspace, opset=config.build.opset, config_root=config.root).onnx_path
         sources[spec.key] = done[variant]
     return sources

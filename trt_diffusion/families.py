@@ -10,6 +10,8 @@ from enum import Enum
 
 
 class Family(str, Enum):
+    __str__ = str.__str__  # str() and f-strings give the value ("sd15"), as the plain strings specs held did
+
     sd15 = "sd15"
     sdxl = "sdxl"
     sd3 = "sd3"
@@ -17,6 +19,8 @@ class Family(str, Enum):
 
 
 class Component(str, Enum):
+    __str__ = str.__str__
+
     text_encoder = "text_encoder"
     text_encoder_2 = "text_encoder_2"
     text_encoder_3 = "text_encoder_3"

@@ -12,6 +12,10 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
+from ..errors import ConfigError
+from ..families import Component, Family
+from ..precision import Precision
+
 SPEC_SCHEMA_VERSION = 1
 
 
@@ -79,11 +83,11 @@ class LoraVariant:
 @dataclass(frozen=True)
 class EngineSpec:
     model: str
-    family: str
+    family: Family
     source: str  # identity of the model weights: a resolved folder path or repo@revision
-    component: str
-    target: str
-    precision: str
+    component: Component
+    target: str  # a registered target's name (target_registry): targets are plugins, not an enum
+    precision: Precision
     batch: int  # the engine's batch dimension (for denoisers: CFG-doubled when CFG is batched)
     bucket: Bucket | None  # None for components that do not depend on resolution (text encoders)
     controlnet: str | None = None  # the ControlNet's name, for controlnet engines
@@ -92,6 +96,17 @@ class EngineSpec:
     refittable: bool = False
     build_options: tuple[tuple[str, object], ...] = ()  # target/stage options that change the engine
     reasons: tuple[str, ...] = field(default=(), compare=False)  # why it exists; not part of the key
+
+    def __post_init__(self) -> None:
+        # Specs read back from JSON (manifests, Ray tasks) or written by hand hold names: make them the enums.
+        # They are str-enums, so keys, names and comparisons with names are unchanged.
+        for name, kind in (("family", Family), ("component", Component), ("precision", Precision)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                raise ConfigError(f"unknown {name} {value!r} in the spec of {self.model!r} (known: "
+                                  f"{', '.join(member.value for member in kind)})") from None
 
     def key_fields(self) -> dict:
         fields = asdict(self)

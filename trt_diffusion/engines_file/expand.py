@@ -76,8 +76,8 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
         def make(component, batch, bucket, reasons, source=model.source.identity, variant=variant, target=target,
                  **extra):
             return EngineSpec(
-                model=model.name, family=model.family.value, source=source,
-                component=component.value, target=target, precision=model.precision[component].value,
+                model=model.name, family=model.family, source=source,
+                component=component, target=target, precision=model.precision[component],
                 batch=batch, bucket=bucket, build_options=_build_options(config, model, variant, component),
                 reasons=tuple(reasons), **extra,
             )

@@ -17,7 +17,7 @@ import numpy as np
 from ..components import Geometry, get_component, load_model_config
 from ..engines_file import EnginesConfig, expand
 from ..errors import TrtDiffusionError
-from ..families import Component, family_info
+from ..families import family_info
 from ..metrics import tensor_diff, thresholds_for
 from ..runtime.engines import RunnerTable
 from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
@@ -182,7 +182,7 @@ def _component_diffs(model, bucket, engines: list[BuiltEngine], runners: dict, r
         spec = engine.spec
         if spec.bucket not in (None, bucket) or spec.controlnet not in (None, controlnet):
             continue
-        component = Component(spec.component)
+        component = spec.component
         definition = get_component(model.family, component)
         cn_dir = model.controlnets[spec.controlnet].path if spec.controlnet else None
         model_config = load_model_config(model.source.path, model.family, component, controlnet_dir=cn_dir)

@@ -358,7 +358,7 @@ def quantize(config_path: str | Path, model: str | None = None, *, force: bool =
         raise ConfigError(f"{config.path}: no model {model!r} (models: {', '.join(config.models)})")
     variants: dict[tuple, EngineSpec] = {}
     for spec in expand(config):
-        if (model is None or spec.model == model) and Precision(spec.precision).is_quantized:
+        if (model is None or spec.model == model) and spec.precision.is_quantized:
             variants.setdefault((spec.model, spec.component, spec.controlnet, spec.precision, spec.lora_variant), spec)
     report = QuantizeReport()
     for spec in variants.values():
@@ -366,7 +366,7 @@ def quantize(config_path: str | Path, model: str | None = None, *, force: bool =
         controlnet = f":{spec.controlnet}" if spec.controlnet else ""
         lora = f".lora-{spec.lora_variant.name}" if spec.lora_variant else ""
         label = f"{spec.model}.{spec.component}{controlnet}{lora}.{spec.precision}"
-        if Component(spec.component) is not family_info(resolved.family).denoiser:
+        if spec.component is not family_info(resolved.family).denoiser:
             report.unsupported.append(f"{label}: only the denoiser is quantized by this stage yet")
             continue
         try:

@@ -22,7 +22,7 @@ def built_engines(config: EnginesConfig, model_name: str, target: str, *, lora_v
     if model_name not in config.models:
         raise BuildError(f"no model named {model_name!r} in {config.path} (models: {', '.join(config.models)})")
     wanted = [s for s in (specs or expand(config)) if s.model == model_name and s.target == target
-              and (not Component(s.component).is_denoiser or _variant_name(s) == lora_variant)]
+              and (not s.component.is_denoiser or _variant_name(s) == lora_variant)]
     if not wanted:
         raise BuildError(f"{model_name} has no {target} engines in {config.path}")
     from ..remote_store import pull_engines
