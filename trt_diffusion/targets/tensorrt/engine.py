@@ -536,11 +536,16 @@ def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: En
     None: for plans of 1 GiB and more). A stripped plan (STRIP_PLAN) gets its weights from `weights_onnx`, the ONNX
     it was built from (its sha256 checked against the manifest), before anything runs it.
     """
-    if manifest_strips_weights(plan_path) and weights_onnx is None:
-        raise BuildError(f"engine plan {plan_path} is a stripped plan (STRIP_PLAN): load it with the ONNX it was "
-                         "built from (weights_onnx), whose weights are refitted into it")
     plan_path = Path(plan_path)
     manifest = EngineManifest.read(manifest_path(plan_path))
+    stripped = bool(manifest.flags.get("strip_plan"))
+    if stripped and weights_onnx is None and not for_refit:  # `refit` restores every weight from the ONNX itself
+        raise BuildError(f"engine plan {plan_path} is a stripped plan (STRIP_PLAN): load it with the ONNX it was "
+                         "built from (weights_onnx), whose weights are refitted into it")
+    if stripped and weights_onnx is not None:
+        from . import check_refit_base
+
+        check_refit_base(manifest, Path(weights_onnx))  # before anything is deserialized
     if spec is not None and manifest.spec_key != spec.key:
         raise BuildError(f"engine plan {plan_path} was built for spec {manifest.spec_key}, not {spec.key} "
                          f"({spec.name}): rebuild with `{REBUILD_COMMAND}`")
@@ -563,19 +568,9 @@ def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: En
         del plan
     refitted = set(manifest.refit.names) if manifest.refit is not None else set()
     loaded = TensorRTEngine(plan_path=plan_path, manifest=manifest, engine=engine, refitted_names=refitted)
-    if manifest.flags.get("strip_plan") and weights_onnx is not None:
-        from . import check_refit_base
-
-        check_refit_base(manifest, Path(weights_onnx))
+    if stripped and weights_onnx is not None:
         refit_from_base(loaded, weights_onnx)  # every stripped weight, from the ONNX the plan was built from
     return loaded
-
-
-def manifest_strips_weights(plan_path: str | Path) -> bool:
-    try:
-        return bool(EngineManifest.read(manifest_path(plan_path)).flags.get("strip_plan"))
-    except BuildError:
-        return False
 
 
 def _deserialize_streamed(trt_mod: ModuleType, plan_path: Path, manifest: EngineManifest, host_code: bool,
