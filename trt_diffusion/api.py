@@ -43,9 +43,9 @@ def export(config_path: str | Path, model: str | None = None, component: str | N
 
 def export_specs(config, specs, progress: ProgressCallback | None = None) -> ExportReport:
     """Export the ONNX graphs these specs' engines are built from (verified artifacts are reused)."""
-    from . import remote_store
     from .export import ExportReport, export_group, group_specs
-    from .store import ArtifactStore
+    from .workspace import remote_store
+    from .workspace.store import ArtifactStore
 
     groups = group_specs(specs)
     remote_store.pull_sources(config)  # a URL workspace: what other hosts exported is reused
@@ -58,7 +58,7 @@ def export_specs(config, specs, progress: ProgressCallback | None = None) -> Exp
 
 def engine_sources(config, specs):
     """spec -> the ONNX its engine is built from: exported (and for fp8/int8, quantized and gated) first."""
-    from . import remote_store
+    from .workspace import remote_store
 
     exports = export_specs(config, specs)
     quantized = _quantized_sources(config, specs)
@@ -135,9 +135,9 @@ def manifest(config_path: str | Path, *, verify: bool = True, out: str | Path | 
     import json
 
     from .engines_file import expand
-    from .remote_store import pull_engines
-    from .targets.onnx_facts import atomic_write_bytes
-    from .targets.provenance import release_manifest
+    from .workspace.files import atomic_write_bytes
+    from .workspace.provenance import release_manifest
+    from .workspace.remote_store import pull_engines
 
     config = load_engines_file(config_path, check_sources=True)
     pull_engines(config, [spec.key for spec in expand(config)])  # a URL workspace: what the build hosts made
@@ -182,8 +182,8 @@ def _quantized_sources(config, specs) -> dict[str, Path]:
 
 def quantize(config_path: str | Path, model: str | None = None, *, force: bool = False):
     """ModelOpt FP8/INT8 of every fp8/int8 entry: seeded calibration, Q/DQ ONNX, quality gate."""
-    from . import remote_store
     from .quantize.stage import quantize as run
+    from .workspace import remote_store
 
     config = load_engines_file(config_path, check_sources=False)
     remote_store.pull_sources(config)
@@ -229,7 +229,7 @@ def refit(config_path: str | Path, model: str, loras: list[tuple[str | Path, flo
     from .errors import RefitError
     from .runtime.loader import built_engines, refit_weights
     from .targets import get_target
-    from .targets.locks import engine_lock
+    from .workspace.locks import engine_lock
 
     config = load_engines_file(config_path, check_sources=True)
     engines = [e for e in built_engines(config, model, target) if e.spec.refittable]

@@ -65,7 +65,7 @@ def save_png(image, path: str | Path, parameters: ImageParameters | None = None)
 
     from PIL import Image, PngImagePlugin
 
-    from .targets.onnx_facts import atomic_write_bytes
+    from .workspace.files import atomic_write_bytes
 
     info = PngImagePlugin.PngInfo()
     if parameters is not None:

@@ -11,7 +11,7 @@ from trt_diffusion.cli import main
 from trt_diffusion.engines_file.engine_spec import EngineSpec
 from trt_diffusion.engines_file.load import load_engines_file
 from trt_diffusion.errors import ConfigError
-from trt_diffusion.store import ArtifactStore
+from trt_diffusion.workspace.store import ArtifactStore
 
 ESCAPE = "../../../../../tmp/x/ESCAPED"
 
@@ -50,7 +50,7 @@ def test_an_engine_name_is_one_path_component_whatever_the_model_name():
 
 
 def test_artifact_folders_stay_inside_the_workspace(tmp_path):
-    from trt_diffusion.store import inside
+    from trt_diffusion.workspace.store import inside
 
     store = ArtifactStore(tmp_path / "ws")
     assert store.folder("onnx", ESCAPE, "0" * 64).parent == tmp_path / "ws" / "onnx"

@@ -20,7 +20,7 @@ from trt_diffusion.export.bf16 import bf16_tensor_count, widen_bf16
 from trt_diffusion.export.stage import COMPUTE_DTYPES
 from trt_diffusion.families import Component
 from trt_diffusion.models.loading import load_component
-from trt_diffusion.targets.onnx_facts import onnx_compute_dtype, onnx_io
+from trt_diffusion.onnx_facts import onnx_compute_dtype, onnx_io
 
 # Two exports of the tiny UNet (~28 s); bf16 refusals and specs are checked in the default run elsewhere.
 pytestmark = pytest.mark.slow

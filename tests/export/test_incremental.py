@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from trt_diffusion import api
 from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.errors import ExportError
-from trt_diffusion.store import TEMP_PREFIX
+from trt_diffusion.workspace.store import TEMP_PREFIX
 
 
 def _snapshot(root: Path) -> dict[Path, tuple[int, int]]:

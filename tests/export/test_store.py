@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from trt_diffusion.store import MANIFEST_NAME, ArtifactStore, hash_inputs, sha256_file
+from trt_diffusion.workspace.files import sha256_file
+from trt_diffusion.workspace.store import MANIFEST_NAME, ArtifactStore, hash_inputs
 
 HASH = hash_inputs({"weights": "abc", "opset": 20})
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from trt_diffusion.targets.locks import engine_lock, is_stale, lock_path
+from trt_diffusion.workspace.locks import engine_lock, is_stale, lock_path
 
 
 def test_a_lock_of_a_dead_process_on_this_host_is_stale(tmp_path):
@@ -43,7 +43,7 @@ def test_a_held_lock_is_waited_for(tmp_path):
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from trt_diffusion.targets.locks import engine_lock
+        from trt_diffusion.workspace.locks import engine_lock
         with engine_lock(Path({str(tmp_path)!r}), "k"):
             print("held", flush=True)
             time.sleep(1.5)

@@ -57,11 +57,12 @@ def test_the_default_matrix_builds_across_nodes_each_engine_once_where_its_resou
         assert got["placed"][key] == (["big_memory"] if component == "unet" else ["cpu_builder"])
 
     from trt_diffusion import api
-    from trt_diffusion.targets.provenance import engine_files, file_sha256
+    from trt_diffusion.workspace.files import sha256_file
+    from trt_diffusion.workspace.provenance import engine_files
 
     local = {o.spec.key: o for o in api.build(built_sd15).outcomes}
     for key, _, _, _, path in outcomes:
-        farm_files = {f.name: file_sha256(f) for f in engine_files(Path(path)) if "manifest" not in f.name}
-        local_files = {f.name: file_sha256(f) for f in engine_files(local[key].path) if "manifest" not in f.name}
+        farm_files = {f.name: sha256_file(f) for f in engine_files(Path(path)) if "manifest" not in f.name}
+        local_files = {f.name: sha256_file(f) for f in engine_files(local[key].path) if "manifest" not in f.name}
         assert farm_files == local_files
     assert not api.build(config).built  # the farm's engines are trusted by a plain build

@@ -76,7 +76,8 @@ def test_a_worker_killed_mid_build_is_reported_or_retried_and_a_rerun_completes(
     first, second = results(stdout)
 
     from trt_diffusion import api
-    from trt_diffusion.targets.provenance import engine_files, file_sha256
+    from trt_diffusion.workspace.files import sha256_file
+    from trt_diffusion.workspace.provenance import engine_files
 
     # no retries: the killed engine is reported, the others are built, its half-written folder is not trusted
     assert len(first["killed"]) == 1, first
@@ -98,8 +99,8 @@ def test_a_worker_killed_mid_build_is_reported_or_retried_and_a_rerun_completes(
 
     local = {o.spec.key: o for o in api.build(built_sd15).outcomes}
     for key, _, _, path in second["outcomes"]:
-        farm = {f.name: file_sha256(f) for f in engine_files(Path(path)) if "manifest" not in f.name}
-        here = {f.name: file_sha256(f) for f in engine_files(local[key].path) if "manifest" not in f.name}
+        farm = {f.name: sha256_file(f) for f in engine_files(Path(path)) if "manifest" not in f.name}
+        here = {f.name: sha256_file(f) for f in engine_files(local[key].path) if "manifest" not in f.name}
         assert farm == here
     assert not api.build(retries).built
     assert api.manifest(retries)["counts"]["ok"] == 4

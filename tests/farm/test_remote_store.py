@@ -25,14 +25,9 @@ from shard_split import build_shards, two_host_shards  # noqa: E402
 from trt_diffusion import api  # noqa: E402
 from trt_diffusion.engines_file import load_engines_file  # noqa: E402
 from trt_diffusion.errors import ConfigError, MissingDependencyError  # noqa: E402
-from trt_diffusion.remote_store import (  # noqa: E402
-    RemoteStore,
-    StoreError,
-    local_workspace,
-    mask_url,
-    store_for,
-)
-from trt_diffusion.targets.provenance import engine_files, file_sha256  # noqa: E402
+from trt_diffusion.workspace.files import sha256_file  # noqa: E402
+from trt_diffusion.workspace.provenance import engine_files  # noqa: E402
+from trt_diffusion.workspace.remote_store import RemoteStore, StoreError, local_workspace, mask_url, store_for
 
 BUCKET = "trt-farm"
 
@@ -101,7 +96,7 @@ def _host_config(tmp_path: Path, built_sd15: Path, host: str, workspace: str, *,
 
 
 def _engine_digests(outcomes) -> dict:
-    return {o.spec.key: {f.name: file_sha256(f) for f in engine_files(o.path) if "manifest" not in f.name}
+    return {o.spec.key: {f.name: sha256_file(f) for f in engine_files(o.path) if "manifest" not in f.name}
             for o in outcomes}
 
 
@@ -155,7 +150,7 @@ def test_a_damaged_blob_is_refused_on_pull_and_nothing_reaches_the_cache(tmp_pat
     assert store.publish(unit, folder.iterdir(), key="0123456789abcdef")
     assert not store.publish(unit, folder.iterdir(), key="0123456789abcdef")  # already there: nothing uploaded
 
-    sha = file_sha256(folder / "model.onnx")
+    sha = sha256_file(folder / "model.onnx")
     s3.pipe_file(store.blob_key(sha), b"tampered" * 150)  # another content under the blob's name
     reader = RemoteStore(f"s3://{BUCKET}/ws", cache_b)
     with pytest.raises(StoreError, match="damaged"):

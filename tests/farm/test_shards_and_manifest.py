@@ -13,13 +13,14 @@ from trt_diffusion import api
 from trt_diffusion.cli import main
 from trt_diffusion.engines_file import expand, load_engines_file
 from trt_diffusion.errors import ConfigError
-from trt_diffusion.targets.provenance import engine_files, file_sha256
 from trt_diffusion.targets.shards import parse_shard, shard_of, shard_specs
+from trt_diffusion.workspace.files import sha256_file
+from trt_diffusion.workspace.provenance import engine_files
 
 
 def _digests(outcomes, root):
     """sha256 of every engine file but its manifest (which records when and how long the build took)."""
-    return {o.spec.key: {str(f.relative_to(root)): file_sha256(f) for f in engine_files(o.path)
+    return {o.spec.key: {str(f.relative_to(root)): sha256_file(f) for f in engine_files(o.path)
                          if "manifest" not in f.name} for o in outcomes}
 
 

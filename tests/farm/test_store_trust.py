@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("s3fs", reason="the S3 backend is an extra: pip install 'trt-diffusion[store]'")
 
-from trt_diffusion.remote_store import RemoteStore, StoreError  # noqa: E402
-from trt_diffusion.targets import locks  # noqa: E402
-from trt_diffusion.targets.provenance import file_sha256  # noqa: E402
+from trt_diffusion.workspace import locks  # noqa: E402
+from trt_diffusion.workspace.files import sha256_file  # noqa: E402
+from trt_diffusion.workspace.remote_store import RemoteStore, StoreError  # noqa: E402
 
 BUCKET = "trt-trust"
 UNIT = "engines/onnxruntime/a.0123456789abcdef"
@@ -177,7 +177,7 @@ def test_a_same_size_overwritten_blob_is_repaired_by_the_next_publish(tmp_path, 
     (folder / "manifest.json").write_text("{}")
     store = RemoteStore(f"s3://{BUCKET}/ws", cache)
     assert store.publish(UNIT, folder.iterdir(), key="0123456789abcdef")
-    sha = file_sha256(folder / "model.onnx")
+    sha = sha256_file(folder / "model.onnx")
     s3.pipe_file(store.blob_key(sha), b"X" * 1200)  # same size, other bytes
     s3.rm_file(store.index_key(UNIT))  # the record is published again (e.g. a rebuild)
     assert store.publish(UNIT, folder.iterdir(), key="0123456789abcdef")

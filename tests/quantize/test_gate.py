@@ -11,7 +11,7 @@ from trt_diffusion.errors import QuantizeError
 from trt_diffusion.quantize import ptq
 from trt_diffusion.quantize.gate import GateResult, GateThresholds, _failures
 from trt_diffusion.quantize.stage import ARTIFACT_KIND, quantize_component
-from trt_diffusion.store import ArtifactStore
+from trt_diffusion.workspace.store import ArtifactStore
 
 from .conftest import model_entry, resolved
 

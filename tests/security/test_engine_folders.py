@@ -140,7 +140,7 @@ def test_the_manifest_records_every_file_of_the_engine(tmp_path, tiny_onnx):
 def test_a_provenance_record_cannot_name_files_outside_the_workspace(tmp_path):
     from types import SimpleNamespace
 
-    from trt_diffusion.targets.provenance import provenance_path, release_manifest
+    from trt_diffusion.workspace.provenance import provenance_path, release_manifest
 
     workspace, secret = tmp_path / "ws", tmp_path / "secret.env"
     secret.write_text("token")

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from trt_diffusion import api, signing
+from trt_diffusion.onnx_facts import onnx_sha256
 from trt_diffusion.signing import SignatureError
-from trt_diffusion.store import sha256_file
-from trt_diffusion.targets.onnx_facts import onnx_sha256
 from trt_diffusion.triton import stage
+from trt_diffusion.workspace.files import sha256_file
 
 
 @pytest.fixture
@@ -66,6 +66,12 @@ def test_a_signed_release_round_trip_and_a_resealed_engine(workspace):
     with pytest.raises(SignatureError, match=r"differs from the signed release"):
         signing.verify_repository(out, [public])
     served.write_bytes(original)
+    entry_code = next(out.glob("*/1/model.py"), None)
+    pipeline_code = next(p for p in out.glob("*/1/model.py") if "pipeline_model" in p.read_text())
+    pipeline_code.write_text(pipeline_code.read_text() + "\nimport os  # planted\n")
+    with pytest.raises(SignatureError, match=r"model.py is not the pipeline model package writes"):
+        signing.verify_repository(out, [public])
+    assert entry_code is not None
 
     # a re-sealed tampered engine: its own manifest vouches for it, the signed release does not
     unet = next((config.parent / "build" / "engines" / "onnxruntime").glob("sd15-tiny.unet.*"))

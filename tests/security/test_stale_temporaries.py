@@ -24,7 +24,7 @@ import pytest
 
 from trt_diffusion.engines_file.engine_spec import EngineSpec
 from trt_diffusion.targets import stage
-from trt_diffusion.targets.locks import lock_path
+from trt_diffusion.workspace.locks import lock_path
 
 SPEC = EngineSpec(model="m", family="sd15", source="here", component="text_encoder", target="onnxruntime",
                   precision="fp32", batch=1, bucket=None)

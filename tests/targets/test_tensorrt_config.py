@@ -744,12 +744,12 @@ def test_hardware_gate_runs_before_tensorrt_is_started(monkeypatch, qdq_onnx, tm
 
 def test_a_multi_gb_onnx_is_hashed_once_per_run(monkeypatch, tmp_path):
     """is_current and build_engine both need the digest, for every engine (one per shape) of one ONNX."""
-    from trt_diffusion.targets import onnx_facts
+    from trt_diffusion import onnx_facts
 
     path = save(conv_model(), tmp_path / "model.onnx", external=True)
     reads = []
-    real = onnx_facts._hash_file
-    monkeypatch.setattr(onnx_facts, "_hash_file", lambda digest, file: (reads.append(Path(file).name), real(digest, file)))
+    real = onnx_facts.update_digest
+    monkeypatch.setattr(onnx_facts, "update_digest", lambda digest, file: (reads.append(Path(file).name), real(digest, file)))
     first = onnx_sha256(path)
     assert [onnx_sha256(path) for _ in range(5)] == [first] * 5
     assert reads == ["model.onnx", "model.onnx.data"]  # each file read once

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from trt_diffusion.errors import BuildError
-from trt_diffusion.targets.onnx_facts import onnx_compute_dtype, onnx_io
+from trt_diffusion.onnx_facts import onnx_compute_dtype, onnx_io
 from trt_diffusion.targets.tensorrt.qdq_fp16 import qdq_fp16_onnx, qdq_over_fp16
 
 

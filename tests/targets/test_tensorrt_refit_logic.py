@@ -273,7 +273,7 @@ def base_onnx(path: Path) -> Path:
 
 
 def test_refit_from_base_restores_weights_no_initializer_list_holds(tmp_path):
-    from trt_diffusion.targets.onnx_facts import read_base_weights
+    from trt_diffusion.onnx_facts import read_base_weights
 
     onnx_path = base_onnx(tmp_path / "model.onnx")
     engine = make_engine()

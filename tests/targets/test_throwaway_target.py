@@ -20,6 +20,7 @@ from target_conformance import TargetConformance
 
 from trt_diffusion import api
 from trt_diffusion.errors import BuildError, RefitError
+from trt_diffusion.onnx_facts import TensorInfo, onnx_io, onnx_sha256
 from trt_diffusion.targets import (
     BuildRequest,
     BuiltEngine,
@@ -28,7 +29,6 @@ from trt_diffusion.targets import (
     target_names,
     unregister_target,
 )
-from trt_diffusion.targets.onnx_facts import TensorInfo, onnx_io, onnx_sha256
 
 NAME = "throwaway"
 THIS_FILE = Path(__file__).resolve()

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from ..errors import ConfigError
 from ..families import Component, Family, family_info, family_of_pipeline_class
-from ..remote_store import check_workspace_url, local_workspace
+from ..workspace.remote_store import check_workspace_url, local_workspace
 from .engine_spec import Bucket, Size
 from .preflight import PreflightSettings
 from .schema import (

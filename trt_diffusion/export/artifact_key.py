@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ..components.base import ComponentDef
 from ..components.model_config import ModelConfig
-from ..store import sha256_file
+from ..workspace.files import sha256_file, tool_versions
 from .grouping import ExportGroup
 from .parity import TOLERANCES
 from .shapes import ExportShapes
 
 # Bump when the export code changes what it writes (wrappers, passes, external-data layout).
 EXPORTER_VERSION = 1
-TOOL_DISTRIBUTIONS = ("torch", "onnx", "onnxscript", "onnx-graphsurgeon", "diffusers", "transformers", "peft",
-                      "trt-diffusion")
-
-
-def tool_versions() -> dict[str, str]:
-    versions = {}
-    for name in TOOL_DISTRIBUTIONS:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
 
 
 def folder_digest(folder: Path) -> dict[str, str]:
@@ -49,5 +36,5 @@ def describe_inputs(group: ExportGroup, definition: ComponentDef, config: ModelC
         "exporter": {"dynamo": True, "optimize": False, **group.options},
         "shapes": shapes.to_json(),
         "tolerance": TOLERANCES[group.precision].__dict__,
-        "tools": tool_versions(),
+        "tools": tool_versions("export"),
     }

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engines_file.engine_spec import EngineSpec, LoraVariant
-from ..store import hash_inputs
+from ..workspace.store import hash_inputs
 
 FP16_ONNX = {"fp16"}
 # Build options that change the exported graph; every other option belongs to later stages.

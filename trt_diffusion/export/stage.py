@@ -22,8 +22,9 @@ from ..components import ExportWrapper, get_component, load_model_config
 from ..engines_file.engine_spec import EngineSpec
 from ..engines_file.load import EnginesConfig
 from ..memory import release_memory
-from ..store import Artifact, ArtifactStore, hash_inputs
-from .artifact_key import describe_inputs, tool_versions
+from ..workspace.files import tool_versions
+from ..workspace.store import Artifact, ArtifactStore, hash_inputs
+from .artifact_key import describe_inputs
 from .graph_passes import finalize_graph
 from .grouping import ExportGroup
 from .modules import load_group_module, lora_files, weights_folder
@@ -212,5 +213,5 @@ def _export_into(folder: Path, group: ExportGroup, definition, model_config, sha
                    "reference": "PyTorch fp32 module, same seeded inputs",
                    "checks": [c.to_json() for c in checks]},
         "timings": {k: round(v, 3) for k, v in timings.items()},
-        "tools": tool_versions(),
+        "tools": tool_versions("export"),
     }

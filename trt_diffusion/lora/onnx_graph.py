@@ -77,7 +77,7 @@ def onnx_sha256(onnx_path: str | Path) -> str:
     Same digest as `targets.onnx_facts.onnx_sha256`; cached per file size and mtime because a
     full-size UNet takes seconds to hash and every refit checks it.
     """
-    from ..targets.onnx_facts import onnx_sha256 as full_hash
+    from ..onnx_facts import onnx_sha256 as full_hash
 
     path = Path(onnx_path).resolve()
     model = load_structure(path)

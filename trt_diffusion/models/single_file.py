@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import ModelError
+from ..workspace.files import sha256_file
 
 SINGLE_FILE_MANIFEST = "trt_diffusion_single_file.json"
 UNET_PREFIX = "model.diffusion_model."
@@ -117,7 +118,7 @@ def convert_single_file(file: str | os.PathLike, out: str | os.PathLike, *, fami
         return out
     stat = file.stat()
     wanted = {"file": str(file.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-              "sha256": _sha256(file), "config": str(config_dir.resolve()), "diffusers": diffusers.__version__}
+              "sha256": sha256_file(file), "config": str(config_dir.resolve()), "diffusers": diffusers.__version__}
     from .quiet import quiet_libraries
 
     quiet_libraries()
@@ -183,16 +184,6 @@ def _manifest(folder: Path) -> dict | None:
         return json.loads((folder / SINGLE_FILE_MANIFEST).read_text())
     except (OSError, ValueError):
         return None
-
-
-def _sha256(file: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(file, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------ the inverse mapping (diffusers -> LDM)

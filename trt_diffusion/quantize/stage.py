@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import onnx
 import torch
 
 from .. import progress as live
@@ -32,7 +31,8 @@ from ..export.modules import fuse_lora
 from ..families import Component, family_info
 from ..memory import release_memory
 from ..models.loading import component_folder
-from ..store import Artifact, ArtifactStore, hash_inputs, sha256_file
+from ..workspace.files import sha256_file, tool_versions
+from ..workspace.store import Artifact, ArtifactStore, hash_inputs
 from .calibration import CalibrationRecipe, calibration_loop, capture_calls, denoiser_of, load_pipeline, t5_length
 from .defaults import HELD_OUT_SAMPLES
 from .exclusions import LayerSelection, effective_patterns, select_layers
@@ -131,15 +131,6 @@ class _Plan:
         return hash_inputs(self.artifact_inputs)
 
 
-def _versions() -> dict[str, str]:
-    import diffusers
-
-    from .ptq import modelopt_version
-
-    return {"modelopt": modelopt_version(), "torch": torch.__version__.split("+")[0],
-            "diffusers": diffusers.__version__, "onnx": onnx.__version__}
-
-
 def _resolve_loras(model: ResolvedModel, variant: LoraVariant | None) -> tuple[tuple[str, Path, float], ...]:
     if variant is None:
         return ()
@@ -179,14 +170,14 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
     exclude = effective_patterns(settings.exclude)
     parity = model.parity.get(Precision(precision))
     thresholds = GateThresholds.for_precision(precision, parity.model_dump() if parity else None, min_output_psnr_db)
-    versions = _versions()
+    versions = tool_versions("quantize")
     weights, _ = component_folder(model.source.path, component)
     calibration_inputs = {
         "stage": "calibration", "version": QUANTIZE_STAGE_VERSION,
         "source": model.source.identity, "family": model.family.value, "component": component.value,
         "weights": folder_digest(weights), "precision": precision, "exclude": list(exclude),
         "recipe": recipe.digest, "loras": [(name, sha256_file(path), scale) for name, path, scale in loras],
-        "modelopt": versions["modelopt"], "torch": versions["torch"], "diffusers": versions["diffusers"],
+        "modelopt": versions["nvidia-modelopt"], "torch": versions["torch"], "diffusers": versions["diffusers"],
     }
     controlnet_residuals = bool(component is Component.unet and model.controlnets)
     artifact_inputs = {
@@ -335,7 +326,7 @@ def _manifest(plan: _Plan, interface: DenoiserInterface, exported: ExportSummary
         "exclude_patterns": list(plan.exclude), "quantized_layers": list(selection.quantized),
         "excluded_layers": selection.excluded,
         "graph": exported.to_json(),
-        "versions": _versions(), "recalibrated": recalibrated, "gate": gate,
+        "versions": tool_versions("quantize"), "recalibrated": recalibrated, "gate": gate,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
     }
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..engines_file import EnginesConfig, EngineSpec
-    from .onnx_facts import ProfileShapes
+    from ..onnx_facts import ProfileShapes
 
 # (ONNX whose initializers the engine holds, file or folder to write to): saves where each denoiser
 # parameter lives among that ONNX's initializers. A target calls it before its manifest seals the engine.

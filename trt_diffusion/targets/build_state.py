@@ -16,26 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from importlib import metadata
 from pathlib import Path
 
 from ..engines_file import EnginesConfig, EngineSpec
+from ..workspace.files import tool_versions
 from .base import BuildReport, EngineOutcome
 
 STATE_FILE = ".build-state.json"
 SCHEMA_VERSION = 1
-# Packages whose version changes what an export, a quantization or an engine is.
-_TOOLS = ("trt-diffusion", "torch", "diffusers", "transformers", "onnx", "onnxruntime", "nvidia-modelopt",
-          "tensorrt", "openvino", "peft")
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _stats(path: Path) -> list[tuple[str, int, int]]:
     path = Path(path)
     if path.is_file():
@@ -68,7 +56,7 @@ def fingerprint(config: EnginesConfig, specs: list[EngineSpec]) -> str:
         "schema": SCHEMA_VERSION,
         "engines_yaml": hashlib.sha256(Path(config.path).read_bytes()).hexdigest(),
         "engines": sorted(spec.key for spec in specs),
-        "tools": {name: _version(name) for name in _TOOLS},
+        "tools": tool_versions("build"),
         "sources": [_stats(path) for path in _source_paths(config)],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()

@@ -22,9 +22,15 @@ from pydantic import BaseModel, ConfigDict
 
 from ..engines_file.engine_spec import EngineSpec
 from ..errors import BuildError
+from ..onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
+from ..workspace.manifests import (
+    MANIFEST_FILE,
+    read_folder_manifest,
+    record_files,
+    trusted_folder_manifest,
+    verify_engine_folder,
+)
 from .base import BuildRequest, BuiltEngine, TritonEngineModel
-from .manifests import MANIFEST_FILE, read_folder_manifest, record_files, trusted_folder_manifest, verify_engine_folder
-from .onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
 
 if TYPE_CHECKING:
     import onnx

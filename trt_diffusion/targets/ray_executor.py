@@ -19,8 +19,8 @@ from typing import Any
 
 from ..engines_file import EnginesConfig, EngineSpec
 from ..errors import BuildError, MissingDependencyError, TrtDiffusionError
+from ..workspace.files import tool_versions
 from .base import EngineOutcome, Failure
-from .provenance import tool_versions
 
 INSTALL_HINT = "install the farm extra: pip install 'trt-diffusion[farm]'"
 # (config, specs) -> (spec -> the ONNX its engine is built from), exporting and quantizing first
@@ -42,7 +42,7 @@ def task_resources(config: EnginesConfig, spec: EngineSpec) -> dict[str, float]:
 
 
 def _version_problem(driver: dict) -> str | None:
-    mine = tool_versions()
+    mine = tool_versions("provenance")
     differing = {name: (driver.get(name), mine.get(name)) for name in driver if driver.get(name) != mine.get(name)}
     if not differing:
         return None
@@ -76,7 +76,7 @@ def _portable(config: EnginesConfig, path: Path) -> str:
 def _in_workspace(config: EnginesConfig, path: object, what: str) -> Path:
     """A path received across the driver/worker boundary: relative to the workspace and inside it (no absolute
     path, no '..', no symbolic link), else BuildError naming it."""
-    from ..safe_paths import inside_folder
+    from ..workspace.safe_paths import inside_folder
 
     return inside_folder(config.workspace, path, where=f"a Ray task's {what}", field="path", error=BuildError)
 
@@ -85,7 +85,7 @@ def _local_source(config: EnginesConfig, path: str, *, pull: bool = False) -> Pa
     """The ONNX a task builds from on this node (pulled from a URL workspace when this node lacks it)."""
     resolved = _in_workspace(config, path, "ONNX source")
     if pull and not resolved.is_file():
-        from ..remote_store import pull_sources
+        from ..workspace.remote_store import pull_sources
 
         pull_sources(config)
     return resolved
@@ -129,7 +129,7 @@ def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str
     if not ray.is_initialized():
         ray.init(address=address, logging_level="ERROR",
                  log_to_driver=False, configure_logging=False)
-    versions = tool_versions()
+    versions = tool_versions("provenance")
     config_path = str(Path(config.path).resolve())
     retries = config.build.farm.max_retries
     export_task = ray.remote(max_retries=retries)(_export_group)

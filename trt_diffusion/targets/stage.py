@@ -99,9 +99,9 @@ def build_one(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> tuple
 
     With a URL workspace the store's lock of the key is held too; the engine is pulled first (another host's
     build is reused) and published after (remote_store.py)."""
-    from .. import remote_store
-    from .locks import clean_temporaries, engine_lock
-    from .provenance import record_provenance
+    from ..workspace import remote_store
+    from ..workspace.locks import clean_temporaries, engine_lock
+    from ..workspace.provenance import record_provenance
 
     target = get_target(spec.target)
     request = build_request(config, spec, onnx_path)

@@ -27,8 +27,8 @@ from typing import Any
 
 from ..errors import ServeError
 from ..families import FAMILIES, Family
-from ..safe_paths import checked_name, is_link
 from ..targets import get_target
+from ..workspace.safe_paths import checked_name, is_link
 from . import configs, contract, naming
 from .configs import EnsembleStep, ModelConfig, QueuePolicy, WarmupSample
 from .contract import TensorDecl

@@ -6,29 +6,18 @@ from __future__ import annotations
 import platform
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
-from importlib import metadata
 
 import numpy as np
 
 from ...metrics import Thresholds, lpips_distance, psnr, ssim
+from ...workspace.files import tool_versions
 from .model import ComponentDiff, ImageComparison, ParityReport, VariantResult
-
-# Package distributions whose versions a report records (those not installed are left out).
-_VERSIONED_DISTRIBUTIONS = (
-    "trt-diffusion", "torch", "diffusers", "transformers", "onnx", "onnxruntime", "tensorrt",
-    "nvidia-modelopt", "numpy", "scikit-image", "lpips",
-)
 
 
 def collect_tool_versions() -> dict[str, str]:
     """Python and the installed versions of the packages that shape a parity result."""
-    versions = {"python": platform.python_version()}
-    for distribution in _VERSIONED_DISTRIBUTIONS:
-        try:
-            versions[distribution] = metadata.version(distribution)
-        except metadata.PackageNotFoundError:
-            continue
-    return versions
+    installed = {name: version for name, version in tool_versions("parity").items() if version is not None}
+    return {"python": platform.python_version(), **installed}
 
 
 def compare_image(

@@ -23,9 +23,16 @@ from pydantic import BaseModel, ConfigDict
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError
-from ...safe_paths import inside_folder
-from ..manifests import MANIFEST_FILE, read_folder_manifest, record_files, trusted_folder_manifest, verify_engine_folder
-from ..onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
+from ...onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
+from ...workspace.files import update_digest
+from ...workspace.manifests import (
+    MANIFEST_FILE,
+    read_folder_manifest,
+    record_files,
+    trusted_folder_manifest,
+    verify_engine_folder,
+)
+from ...workspace.safe_paths import inside_folder
 from . import host, precision
 
 TARGET = "openvino"
@@ -89,9 +96,7 @@ def build_input_hash(source_sha256: str, spec: EngineSpec, facts: host.CpuFacts)
 def engine_sha256(folder: Path) -> str:
     digest = hashlib.sha256()
     for name in (MODEL_FILE, WEIGHTS_FILE):
-        with open(Path(folder) / name, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
+        update_digest(digest, Path(folder) / name)
     return digest.hexdigest()
 
 

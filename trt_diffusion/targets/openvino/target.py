@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError, ServeError
+from ...onnx_facts import onnx_sha256
 from ..base import BuildRequest, BuiltEngine, TritonEngineModel
-from ..onnx_facts import onnx_sha256
 from . import host, precision
 from .engine import (
     MANIFEST_FILE,

@@ -24,11 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError, RefitError, RuntimeInputError
-from ..onnx_facts import (  # noqa: F401  (re-exported: the TensorRT build's ONNX facts)
+from ...onnx_facts import (  # noqa: F401  (re-exported: the TensorRT build's ONNX facts)
     ProfileShapes,
     Shape,
     TensorInfo,
-    atomic_write_bytes,
     check_profile_against_inputs,
     onnx_compute_dtype,
     onnx_has_qdq,
@@ -37,6 +36,7 @@ from ..onnx_facts import (  # noqa: F401  (re-exported: the TensorRT build's ONN
     read_base_weights,
     validate_profile,
 )
+from ...workspace.files import atomic_write_bytes  # noqa: F401  (re-exported)
 
 TARGET = "tensorrt"
 MANIFEST_SCHEMA_VERSION = 3  # 2: `refit` records what a refit wrote into the plan; 3: `plan_sha256`

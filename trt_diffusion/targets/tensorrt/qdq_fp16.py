@@ -25,7 +25,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ...errors import BuildError
-from ..onnx_facts import onnx_sha256
+from ...onnx_facts import onnx_sha256
 from .fp32_islands import constant_names, fp32_island_nodes, tensor_types
 
 FLOAT: int = onnx.TensorProto.FLOAT

@@ -15,8 +15,8 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from ..errors import BuildError
-from ..safe_paths import inside_folder, refuse_links
-from ..store import sha256_file
+from .files import sha256_file
+from .safe_paths import inside_folder, refuse_links
 
 MANIFEST_FILE = "manifest.json"
 Manifest = TypeVar("Manifest", bound=BaseModel)

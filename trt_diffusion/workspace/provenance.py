@@ -7,36 +7,20 @@ a serving host can check that what it pulled is what the build hosts made.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
 import socket
 import sys
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 
 from ..engines_file import EngineSpec
 from ..errors import ConfigError
-from ..safe_paths import inside_folder
-from .onnx_facts import atomic_write_bytes
+from .files import atomic_write_bytes, sha256_file, tool_versions
+from .safe_paths import inside_folder
 
 SCHEMA_VERSION = 1
-TOOLS = ("trt-diffusion", "torch", "diffusers", "transformers", "onnx", "onnxruntime", "nvidia-modelopt", "tensorrt",
-         "openvino")
-
-
-def tool_versions() -> dict[str, str | None]:
-    versions = {}
-    for name in TOOLS:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -61,27 +45,19 @@ def engine_files(path: Path) -> list[Path]:
     return sorted(p for p in path.parent.glob(f"{stem}.*") if p.is_file())
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def provenance_path(workspace: Path, key: str) -> Path:
     return Path(workspace) / "provenance" / f"{key}.json"
 
 
 def record_provenance(workspace: Path, spec: EngineSpec, path: Path, seconds: float) -> dict:
     root = Path(workspace)
-    files = {os.path.relpath(f, root): {"sha256": file_sha256(f), "bytes": f.stat().st_size} for f in engine_files(path)}
+    files = {os.path.relpath(f, root): {"sha256": sha256_file(f), "bytes": f.stat().st_size} for f in engine_files(path)}
     record = {
         "schema_version": SCHEMA_VERSION, "key": spec.key, "name": spec.name, "target": spec.target,
         "model": spec.model, "component": spec.component, "precision": spec.precision,
         "engine": os.path.relpath(path, root), "files": files, "bytes": sum(f["bytes"] for f in files.values()),
         "build_seconds": round(seconds, 3), "built_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "built_by": host_description(), "tools": tool_versions(),
+        "built_by": host_description(), "tools": tool_versions("provenance"),
     }
     atomic_write_bytes(provenance_path(root, spec.key), json.dumps(record, indent=2).encode())
     return record
@@ -94,7 +70,7 @@ def release_manifest(config, specs: list[EngineSpec], *, verify: bool = True) ->
     its record, its manifest included), `unrecorded` (built, but no provenance record: built before records
     were kept) or `missing` (not built in this workspace).
     """
-    from . import get_target
+    from ..targets import get_target
 
     root = Path(config.workspace)
     entries = []
@@ -118,7 +94,7 @@ def release_manifest(config, specs: list[EngineSpec], *, verify: bool = True) ->
                         continue
                     if not file.is_file():
                         problems.append(f"{relative}: missing")
-                    elif file_sha256(file) != expected["sha256"]:
+                    elif sha256_file(file) != expected["sha256"]:
                         problems.append(f"{relative}: sha256 differs from the build's record")
             entry["status"] = "modified" if problems else "ok"
             entry["problems"] = problems

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from ..errors import BuildError, RefitError
+from .errors import BuildError, RefitError
+from .workspace.files import update_digest
 
 if TYPE_CHECKING:  # onnx and numpy are imported where used: listing targets (plan, the CLI) needs neither
     import numpy as np
@@ -177,12 +177,6 @@ def _external_data_files(model: onnx.ModelProto) -> list[str]:
     return sorted(locations)
 
 
-def _hash_file(digest: Any, path: Path) -> None:
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-
-
 _DIGESTS_LOCK = threading.Lock()
 _DIGESTS: dict[tuple, str] = {}
 
@@ -215,7 +209,7 @@ def onnx_sha256(onnx_path: str | Path) -> str:
     for location, file in files:
         if location is not None:
             digest.update(location.encode())
-        _hash_file(digest, file)
+        update_digest(digest, file)
     value = digest.hexdigest()
     with _DIGESTS_LOCK:
         _DIGESTS[key] = value
@@ -269,26 +263,6 @@ def read_base_weights(onnx_path: str | Path, names: Iterable[str] | None = None)
         if missing:
             raise RefitError(f"{path} has no initializer(s) named {missing}")
     return {name: numpy_helper.to_array(by_name[name], base_dir=str(path.parent)) for name in wanted}
-
-
-
-def atomic_write_bytes(path: str | Path, data: Any) -> None:
-    """Write to a temporary name beside `path`, then rename: readers never see half a file.
-    `data` may be bytes or any buffer (TensorRT's IHostMemory included)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(memoryview(data))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-
-
 
 
 _ONNX_DTYPES = {"FLOAT": "float32", "FLOAT16": "float16", "INT64": "int64", "INT32": "int32", "BOOL": "bool",

@@ -43,8 +43,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from .errors import ConfigError, MissingDependencyError, TrtDiffusionError
-from .targets.locks import heartbeat
+from ..errors import ConfigError, MissingDependencyError, TrtDiffusionError
+from .files import sha256_file
+from .locks import heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +130,6 @@ def check_workspace_url(workspace: str) -> str | None:
 
 
 # --- the store ----------------------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _is_manifest(relative: str) -> bool:
@@ -336,7 +329,7 @@ class RemoteStore:
         except Exception as exc:  # noqa: BLE001
             temp.unlink(missing_ok=True)
             raise self._error(f"download {relative}", exc) from None
-        digest = _sha256(temp)
+        digest = sha256_file(temp)
         if digest != entry["sha256"] or temp.stat().st_size != entry["bytes"]:
             temp.unlink(missing_ok=True)
             raise StoreError(f"{self.shown}: {relative} of {unit} came down with sha256 {digest[:12]}…, its record "
@@ -375,7 +368,7 @@ class RemoteStore:
         with self._state_lock:
             state = self._state()
             state[relative] = [sha256, stat.st_size, stat.st_mtime_ns]
-            from .targets.onnx_facts import atomic_write_bytes
+            from .files import atomic_write_bytes
 
             atomic_write_bytes(self.cache / STATE_FILE, json.dumps(state).encode())
 
@@ -385,7 +378,7 @@ class RemoteStore:
         known = self._state().get(relative)
         if known and known[1] == stat.st_size and known[2] == stat.st_mtime_ns:
             return known[0]
-        digest = _sha256(path)
+        digest = sha256_file(path)
         self._remember(relative, digest)
         return digest
 
@@ -477,7 +470,7 @@ def _lock_is_stale(holder, stale_after_s: float) -> bool:
         return True
     pid = holder.get("pid")
     if holder.get("host") == socket.gethostname() and type(pid) is int and pid > 0 and pid != os.getpid():
-        from .targets.locks import _alive
+        from .locks import _alive
 
         if not _alive(pid):
             return True
@@ -598,7 +591,7 @@ def publish_engine(config, spec, path: Path) -> bool:
     store = store_for(config)
     if store is None:
         return False
-    from .targets.provenance import engine_files, provenance_path
+    from .provenance import engine_files, provenance_path
 
     files = list(engine_files(Path(path)))
     record = provenance_path(store.cache, spec.key)

@@ -28,7 +28,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .files import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,6 @@ LOCK_SUFFIX = ".lock"
 _RESERVED = ("schema_version", "kind", "name", "input_hash", "outputs", "created")
 _UNLOCKED_GRACE_S = 300  # a temp folder without a lock file is only just being created, or long dead
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._+-]")
-
-
-def sha256_file(path: str | os.PathLike, chunk_size: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk_size):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def canonical_json(data: Any) -> str:

@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
-from .errors import ConfigError, TrtDiffusionError
+from ..errors import ConfigError, TrtDiffusionError
 
 _MAX_NAME = 255
 _MAX_PATH = 4096
