@@ -26,7 +26,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from .errors import ConfigError, ServeError
-from .safe_paths import checked_relative
+from .workspace.safe_paths import checked_relative
 
 ALGORITHM = "ed25519"
 RELEASE_FILE = "release-manifest.json"
@@ -123,7 +123,7 @@ def sign_release(manifest: dict, private_key_path: str | os.PathLike) -> dict:
 
 def sign_release_file(path: str | os.PathLike, private_key_path: str | os.PathLike) -> dict:
     """Sign the release manifest at `path` in place (written atomically); the signed manifest."""
-    from .targets.onnx_facts import atomic_write_bytes
+    from .workspace.files import atomic_write_bytes
 
     signed = sign_release(read_release(path), private_key_path)
     atomic_write_bytes(Path(path), json.dumps(signed, indent=2).encode())
@@ -194,8 +194,8 @@ def verify_engines(engines: Iterable[Any], workspace: str | os.PathLike, release
                    public_keys: Sequence[str | os.PathLike]) -> dict:
     """Refuse (SignatureError naming the engine and file) any engine whose files are not exactly those the
     signed release lists with their sha256 (each file read in full); the verified release payload."""
-    from .store import sha256_file
-    from .targets.provenance import engine_files
+    from .workspace.files import sha256_file
+    from .workspace.provenance import engine_files
 
     payload = verify_release(read_release(release_path), public_keys, where=str(release_path))
     covered = covered_files(payload, str(release_path))
@@ -220,11 +220,13 @@ def verify_engines(engines: Iterable[Any], workspace: str | os.PathLike, release
 def verify_repository(repo: str | os.PathLike, public_keys: Sequence[str | os.PathLike]) -> None:
     """`serve --verify`: the repository's copy of the signed release verifies, and every engine model's
     version folder holds only files the release lists for its engine key (by name, sha256 checked), the
-    python-backend wrapper package writes, and an OpenVINO compiled blob its covered manifest names."""
-    from .store import sha256_file
+    python-backend wrapper package writes, and an OpenVINO compiled blob its covered manifest names; every
+    pipeline model's `model.py` is the one package writes. (The pipeline models' copied configs and tokenizers
+    come from the model folder, which the release does not cover.)"""
     from .triton.configs import ROLE
-    from .triton.repository import ENGINE_MODEL_PY, VERSION
+    from .triton.repository import ENGINE_MODEL_PY, PIPELINE_MODEL_PY, VERSION
     from .triton.validate import read_configs
+    from .workspace.files import sha256_file
 
     repo = Path(repo)
     release_path = repo / RELEASE_FILE
@@ -233,7 +235,12 @@ def verify_repository(repo: str | os.PathLike, public_keys: Sequence[str | os.Pa
     engines = 0
     for name, config in read_configs(repo).items():
         parameters = config.parameters
-        if ROLE not in parameters or parameters[ROLE].string_value != "engine":
+        role = parameters[ROLE].string_value if ROLE in parameters else ""
+        if role in ("entry", "stream", "stage"):  # the code a pipeline model runs is the code package writes
+            code = repo / name / VERSION / "model.py"
+            if not code.is_file() or code.is_symlink() or code.read_text(errors="replace") != PIPELINE_MODEL_PY:
+                raise SignatureError(f"model {name}: {VERSION}/model.py is not the pipeline model package writes")
+        if role != "engine":
             continue
         engines += 1
         key = parameters["engine_key"].string_value if "engine_key" in parameters else ""
@@ -262,7 +269,7 @@ def verify_repository(repo: str | os.PathLike, public_keys: Sequence[str | os.Pa
 
 
 def _covered_blob(version: Path, by_name: dict[str, str]) -> str | None:
-    from .store import sha256_file
+    from .workspace.files import sha256_file
 
     manifest = version / "manifest.json"
     if "manifest.json" not in by_name or not manifest.is_file() or sha256_file(manifest) != by_name["manifest.json"]:
