@@ -1,0 +1,126 @@
+"""The S3 end-to-end case of issue 32 (acceptance 2): an honest host publishes the tiny sd15 engines to an
+object store on loopback (moto_server); a hostile build host rewrites one engine's record so that it also
+writes another engine's manifest and the cache's state; the serving host's `trt-diffusion package` exits 1
+naming the unit and the field, and nothing outside its repository folder is written or deleted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("s3fs", reason="the S3 backend is an extra: pip install 'trt-diffusion[store]'")
+
+from trt_diffusion.cli import main  # noqa: E402
+from trt_diffusion.workspace.provenance import engine_files, provenance_path  # noqa: E402
+from trt_diffusion.workspace.remote_store import RemoteStore  # noqa: E402
+
+BUCKET = "trt-hostile"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    binary = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which("moto_server")
+    if binary is None:
+        pytest.skip("moto_server is not installed (the test extra)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    pytest.fail("moto_server did not start")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch):
+    import fsspec.config
+    import s3fs
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_endpoint})
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
+    if fs.exists(BUCKET):
+        fs.rm(BUCKET, recursive=True)
+    fs.mkdir(BUCKET)
+    return fs
+
+
+def _tree(root: Path, skip: tuple[Path, ...]) -> dict[str, str]:
+    found = {}
+    for path in sorted(root.rglob("*")):
+        if any(path == s or s in path.parents for s in skip) or not path.is_file():
+            continue
+        found[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def test_a_hostile_publisher_cannot_reach_outside_its_unit_on_the_serving_host(tmp_path, built_sd15, s3, capsys):
+    url = f"s3://{BUCKET}/ws"
+    honest_cache = tmp_path / "honest"
+    shutil.copytree(built_sd15.parent / "build", honest_cache)
+    honest = RemoteStore(url, honest_cache)
+    units = []
+    for folder in sorted((honest_cache / "engines" / "onnxruntime").iterdir()):
+        if folder.name.startswith("."):
+            continue
+        key = folder.name.rsplit(".", 1)[-1]
+        files = engine_files(folder) + [provenance_path(honest_cache, key)]
+        unit = f"engines/onnxruntime/{folder.name}"
+        honest.publish(unit, files, key=key)
+        units.append(unit)
+
+    # the hostile host: the unet's record also names the VAE's manifest and the cache's state file
+    unet = next(u for u in units if ".unet." in u)
+    other = next(u for u in units if u != unet)
+    record = json.loads(s3.cat_file(honest.index_key(unet)))
+    for relative in (f"{other}/manifest.json", ".store-state.json"):
+        data = b'{"planted": true}'
+        sha = hashlib.sha256(data).hexdigest()
+        s3.pipe_file(honest.blob_key(sha), data)
+        record["files"][relative] = {"sha256": sha, "bytes": len(data)}
+    s3.pipe_file(honest.index_key(unet), json.dumps(record).encode())
+
+    # the serving host: its own project folder and cache, the shared URL
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "Makefile").write_text("all:\n\techo mine\n")
+    data = yaml.safe_load(built_sd15.read_text())
+    data["build"] = {"workspace": url, "cache": str(project / "cache")}
+    config = project / "engines.yaml"
+    config.write_text(yaml.safe_dump(data))
+    before = _tree(tmp_path, skip=(project / "cache", project / "triton_repo"))
+
+    code = main(["package", str(config), "--out", str(project / "triton_repo")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1, err
+    assert unet in err and "field 'files'" in err and "outside the unit" in err and "Traceback" not in err
+    assert _tree(tmp_path, skip=(project / "cache", project / "triton_repo")) == before
+    planted = [p for p in (project / "cache").rglob("*") if p.is_file() and b"planted" in p.read_bytes()]
+    assert planted == []
+    assert not (project / "triton_repo").exists()
