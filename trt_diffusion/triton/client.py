@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,22 +9,21 @@ import numpy as np
 
 from ..errors import ServeError
 from . import contract
+from .client_limits import (  # noqa: F401  (RequestRejected, RequestCancelled, deadline, malformed: re-exported)
+    MAX_RESPONSE_BYTES,
+    RequestCancelled,
+    RequestRejected,
+    cap_responses,
+    check_served_size,
+    deadline,
+    malformed,
+    remaining,
+)
 from .configs import ROLE
 
 PROTOCOLS = ("http", "grpc")
-# A server is input too: what one may send back is bounded before it is read or allocated.
-MAX_RESPONSE_BYTES = 64 << 20  # one reply (an image batch is far smaller)
-MAX_SERVED_SIDE = 8192  # a size a server declares (request_sizes) is asked for, and a control image made for it
 _TYPES = {t.name: contract.TRITON_TO_WIRE[t.data_type]
           for t in (*contract.request_inputs(True), contract.NUM_IMAGES, contract.PREVIEW_EVERY)}
-
-
-class RequestRejected(ServeError):
-    """The server refused the request for load (queue full, or it waited past the queue timeout): retry later."""
-
-
-class RequestCancelled(ServeError):
-    """The request was cancelled, or its deadline passed before the image was ready."""
 
 
 @dataclass(frozen=True)
@@ -132,90 +128,11 @@ def connect(url: str, protocol: str = "http", timeout_s: float = 300.0, max_resp
         # network_timeout bounds one read; `deadline` bounds the whole exchange
         client = module.InferenceServerClient(address, connection_timeout=min(timeout_s, 60.0),
                                               network_timeout=timeout_s, **tls_options)
-        _cap_responses(client, url, max_response_bytes)
+        cap_responses(client, url, max_response_bytes)
         return client
     # gRPC TLS: the system's root certificates; replies above the cap are refused by gRPC itself
     return module.InferenceServerClient(address, ssl=tls, channel_args=[
         ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", max_response_bytes)])
-
-
-class ResponseTooLarge(ServeError):
-    """A server's reply is larger than the client accepts."""
-
-
-class _CappedResponse:
-    """A geventhttpclient response whose body is read at most `limit` bytes in all, in bounded chunks."""
-
-    def __init__(self, response, url: str, limit: int):
-        self._response, self._url, self._limit, self._read = response, url, limit, 0
-
-    def __getattr__(self, name):
-        return getattr(self._response, name)
-
-    def read(self, length: int | None = None) -> bytes:
-        parts, got = [], 0
-        while length is None or got < length:
-            chunk = self._response.read(1 << 20 if length is None else min(1 << 20, length - got))
-            if not chunk:
-                break
-            parts.append(chunk)
-            got += len(chunk)
-            self._read += len(chunk)
-            if self._read > self._limit:
-                self._response.release()
-                raise ResponseTooLarge(f"Triton at {self._url}: the reply is larger than {self._limit} bytes; "
-                                       "refusing to read it")
-        return b"".join(parts)
-
-
-def _cap_responses(client, url: str, limit: int) -> None:
-    """Every reply of this HTTP client checked against `limit`: its declared Content-Length before any body is
-    read, and the bytes as they are read (chunked or close-delimited replies declare nothing)."""
-    def capped(call):
-        def wrapper(*args, **kwargs):
-            response = call(*args, **kwargs)
-            declared = response.get("content-length")
-            try:
-                size = int(declared) if declared is not None else None
-            except (TypeError, ValueError):
-                raise ServeError(f"Triton at {url}: the reply declares Content-Length {declared!r}") from None
-            if size is not None and size > limit:
-                response.release()
-                raise ResponseTooLarge(f"Triton at {url}: the reply declares {size} bytes, more than the {limit} "
-                                       "this client reads; refusing it")
-            return _CappedResponse(response, url, limit)
-        return wrapper
-
-    client._get, client._post = capped(client._get), capped(client._post)
-
-
-@contextlib.contextmanager
-def deadline(timeout_s: float, url: str, what: str = "the request") -> Iterator[float]:
-    """The whole exchange within `timeout_s` (the HTTP client's own timeout is per read: a server sending a
-    byte a second would hold it forever). Yields the monotonic time it ends at; gRPC calls pass what is left
-    as their own deadline (`remaining`)."""
-    import gevent
-
-    end = time.monotonic() + timeout_s
-    timer = gevent.Timeout(timeout_s)
-    timer.start()
-    try:
-        yield end
-    except gevent.Timeout as exc:
-        if exc is not timer:
-            raise
-        raise RequestCancelled(f"Triton at {url}: {what} did not complete within its {timeout_s:g} s deadline "
-                               "(--timeout)") from None
-    finally:
-        timer.close()
-
-
-def remaining(end: float | None, default: float) -> float:
-    return default if end is None else max(0.01, end - time.monotonic())
-
-
-def malformed(url: str, what: str, exc: Exception) -> ServeError:
-    return ServeError(f"Triton at {url}: malformed reply to {what} ({type(exc).__name__}: {str(exc)[:200]})")
 
 
 def server_error(err: Exception, url: str, pipeline: str) -> ServeError:
@@ -515,18 +432,3 @@ def served_sizes(url: str, pipeline: str | None = None, protocol: str = "http") 
     for label in sizes:
         check_served_size(label, url, pipeline)
     return pipeline, sizes
-
-
-def check_served_size(label: str, url: str, pipeline: str) -> None:
-    """A size a server declares, before anything is allocated for it: WIDTHxHEIGHT, positive sides <= MAX_SERVED_SIDE."""
-    from ..engines_file.engine_spec import Size
-    from ..errors import ConfigError
-
-    try:
-        size = Size.parse(label)
-    except (ConfigError, ValueError, TypeError):
-        raise ServeError(f"Triton at {url}: model {pipeline} declares request size {label[:40]!r}, which is not "
-                         "WIDTHxHEIGHT") from None
-    if not (0 < size.height <= MAX_SERVED_SIDE and 0 < size.width <= MAX_SERVED_SIDE):
-        raise ServeError(f"Triton at {url}: model {pipeline} declares request size {label!r}, beyond "
-                         f"{MAX_SERVED_SIDE} pixels a side; refusing to make a request (or control image) of it")

@@ -1,0 +1,116 @@
+"""What a Triton client accepts from a server it does not trust: one deadline for a whole exchange, replies
+capped before and while they are read, declared sizes bounded before anything is made for them, and one
+ServeError for a reply that is not what the protocol says (issue 32, docs/security.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from ..errors import ServeError
+
+MAX_RESPONSE_BYTES = 64 << 20  # one reply (an image batch is far smaller)
+MAX_SERVED_SIDE = 8192  # a size a server declares (request_sizes) is asked for, and a control image made for it
+
+
+class RequestRejected(ServeError):
+    """The server refused the request for load (queue full, or it waited past the queue timeout): retry later."""
+
+
+class RequestCancelled(ServeError):
+    """The request was cancelled, or its deadline passed before the image was ready."""
+
+
+class ResponseTooLarge(ServeError):
+    """A server's reply is larger than the client accepts."""
+
+
+class _CappedResponse:
+    """A geventhttpclient response whose body is read at most `limit` bytes in all, in bounded chunks."""
+
+    def __init__(self, response, url: str, limit: int):
+        self._response, self._url, self._limit, self._read = response, url, limit, 0
+
+    def __getattr__(self, name):
+        return getattr(self._response, name)
+
+    def read(self, length: int | None = None) -> bytes:
+        parts, got = [], 0
+        while length is None or got < length:
+            chunk = self._response.read(1 << 20 if length is None else min(1 << 20, length - got))
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+            self._read += len(chunk)
+            if self._read > self._limit:
+                self._response.release()
+                raise ResponseTooLarge(f"Triton at {self._url}: the reply is larger than {self._limit} bytes; "
+                                       "refusing to read it")
+        return b"".join(parts)
+
+
+def cap_responses(client, url: str, limit: int) -> None:
+    """Every reply of this HTTP client checked against `limit`: its declared Content-Length before any body is
+    read, and the bytes as they are read (chunked or close-delimited replies declare nothing)."""
+    def capped(call):
+        def wrapper(*args, **kwargs):
+            response = call(*args, **kwargs)
+            declared = response.get("content-length")
+            try:
+                size = int(declared) if declared is not None else None
+            except (TypeError, ValueError):
+                raise ServeError(f"Triton at {url}: the reply declares Content-Length {declared!r}") from None
+            if size is not None and size > limit:
+                response.release()
+                raise ResponseTooLarge(f"Triton at {url}: the reply declares {size} bytes, more than the {limit} "
+                                       "this client reads; refusing it")
+            return _CappedResponse(response, url, limit)
+        return wrapper
+
+    client._get, client._post = capped(client._get), capped(client._post)
+
+
+@contextlib.contextmanager
+def deadline(timeout_s: float, url: str, what: str = "the request") -> Iterator[float]:
+    """The whole exchange within `timeout_s` (the HTTP client's own timeout is per read: a server sending a
+    byte a second would hold it forever). Yields the monotonic time it ends at; gRPC calls pass what is left
+    as their own deadline (`remaining`)."""
+    import gevent
+
+    end = time.monotonic() + timeout_s
+    timer = gevent.Timeout(timeout_s)
+    timer.start()
+    try:
+        yield end
+    except gevent.Timeout as exc:
+        if exc is not timer:
+            raise
+        raise RequestCancelled(f"Triton at {url}: {what} did not complete within its {timeout_s:g} s deadline "
+                               "(--timeout)") from None
+    finally:
+        timer.close()
+
+
+def remaining(end: float | None, default: float) -> float:
+    return default if end is None else max(0.01, end - time.monotonic())
+
+
+def malformed(url: str, what: str, exc: Exception) -> ServeError:
+    return ServeError(f"Triton at {url}: malformed reply to {what} ({type(exc).__name__}: {str(exc)[:200]})")
+
+
+def check_served_size(label: str, url: str, pipeline: str) -> None:
+    """A size a server declares, before anything is allocated for it: WIDTHxHEIGHT, positive sides <= MAX_SERVED_SIDE."""
+    from ..engines_file.engine_spec import Size
+    from ..errors import ConfigError
+
+    try:
+        size = Size.parse(label)
+    except (ConfigError, ValueError, TypeError):
+        raise ServeError(f"Triton at {url}: model {pipeline} declares request size {label[:40]!r}, which is not "
+                         "WIDTHxHEIGHT") from None
+    if not (0 < size.height <= MAX_SERVED_SIDE and 0 < size.width <= MAX_SERVED_SIDE):
+        raise ServeError(f"Triton at {url}: model {pipeline} declares request size {label!r}, beyond "
+                         f"{MAX_SERVED_SIDE} pixels a side; refusing to make a request (or control image) of it")
