@@ -124,3 +124,49 @@ def test_a_hostile_publisher_cannot_reach_outside_its_unit_on_the_serving_host(t
     planted = [p for p in (project / "cache").rglob("*") if p.is_file() and b"planted" in p.read_bytes()]
     assert planted == []
     assert not (project / "triton_repo").exists()
+
+
+def test_a_hostile_openvino_manifest_cannot_delete_a_file_of_the_serving_host(tmp_path, built_sd15, s3, capsys):
+    """Issue 32 finding 1 through the store: the unet's record carries a manifest whose cache_blob names an
+    absolute path of the serving host; `package` used to open it as the blob and its reflink step deleted it."""
+    pytest.importorskip("openvino", reason="the openvino extra is not installed")
+    from trt_diffusion import api
+
+    url = f"s3://{BUCKET}/ov"
+    builder = tmp_path / "builder"
+    shutil.copytree(built_sd15.parent / "build" / "onnx", builder / "build" / "onnx")
+    data = yaml.safe_load(built_sd15.read_text())
+    model = next(iter(data["models"].values()))
+    model["targets"] = ["openvino"]
+    model.pop("controlnets", None)
+    model.pop("loras", None)
+    data["preflight"] = {"target": "openvino"}
+    (builder / "engines.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    report = api.build(builder / "engines.yaml", target="openvino")
+    assert not report.failed, [o.error for o in report.failed]
+
+    victim_file = tmp_path / "serving-host" / "important.txt"
+    victim_file.parent.mkdir()
+    victim_file.write_text("mine\n")
+    cache = builder / "build"
+    store = RemoteStore(url, cache)
+    for folder in sorted((cache / "engines" / "openvino").iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        key = folder.name.rsplit(".", 1)[-1]
+        if ".unet." in folder.name:  # the hostile build host's manifest
+            manifest = json.loads((folder / "manifest.json").read_text())
+            manifest["cache_blob"] = str(victim_file)
+            (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        files = engine_files(folder) + [p for p in [provenance_path(cache, key)] if p.is_file()]
+        store.publish(f"engines/openvino/{folder.name}", files, key=key)
+
+    serving = tmp_path / "serving-host"
+    data["build"] = {"workspace": url, "cache": str(serving / "cache")}
+    config = serving / "engines.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    code = main(["package", str(config), "--out", str(serving / "triton_repo"), "--target", "openvino"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1, err
+    assert "sd15-tiny.unet" in err and "cache_blob" in err and "plain file name" in err and "Traceback" not in err
+    assert victim_file.read_text() == "mine\n"
