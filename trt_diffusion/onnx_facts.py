@@ -284,3 +284,17 @@ def onnx_io(onnx_path: str | Path) -> tuple[tuple[TensorInfo, ...], tuple[Tensor
     initializers = {i.name for i in model.graph.initializer}
     inputs = tuple(info(v) for v in model.graph.input if v.name not in initializers)
     return inputs, tuple(info(v) for v in model.graph.output)
+
+
+# float8 e4m3fn, as ONNX's QuantizeLinear(saturate=1) makes it: the largest finite value, round to nearest even.
+FP8_MAX = 448.0
+
+
+def to_fp8(values, scale: float):
+    """Quantize like QuantizeLinear(saturate=1) to float8e4m3fn: values / scale, clamped to +-448 (the quantize
+    stage's offline fold and the quantized refit both store weights this way)."""
+    import ml_dtypes
+    import numpy as np
+
+    return np.clip(np.asarray(values, dtype=np.float32) / np.float32(scale), -FP8_MAX, FP8_MAX).astype(
+        ml_dtypes.float8_e4m3fn)

@@ -27,42 +27,14 @@ import numpy as np
 import onnx
 
 from ..errors import RefitError
+from ..onnx_facts import FP8_MAX, to_fp8
 from .onnx_graph import graph_consumers
+from .refit_records import MatchedBy, RefitTarget, WeightQuantization
 
 INT8_MAX = 127.0
-FP8_MAX = 448.0
 FLOAT8 = onnx.TensorProto.FLOAT8E4M3FN
 _WEIGHT_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 _LAYOUT_OPS = ("Transpose", "Reshape", "Cast", "Identity")
-
-
-@dataclass(frozen=True)
-class WeightQuantization:
-    """How one refitted weight is quantized in the graph.
-
-    `kind`: "int8" (float initializer behind QuantizeLinear) or "fp8" (float8 initializer behind
-    DequantizeLinear). `scale`: the initializer holding its scale; `axis`: the per-channel axis in the stored
-    layout (None: one scale). `smoothing`: SmoothQuant's per-input-channel `pre_quant_scale` (the stored weight
-    is W / smoothing), or None.
-    """
-
-    kind: str
-    scale: str
-    axis: int | None
-    scale_shape: tuple[int, ...]
-    smoothing: tuple[float, ...] | None = None
-
-    def to_json(self) -> dict:
-        return {"kind": self.kind, "scale": self.scale, "axis": self.axis, "scale_shape": list(self.scale_shape),
-                "smoothing": list(self.smoothing) if self.smoothing is not None else None}
-
-    @classmethod
-    def from_json(cls, data: dict) -> WeightQuantization:
-        smoothing = data.get("smoothing")
-        axis = data.get("axis")
-        return cls(kind=str(data["kind"]), scale=str(data["scale"]), axis=None if axis is None else int(axis),
-                   scale_shape=tuple(int(d) for d in data["scale_shape"]),
-                   smoothing=None if smoothing is None else tuple(float(v) for v in smoothing))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,13 +58,6 @@ def fp8_scale(weight: np.ndarray) -> np.float32:
     """amax / 448 of the whole tensor (FP8 weights are quantized per tensor)."""
     amax = max(float(np.abs(np.asarray(weight, dtype=np.float32)).max()), float(np.finfo(np.float32).tiny))
     return np.float32(amax / FP8_MAX)
-
-
-def to_fp8(values: np.ndarray, scale: np.float32) -> np.ndarray:
-    """QuantizeLinear(saturate=1) to float8e4m3fn: the same rounding as the quantize stage's offline fold."""
-    from ..quantize.fp8_rewrite import to_fp8 as quantize_fp8
-
-    return quantize_fp8(values, float(scale))
 
 
 def quantized_arrays(target, value: np.ndarray) -> dict[str, np.ndarray]:
@@ -233,8 +198,6 @@ def annotate_quantized(graph, targets: dict, unmapped: dict, params: dict, prefi
     smoothed ones hold other values than the torch weights, so they are matched here by name and confirmed by
     value (the quantized or smoothed base weight) when values are known.
     """
-    from .refit_map import MatchedBy, RefitTarget
-
     model_graph = graph.model.graph
     quantizers = weight_quantizers(model_graph)
     if not quantizers:

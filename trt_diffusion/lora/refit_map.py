@@ -18,7 +18,6 @@ import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from pathlib import Path
 
 import numpy as np
@@ -28,32 +27,13 @@ import torch
 from ..errors import RefitError
 from .deltas import base_parameter_name
 from .onnx_graph import OnnxGraph, onnx_sha256
-from .quantized_refit import WeightQuantization, annotate_quantized
+from .quantized_refit import annotate_quantized
+from .refit_records import MatchedBy, RefitTarget, Shape, WeightQuantization
 
 REFIT_MAP_SCHEMA_VERSION = 1
 REFIT_MAP_FILE = "refit_map.json"
 
-Shape = tuple[int, ...]
 ParamSpecs = torch.nn.Module | Mapping[str, torch.Tensor] | Mapping[str, Sequence[int]]
-
-
-class MatchedBy(str, Enum):
-    name = "name"
-    node = "node"
-    value = "value"
-
-
-@dataclass(frozen=True)
-class RefitTarget:
-    """Where one torch parameter lives in the ONNX: write `W.T if transpose else W`, reshaped to `shape`."""
-
-    initializer: str
-    transpose: bool
-    shape: Shape
-    dtype: str  # the initializer's numpy dtype name
-    matched_by: MatchedBy
-    # fp8/int8 engines: the weight's quantizer, whose scale a refit recomputes (lora/quantized_refit.py)
-    quantization: WeightQuantization | None = None
 
 
 @dataclass

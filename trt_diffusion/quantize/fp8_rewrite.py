@@ -24,21 +24,16 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import QuantizeError
+from ..onnx_facts import FP8_MAX, to_fp8  # noqa: F401 (FP8_MAX re-exported for the tests)
 
 REWRITTEN_MARK = "trt_diffusion.fp8_qdq_rewritten"
 TRT_DOMAIN = "trt"
-FP8_MAX = 448.0
 MIN_OPSET = 19  # float8 QuantizeLinear/DequantizeLinear
 _ZERO_POINT = "trt_diffusion_fp8_zero_point"
 
 
 def is_rewritten(model: onnx.ModelProto) -> bool:
     return any(p.key == REWRITTEN_MARK for p in model.metadata_props)
-
-
-def to_fp8(values: np.ndarray, scale: float) -> np.ndarray:
-    """Quantize like QuantizeLinear(saturate=1): round to nearest even, clamp to +-448."""
-    return np.clip(values.astype(np.float32) / np.float32(scale), -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
 
 
 def rewrite_fp8_qdq(model: onnx.ModelProto, conv_weight_amax: dict[str, float] | None = None,

@@ -14,11 +14,14 @@ import socket
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..engines_file import EngineSpec
 from ..errors import ConfigError
 from .files import atomic_write_bytes, sha256_file, tool_versions
 from .safe_paths import inside_folder
+
+if TYPE_CHECKING:
+    from ..engines_file import EngineSpec
 
 SCHEMA_VERSION = 1
 def _cpu_name() -> str:
@@ -70,7 +73,7 @@ def release_manifest(config, specs: list[EngineSpec], *, verify: bool = True) ->
     its record, its manifest included), `unrecorded` (built, but no provenance record: built before records
     were kept) or `missing` (not built in this workspace).
     """
-    from ..targets import get_target
+    from ..target_registry import get_target
 
     root = Path(config.workspace)
     entries = []
