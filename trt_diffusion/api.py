@@ -154,8 +154,7 @@ def _without_specs_for_other_hosts(specs, skipped: dict[str, str]):
 
     kept = []
     for spec in specs:
-        check = getattr(get_target(spec.target), "spec_unavailable_reason", None)
-        reason = check(spec) if check else None
+        reason = get_target(spec.target).spec_unavailable_reason(spec)
         if reason is None:
             kept.append(spec)
         else:

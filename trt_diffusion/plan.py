@@ -95,14 +95,14 @@ def _not_here(target: str) -> str | None:
 
 
 def _runs_as(target: str, precision: str) -> str:
-    """A target that computes something host-dependent says what (its optional `plan_note`)."""
+    """A target that computes something host-dependent says what (its `plan_note`)."""
     from .targets import get_target
 
     try:
-        note = getattr(get_target(target), "plan_note", None)
+        chosen = get_target(target)
     except Exception:  # noqa: BLE001 - a target that cannot load is reported by `build`, not here
         return ""
-    return note(precision) if note else ""
+    return chosen.plan_note(precision)
 
 
 def _formula(members: list[EngineSpec]) -> str:

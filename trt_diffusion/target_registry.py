@@ -27,7 +27,7 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {
-    "tensorrt": _Entry("trt_diffusion.targets.tensorrt:TensorRTTarget", in_default=True),
+    "tensorrt": _Entry("trt_diffusion.targets.tensorrt.target:TensorRTTarget", in_default=True),
     "onnxruntime": _Entry("trt_diffusion.targets.onnxruntime:OnnxRuntimeTarget", in_default=True),
     # The `openvino` extra: skipped with the reason where OpenVINO is not installed, like tensorrt.
     "openvino": _Entry("trt_diffusion.targets.openvino:OpenVINOTarget", in_default=True),

@@ -134,8 +134,10 @@ def test_a_host_without_openvino_skips_it_and_refuses_target_openvino(tmp_path, 
     reason = availability()["openvino"]
     assert reason and "openvino package is not installed" in reason and "trt-diffusion[openvino]" in reason
     config = allow_openvino_only(write_engines_yaml(tmp_path, tiny_model_dir("sd15"), "sd15", targets=["openvino"]))
-    report = api.build(config)
-    assert report.skipped_targets == {"openvino": reason} and not report.outcomes
+    # a build whose every engine is for a target this host cannot build fails, naming why (#31: no silent no-op)
+    with pytest.raises(MissingDependencyError, match="nothing to build on this machine") as caught:
+        api.build(config)
+    assert reason in str(caught.value)
     with pytest.raises(MissingDependencyError, match="cannot build the openvino target on this machine: the openvino package"):
         api.build(config, target="openvino")
 

@@ -321,7 +321,7 @@ def test_an_engine_entered_with_with_is_never_unloaded(tmp_path):
 def test_a_plan_refitted_on_disk_is_refused_until_the_runner_reloads(tmp_path):
     """#27 item 4: `trt-diffusion refit` rewrites the plan and manifest in place; a runner that loaded the old plan
     (or that would lazily reload after an unload) must not switch LoRA silently."""
-    from trt_diffusion.targets.tensorrt import save_refitted_plan
+    from trt_diffusion.targets.tensorrt.target import save_refitted_plan
 
     rig = Rig(tmp_path)
     runner = rig.runner("unet")

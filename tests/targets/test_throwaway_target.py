@@ -24,6 +24,7 @@ from trt_diffusion.onnx_facts import TensorInfo, onnx_io, onnx_sha256
 from trt_diffusion.targets import (
     BuildRequest,
     BuiltEngine,
+    TargetBase,
     TritonEngineModel,
     register_target,
     target_names,
@@ -43,7 +44,7 @@ class ThrowawayManifest:
         self.profile_shapes = {k: tuple(tuple(s) for s in v) for k, v in raw["profile_shapes"].items()}
 
 
-class ThrowawayTarget:
+class ThrowawayTarget(TargetBase):
     name = NAME
 
     def unavailable_reason(self):

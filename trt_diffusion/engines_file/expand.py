@@ -50,9 +50,7 @@ def _target_variants(config: EnginesConfig, model: ResolvedModel):
     from ..target_registry import get_target
 
     for target in model.targets:
-        chosen = get_target(target)
-        variants = getattr(chosen, "build_variants", None)
-        for options in (variants(config) if variants else [chosen.build_options(config)]):
+        for options in get_target(target).build_variants(config):
             yield target, options
 
 

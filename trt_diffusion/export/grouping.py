@@ -32,11 +32,11 @@ def onnx_precision(precision: str, target: str | None = None) -> str:
         from ..target_registry import get_target
 
         try:
-            declared = getattr(get_target(target), "onnx_precision", None)
+            declared = get_target(target).onnx_precision(precision)
         except TrtDiffusionError:  # unknown or unloadable target: the spec check reports it elsewhere
             declared = None
         if declared is not None:
-            return declared(precision)
+            return declared
     return "fp16" if precision in FP16_ONNX else "fp32"
 
 

@@ -141,3 +141,31 @@ class Target(Protocol):
 
     def runner_from_files(self, folder: Path, name: str) -> Any:
         """A Runner over the files `triton_model` put in a Triton model version folder (python backend)."""
+
+
+class TargetBase:
+    """The base every target subclasses: the optional hooks the stages call, with their defaults. A target
+    overrides the ones it needs (TensorRT: variants per GPU architecture, farm resources, an fp16 ONNX for
+    bf16; OpenVINO: what this CPU computes); callers never probe with getattr."""
+
+    name: str
+
+    def build_variants(self, config: EnginesConfig) -> list[dict[str, Any]]:
+        """Each variant's key-affecting options: one engine per spec by default (TensorRT: one per GPU)."""
+        return [self.build_options(config)]
+
+    def spec_unavailable_reason(self, spec: EngineSpec) -> str | None:
+        """Why this host cannot build this one spec (a plan for another GPU architecture); None: it can."""
+        return None
+
+    def onnx_precision(self, precision: str) -> str | None:
+        """The ONNX precision this target builds `precision` from; None: the exporter's default."""
+        return None
+
+    def farm_needs(self, spec: EngineSpec) -> dict[str, Any]:
+        """Ray resources a build of `spec` needs on a farm (a GPU of its architecture); none by default."""
+        return {}
+
+    def plan_note(self, precision: str) -> str:
+        """What `plan` adds about how this target computes `precision` here and elsewhere; nothing by default."""
+        return ""

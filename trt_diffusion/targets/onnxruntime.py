@@ -30,7 +30,7 @@ from ..workspace.manifests import (
     trusted_folder_manifest,
     verify_engine_folder,
 )
-from .base import BuildRequest, BuiltEngine, TritonEngineModel
+from .base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
 
 if TYPE_CHECKING:
     import onnx
@@ -243,7 +243,7 @@ def _engine_files(folder: Path, manifest: OrtEngineManifest) -> dict[str, Path]:
     return files
 
 
-class OnnxRuntimeTarget:
+class OnnxRuntimeTarget(TargetBase):
     """Engines as fixed-shape, offline-optimized ONNX, run by ONNX Runtime (CPU here; CUDA where installed)."""
 
     name = TARGET

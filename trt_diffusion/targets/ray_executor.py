@@ -181,8 +181,7 @@ def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str
 def _target_needs(spec: EngineSpec) -> dict[str, Any]:
     from . import get_target
 
-    needs = getattr(get_target(spec.target), "farm_needs", None)
-    return dict(needs(spec)) if needs else {}
+    return dict(get_target(spec.target).farm_needs(spec))
 
 
 def _task_error(exc: Exception) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError, ServeError
 from ...onnx_facts import onnx_sha256
-from ..base import BuildRequest, BuiltEngine, TritonEngineModel
+from ..base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
 from . import host, precision
 from .engine import (
     MANIFEST_FILE,
@@ -65,7 +65,7 @@ def _writable(folder: Path) -> bool:
         return False
 
 
-class OpenVINOTarget:
+class OpenVINOTarget(TargetBase):
     """Engines as OpenVINO IR at the bucket's shape, for Intel (and ARM) CPUs: bf16 with AMX, int8 from Q/DQ."""
 
     name = TARGET

@@ -543,7 +543,7 @@ def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: En
         raise BuildError(f"engine plan {plan_path} is a stripped plan (STRIP_PLAN): load it with the ONNX it was "
                          "built from (weights_onnx), whose weights are refitted into it")
     if stripped and weights_onnx is not None:
-        from . import check_refit_base
+        from .target import check_refit_base
 
         check_refit_base(manifest, Path(weights_onnx))  # before anything is deserialized
     if spec is not None and manifest.spec_key != spec.key:

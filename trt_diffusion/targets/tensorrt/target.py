@@ -1,0 +1,221 @@
+"""The TensorRT target class: the `targets.base.Target` hooks over `config.py` (pure decisions) and `engine.py`
+(the only importer of `tensorrt`)."""
+
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
+
+# build.tensorrt settings that become `tensorrt_<name>` build options when not their default
+OPTIONAL_SETTINGS = {"allow_refit_on_11_3": False, "version_compatible": False, "strip_plan": False,
+                     "weight_streaming": False, "tf32": True}
+
+
+class TensorRTTarget(TargetBase):
+    name = "tensorrt"
+
+    def farm_needs(self, spec) -> dict:
+        """Ray task options of a build: one GPU, of the spec's architecture when engines.yaml lists them
+        (a node offers it as a custom resource: `ray start --resources '{"sm_90": 1}'`)."""
+        architecture = spec.option("architecture")
+        return {"num_gpus": 1, "resources": {architecture: 1} if architecture else {}}
+
+    def spec_unavailable_reason(self, spec) -> str | None:
+        """A plan for another GPU architecture is built on a host that has it (`build --ray`), not here."""
+        from .config import architecture_mismatch
+        from .engine import host_info
+
+        wanted = spec.option("architecture")
+        return architecture_mismatch(wanted, host_info()[1]) if wanted else None
+
+    def build_variants(self, config) -> list[dict]:
+        """One engine per GPU architecture engines.yaml lists (plans are specific to one); one otherwise."""
+        options = self.build_options(config)
+        architectures = config.build.tensorrt.architectures
+        return [{**options, "architecture": a} for a in architectures] if architectures else [options]
+
+    def unavailable_reason(self) -> str | None:
+        from .engine import tensorrt_available
+
+        ok, reason = tensorrt_available()
+        return None if ok else reason
+
+    def onnx_precision(self, precision: str) -> str:
+        """The ONNX export a `precision` engine is built from (strongly typed: the graph's dtypes are the
+        engine's): fp32, fp16 and bf16 graphs (fp32 I/O) for those precisions; fp8/int8 engines are built
+        from the quantize stage's Q/DQ graph, converted to Q/DQ over the family's base, fp16 or bf16 (`engine_onnx`, `qdq_fp16.py`)."""
+        return precision if precision in ("fp32", "fp16", "bf16") else "fp32"
+
+    def build_options(self, config) -> dict:
+        settings = config.build.tensorrt
+        options = {"tensorrt_optimization_level": settings.optimization_level,
+                   "tensorrt_workspace_gb": settings.workspace_gb}
+        # only where not the default: a default keeps every engine's key as it was
+        for name, default in OPTIONAL_SETTINGS.items():
+            value = getattr(settings, name, default)
+            if value != default:
+                options[f"tensorrt_{name}"] = value
+        return options
+
+    def build(self, request: BuildRequest) -> tuple[Path, bool]:
+        from . import config as trt_config
+        from . import engine
+
+        engine.check_can_build(request.spec)  # the hardware gate, before TensorRT is started
+        plan = trt_config.engine_path(request.workspace, request.spec)
+        if self.is_current(request):
+            return plan, True
+        refit_map = None
+        if request.write_refit_map is not None:  # TensorRT refits by ONNX initializer name: keep the map beside the plan
+            refit_map = plan.with_name(plan.name.removesuffix(".plan") + ".refit_map.json")
+            plan.parent.mkdir(parents=True, exist_ok=True)
+            request.write_refit_map(request.onnx_path, refit_map)
+        engine.build_engine(self.engine_onnx(request), request.spec, request.profile, plan, request.timing_cache_dir,
+                            refit_map=str(refit_map) if refit_map else None)
+        return plan, False
+
+    def engine_onnx(self, request: BuildRequest) -> Path:
+        """The ONNX the engine is built from: the request's, except that an fp8/int8 engine from the quantize
+        stage's Q/DQ graph over fp32 is built from its Q/DQ-over-fp16 form (made once, in the workspace)."""
+        return _engine_onnx(request.spec, Path(request.onnx_path), Path(request.workspace))
+
+    def is_current(self, request: BuildRequest) -> bool:
+        """Reuse a plan only when its manifest records exactly these inputs on this TensorRT and GPU, the plan
+        is the one its manifest's sha256 names, and it still holds the weights it was built with (a refitted
+        plan is never taken for a build)."""
+        from . import config as trt_config
+        from .engine import host_info
+        from .plan_trust import plan_file_problem
+
+        plan = trt_config.engine_path(request.workspace, request.spec)
+        try:
+            manifest = trt_config.EngineManifest.read(trt_config.manifest_path(plan))
+        except Exception:  # missing or unreadable: build
+            return False
+        if plan_file_problem(manifest, plan) is not None:  # missing, resized or changed: build
+            return False
+        trt_version, compute_capability, _ = host_info()
+        onnx_path = self.engine_onnx(request)
+        flags = trt_config.BuildFlags.for_spec(request.spec, trt_config.onnx_has_qdq(onnx_path))
+        return trt_config.manifest_is_current(manifest, request.spec, trt_config.onnx_sha256(onnx_path),
+                                              flags, request.profile, trt_version, compute_capability)
+
+    def find(self, workspace: Path, spec) -> BuiltEngine | None:
+        """The built engine of `spec`: a plan whose sha256 is the one its manifest records (a verdict cached on
+        the file's inode, size and mtime). A plan whose refit was interrupted is found (`refit` restores it);
+        loading it for inference is refused."""
+        from .config import EngineManifest, engine_path, manifest_path
+        from .plan_trust import plan_file_problem
+
+        plan = engine_path(workspace, spec)
+        try:
+            manifest = EngineManifest.read(manifest_path(plan))
+        except Exception:  # missing or unreadable manifest: not built
+            return None
+        if manifest.spec_key != spec.key or plan_file_problem(manifest, plan, for_refit=True) is not None:
+            return None
+        return BuiltEngine(spec, plan, manifest)
+
+    def runner(self, engine: BuiltEngine, weights=None):
+        import functools
+
+        from ...errors import RefitError
+        from .engine import load_engine
+        from .runner import TensorRTRunner
+
+        if weights:
+            raise RefitError("LoRA refit at load time is not implemented for the tensorrt target; apply it with "
+                             "`trt-diffusion refit --target tensorrt`")
+        # the spec goes with the load: host code only where the spec asks for version compatibility
+        return TensorRTRunner(engine.path, name=engine.spec.name, loader=functools.partial(load_engine, spec=engine.spec))
+
+    def refit(self, engine: BuiltEngine, weights, source_onnx) -> int:
+        """Refit the plan from its base ONNX (so no earlier LoRA stays behind), then `weights` over it, and
+        save it in place with the manifest recording what it now holds (`refit`: None means base again)."""
+        from ...lora import RefitMap, refit_weights_for_tensorrt
+        from . import engine as trt_engine
+        from .config import QUANTIZED_PRECISIONS, qdq_base_precision
+
+        onnx_path = source_onnx()
+        # the ONNX the plan was built from (for fp8/int8: Q/DQ over its base); the plan is
+        # <workspace>/engines/tensorrt/x.plan. Checked against the manifest before it is taken as the base.
+        base_onnx = _engine_onnx(engine.spec, Path(onnx_path), Path(engine.path).parents[2])
+        check_refit_base(engine.manifest, base_onnx)
+        refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
+        loaded = trt_engine.load_engine(engine.path, spec=engine.spec, for_refit=True)
+        if engine.spec.precision in QUANTIZED_PRECISIONS:  # weights with their recomputed scales, over the Q/DQ base
+            arrays = (refit_weights_for_tensorrt(refit_map, weights, precision=qdq_base_precision(engine.spec))
+                      if weights else {})
+            trt_engine.refit_quantized_from_base(loaded, base_onnx, arrays)
+        else:
+            arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
+            trt_engine.refit_from_base(loaded, onnx_path, arrays)
+        save_refitted_plan(engine.path, loaded.manifest, loaded.engine.serialize(), arrays)
+        return len(arrays)
+
+    def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
+        from ...errors import BuildError
+        from .config import manifest_path
+        from .plan_trust import interrupted_refit_problem, plan_file_problem
+
+        problem = interrupted_refit_problem(engine.manifest) or plan_file_problem(engine.manifest, engine.path,
+                                                                                   cached=False)
+        if problem:  # packaged files are hashed in full: a repository never carries a plan its manifest disowns
+            raise BuildError(problem)
+        files = {"model.plan": Path(engine.path), "manifest.json": manifest_path(engine.path)}
+        return TritonEngineModel("tensorrt_plan", "KIND_GPU", files, "model.plan", notes=(
+            "platform tensorrt_plan needs NVIDIA's Triton containers with the TensorRT version and GPU the plans "
+            "were built for",))
+
+    def runner_from_files(self, folder: Path, name: str):
+        from .runner import TensorRTRunner
+
+        return TensorRTRunner(Path(folder) / "model.plan", name=name)
+
+
+def _engine_onnx(spec, onnx_path: Path, workspace: Path) -> Path:
+    from .config import QUANTIZED_PRECISIONS, onnx_compute_dtype, qdq_base_precision
+
+    if spec.precision in QUANTIZED_PRECISIONS and onnx_compute_dtype(onnx_path) == "float32":
+        from .qdq_fp16 import qdq_base_onnx
+
+        base = qdq_base_precision(spec)
+        return qdq_base_onnx(onnx_path, workspace / "engines" / "tensorrt" / f"qdq-{base}", base)
+    return onnx_path
+
+
+def check_refit_base(manifest, base_onnx: Path) -> None:
+    """RefitError unless `base_onnx` is the ONNX the plan was built from (its manifest's `onnx_sha256`): a
+    re-export of a changed model would otherwise pass for the base, and a refit from it mixes two models."""
+    from ...errors import RefitError
+    from .config import REBUILD_COMMAND, onnx_sha256
+
+    digest = onnx_sha256(base_onnx)
+    if digest != manifest.onnx_sha256:
+        raise RefitError(
+            f"cannot refit engine {manifest.spec_name}: the fresh export {base_onnx} is not the ONNX the plan was "
+            f"built from (sha256 {digest[:12]}…, the manifest records {manifest.onnx_sha256[:12]}…): the model or "
+            f"the exporter changed since the build; rebuild with `{REBUILD_COMMAND}`")
+
+
+def save_refitted_plan(plan_path: Path, manifest, plan, weights) -> None:
+    """Replace a plan with its refitted form, the manifest saying what it holds at every moment.
+
+    Order: (1) the manifest marks a refit in progress (the plan is no base any more), (2) the plan is
+    replaced, (3) the manifest records the weights applied, or `refit: None` when they are the base
+    ones. An interruption after (1) or (2) leaves a plan that `build` rebuilds and `refit` restores from
+    its ONNX; it never passes for a base engine. `plan` is any buffer (TensorRT's IHostMemory).
+    """
+    from .config import RefitRecord, atomic_write_bytes, manifest_path, weights_digest
+    from .plan_trust import plan_sha256
+
+    nbytes, digest = memoryview(plan).nbytes, plan_sha256(plan)
+    record = RefitRecord(weights_sha256=weights_digest(weights), names=tuple(sorted(weights))) if weights else None
+    pending = RefitRecord(weights_sha256=record.weights_sha256 if record else "", names=record.names if record else (),
+                          in_progress=True, replacing_sha256=manifest.plan_sha256)
+    manifest_file = manifest_path(plan_path)
+    manifest.model_copy(update={"refit": pending, "plan_bytes": nbytes, "plan_sha256": digest}).write(manifest_file)
+    atomic_write_bytes(plan_path, plan)
+    manifest.model_copy(update={"refit": record, "plan_bytes": nbytes, "plan_sha256": digest}).write(manifest_file)
