@@ -19,6 +19,7 @@ from pathlib import Path
 from .. import signing
 from ..engines_file.engine_spec import Size
 from ..errors import ServeError
+from .release_check import verify_repository
 from .report import PackageReport
 from .repository import PackageOptions, package
 from .server import ServerPorts, TritonServer, free_port
@@ -129,7 +130,7 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
         raise signing.SignatureError(f"{repo} was packaged from a workspace with build.trust: signed; serve it "
                                      "with --verify PUBKEY")
     if verify_keys:
-        signing.verify_repository(repo, verify_keys)
+        verify_repository(repo, verify_keys)
     temporary = work_dir is None  # a folder made here is removed when the server stops (or fails to start)
     work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trt-diffusion-serve-"))
     try:
