@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .engines_file import EnginesConfig, EngineSpec, Precision, expand
+from .errors import TrtDiffusionError
 from .families import Component
 
 
@@ -23,6 +24,7 @@ class PlanRow:
     formula: str = ""
     runs_as: str = ""  # what the target computes for this precision, here and on other hosts
     not_here: str | None = None  # why this machine cannot build the row's engines (None: it can)
+    layouts: dict[str, int] | None = None  # device weight bytes per engine layout, where the target has several
 
     @property
     def disk_bytes(self) -> int | None:
@@ -83,8 +85,19 @@ def make_plan(config: EnginesConfig, count_parameters: bool = True) -> Plan:
         why = [r for s in members for r in s.reasons]
         rows.append(PlanRow(model_name, label, target, precision, len(members), params, per_engine, why,
                             formula=_formula(members), runs_as=_runs_as(target, precision),
-                            not_here=_not_here(target)))
+                            not_here=_not_here(target), layouts=_layouts(target, members, per_engine)))
     return Plan(config, specs, rows)
+
+
+def _layouts(target: str, members: list[EngineSpec], per_engine: int | None) -> dict[str, int] | None:
+    from .targets import get_target
+
+    if per_engine is None:
+        return None
+    try:
+        return get_target(target).layout_memory(members, per_engine)
+    except TrtDiffusionError:  # a target that cannot load is reported by `build`, not here
+        return None
 
 
 def _not_here(target: str) -> str | None:

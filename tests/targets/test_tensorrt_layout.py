@@ -62,3 +62,20 @@ def test_a_feed_inside_the_envelope_but_no_profile_is_refused_before_loading():
     check_feeds(manifest, {"x": np.zeros((1, 40), np.float32)})
     with pytest.raises(RuntimeInputError, match="fit none of the engine's 2 profiles"):
         check_feeds(manifest, {"x": np.zeros((2, 40), np.float32)})
+
+
+def test_plan_shows_both_layouts_device_memory(tmp_path, tiny_sd15_dir, write_engines_yaml, capsys):
+    """`plan` on a TensorRT file: per-shape engines hold a weight copy each, `profiles` one per weight set."""
+    import json
+
+    from trt_diffusion.cli import main
+
+    path = write_engines_yaml(tmp_path, tiny_sd15_dir, "sd15", targets=["tensorrt"], buckets=["64x64", "128x128"],
+                              batch=[1, 2])
+    assert main(["plan", str(path), "--json"]) == 0
+    rows = {row["component"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    unet = rows["unet"]["layouts"]
+    assert unet["per_shape_engines"] == 4 and unet["profiles_engines"] == 1  # 2 buckets x 2 batch shapes
+    assert unet["per_shape_bytes"] == 4 * unet["profiles_bytes"] > 0
+    assert main(["plan", str(path)]) == 0
+    assert "unet (tensorrt) device weights: per_shape" in capsys.readouterr().out

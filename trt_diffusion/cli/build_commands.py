@@ -35,6 +35,13 @@ def plan_command(config: ConfigArg, as_json: Annotated[bool, typer.Option("--jso
                   "`--json` lists every engine with its key and reasons.")
     console.print(f"[bold]{result.total_engines} engines[/bold], about {human_bytes(result.total_disk_bytes)} on disk"
                   f"; {result.buildable_here} buildable on this machine")
+    for row in result.rows:
+        if row.layouts and row.layouts["per_shape_engines"] > row.layouts["profiles_engines"]:
+            layout = row.layouts
+            console.print(f"{row.model} {row.component} ({row.target}) device weights: per_shape "
+                          f"{human_bytes(layout['per_shape_bytes'])} ({layout['per_shape_engines']} engines) · "
+                          f"profiles {human_bytes(layout['profiles_bytes'])} ({layout['profiles_engines']} "
+                          f"engine{'s' if layout['profiles_engines'] > 1 else ''})", soft_wrap=True, highlight=False)
     reasons = dict.fromkeys((row.target, row.not_here) for row in result.rows if row.not_here)
     for target, reason in reasons:
         console.print(f"[yellow]not buildable here[/yellow] ({target}, marked *): {reason}", soft_wrap=True,

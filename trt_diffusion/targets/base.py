@@ -166,6 +166,11 @@ class TargetBase:
         """Ray resources a build of `spec` needs on a farm (a GPU of its architecture); none by default."""
         return {}
 
+    def layout_memory(self, specs: list[EngineSpec], weight_bytes_per_engine: int) -> dict[str, int] | None:
+        """Device weight memory of these specs' engines under each engine layout the target offers (TensorRT:
+        one engine per shape, or one engine with a profile per shape); None where there is one layout."""
+        return None
+
     def plan_note(self, precision: str) -> str:
         """What `plan` adds about how this target computes `precision` here and elsewhere; nothing by default."""
         return ""

@@ -16,6 +16,14 @@ OPTIONAL_SETTINGS = {"allow_refit_on_11_3": False, "version_compatible": False, 
 class TensorRTTarget(TargetBase):
     name = "tensorrt"
 
+    def layout_memory(self, specs, weight_bytes_per_engine: int) -> dict[str, int]:
+        """GPU weights of `engine_layout: per_shape` (a copy per shape) vs `profiles` (a copy per weight set)."""
+        from .layout import layout_memory
+
+        memory = layout_memory(specs, weight_bytes_per_engine)
+        return {"per_shape_engines": memory.engines_per_shape, "per_shape_bytes": memory.per_shape_bytes,
+                "profiles_engines": memory.engines_profiles, "profiles_bytes": memory.profiles_bytes}
+
     def farm_needs(self, spec) -> dict:
         """Ray task options of a build: one GPU, of the spec's architecture when engines.yaml lists them
         (a node offers it as a custom resource: `ray start --resources '{"sm_90": 1}'`)."""
