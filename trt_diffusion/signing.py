@@ -215,3 +215,25 @@ def verify_engines(engines: Iterable[Any], workspace: str | os.PathLike, release
         if missing:
             raise SignatureError(f"engine {name}: {missing[0]} of the signed release is missing")
     return payload
+
+
+def verify_workspace(release_path: str | os.PathLike, workspace: str | os.PathLike,
+                     public_keys: Sequence[str | os.PathLike]) -> tuple[dict, list[str]]:
+    """`manifest --verify PUBKEY`: the signed release at `release_path` verifies, and every file it lists is in
+    `workspace` with that sha256. (payload, problems), problems naming engine and file; SignatureError when the
+    signature itself does not verify."""
+    from .workspace.files import sha256_file
+    from .workspace.safe_paths import inside_folder
+
+    payload = verify_release(read_release(release_path), public_keys, where=str(release_path))
+    problems = []
+    for entry in payload.get("engines") or []:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        for relative, digest in covered_files({"engines": [entry]}, str(release_path)).get(str(entry.get("key")),
+                                                                                              {}).items():
+            path = inside_folder(workspace, relative, where=str(release_path), field="files", error=SignatureError)
+            if not path.is_file():
+                problems.append(f"{name}: {relative} is missing")
+            elif sha256_file(path) != digest:
+                problems.append(f"{name}: {relative} differs from the signed release (sha256)")
+    return payload, problems

@@ -82,6 +82,17 @@ def test_a_signed_release_round_trip_and_a_resealed_engine(workspace):
         stage.package_stage(config, tmp_path / "verified", verify_keys=[public])
 
 
+def test_a_workspace_checked_against_its_signed_release(workspace):
+    config, public, _ = workspace
+    release = config.parent / "build" / signing.RELEASE_FILE
+    payload, problems = signing.verify_workspace(release, config.parent / "build", [public])
+    assert problems == [] and payload["counts"]["ok"] == len(payload["engines"])
+    unet = next((config.parent / "build" / "engines" / "onnxruntime").glob("sd15-tiny.unet.*"))
+    _reseal(unet)
+    _, problems = signing.verify_workspace(release, config.parent / "build", [public])
+    assert problems and all("sd15-tiny.unet" in p and "differs from the signed release" in p for p in problems)
+
+
 def test_other_keys_altered_and_unsigned_releases_are_refused(workspace):
     config, public, tmp_path = workspace
     release = config.parent / "build" / signing.RELEASE_FILE
