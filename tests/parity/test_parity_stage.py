@@ -12,6 +12,8 @@ import pytest
 import yaml
 
 from trt_diffusion.cli import main
+from trt_diffusion.onnx_facts import onnx_sha256
+from trt_diffusion.workspace.manifests import record_files
 
 
 def _copy_config(tmp_path, built_sd15):
@@ -72,6 +74,12 @@ def test_a_corrupted_engine_fails_parity_naming_the_component(tmp_path, built_sd
     with open(unet_dir / info["location"], "r+b") as f:
         f.seek(offset)
         f.write(np.random.default_rng(0).standard_normal(length // 4).astype(np.float32).tobytes())
+    # re-sealed: a wrong engine whose manifest vouches for it (a bad build, not a tampered file, which find()
+    # refuses by sha256 before parity sees it); parity is the gate that must catch it
+    manifest = json.loads((unet_dir / "manifest.json").read_text())
+    manifest["engine_sha256"] = onnx_sha256(unet_dir / "model.onnx")
+    manifest["file_sha256"] = record_files(unet_dir)
+    (unet_dir / "manifest.json").write_text(json.dumps(manifest))
     code = main(["parity", str(path), "--steps", "2", "--out", str(tmp_path / "report")])
     err = " ".join(capsys.readouterr().err.split())
     assert code == 1

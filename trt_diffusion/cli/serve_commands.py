@@ -174,7 +174,7 @@ def generate_command(
         height = height if "height" in given else recorded.height or None
         width = width if "width" in given else recorded.width or None
     if not prompt:
-        raise typer.BadParameter("what to draw (or --from PNG to repeat an image's request)", param_hint="'--prompt'")
+        ctx.fail("Missing option '--prompt' (what to draw), or --from PNG to repeat an image's request")
     transport = _transport(url, protocol)
     if config is None and (height is None or width is None):
         from ..engines_file.engine_spec import Size
@@ -184,7 +184,7 @@ def generate_command(
         first = Size.parse(sizes[0])
         height, width = height or first.height, width or first.width
     elif config is not None and (height is None or width is None):
-        raise typer.BadParameter("give --height and --width with --config", param_hint="'--height'")
+        ctx.fail("Missing option '--height'/'--width': give both with --config (no server to ask for its sizes)")
     control = _control_image(control_image, width, height) if control_image is not None else None
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None)
