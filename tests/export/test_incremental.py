@@ -42,6 +42,7 @@ def test_second_export_is_a_no_op(sd15_export):
     assert _snapshot(_onnx_dir(sd15_export.config)) == before  # same inodes, same mtimes: nothing rewritten
 
 
+@pytest.mark.slow  # a second UNet export (about 25 s)
 def test_changed_unet_weights_reexport_only_the_unet(sd15_export, sd15_main_fields, tiny_model_dir,
                                                       write_engines_yaml, tmp_path):
     model = tmp_path / "model"

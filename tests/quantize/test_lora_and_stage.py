@@ -35,6 +35,7 @@ def lora_run(tiny_sd15_dir, tmp_path_factory):
     return config, quantize(config)
 
 
+@pytest.mark.slow  # calibrates and gates a variant per fused LoRA (about 30 s with its fixture)
 def test_each_fused_lora_gets_its_own_calibrated_gated_variant(lora_run):
     config, report = lora_run
     assert report.passed

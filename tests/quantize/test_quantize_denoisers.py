@@ -22,7 +22,9 @@ from trt_diffusion.quantize.stage import quantize_component
 
 from .conftest import DENOISER, TINY_BUCKET
 
-CASES = [(family, precision) for family in ("sd15", "sdxl", "sd3") for precision in ("int8", "fp8")]
+# sd15 in the default run; the sdxl and sd3 cases (about 40 s together) in the slow suite
+CASES = [(family, precision) if family == "sd15" else pytest.param(family, precision, marks=pytest.mark.slow)
+         for family in ("sd15", "sdxl", "sd3") for precision in ("int8", "fp8")]
 
 
 @pytest.mark.parametrize("family,precision", CASES)

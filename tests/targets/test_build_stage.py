@@ -56,6 +56,7 @@ def test_engines_reproduce_the_reference_image(built_sd15):
     assert np.abs(engines.astype(int) - reference.generate(REQUEST).images.astype(int)).max() <= 1
 
 
+@pytest.mark.slow  # a second export and build of the UNet and VAE (about 60 s); the no-op and cache tests stay
 def test_bucket_change_rebuilds_only_its_engines(tmp_path, built_sd15):
     workspace = tmp_path / "build"
     shutil.copytree(built_sd15.parent / "build", workspace)

@@ -52,6 +52,7 @@ def _parity(config, out):
     return run.report
 
 
+@pytest.mark.slow  # OpenVINO end to end with a refit LoRA (about 40 s); the conformance suite keeps openvino in the default run
 def test_fp32_builds_and_passes_parity_with_its_refit_lora(variants, tmp_path):
     report = api.build(variants["fp32"], target="openvino")
     assert not report.failed and len(report.outcomes) == 3, [o.error for o in report.failed]

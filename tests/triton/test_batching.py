@@ -20,7 +20,8 @@ from trt_diffusion.errors import ServeError
 from trt_diffusion.triton import client as triton_client
 from trt_diffusion.triton.client import ImageRequest, RequestRejected
 
-pytestmark = [pytest.mark.triton, pytest.mark.timeout(900)]
+# Its own server and batch-N engines (about 90 s); test_serving keeps a served pipeline in the default run.
+pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPTS = ["a lighthouse on a cliff at dusk", "a red fox in snow", "an old tram in Lisbon", "a bowl of ramen",
            "a paper boat", "a desert at noon", "a glass of water", "a violin on a chair"]
