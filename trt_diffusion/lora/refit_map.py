@@ -13,8 +13,6 @@ With torch values at hand every match is confirmed by value, so a map never poin
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,6 +23,7 @@ import onnx
 import torch
 
 from ..errors import RefitError
+from ..workspace.files import atomic_write_bytes
 from .deltas import base_parameter_name
 from .onnx_graph import OnnxGraph, onnx_sha256
 from .quantized_refit import annotate_quantized
@@ -104,15 +103,7 @@ class RefitMap:
         path = Path(path)
         if path.is_dir():
             path = path / REFIT_MAP_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump(self.to_json(), handle, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write_bytes(path, json.dumps(self.to_json(), indent=1).encode())
         return path
 
     @classmethod

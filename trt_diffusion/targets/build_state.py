@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from ..engines_file import EnginesConfig, EngineSpec
-from ..workspace.files import tool_versions
+from ..workspace.files import atomic_write_bytes, tool_versions
 from .base import BuildReport, EngineOutcome
 
 STATE_FILE = ".build-state.json"
@@ -78,10 +77,7 @@ def record(config: EnginesConfig, report: BuildReport) -> None:
         return
     state = {"fingerprint": fingerprint(config, [o.spec for o in report.outcomes]),
              "engines": {o.spec.key: {"path": str(o.path), "files": _engine_stats(o.path)} for o in report.outcomes}}
-    state_path.parent.mkdir(parents=True, exist_ok=True)
-    temp = state_path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-    temp.write_text(json.dumps(state))
-    os.replace(temp, state_path)
+    atomic_write_bytes(state_path, json.dumps(state).encode())
 
 
 def unchanged_report(config: EnginesConfig, specs: list[EngineSpec],

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .files import sha256_file
+from .files import atomic_write_bytes, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -210,12 +210,7 @@ def _commit(writer: ArtifactWriter) -> None:
 
 
 def _write_file_atomically(path: Path, text: str) -> None:
-    temp = path.with_name(f".{path.name}.part")
-    with open(temp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
+    atomic_write_bytes(path, text.encode())  # a unique temporary name: two writers never share one
 
 
 def _replace_folder(source: Path, target: Path) -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ...workspace.files import atomic_write_bytes
 from .heatmap import diff_heatmap, diff_png_name
 from .html_page import render_html
 from .model import ParityReport, relative_png_name
@@ -22,18 +22,7 @@ REPORT_HTML = "parity.html"
 
 
 def _write_atomically(path: Path, data: bytes) -> Path:
-    """Write to a temporary file in the same folder, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as temp_file:
-            temp_file.write(data)
-            temp_file.flush()
-            os.fsync(temp_file.fileno())
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, data)  # temporary name beside it, fsync, rename: readers never see half a file
     return path
 
 
