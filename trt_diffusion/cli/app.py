@@ -14,6 +14,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="diffusers models -> verified engines (TensorRT / ONNX Runtime / OpenVINO) -> Triton.")
 models_app = typer.Typer(no_args_is_help=True, help="Reference model folders.")
 app.add_typer(models_app, name="models")
+keys_app = typer.Typer(no_args_is_help=True, help="Release signing keys (ed25519; docs/security.md).")
+app.add_typer(keys_app, name="keys")
 
 # What main() found on the command line before typer parsed it (--debug may stand anywhere).
 state = {"debug": False}
@@ -39,13 +41,15 @@ def _top_level(
 
 
 def _register_commands() -> None:
-    from . import build_commands, models_commands, report_commands, serve_commands
+    from . import build_commands, keys_commands, models_commands, report_commands, serve_commands
 
     for module in (build_commands, report_commands, serve_commands):
         for name, function in module.COMMANDS.items():
             app.command(name)(function)
     for name, function in models_commands.COMMANDS.items():
         models_app.command(name)(function)
+    for name, function in keys_commands.COMMANDS.items():
+        keys_app.command(name)(function)
 
 
 _register_commands()

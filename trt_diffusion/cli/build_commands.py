@@ -183,12 +183,20 @@ def manifest_command(
     config: ConfigArg,
     out: Annotated[Path | None, typer.Option("--out", help="where to write it (default "
                                                 "<workspace>/release-manifest.json)")] = None,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="check every file's sha256")] = True,
+    verify: Annotated[bool, typer.Option("--verify-files/--no-verify", help="check every file's sha256")] = True,
+    sign: Annotated[Path | None, typer.Option("--sign", help="private key (keys generate): sign the verified "
+                                              "release manifest (on the release host)")] = None,
+    verify_keys: Annotated[list[Path] | None, typer.Option("--verify", help="public key: check the signed release "
+                                                           "manifest and the workspace against it (repeatable)")]
+    = None,
 ):
     """The release manifest of every engine (provenance + sha256), verified; exit 1 if a file changed."""
     from .. import api
     from ..errors import BuildError
 
+    if verify_keys:
+        _verify_signed_manifest(config, out, verify_keys)
+        return
     result = api.manifest(config, verify=verify, out=out)
     table = Table(title=f"release manifest ({result['path']})")
     for column in ("engine", "target", "status", "built by", "built at", "size"):
@@ -205,6 +213,25 @@ def manifest_command(
     if modified:
         details = "; ".join(f"{e['name']}: {', '.join(e['problems'][:2])}" for e in modified[:3])
         raise BuildError(f"{len(modified)} engine(s) differ from what their build recorded: {details}")
+    if sign is not None:
+        from ..signing import sign_release_file
+
+        signed = sign_release_file(result["path"], sign)
+        console.print(f"signed with key {signed['signature']['key_id'][:16]}… ({result['path']})")
+
+
+def _verify_signed_manifest(config: Path, out: Path | None, keys: list[Path]) -> None:
+    from ..engines_file import load_engines_file
+    from ..errors import BuildError
+    from ..signing import RELEASE_FILE, verify_workspace
+
+    loaded = load_engines_file(config)
+    path = Path(out) if out else Path(loaded.workspace) / RELEASE_FILE
+    payload, problems = verify_workspace(path, loaded.workspace, keys)
+    if problems:
+        raise BuildError(f"{len(problems)} file(s) differ from the signed release {path}: " + "; ".join(problems[:3]))
+    console.print(f"{path}: signature verified; {len(payload.get('engines', []))} engine(s) in the workspace "
+                  "exactly as signed")
 
 
 def refit_command(

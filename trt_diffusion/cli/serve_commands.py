@@ -57,6 +57,8 @@ def package_command(
     max_images: Annotated[int, typer.Option("--max-images", min=1, help="NUM_IMAGES of one request at most")] = 8,
     stream: Annotated[bool, typer.Option("--stream/--no-stream",
                                          help="also write <pipeline>_stream (gRPC streaming, previews)")] = True,
+    verify_keys: Annotated[list[Path] | None, typer.Option("--verify", help="public key: package only engines the "
+                                                           "signed release manifest covers (repeatable)")] = None,
 ):
     """Write a Triton model repository serving the built engines of one model."""
     from ..triton.repository import PackageOptions
@@ -67,7 +69,8 @@ def package_command(
                              queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble,
                              batch_requests=batch_requests, batch_delay_ms=batch_delay_ms, max_images=max_images,
                              stream=stream)
-    report = package_stage(config, out, check_target_name(target), model=model, options=options)
+    report = package_stage(config, out, check_target_name(target), model=model, options=options,
+                           verify_keys=verify_keys or ())
     table = Table(title=f"Triton repository {report.repo}")
     for column in ("model", "role", "backend", "component", "bucket", "batch", "warm-up shapes"):
         table.add_column(column)
@@ -95,6 +98,9 @@ def serve_command(
     admin_apis: Annotated[bool, typer.Option("--admin-apis", help="leave Triton's shared-memory, trace and logging "
                                              "APIs open to every client (restricted by default; docs/security.md)")]
     = False,
+    verify_keys: Annotated[list[Path] | None, typer.Option("--verify", help="public key: serve only a repository "
+                                                           "whose engines the signed release covers (repeatable)")]
+    = None,
 ):
     """Run tritonserver on the repository (127.0.0.1) until Ctrl-C."""
     from ..triton.stage import serve
@@ -112,7 +118,8 @@ def serve_command(
         console.print("[yellow]note:[/yellow] --admin-apis: shared-memory, trace and logging APIs are open to every "
                       "client that reaches the ports")
     warmup = serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                   first_request=first_request, on_ready=announce, admin_apis=admin_apis)
+                   first_request=first_request, on_ready=announce, admin_apis=admin_apis,
+                   verify_keys=verify_keys or ())
     console.print("stopped" if warmup else "stopped before the server was ready (tritonserver and its stubs too)")
 
 
