@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,49 +21,6 @@ from trt_diffusion.workspace.remote_store import RemoteStore, StoreError  # noqa
 
 BUCKET = "trt-trust"
 UNIT = "engines/onnxruntime/a.0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    binary = shutil.which("moto_server", path=str(Path(sys.executable).parent)) or shutil.which("moto_server")
-    if binary is None:
-        pytest.skip("moto_server is not installed (the test extra)")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    pytest.fail("moto_server did not start")
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
-
-
-@pytest.fixture
-def s3(s3_endpoint, monkeypatch):
-    import fsspec.config
-    import s3fs
-
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": s3_endpoint})
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
-    if fs.exists(BUCKET):
-        fs.rm(BUCKET, recursive=True)
-    fs.mkdir(BUCKET)
-    return fs
 
 
 def _hostile_record(s3, store: RemoteStore, unit: str, files: dict[str, bytes], **extra) -> None:
