@@ -82,7 +82,7 @@ def validate_profile(shapes: Mapping[str, Sequence[Sequence[int]]]) -> ProfileSh
 
 def onnx_input_shapes(onnx_path: str | Path) -> dict[str, Shape]:
     """The ONNX graph's real inputs (initializers excluded), -1 for every symbolic or unknown dim."""
-    model = _load_onnx_structure(onnx_path)
+    model = load_onnx_structure(onnx_path)
     initializers = {init.name for init in model.graph.initializer}
     shapes: dict[str, Shape] = {}
     for value in model.graph.input:
@@ -126,17 +126,18 @@ def check_profile_against_inputs(shapes: ProfileShapes, input_shapes: Mapping[st
 # ----------------------------------------------------------------------------------------------
 
 
-def _load_onnx_structure(onnx_path: str | Path) -> onnx.ModelProto:
-    """The graph without its weights: cheap even for a multi-GB UNet."""
+def load_onnx_structure(onnx_path: str | Path, *, error: type[Exception] = BuildError) -> onnx.ModelProto:
+    """The graph without its weights: cheap even for a multi-GB UNet. A missing or corrupt file is one `error`
+    (BuildError for a build, RefitError for a refit)."""
     import onnx
 
     path = Path(onnx_path)
     if not path.is_file():
-        raise BuildError(f"ONNX file not found: {path}")
+        raise error(f"ONNX file not found: {path}")
     try:
         return onnx.load(str(path), load_external_data=False)
     except Exception as err:  # protobuf raises several unrelated types on a corrupt file
-        raise BuildError(f"could not read ONNX file {path}: {err}") from err
+        raise error(f"could not read ONNX file {path}: {err}") from None
 
 
 def _all_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
@@ -160,7 +161,7 @@ def _is_qdq_node(node: onnx.NodeProto) -> bool:
 
 def onnx_has_qdq(model_path: str | Path) -> bool:
     """True when the ONNX carries explicit quantization (standard Q/DQ or TensorRT-domain FP8 nodes)."""
-    model = _load_onnx_structure(model_path)
+    model = load_onnx_structure(model_path)
     nodes = list(_all_nodes(model.graph))
     for function in model.functions:
         nodes += function.node
@@ -193,7 +194,7 @@ def onnx_sha256(onnx_path: str | Path) -> str:
     so a multi-GB ONNX that many engines are built from is read once per run, not twice per engine.
     """
     path = Path(onnx_path)
-    model = _load_onnx_structure(path)
+    model = load_onnx_structure(path)
     files = [(None, path)]
     for location in _external_data_files(model):
         data_path = path.parent / location
@@ -232,7 +233,7 @@ def onnx_compute_dtype(onnx_path: str | Path) -> str | None:
     Read from the graph's structure only (external data is not loaded)."""
     import onnx
 
-    model = _load_onnx_structure(onnx_path)
+    model = load_onnx_structure(onnx_path)
     counts: dict[str, int] = {}
     tensors = list(model.graph.initializer)
     for node in _all_nodes(model.graph):
@@ -252,7 +253,7 @@ def read_base_weights(onnx_path: str | Path, names: Iterable[str] | None = None)
     from onnx import numpy_helper
 
     path = Path(onnx_path)
-    model = _load_onnx_structure(path)
+    model = load_onnx_structure(path)
     by_name = {tensor.name: tensor for tensor in model.graph.initializer}
     if names is None:
         floating = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -271,7 +272,7 @@ _ONNX_DTYPES = {"FLOAT": "float32", "FLOAT16": "float16", "INT64": "int64", "INT
 
 def onnx_io(onnx_path: str | Path) -> tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]:
     """The graph's real inputs (initializers excluded) and outputs, -1 for every dynamic dim."""
-    model = _load_onnx_structure(onnx_path)
+    model = load_onnx_structure(onnx_path)
 
     def info(value) -> TensorInfo:
         tensor = value.type.tensor_type

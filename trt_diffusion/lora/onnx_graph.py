@@ -16,6 +16,7 @@ import onnx
 from onnx import numpy_helper
 
 from ..errors import RefitError
+from ..onnx_facts import load_onnx_structure
 
 # Ops that pass a weight through unchanged in value (up to layout) between an initializer and its consumer.
 PASS_THROUGH_OPS = frozenset({"Transpose", "Cast", "Identity", "Reshape", "Unsqueeze", "Squeeze", "Flatten"})
@@ -58,14 +59,8 @@ def external_data_files(model: onnx.ModelProto) -> list[str]:
 
 
 def load_structure(onnx_path: str | Path) -> onnx.ModelProto:
-    """The graph without its weights: cheap even for a multi-GB UNet."""
-    path = Path(onnx_path)
-    if not path.is_file():
-        raise RefitError(f"ONNX file not found: {path}")
-    try:
-        return onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # protobuf raises several unrelated types on a corrupt file
-        raise RefitError(f"could not read ONNX file {path}: {exc}") from None
+    """The graph without its weights; a missing or corrupt file is one RefitError."""
+    return load_onnx_structure(onnx_path, error=RefitError)
 
 
 _HASH_CACHE: dict[tuple, str] = {}
