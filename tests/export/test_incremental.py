@@ -61,6 +61,7 @@ def test_changed_unet_weights_reexport_only_the_unet(sd15_export, sd15_main_fiel
     assert new_unet.parent == _onnx_dir(config) and not any(p.is_relative_to(new_unet) for p in before)
 
 
+@pytest.mark.slow  # an fp16 VAE export and its parity check (about 13 s)
 def test_fp16_vae_overflow_fails_the_export(tiny_model_dir, write_engines_yaml, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir("sd15"), model)

@@ -53,6 +53,7 @@ def test_legacy_export_finds_transposed_matmul_weights_through_their_node(legacy
     _assert_map_holds_the_weights(refit_map, legacy_onnx, base_unet)
 
 
+@pytest.mark.slow  # an optimized dynamo export of the UNet (about 10 s)
 def test_optimized_dynamo_export_uses_node_metadata(base_unet, helpers, tmp_path):
     optimized = helpers.export_unet(base_unet, tmp_path / "optimized.onnx", dynamo=True, optimize=True)
     graph = onnx.load(str(optimized), load_external_data=False).graph

@@ -18,7 +18,8 @@ from trt_diffusion.preflight import connect
 from trt_diffusion.preflight.checks.base import CheckContext
 from trt_diffusion.preflight.run import run_check
 
-pytestmark = [pytest.mark.triton, pytest.mark.timeout(600)]
+# Its own server and the whole checklist over --url (about 45 s); the in-process preflight tests stay by default.
+pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.timeout(600)]
 
 UNBOUNDED = "sd15-unbounded"
 

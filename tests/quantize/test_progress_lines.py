@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import yaml
 
 from trt_diffusion import progress
@@ -12,6 +13,7 @@ from trt_diffusion.quantize.stage import quantize_component
 from .conftest import DENOISER, model_entry, resolved
 
 
+@pytest.mark.slow  # a whole quantization (about 11 s); progress lines keep their unit tests in tests/test_progress.py
 def test_quantize_reports_each_step_as_a_progress_line(tiny_model_factory, tmp_path, caplog):
     config = tmp_path / "engines.yaml"
     config.write_text(yaml.safe_dump({"version": 1, "models": {
