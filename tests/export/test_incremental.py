@@ -77,7 +77,8 @@ def test_fp16_vae_overflow_fails_the_export(tiny_model_dir, write_engines_yaml, 
 CHILD = """
 import sys, time
 from pathlib import Path
-from trt_diffusion import api, store
+from trt_diffusion import api
+from trt_diffusion.workspace import store
 
 def stall(writer):  # every output written, manifest not yet: the moment a naive cache would trust
     Path(sys.argv[2]).write_text(str(writer.path))
