@@ -37,3 +37,11 @@ def test_no_server_is_a_clear_error(protocol):
     url = f"127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(ServeError, match=f"cannot reach Triton at {url}.*trt-diffusion serve"):
         client.generate(url, protocol=protocol, pipeline="p", prompt="a cat", height=64, width=64, timeout_s=5)
+
+
+def test_a_controlnet_request_to_a_pipeline_without_one_says_so():
+    """Triton's own words for an input the model lacks become the project's (#31)."""
+    raw = Exception("[request id: <id_unknown>] unexpected inference input 'CONTROLNET' for model 'sd15-tiny'")
+    error = client.server_error(raw, "127.0.0.1:8000", "sd15-tiny")
+    assert "serves no ControlNet" in str(error) and "leave out --controlnet" in str(error)
+    assert "unexpected inference input" not in str(error)
