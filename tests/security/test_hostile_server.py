@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -95,10 +94,10 @@ def _trickle(handler, stop):
 @pytest.mark.timeout(60)
 def test_the_timeout_is_one_deadline_for_the_whole_request(hostile):
     hostile.replies["/v2/repository/index"] = _trickle
-    started = time.monotonic()
+    # the event, not a wall-clock bound: the client gave up on its deadline while the trickle still had bytes
+    # to send (it would have ended the exchange with a short body, a different error, after 15 s)
     with pytest.raises(RequestCancelled, match=r"did not complete within its 1 s deadline"):
         generate_images(hostile.url, ImageRequest("x", 64, 64), protocol="http", timeout_s=1.0)
-    assert time.monotonic() - started < 14  # ended by the deadline, not by the trickle running out
 
 
 def test_a_reply_larger_than_the_cap_is_refused_before_it_is_read(hostile):
