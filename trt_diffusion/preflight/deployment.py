@@ -9,6 +9,7 @@ that a loop stopped early without timing it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -74,6 +75,12 @@ class Deployment:
     def cancel_unavailable_reason(self) -> str | None:
         return None
 
+    def taking_turns(self):
+        """A context in which concurrent requests' denoiser calls alternate (where this deployment can order
+        them): the isolation check then sees steps interleave by construction, not by the OS scheduler's luck.
+        A server orders its own requests: there this is a no-op."""
+        return contextlib.nullcontext()
+
     def describe(self) -> dict:
         return {"kind": self.kind, "pipeline": self.pipeline, "url": self.url, "protocol": self.protocol,
                 "started_by_preflight": self.started_by_preflight, "instances": self.instances,
@@ -107,17 +114,44 @@ class _CountingRunner:
         if self._honour and deadline is not None and time.monotonic() > deadline:
             raise _Cancelled()
         if self._is_denoiser:
+            self._counter.take_turn()
             self._counter.add()
         return self._runner.run(feeds)
 
 
 class _Counter:
+    """Denoiser calls counted; with `turns` on, a thread that made the last call waits (bounded) for another
+    request's call before its next one, so concurrent requests step in alternation."""
+
+    TURN_WAIT_S = 0.5  # bounded: a neighbour still encoding its prompt or decoding must not stall this one long
+
     def __init__(self):
         self.lock, self.value, self.local = threading.Lock(), 0, threading.local()
+        self.turns_on, self.turns = False, threading.Condition()
+        self.last_caller: int | None = None
+        self.in_flight = 0  # requests inside generate()
 
     def add(self) -> None:
         with self.lock:
             self.value += 1
+
+    def take_turn(self) -> None:
+        if not self.turns_on:
+            return
+        me = threading.get_ident()
+        with self.turns:
+            self.turns.wait_for(lambda: self.last_caller != me or self.in_flight <= 1, self.TURN_WAIT_S)
+            self.last_caller = me
+            self.turns.notify_all()
+
+    def enter(self) -> None:
+        with self.turns:
+            self.in_flight += 1
+
+    def leave(self) -> None:
+        with self.turns:
+            self.in_flight -= 1
+            self.turns.notify_all()
 
 
 class InProcessDeployment(Deployment):
@@ -145,6 +179,7 @@ class InProcessDeployment(Deployment):
         from ..runtime.pipeline import GenerationRequest
 
         self.counter.local.deadline = time.monotonic() + timeout_s
+        self.counter.enter()
         try:
             return self.engine_pipeline.generate(GenerationRequest(
                 prompt=request.prompt, height=request.height, width=request.width, steps=request.steps,
@@ -155,7 +190,16 @@ class InProcessDeployment(Deployment):
         except _Cancelled:
             raise RequestCancelled(f"in process: deadline of {timeout_s:g} s passed") from None
         finally:
+            self.counter.leave()
             self.counter.local.deadline = None
+
+    @contextlib.contextmanager
+    def taking_turns(self):
+        self.counter.turns_on = True
+        try:
+            yield
+        finally:
+            self.counter.turns_on = False
 
     def memory(self) -> MemoryReading:
         import os

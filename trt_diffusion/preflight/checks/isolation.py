@@ -29,7 +29,7 @@ def run(ctx: CheckContext) -> Outcome:
         except Exception as err:  # noqa: BLE001 - a request that fails only when not alone is this check's finding
             return err
 
-    with ThreadPoolExecutor(settings.concurrency) as pool:
+    with ctx.deployment.taking_turns(), ThreadPoolExecutor(settings.concurrency) as pool:
         concurrent = list(pool.map(together, range(len(requests))))
     outcome = Outcome(summary="", thresholds={"max_abs_diff": 0})
     for request, a, b in zip(requests, alone, concurrent):
