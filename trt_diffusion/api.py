@@ -44,26 +44,26 @@ def export(config_path: str | Path, model: str | None = None, component: str | N
 def export_specs(config, specs, progress: ProgressCallback | None = None) -> ExportReport:
     """Export the ONNX graphs these specs' engines are built from (verified artifacts are reused)."""
     from .export import ExportReport, export_group, group_specs
-    from .workspace import remote_store
+    from .workspace import store_sync
     from .workspace.store import ArtifactStore
 
     groups = group_specs(specs)
-    remote_store.pull_sources(config)  # a URL workspace: what other hosts exported is reused
+    store_sync.pull_sources(config)  # a URL workspace: what other hosts exported is reused
     store = ArtifactStore(config.workspace)
     results = [export_group(group, config, store, index=i, total=len(groups), progress=progress)
                for i, group in enumerate(groups)]
-    remote_store.publish_sources(config)
+    store_sync.publish_sources(config)
     return ExportReport(results)
 
 
 def engine_sources(config, specs):
     """spec -> the ONNX its engine is built from: exported (and for fp8/int8, quantized and gated) first."""
-    from .workspace import remote_store
+    from .workspace import store_sync
 
     exports = export_specs(config, specs)
     quantized = _quantized_sources(config, specs)
     if quantized:
-        remote_store.publish_sources(config)
+        store_sync.publish_sources(config)
     return lambda spec: quantized.get(spec.key) or exports.artifact_for(spec)
 
 
@@ -137,7 +137,7 @@ def manifest(config_path: str | Path, *, verify: bool = True, out: str | Path | 
     from .engines_file import expand
     from .workspace.files import atomic_write_bytes
     from .workspace.provenance import release_manifest
-    from .workspace.remote_store import pull_engines
+    from .workspace.store_sync import pull_engines
 
     config = load_engines_file(config_path, check_sources=True)
     pull_engines(config, [spec.key for spec in expand(config)])  # a URL workspace: what the build hosts made
@@ -182,12 +182,12 @@ def _quantized_sources(config, specs) -> dict[str, Path]:
 def quantize(config_path: str | Path, model: str | None = None, *, force: bool = False):
     """ModelOpt FP8/INT8 of every fp8/int8 entry: seeded calibration, Q/DQ ONNX, quality gate."""
     from .quantize.stage import quantize as run
-    from .workspace import remote_store
+    from .workspace import store_sync
 
     config = load_engines_file(config_path, check_sources=False)
-    remote_store.pull_sources(config)
+    store_sync.pull_sources(config)
     result = run(config_path, model, force=force)
-    remote_store.publish_sources(config)
+    store_sync.publish_sources(config)
     return result
 
 

@@ -27,7 +27,9 @@ from trt_diffusion.engines_file import load_engines_file  # noqa: E402
 from trt_diffusion.errors import ConfigError, MissingDependencyError  # noqa: E402
 from trt_diffusion.workspace.files import sha256_file  # noqa: E402
 from trt_diffusion.workspace.provenance import engine_files  # noqa: E402
-from trt_diffusion.workspace.remote_store import RemoteStore, StoreError, local_workspace, mask_url, store_for
+from trt_diffusion.workspace.remote_store import RemoteStore, StoreError  # noqa: E402
+from trt_diffusion.workspace.store_sync import store_for  # noqa: E402
+from trt_diffusion.workspace.urls import local_workspace, mask_url  # noqa: E402
 
 BUCKET = "trt-farm"
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from ..errors import ConfigError
 from ..families import Component, Family, family_info, family_of_pipeline_class
-from ..workspace.remote_store import check_workspace_url, local_workspace
+from ..workspace.urls import check_workspace_url, local_workspace
 from .engine_spec import Bucket, Size
 from .preflight import PreflightSettings
 from .schema import (
@@ -80,7 +80,7 @@ class EnginesConfig:
 
     @property
     def workspace(self) -> Path:
-        """The local folder every stage works in: build.workspace, or the local cache of its URL (remote_store.py)."""
+        """The local folder every stage works in: build.workspace, or the local cache of its URL (workspace/urls.py)."""
         return local_workspace(self.build.workspace, self.build.cache, self.root)
 
     @property

@@ -152,7 +152,7 @@ class FarmSettings(Strict):
 
 class BuildSettings(Strict):
     # A folder (relative to engines.yaml), a shared directory (file:///mnt/nfs/build) or an object store through
-    # fsspec (s3://bucket/prefix): stages then work in a local cache of it, pulled and published (remote_store.py)
+    # fsspec (s3://bucket/prefix): stages then work in a local cache of it, pulled and published (workspace/store_sync.py)
     workspace: str = "build"
     cache: str | None = None  # a URL workspace's local cache; default ~/.cache/trt-diffusion/<hash of the URL>
     timing_cache: str | None = None  # default: <workspace>/timing-cache

@@ -25,7 +25,7 @@ def built_engines(config: EnginesConfig, model_name: str, target: str, *, lora_v
               and (not s.component.is_denoiser or _variant_name(s) == lora_variant)]
     if not wanted:
         raise BuildError(f"{model_name} has no {target} engines in {config.path}")
-    from ..workspace.remote_store import pull_engines
+    from ..workspace.store_sync import pull_engines
 
     pull_engines(config, [spec.key for spec in wanted])  # a URL workspace: a serving host pulls what was built
     engines, missing = [], []

@@ -85,7 +85,7 @@ def _local_source(config: EnginesConfig, path: str, *, pull: bool = False) -> Pa
     """The ONNX a task builds from on this node (pulled from a URL workspace when this node lacks it)."""
     resolved = _in_workspace(config, path, "ONNX source")
     if pull and not resolved.is_file():
-        from ..workspace.remote_store import pull_sources
+        from ..workspace.store_sync import pull_sources
 
         pull_sources(config)
     return resolved

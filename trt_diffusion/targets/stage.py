@@ -98,21 +98,21 @@ def build_one(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> tuple
     key once: a waiter finds the engine current and reuses it), recording its provenance when built.
 
     With a URL workspace the store's lock of the key is held too; the engine is pulled first (another host's
-    build is reused) and published after (remote_store.py)."""
-    from ..workspace import remote_store
+    build is reused) and published after (workspace/store_sync.py)."""
+    from ..workspace import store_sync
     from ..workspace.locks import clean_temporaries, engine_lock
     from ..workspace.provenance import record_provenance
 
     target = get_target(spec.target)
     request = build_request(config, spec, onnx_path)
     start = time.perf_counter()
-    with engine_lock(config.workspace, spec.key), remote_store.engine_lock(config, spec.key):
+    with engine_lock(config.workspace, spec.key), store_sync.engine_lock(config, spec.key):
         clean_temporaries(config.workspace, spec.name, spec.key)  # of builds killed before: the lock proves them dead
-        remote_store.pull_engines(config, [spec.key])
+        store_sync.pull_engines(config, [spec.key])
         path, cached = target.build(request)
         if not cached:
             record_provenance(config.workspace, spec, path, time.perf_counter() - start)
-        remote_store.publish_engine(config, spec, path)
+        store_sync.publish_engine(config, spec, path)
     return path, cached
 
 

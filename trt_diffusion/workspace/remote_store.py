@@ -22,8 +22,10 @@ record and downloads only the files it names, each verified against its sha256 b
 
 Credentials come from the backend's usual sources (for S3: the AWS_* environment, ~/.aws, instance roles;
 fsspec's `FSSPEC_S3_*` variables, e.g. `FSSPEC_S3_ENDPOINT_URL`), never from engines.yaml, and URLs are
-shown masked (`mask_url`). A `file://` URL or a plain path is a shared directory used as the workspace
-itself (NFS and the like): no cache, and the per-engine lock files of targets/locks.py work there as is.
+shown masked (urls.py: what a `build.workspace` value is, and the local folder it maps to). A `file://` URL or
+a plain path is a shared directory used as the workspace itself: no store, and the per-engine lock files of
+locks.py work there as is. What the stages call around this store (pull before, publish after, the lock of a
+key across hosts) is store_sync.py.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ import time
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ..errors import ConfigError, MissingDependencyError, TrtDiffusionError
 from .files import sha256_file
 from .locks import heartbeat
+from .urls import mask_url
 
 log = logging.getLogger(__name__)
 
@@ -57,76 +60,12 @@ LOCK_HEARTBEAT_S = 10.0
 LOCK_POLL_S = 0.5
 CLOCK_SKEW_S = 120.0  # a lock touched further in the future than this is not a heartbeat: it is stale
 STATE_FILE = ".store-state.json"
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _MAX_RECORD_BYTES = 16 << 20  # a record lists files: far below this
 
 
 class StoreError(TrtDiffusionError):
     """The artifact store at build.workspace cannot be reached, or holds something its records do not vouch for."""
-
-
-# --- URLs ---------------------------------------------------------------------------------------
-
-
-def is_url(text: str) -> bool:
-    return bool(_URL.match(str(text)))
-
-
-def is_remote(text: str) -> bool:
-    """A URL whose workspace lives behind fsspec (anything but file://)."""
-    return is_url(text) and urlsplit(str(text)).scheme.lower() != "file"
-
-
-def mask_url(url: str) -> str:
-    """The URL without user, password, query or fragment: what messages and logs show."""
-    if not is_url(url):
-        return str(url)
-    parts = urlsplit(str(url))
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    if parts.username or parts.password:
-        host = f"***@{host}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
-def default_cache_root() -> Path:
-    configured = os.environ.get("TRT_DIFFUSION_CACHE")
-    if configured:
-        return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(base).expanduser() / "trt-diffusion"
-
-
-def local_workspace(workspace: str, cache: str | None, root: Path) -> Path:
-    """The local folder the stages work in: the workspace itself (a path or file:// URL), or the URL's cache."""
-    if not is_url(workspace):
-        return (Path(root) / workspace).resolve()
-    parts = urlsplit(workspace)
-    if parts.scheme.lower() == "file":
-        return Path(parts.path).resolve()
-    if cache:
-        return (Path(root) / Path(cache).expanduser()).resolve()
-    digest = hashlib.sha256(mask_url(workspace).rstrip("/").encode()).hexdigest()[:16]
-    return (default_cache_root() / digest).resolve()
-
-
-def check_workspace_url(workspace: str) -> str | None:
-    """Why this build.workspace URL cannot be a workspace (None when it can, or is a path): for engines.yaml's
-    validation. A known protocol whose backend is not installed is fine here; using it says what to install."""
-    if not is_remote(workspace):
-        return None
-    try:
-        from fsspec.registry import known_implementations, registry
-    except ImportError:
-        return None  # said when the workspace is used, with the extra to install
-    protocol = urlsplit(workspace).scheme.lower()
-    if protocol not in known_implementations and protocol not in registry:
-        return f"{protocol}:// is not a storage protocol fsspec knows (s3://, gs://, az://, file://, …)"
-    if not urlsplit(workspace).netloc:
-        return f"{mask_url(workspace)} names no bucket or host"
-    return None
 
 
 # --- the store ----------------------------------------------------------------------------------
@@ -490,7 +429,7 @@ def unit_paths(unit: str, key, where: str):
     kind_ok = (len(parts) == 2 and parts[0] in SOURCE_KINDS) or (len(parts) == 3 and parts[0] == "engines")
     if not kind_ok or any(p.startswith(".") for p in parts) or unit.endswith(".lock"):
         raise StoreError(f"{where}: {unit!r} is not a unit (<kind>/<name>.<key> or engines/<target>/<name>.<key>)")
-    unit_key = _unit_key(unit)
+    unit_key = unit_spec_key(unit)
     provenance = f"provenance/{key}.json" if isinstance(key, str) and key == unit_key and unit_key else None
     folder_prefix = unit + "/"
     is_file_unit = parts[0] == "engines" and parts[-1].rsplit(".", 1)[-1] != unit_key  # `<name>.<key>.plan`
@@ -507,7 +446,7 @@ def unit_paths(unit: str, key, where: str):
             return True
         if stem and relative.startswith(sibling_dir) and "/" not in relative[len(sibling_dir):]:
             name = relative[len(sibling_dir):]
-            return name.startswith(stem + ".") and _unit_key(name) == unit_key
+            return name.startswith(stem + ".") and unit_spec_key(name) == unit_key
         return False
 
     return allowed
@@ -532,100 +471,7 @@ def _filesystem(url: str, storage_options: dict):
         raise ConfigError(f"build.workspace {mask_url(url)}: {exc}") from None
 
 
-# --- what the stages call -----------------------------------------------------------------------
-
-_stores: dict[tuple[str, str], RemoteStore] = {}
-_stores_lock = threading.Lock()
-
-
-def store_for(config) -> RemoteStore | None:
-    """The remote store behind engines.yaml's workspace, or None when the workspace is a folder."""
-    url = config.build.workspace
-    if not is_remote(url):
-        return None
-    cache = Path(config.workspace)
-    with _stores_lock:
-        if (url, str(cache)) not in _stores:
-            cache.mkdir(parents=True, exist_ok=True)
-            _stores[(url, str(cache))] = RemoteStore(url, cache)
-        return _stores[(url, str(cache))]
-
-
-def source_units(cache: Path) -> list[str]:
-    """The committed source artifacts in the cache: `<kind>/<name>.<key>` folders holding a manifest."""
-    units = []
-    for kind in SOURCE_KINDS:
-        folder = Path(cache) / kind
-        if folder.is_dir():
-            units += [f"{kind}/{p.name}" for p in sorted(folder.iterdir())
-                      if p.is_dir() and not p.name.startswith(".") and (p / "manifest.json").is_file()]
-    return units
-
-
-def pull_sources(config) -> int:
-    """Bring every source artifact (ONNX exports, Q/DQ ONNX, calibration) the store holds into the cache."""
-    store = store_for(config)
-    if store is None:
-        return 0
-    units = [u for kind in SOURCE_KINDS for u in store.units(kind)]
-    return sum(store.pull(u) for u in units)
-
-
-def publish_sources(config) -> int:
-    store = store_for(config)
-    if store is None:
-        return 0
-    published = 0
-    for unit in source_units(store.cache):
-        files = [p for p in (store.cache / unit).rglob("*") if p.is_file()]
-        published += store.publish(unit, files)
-    return published
-
-
-def engine_unit(store: RemoteStore, path: Path) -> str:
-    return store._relative(path)
-
-
-def publish_engine(config, spec, path: Path) -> bool:
-    """Publish an engine's files and its provenance record as one unit (no-op for a folder workspace)."""
-    store = store_for(config)
-    if store is None:
-        return False
-    from .provenance import engine_files, provenance_path
-
-    files = list(engine_files(Path(path)))
-    record = provenance_path(store.cache, spec.key)
-    if record.is_file():
-        files.append(record)
-    return store.publish(engine_unit(store, Path(path)), files, key=spec.key)
-
-
-def pull_engines(config, keys: Iterable[str]) -> int:
-    """Pull the engines (and provenance) of these spec keys that the store holds."""
-    store = store_for(config)
-    if store is None:
-        return 0
-    wanted = set(keys)
-    pulled = 0
-    for unit in store.units("engines"):
-        if unit.rsplit(".", 1)[-1] in wanted or _unit_key(unit) in wanted:
-            pulled += store.pull(unit)
-    return pulled
-
-
-
-def _unit_key(unit: str) -> str:
+def unit_spec_key(unit: str) -> str:
     """`engines/<target>/<name>.<key>` or `<name>.<key>.plan`: the spec key in a unit's name."""
     parts = unit.rsplit("/", 1)[-1].split(".")
     return next((p for p in reversed(parts) if re.fullmatch(r"[0-9a-f]{16}", p)), "")
-
-
-@contextlib.contextmanager
-def engine_lock(config, key: str) -> Iterator[None]:
-    """The store's lock of one engine key across hosts (a no-op for a folder workspace, whose lock files do it)."""
-    store = store_for(config)
-    if store is None:
-        yield
-        return
-    with store.lock(key):
-        yield
