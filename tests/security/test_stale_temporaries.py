@@ -95,7 +95,7 @@ def _tiny_onnx(path: Path) -> Path:
 KILLED_BUILD = textwrap.dedent('''
     import os, signal, sys
     from trt_diffusion.engines_file.engine_spec import EngineSpec
-    from trt_diffusion.targets.onnxruntime import build_engine
+    from trt_diffusion.targets.onnxruntime.engine import build_engine
 
     spec = EngineSpec(model="m", family="sd15", source="here", component="text_encoder", target="onnxruntime",
                       precision="fp32", batch=1, bucket=None)

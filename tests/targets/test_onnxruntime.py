@@ -13,7 +13,8 @@ import torch
 
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import RuntimeInputError
-from trt_diffusion.targets import onnxruntime as ort_target
+from trt_diffusion.targets.onnxruntime import engine as ort_target
+from trt_diffusion.targets.onnxruntime.runner import load_runner
 
 
 class Tiny(torch.nn.Module):
@@ -54,7 +55,7 @@ def test_engine_runs_at_its_shape_and_matches_torch(tmp_path, dynamic_onnx, refi
     assert not cached and manifest.static_shapes
     assert manifest.inputs[0].shape == (2, 4, 8, 8)
     assert manifest.offline_optimization == (None if refittable else "extended")
-    runner = ort_target.load_runner(folder)
+    runner = load_runner(folder)
     x = np.random.default_rng(0).standard_normal((2, 4, 8, 8)).astype(np.float32)
     out = runner.run({"sample": x})["noise_pred"]
     expected = Tiny().eval()(torch.from_numpy(x)).detach().numpy()
@@ -63,7 +64,7 @@ def test_engine_runs_at_its_shape_and_matches_torch(tmp_path, dynamic_onnx, refi
 
 def test_engine_rejects_another_shape_with_a_clear_error(tmp_path, dynamic_onnx):
     folder, _, _ = ort_target.build_engine(dynamic_onnx, spec(), profile(), tmp_path)
-    runner = ort_target.load_runner(folder)
+    runner = load_runner(folder)
     with pytest.raises(RuntimeInputError, match=r"sample: shape \[2, 4, 16, 16\], expected float32\[2,4,8,8\]"):
         runner.run({"sample": np.zeros((2, 4, 16, 16), np.float32)})
 
@@ -88,7 +89,7 @@ def test_killed_build_leaves_no_trusted_engine(tmp_path, dynamic_onnx):
     """SIGKILL while the engine is being written: the next run finds nothing to trust and rebuilds."""
     script = textwrap.dedent(f"""
         import os, signal, onnx
-        from trt_diffusion.targets import onnxruntime as t
+        from trt_diffusion.targets.onnxruntime import engine as t
         from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
         real = t._optimize_offline
         def dying(source, target):

@@ -114,7 +114,7 @@ class ThrowawayTarget(TargetBase):
         return TritonEngineModel("python", "KIND_CPU", files)
 
     def runner_from_files(self, folder, name):
-        from trt_diffusion.targets.onnxruntime_runner import OnnxRuntimeRunner
+        from trt_diffusion.targets.onnxruntime.runner import OnnxRuntimeRunner
 
         model_file = json.loads((Path(folder) / "manifest.json").read_text())["model_file"]
         return OnnxRuntimeRunner(Path(folder) / model_file, name=name)

@@ -2,7 +2,7 @@
 
 The registry that knows them by name is `trt_diffusion.target_registry` (re-exported here); it imports a
 target's module on first use, so listing the targets imports no runtime. `targets/tensorrt/` is the only
-importer of `tensorrt`, `targets/onnxruntime.py` of `onnxruntime` for building; no module outside this package
+importer of `tensorrt`, `targets/onnxruntime/` of `onnxruntime` for building; no module outside this package
 compares a target's name.
 """
 

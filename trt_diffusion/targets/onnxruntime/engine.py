@@ -1,5 +1,5 @@
-"""The `onnxruntime` target: one ONNX per engine shape, its dimensions fixed to the bucket and ONNX
-Runtime's offline graph optimizations saved, with a manifest like a TensorRT engine's.
+"""Building an onnxruntime engine: one ONNX per engine shape, its dimensions fixed to the bucket and ONNX
+Runtime's offline graph optimizations saved, sealed by a manifest like a TensorRT engine's.
 
 Layout: `<workspace>/engines/onnxruntime/<spec.name>.<spec.key>/{model.onnx, model.onnx.data, manifest.json}`.
 The folder is built beside its final place and renamed in, manifest written last, so an interrupted
@@ -20,17 +20,16 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
 
-from ..engines_file.engine_spec import EngineSpec
-from ..errors import BuildError
-from ..onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
-from ..workspace.manifests import (
+from ...engines_file.engine_spec import EngineSpec
+from ...errors import BuildError
+from ...onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
+from ...workspace.manifests import (
     MANIFEST_FILE,
     read_folder_manifest,
     record_files,
     trusted_folder_manifest,
     verify_engine_folder,
 )
-from .base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
 
 if TYPE_CHECKING:
     import onnx
@@ -118,7 +117,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             # Refittable engines keep the exported graph with every float weight in external data: ONNX
             # Runtime replaces external initializers (add_external_initializers) *before* optimizing,
             # while add_initializer is applied after folding and silently changes nothing.
-            from ..lora import externalize_weights
+            from ...lora import externalize_weights
 
             externalize_weights(fixed, tmp / MODEL_FILE)
         else:
@@ -199,40 +198,7 @@ def _optimize_offline(source: Path, target: Path) -> None:
     ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
 
 
-def session_options():
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    return options
-
-
-def load_runner(folder: str | Path, *, name: str | None = None, providers=None, initializers=None):
-    """An OnnxRuntimeRunner over a built engine; `initializers` (ONNX name -> array) replaces weights of a
-    refittable engine: the LoRA refit of the onnxruntime target."""
-    import onnxruntime as ort
-
-    from .onnxruntime_runner import OnnxRuntimeRunner
-
-    folder = Path(folder)
-    manifest = read_manifest(folder)
-    if manifest is None:
-        raise BuildError(f"{folder} is not a complete onnxruntime engine (no valid {MANIFEST_FILE}); rebuild it "
-                         "with `trt-diffusion build engines.yaml --target onnxruntime`")
-    verify(folder, manifest, where=name or folder.name)  # every load reads the bytes it runs
-    providers = list(providers or ["CPUExecutionProvider"])
-    if initializers:
-        from ..lora import onnxruntime_session
-
-        session = onnxruntime_session(folder / MODEL_FILE, initializers, providers=providers,
-                                      session_options=session_options)
-    else:
-        session = ort.InferenceSession(str(folder / MODEL_FILE), session_options(), providers=providers)
-    return OnnxRuntimeRunner(folder / MODEL_FILE, name=name or folder.name, session=session)
-
-
-def _engine_files(folder: Path, manifest: OrtEngineManifest) -> dict[str, Path]:
+def engine_files(folder: Path, manifest: OrtEngineManifest) -> dict[str, Path]:
     """The files to serve: those the manifest records (every file, for older manifests), the manifest."""
     if manifest.file_sha256:
         files = {name: folder / name for name in sorted({*manifest.file_sha256, MANIFEST_FILE})}
@@ -241,66 +207,3 @@ def _engine_files(folder: Path, manifest: OrtEngineManifest) -> dict[str, Path]:
     if MODEL_FILE not in files or MANIFEST_FILE not in files:
         raise BuildError(f"{folder} is not a complete onnxruntime engine ({MODEL_FILE} and {MANIFEST_FILE} needed)")
     return files
-
-
-class OnnxRuntimeTarget(TargetBase):
-    """Engines as fixed-shape, offline-optimized ONNX, run by ONNX Runtime (CPU here; CUDA where installed)."""
-
-    name = TARGET
-
-    def unavailable_reason(self) -> str | None:
-        import importlib.util
-
-        return None if importlib.util.find_spec("onnxruntime") else "the onnxruntime package is not installed"
-
-    def build_options(self, config) -> dict:
-        return {}
-
-    def build(self, request: BuildRequest) -> tuple[Path, bool]:
-        writer = request.write_refit_map
-        before_commit = (lambda folder: writer(folder / MODEL_FILE, folder)) if writer else None
-        folder, _, cached = build_engine(request.onnx_path, request.spec, request.profile, request.workspace,
-                                         before_commit=before_commit)
-        return folder, cached
-
-    def is_current(self, request: BuildRequest) -> bool:
-        folder = engine_dir(request.workspace, request.spec)
-        return trusted_engine(folder, build_input_hash(onnx_sha256(request.onnx_path), request.spec)) is not None
-
-    def find(self, workspace: Path, spec: EngineSpec) -> BuiltEngine | None:
-        folder = engine_dir(workspace, spec)
-        manifest = read_manifest(folder)
-        if not manifest or manifest.spec_key != spec.key:
-            return None
-        verify(folder, manifest, where=spec.name, full=False)  # a cached verdict while the files are unchanged
-        return BuiltEngine(spec, folder, manifest)
-
-    def runner(self, engine: BuiltEngine, weights=None):
-        initializers = self._initializers(engine, weights) if weights else None
-        return load_runner(engine.path, name=engine.spec.name, initializers=initializers)
-
-    def refit(self, engine: BuiltEngine, weights, source_onnx) -> int:
-        # ONNX Runtime refits when a session is created: check the LoRA fits and build that session,
-        # exactly what a server does at load time. Nothing is written: the engine stays the base.
-        arrays = self._initializers(engine, weights) if weights else {}
-        load_runner(engine.path, name=engine.spec.name, initializers=arrays)
-        return len(arrays)
-
-    def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
-        verify(Path(engine.path), engine.manifest, where=engine.spec.name)
-        files = _engine_files(Path(engine.path), engine.manifest)
-        if engine_backend == "native":
-            return TritonEngineModel("onnxruntime", "KIND_CPU", files, MODEL_FILE, notes=(
-                'backend "onnxruntime" engine models need NVIDIA\'s Triton containers; the tritonserver bundled '
-                "in nvidia-pytriton has only the python backend (package with --engine-backend python)",))
-        return TritonEngineModel("python", "KIND_CPU", files)
-
-    def runner_from_files(self, folder: Path, name: str):
-        return load_runner(folder, name=name)
-
-    @staticmethod
-    def _initializers(engine: BuiltEngine, weights) -> dict:
-        from ..lora import RefitMap, refit_arrays
-
-        refit_map = RefitMap.load(engine.path, onnx_path=engine.path / MODEL_FILE)
-        return refit_arrays(refit_map, weights)

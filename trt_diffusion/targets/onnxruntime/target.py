@@ -1,0 +1,90 @@
+"""The `onnxruntime` Target: the protocol of targets/base.py over engine.py (build) and runner.py (run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...engines_file.engine_spec import EngineSpec
+from ...onnx_facts import onnx_sha256
+from ..base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
+from .engine import (
+    MODEL_FILE,
+    TARGET,
+    build_engine,
+    build_input_hash,
+    engine_dir,
+    engine_files,
+    read_manifest,
+    trusted_engine,
+    verify,
+)
+
+
+def load_runner(folder: Path, **options):
+    """runner.load_runner, imported when a runner is wanted: knowing the target loads neither numpy nor ORT."""
+    from .runner import load_runner as load
+
+    return load(folder, **options)
+
+
+class OnnxRuntimeTarget(TargetBase):
+    """Engines as fixed-shape, offline-optimized ONNX, run by ONNX Runtime (CPU here; CUDA where installed)."""
+
+    name = TARGET
+
+    def unavailable_reason(self) -> str | None:
+        import importlib.util
+
+        return None if importlib.util.find_spec("onnxruntime") else "the onnxruntime package is not installed"
+
+    def build_options(self, config) -> dict:
+        return {}
+
+    def build(self, request: BuildRequest) -> tuple[Path, bool]:
+        writer = request.write_refit_map
+        before_commit = (lambda folder: writer(folder / MODEL_FILE, folder)) if writer else None
+        folder, _, cached = build_engine(request.onnx_path, request.spec, request.profile, request.workspace,
+                                         before_commit=before_commit)
+        return folder, cached
+
+    def is_current(self, request: BuildRequest) -> bool:
+        folder = engine_dir(request.workspace, request.spec)
+        return trusted_engine(folder, build_input_hash(onnx_sha256(request.onnx_path), request.spec)) is not None
+
+    def find(self, workspace: Path, spec: EngineSpec) -> BuiltEngine | None:
+        folder = engine_dir(workspace, spec)
+        manifest = read_manifest(folder)
+        if not manifest or manifest.spec_key != spec.key:
+            return None
+        verify(folder, manifest, where=spec.name, full=False)  # a cached verdict while the files are unchanged
+        return BuiltEngine(spec, folder, manifest)
+
+    def runner(self, engine: BuiltEngine, weights=None):
+        initializers = self._initializers(engine, weights) if weights else None
+        return load_runner(engine.path, name=engine.spec.name, initializers=initializers)
+
+    def refit(self, engine: BuiltEngine, weights, source_onnx) -> int:
+        # ONNX Runtime refits when a session is created: check the LoRA fits and build that session,
+        # exactly what a server does at load time. Nothing is written: the engine stays the base.
+        arrays = self._initializers(engine, weights) if weights else {}
+        load_runner(engine.path, name=engine.spec.name, initializers=arrays)
+        return len(arrays)
+
+    def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
+        verify(Path(engine.path), engine.manifest, where=engine.spec.name)
+        files = engine_files(Path(engine.path), engine.manifest)
+        if engine_backend == "native":
+            return TritonEngineModel("onnxruntime", "KIND_CPU", files, MODEL_FILE, notes=(
+                'backend "onnxruntime" engine models need NVIDIA\'s Triton containers; the tritonserver bundled '
+                "in nvidia-pytriton has only the python backend (package with --engine-backend python)",))
+        return TritonEngineModel("python", "KIND_CPU", files)
+
+    def runner_from_files(self, folder: Path, name: str):
+        return load_runner(folder, name=name)
+
+    @staticmethod
+    def _initializers(engine: BuiltEngine, weights) -> dict:
+        from ...lora import RefitMap, refit_arrays
+
+        refit_map = RefitMap.load(engine.path, onnx_path=engine.path / MODEL_FILE)
+        return refit_arrays(refit_map, weights)
