@@ -78,54 +78,12 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     parts of the matrix (by key) for CI matrices; `ray` ("auto" or HOST:PORT) builds one Ray task per
     engine on a cluster sharing the workspace.
     """
+    from .engine_builds.stage import build_engines
     from .engines_file.selection import select_specs
-    from .errors import ConfigError, MissingDependencyError
-    from .targets import build_state, check_target_name, get_target
-    from .targets.base import BuildReport
 
     config = load_engines_file(config_path, check_sources=True)
-    selected = select_specs(config, model, component)
-    if target is not None:
-        reason = get_target(check_target_name(target)).unavailable_reason()
-        if reason is not None:
-            raise MissingDependencyError(f"cannot build the {target} target on this machine: {reason}")
-        if not any(s.target == target for s in selected):
-            listed = ", ".join(dict.fromkeys(s.target for s in selected))
-            raise ConfigError(f"--target {target}: {config.path} asks for no {target} engines"
-                              f"{' of the selected models/components' if model or component else ''} "
-                              f"(its targets: {listed}); add {target} to `targets:` to build them")
-    wanted = [s for s in selected if target is None or s.target == target]
-    report = BuildReport()
-    for name in dict.fromkeys(s.target for s in wanted):
-        reason = get_target(name).unavailable_reason()
-        if reason is not None:
-            report.skipped_targets[name] = reason
-    wanted = [s for s in wanted if s.target not in report.skipped_targets]
-    wanted = _without_specs_for_other_hosts(wanted, report.skipped_targets)
-    if not wanted and report.skipped_targets:  # a build that builds nothing says so, and fails
-        reasons = "; ".join(f"{name}: {reason}" for name, reason in report.skipped_targets.items())
-        raise MissingDependencyError(f"nothing to build on this machine: every engine {config.path} asks for is "
-                                     f"for a target this machine cannot build ({reasons})")
-    if shard is not None:
-        from .targets.shards import shard_specs
-
-        wanted = shard_specs(wanted, *shard)
-    unchanged = build_state.unchanged_report(config, wanted, report.skipped_targets)
-    if unchanged is not None:  # nothing it was made from, nor anything it wrote, has changed
-        return unchanged
-    if wanted and ray is not None:
-        from .export import group_specs
-        from .targets.ray_executor import build_on_ray
-
-        report.outcomes = build_on_ray(config, wanted, address=ray, prepare=engine_sources, progress=progress,
-                                       groups=[group.specs for group in group_specs(wanted)])
-    elif wanted:
-        from .targets.stage import build_specs
-
-        report.outcomes = build_specs(config, wanted, engine_sources(config, wanted),
-                                      jobs=jobs or config.build.jobs, progress=progress)
-    build_state.record(config, report)
-    return report
+    return build_engines(config, select_specs(config, model, component), prepare=engine_sources, target=target,
+                         narrowed=bool(model or component), jobs=jobs, shard=shard, ray=ray, progress=progress)
 
 
 def manifest(config_path: str | Path, *, verify: bool = True, out: str | Path | None = None) -> dict:
@@ -146,20 +104,6 @@ def manifest(config_path: str | Path, *, verify: bool = True, out: str | Path | 
     atomic_write_bytes(path, json.dumps(result, indent=2).encode())
     result["path"] = str(path)
     return result
-
-
-def _without_specs_for_other_hosts(specs, skipped: dict[str, str]):
-    """Drop the specs a target builds only on other hosts (a plan for another GPU architecture), saying why."""
-    from .targets import get_target
-
-    kept = []
-    for spec in specs:
-        reason = get_target(spec.target).spec_unavailable_reason(spec)
-        if reason is None:
-            kept.append(spec)
-        else:
-            skipped[f"{spec.target} {spec.option('architecture') or spec.name}"] = reason
-    return kept
 
 
 def _quantized_sources(config, specs) -> dict[str, Path]:

@@ -7,10 +7,10 @@ import pytest
 import yaml
 
 from trt_diffusion import api
+from trt_diffusion.engine_builds.ray_executor import task_resources
 from trt_diffusion.engines_file import expand, load_engines_file
 from trt_diffusion.errors import ConfigError
 from trt_diffusion.targets import get_target
-from trt_diffusion.targets.ray_executor import task_resources
 
 
 def _config(tmp_path, built_sd15, architectures):
@@ -57,8 +57,8 @@ def test_an_architecture_that_is_not_sm_nn_is_a_config_error(tmp_path, built_sd1
 def test_build_ray_without_ray_names_the_extra(monkeypatch):
     import builtins
 
+    from trt_diffusion.engine_builds.ray_executor import require_ray
     from trt_diffusion.errors import MissingDependencyError
-    from trt_diffusion.targets.ray_executor import require_ray
 
     real = builtins.__import__
 

@@ -24,7 +24,7 @@ from trt_diffusion import api
 from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.targets import get_target
 from trt_diffusion.export import group_specs
-from trt_diffusion.targets.ray_executor import build_on_ray
+from trt_diffusion.engine_builds.ray_executor import build_on_ray
 import ray
 
 ray.init(address="127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)

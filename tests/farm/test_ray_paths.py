@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from target_conformance import make_spec
 
+from trt_diffusion.engine_builds import ray_executor
 from trt_diffusion.errors import BuildError
-from trt_diffusion.targets import ray_executor
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ from shard_split import build_shards, two_host_shards
 
 from trt_diffusion import api
 from trt_diffusion.cli import main
+from trt_diffusion.engine_builds.shards import parse_shard, shard_of, shard_specs
 from trt_diffusion.engines_file import expand, load_engines_file
 from trt_diffusion.errors import ConfigError
-from trt_diffusion.targets.shards import parse_shard, shard_of, shard_specs
 from trt_diffusion.workspace.files import sha256_file
 from trt_diffusion.workspace.provenance import engine_files
 

@@ -22,8 +22,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from trt_diffusion.engine_builds import stage
 from trt_diffusion.engines_file.engine_spec import EngineSpec
-from trt_diffusion.targets import stage
 from trt_diffusion.workspace.locks import lock_path
 
 SPEC = EngineSpec(model="m", family="sd15", source="here", component="text_encoder", target="onnxruntime",

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from trt_diffusion import api
+from trt_diffusion.engine_builds.report import BuildReport
+from trt_diffusion.engine_builds.shards import shard_of
 from trt_diffusion.engines_file import expand, load_engines_file
-from trt_diffusion.targets.base import BuildReport
-from trt_diffusion.targets.shards import shard_of
 
 
 def two_host_shards(config_path: Path) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -143,7 +143,7 @@ def build_command(
             finished.append(spec.name)
             lines.step(detail=f"{len(finished)} engines finished, last {spec.name}: {status}", force=True)
 
-        from ..targets.shards import parse_shard
+        from ..engine_builds.shards import parse_shard
 
         report = api.build(config, target=target, model=model, component=component, jobs=jobs,
                            shard=parse_shard(shard) if shard else None, ray=ray, progress=on_engine)

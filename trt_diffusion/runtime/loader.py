@@ -86,9 +86,9 @@ def refit_weights(config: EnginesConfig, model_name: str, loras: list[tuple[Path
     LoRA-capable text encoders the model builds). Components no LoRA touches are absent."""
     from functools import partial
 
+    from ..engine_builds.stage import base_module
     from ..families import LORA_TEXT_ENCODERS, family_info
     from ..lora import pipeline_lora_weights
-    from ..targets.stage import base_module
 
     model = config.models[model_name]
     info = family_info(model.family)

@@ -17,19 +17,10 @@ from ..target_registry import (
     target_names,
     unregister_target,
 )
-from .base import (
-    BuildReport,
-    BuildRequest,
-    BuiltEngine,
-    EngineOutcome,
-    Failure,
-    Target,
-    TargetBase,
-    TritonEngineModel,
-)
+from .base import BuildRequest, BuiltEngine, Target, TargetBase, TritonEngineModel
 
 __all__ = [
-    "BuildReport", "BuildRequest", "BuiltEngine", "EngineOutcome", "Failure", "Target", "TargetBase", "TritonEngineModel",
+    "BuildRequest", "BuiltEngine", "Target", "TargetBase", "TritonEngineModel",
     "availability", "check_target_name", "default_target_names", "get_target", "register_target", "target_names",
     "unregister_target",
 ]

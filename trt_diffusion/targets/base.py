@@ -54,57 +54,6 @@ class TritonEngineModel:
     parameters: Mapping[str, str] = field(default_factory=dict)  # the backend's config.pbtxt parameters
 
 
-@dataclass(frozen=True)
-class Failure:
-    """Why one engine failed: data, not a sentence to re-parse. `internal` marks a bug in trt-diffusion
-    (the CLI exits 3 with `traceback`) as opposed to bad input or a tool's refusal (exit 1)."""
-
-    engine: str
-    key: str
-    message: str
-    internal: bool = False
-    traceback: str | None = None
-
-
-@dataclass
-class EngineOutcome:
-    spec: EngineSpec
-    path: Path | None
-    cached: bool = False
-    seconds: float = 0.0
-    failure: Failure | None = None
-
-    @property
-    def error(self) -> str | None:
-        return self.failure.message if self.failure else None
-
-    @property
-    def status(self) -> str:
-        return "FAILED" if self.failure else ("CACHED" if self.cached else "BUILT")
-
-
-@dataclass
-class BuildReport:
-    outcomes: list[EngineOutcome] = field(default_factory=list)
-    skipped_targets: dict[str, str] = field(default_factory=dict)  # target -> why it was not built here
-
-    @property
-    def failed(self) -> list[EngineOutcome]:
-        return [o for o in self.outcomes if o.failure]
-
-    @property
-    def internal_failures(self) -> list[EngineOutcome]:
-        return [o for o in self.failed if o.failure.internal]
-
-    @property
-    def built(self) -> list[EngineOutcome]:
-        return [o for o in self.outcomes if not o.failure and not o.cached]
-
-    @property
-    def cached(self) -> list[EngineOutcome]:
-        return [o for o in self.outcomes if o.cached]
-
-
 @runtime_checkable
 class Target(Protocol):
     """One backend. Methods take the engine records above; none needs its runtime until it is called."""

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from trt_diffusion.cli import main
+from trt_diffusion.engine_builds import stage
+from trt_diffusion.engine_builds.build_state import STATE_FILE
 from trt_diffusion.engines_file import expand, load_engines_file
-from trt_diffusion.targets import stage
-from trt_diffusion.targets.build_state import STATE_FILE
 from trt_diffusion.targets.onnxruntime.engine import engine_dir
 
 HANG_GUARD_S = 120  # a barrier nobody else reaches: a failure, not slowness

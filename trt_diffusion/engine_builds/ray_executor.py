@@ -20,7 +20,7 @@ from typing import Any
 from ..engines_file import EnginesConfig, EngineSpec
 from ..errors import BuildError, MissingDependencyError, TrtDiffusionError
 from ..workspace.files import tool_versions
-from .base import EngineOutcome, Failure
+from .report import EngineOutcome, Failure
 
 INSTALL_HINT = "install the farm extra: pip install 'trt-diffusion[farm]'"
 # (config, specs) -> (spec -> the ONNX its engine is built from), exporting and quantizing first
@@ -179,7 +179,7 @@ def build_on_ray(config: EnginesConfig, specs: list[EngineSpec], *, address: str
 
 
 def _target_needs(spec: EngineSpec) -> dict[str, Any]:
-    from . import get_target
+    from ..targets import get_target
 
     return dict(get_target(spec.target).farm_needs(spec))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..engines_file import EnginesConfig, EngineSpec
 from ..workspace.files import atomic_write_bytes, tool_versions
-from .base import BuildReport, EngineOutcome
+from .report import BuildReport, EngineOutcome
 
 STATE_FILE = ".build-state.json"
 SCHEMA_VERSION = 1

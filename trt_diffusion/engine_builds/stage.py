@@ -15,11 +15,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from ..components import get_component, load_model_config
 from ..engines_file import EnginesConfig, EngineSpec
 from ..errors import TrtDiffusionError
-from . import get_target
-from .base import BuildReport, BuildRequest, EngineOutcome, Failure  # noqa: F401  (BuildReport re-exported)
+from ..targets import BuildRequest, get_target
+from .report import BuildReport, EngineOutcome, Failure
 
 ProgressCallback = Callable[[str, EngineSpec | None], None]
 
@@ -80,6 +79,75 @@ def build_specs(config: EnginesConfig, specs: list[EngineSpec], onnx_for: Callab
     return outcomes
 
 
+def build_engines(config: EnginesConfig, selected: list[EngineSpec], *,
+                  prepare: Callable[[EnginesConfig, list[EngineSpec]], Callable[[EngineSpec], Path]],
+                  target: str | None = None, narrowed: bool = False, jobs: int | None = None,
+                  shard: tuple[int, int] | None = None, ray: str | None = None,
+                  progress: ProgressCallback | None = None) -> BuildReport:
+    """The build of `selected` (engines.yaml's specs, `narrowed` by --model/--component) on this host.
+
+    `target` (--target) must be buildable here and asked for; other targets this host cannot build, and
+    specs only other hosts build, are skipped with the reason (a build that is left with nothing fails).
+    `shard=(i, n)` keeps the i-th of n parts; an unchanged build answers from build_state; otherwise
+    `prepare(config, specs)` exports (and quantizes) what the engines are built from and gives each spec's
+    ONNX, and the engines are built locally (`jobs` at a time) or on a Ray cluster (`ray`)."""
+    from ..errors import ConfigError, MissingDependencyError
+    from ..targets import check_target_name
+    from . import build_state
+
+    if target is not None:
+        reason = get_target(check_target_name(target)).unavailable_reason()
+        if reason is not None:
+            raise MissingDependencyError(f"cannot build the {target} target on this machine: {reason}")
+        if not any(s.target == target for s in selected):
+            listed = ", ".join(dict.fromkeys(s.target for s in selected))
+            raise ConfigError(f"--target {target}: {config.path} asks for no {target} engines"
+                              f"{' of the selected models/components' if narrowed else ''} "
+                              f"(its targets: {listed}); add {target} to `targets:` to build them")
+    wanted = [s for s in selected if target is None or s.target == target]
+    report = BuildReport()
+    for name in dict.fromkeys(s.target for s in wanted):
+        reason = get_target(name).unavailable_reason()
+        if reason is not None:
+            report.skipped_targets[name] = reason
+    wanted = [s for s in wanted if s.target not in report.skipped_targets]
+    wanted = _without_specs_for_other_hosts(wanted, report.skipped_targets)
+    if not wanted and report.skipped_targets:  # a build that builds nothing says so, and fails
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in report.skipped_targets.items())
+        raise MissingDependencyError(f"nothing to build on this machine: every engine {config.path} asks for is "
+                                     f"for a target this machine cannot build ({reasons})")
+    if shard is not None:
+        from .shards import shard_specs
+
+        wanted = shard_specs(wanted, *shard)
+    unchanged = build_state.unchanged_report(config, wanted, report.skipped_targets)
+    if unchanged is not None:  # nothing it was made from, nor anything it wrote, has changed
+        return unchanged
+    if wanted and ray is not None:
+        from ..export import group_specs
+        from .ray_executor import build_on_ray
+
+        report.outcomes = build_on_ray(config, wanted, address=ray, prepare=prepare, progress=progress,
+                                       groups=[group.specs for group in group_specs(wanted)])
+    elif wanted:
+        report.outcomes = build_specs(config, wanted, prepare(config, wanted), jobs=jobs or config.build.jobs,
+                                      progress=progress)
+    build_state.record(config, report)
+    return report
+
+
+def _without_specs_for_other_hosts(specs: list[EngineSpec], skipped: dict[str, str]) -> list[EngineSpec]:
+    """Drop the specs a target builds only on other hosts (a plan for another GPU architecture), saying why."""
+    kept = []
+    for spec in specs:
+        reason = get_target(spec.target).spec_unavailable_reason(spec)
+        if reason is None:
+            kept.append(spec)
+        else:
+            skipped[f"{spec.target} {spec.option('architecture') or spec.name}"] = reason
+    return kept
+
+
 def memory_estimate(onnx_path: Path) -> int:
     """Building holds the weights about three times (graph, optimizer copy, output)."""
     data = sum(p.stat().st_size for p in Path(onnx_path).parent.glob("*") if p.is_file())
@@ -87,6 +155,8 @@ def memory_estimate(onnx_path: Path) -> int:
 
 
 def profile_for(config: EnginesConfig, spec: EngineSpec):
+    from ..components import get_component, load_model_config  # torch: not for a no-op build
+
     model = config.models[spec.model]
     cn_dir = model.controlnets[spec.controlnet].path if spec.controlnet else None
     model_config = load_model_config(model.source.path, model.family, spec.component, controlnet_dir=cn_dir)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from trt_diffusion import api
-from trt_diffusion.targets import build_state
+from trt_diffusion.engine_builds import build_state
 
 HEAVY = ("torch", "diffusers", "transformers", "onnx", "onnxruntime")
 
@@ -106,7 +106,7 @@ def test_a_failed_build_leaves_no_state(private_build, monkeypatch):
     config = api.load_engines_file(path)
     state = config.workspace / build_state.STATE_FILE
     assert state.is_file()
-    from trt_diffusion.targets.base import BuildReport, EngineOutcome, Failure
+    from trt_diffusion.engine_builds.report import BuildReport, EngineOutcome, Failure
 
     spec = api.plan(path, count_parameters=False).specs[0]
     build_state.record(config, BuildReport([EngineOutcome(spec, None, failure=Failure(spec.name, spec.key, "x"))]))
