@@ -15,15 +15,15 @@ from trt_diffusion.models.tiny import write_tiny_model
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """`tiny_model_factory(family, controlnet=False, lora=False) -> Path`, cached per session."""
+    """`tiny_model_factory(family, controlnet=False, lora=False, variant=None) -> Path`, cached per session."""
     root = tmp_path_factory.mktemp("tiny-models")
     cache: dict[tuple, Path] = {}
 
-    def make(family: str, controlnet: bool = False, lora: bool = False) -> Path:
-        key = (family, controlnet, lora)
+    def make(family: str, controlnet: bool = False, lora: bool = False, variant: str | None = None) -> Path:
+        key = (family, controlnet, lora, variant)
         if key not in cache:
-            name = f"{family}{'-cn' if controlnet else ''}{'-lora' if lora else ''}"
-            cache[key] = write_tiny_model(root / name, family, controlnet=controlnet, lora=lora)
+            name = f"{family}{'-cn' if controlnet else ''}{'-lora' if lora else ''}{f'-{variant}' if variant else ''}"
+            cache[key] = write_tiny_model(root / name, family, controlnet=controlnet, lora=lora, variant=variant)
         return cache[key]
 
     return make

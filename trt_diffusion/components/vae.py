@@ -18,7 +18,10 @@ class _DecoderWrapper(ExportWrapper):
 
 class _EncoderWrapper(ExportWrapper):
     def compute(self, images):
-        return self.model.encode(self.cast(images)).latent_dist.mean
+        # mean and std, not a sample: diffusers' img2img/inpaint pipelines draw the sample from the request's
+        # generator (mean + std * randn), which the runtime does on the host in the same order
+        dist = self.model.encode(self.cast(images)).latent_dist
+        return dist.mean, dist.std
 
 
 class VaeDecoder(ComponentDef):
@@ -43,7 +46,8 @@ class VaeDecoder(ComponentDef):
 
 
 class VaeEncoder(ComponentDef):
-    """AutoencoderKL.encode: `images` [B,3,H,W] in [-1, 1] -> `latent` [B,C,h,w] (latent_dist.mean)."""
+    """AutoencoderKL.encode: `images` [B,3,H,W] in [-1, 1] -> `latent` [B,C,h,w] (latent_dist.mean) and
+    `latent_std` (latent_dist.std, from the clamped log-variance)."""
 
     kind = "vae_encoder"
 
@@ -51,7 +55,8 @@ class VaeEncoder(ComponentDef):
         image_height, image_width = image_dims(config.vae_scale_factor)
         return ComponentIO(
             inputs=(TensorDecl("images", "float32", (BATCH, int(config.get("in_channels", 3)), image_height, image_width)),),
-            outputs=(TensorDecl("latent", "float32", (BATCH, config.latent_channels, HEIGHT, WIDTH)),),
+            outputs=(TensorDecl("latent", "float32", (BATCH, config.latent_channels, HEIGHT, WIDTH)),
+                     TensorDecl("latent_std", "float32", (BATCH, config.latent_channels, HEIGHT, WIDTH))),
         )
 
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):

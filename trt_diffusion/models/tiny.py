@@ -22,6 +22,9 @@ from ..families import Family
 from .quiet import quiet_libraries
 
 FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl)
+# Checkpoint variants beside the text-to-image one: an inpainting denoiser (the mask and the masked image's
+# latents as extra input channels) and its pipeline class, as the released inpainting checkpoints are saved.
+VARIANTS = {"inpaint": (Family.sd15, Family.sdxl)}
 # Shards of at most this size: safetensors copies a shard into memory to write it, and a full-size SDXL UNet
 # (10 GB) written in one piece would need twice its size.
 SHARD_SIZE = "2GB"
@@ -94,24 +97,24 @@ def _vae(latent_channels: int, **extra):
     )
 
 
-def _sd15_unet(size: str):
+def _sd15_unet(size: str, in_channels: int = 4):
     from diffusers import UNet2DConditionModel
 
     if size == "full":  # runwayml/stable-diffusion-v1-5's UNet config (860M parameters)
-        return UNet2DConditionModel(sample_size=64, cross_attention_dim=768)
+        return UNet2DConditionModel(sample_size=64, cross_attention_dim=768, in_channels=in_channels)
     return UNet2DConditionModel(
-        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=in_channels, out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         cross_attention_dim=32, norm_num_groups=4, attention_head_dim=4,
     )
 
 
-def _sdxl_unet(size: str):
+def _sdxl_unet(size: str, in_channels: int = 4):
     from diffusers import UNet2DConditionModel
 
     if size == "full":  # stabilityai/stable-diffusion-xl-base-1.0's UNet config (2.57B parameters)
         return UNet2DConditionModel(
-            sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
+            sample_size=128, in_channels=in_channels, block_out_channels=(320, 640, 1280), layers_per_block=2,
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
             up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
             transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), use_linear_projection=True,
@@ -119,7 +122,7 @@ def _sdxl_unet(size: str):
             projection_class_embeddings_input_dim=2816,  # pooled text_embeds (1280) + 6 time ids x 256
         )
     return UNet2DConditionModel(
-        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+        block_out_channels=(8, 16), layers_per_block=1, sample_size=8, in_channels=in_channels, out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
         addition_time_embed_dim=8, transformer_layers_per_block=(1, 2),
@@ -153,12 +156,18 @@ def _scheduler(family: Family):
     )
 
 
-def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny"):
-    """Build (in memory) a seeded pipeline of the family. Everything is constructed under one seed."""
+def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny", variant: str | None = None):
+    """Build (in memory) a seeded pipeline of the family. Everything is constructed under one seed.
+    `variant`: a checkpoint variant of VARIANTS (None: text-to-image)."""
     import diffusers
 
     quiet_libraries()
     family = Family(family)
+    if variant is not None and family not in VARIANTS.get(variant, ()):
+        known = "; ".join(f"{v}: {', '.join(f.value for f in fams)}" for v, fams in VARIANTS.items())
+        raise ConfigError(f"no tiny {family.value} model of variant {variant!r} (variants: {known})")
+    inpaint = variant == "inpaint"
+    unet_channels = 9 if inpaint else 4
     if size not in ("tiny", "full"):
         raise ConfigError(f"--size must be 'tiny' or 'full', got {size!r}")
     if size == "full" and family not in FULL_SIZE_FAMILIES:
@@ -168,27 +177,30 @@ def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny")
     scheduler = _scheduler(family)
     if family is Family.sd15:
         text_hidden = 768 if size == "full" else 32
-        parts = dict(unet=_sd15_unet(size), vae=_vae(4), text_encoder=_clip_text_encoder(text_hidden),
+        parts = dict(unet=_sd15_unet(size, unet_channels), vae=_vae(4), text_encoder=_clip_text_encoder(text_hidden),
                      tokenizer=_clip_tokenizer(), scheduler=scheduler, safety_checker=None,
                      feature_extractor=None, image_encoder=None)
-        pipe = diffusers.StableDiffusionPipeline(**parts, requires_safety_checker=False)
+        pipe_cls = diffusers.StableDiffusionInpaintPipeline if inpaint else diffusers.StableDiffusionPipeline
+        pipe = pipe_cls(**parts, requires_safety_checker=False)
     elif family is Family.sdxl:
         # full: CLIP-L (768) and OpenCLIP-G (1280, projected to 1280) hidden sizes, the 2048 the UNet attends to
         hidden, hidden_2 = (768, 1280) if size == "full" else (32, 32)
-        pipe = diffusers.StableDiffusionXLPipeline(
-            unet=_sdxl_unet(size), vae=_vae(4), text_encoder=_clip_text_encoder(hidden),
+        pipe_cls = diffusers.StableDiffusionXLInpaintPipeline if inpaint else diffusers.StableDiffusionXLPipeline
+        pipe = pipe_cls(
+            unet=_sdxl_unet(size, unet_channels), vae=_vae(4), text_encoder=_clip_text_encoder(hidden),
             text_encoder_2=_clip_text_encoder(hidden_2, projection=True, projection_dim=hidden_2),
             tokenizer=_clip_tokenizer(),
             tokenizer_2=_clip_tokenizer(), scheduler=scheduler, image_encoder=None, feature_extractor=None,
         )
     elif family is Family.sd3:
         transformer = diffusers.SD3Transformer2DModel(
-            sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+            # 16 latent channels as SD3's VAE has (diffusers' SD3 inpaint pipeline accepts 16 or 33 only)
+            sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
             num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=64, pooled_projection_dim=64,
             pos_embed_max_size=32,
         )
         pipe = diffusers.StableDiffusion3Pipeline(
-            transformer=transformer, vae=_vae(4, shift_factor=0.0609, scaling_factor=1.5035,
+            transformer=transformer, vae=_vae(16, shift_factor=0.0609, scaling_factor=1.5035,
                                             use_quant_conv=False, use_post_quant_conv=False),
             text_encoder=_clip_text_encoder(32, projection=True), text_encoder_2=_clip_text_encoder(32, projection=True),
             text_encoder_3=_t5_encoder(64), tokenizer=_clip_tokenizer(), tokenizer_2=_clip_tokenizer(),
@@ -282,7 +294,7 @@ def _check_replaceable(out: Path) -> None:
 
 def write_tiny_model(
     out_dir: str | os.PathLike, family: Family | str, *, seed: int = 0, size: str = "tiny",
-    controlnet: bool = False, lora: bool = False, overwrite: bool = False,
+    controlnet: bool = False, lora: bool = False, overwrite: bool = False, variant: str | None = None,
 ) -> Path:
     """Write a complete diffusers folder (plus `controlnet/` and `lora/` sub-folders when asked).
 
@@ -294,12 +306,13 @@ def write_tiny_model(
             raise ConfigError(f"{out} already exists (use --overwrite to replace it)")
         _check_replaceable(out)
     family = Family(family)
-    pipe = build_tiny_pipeline(family, seed=seed, size=size)
+    pipe = build_tiny_pipeline(family, seed=seed, size=size, variant=variant)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True, max_shard_size=SHARD_SIZE)
-        extras = {"family": family.value, "seed": seed, "size": size, "controlnet": None, "lora": None}
+        extras = {"family": family.value, "seed": seed, "size": size, "variant": variant, "controlnet": None,
+                  "lora": None}
         if controlnet:
             denoiser = pipe.unet if family in (Family.sd15, Family.sdxl) else None
             if denoiser is None:

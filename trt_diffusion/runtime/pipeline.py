@@ -1,5 +1,5 @@
-"""One text-to-image pipeline over runners: tokenize → text encoders → scheduler loop (CFG, ControlNet)
-→ VAE decode. It follows diffusers' pipelines step for step, so the torch-reference runners reproduce
+"""One pipeline over runners: tokenize → text encoders → scheduler loop (CFG, ControlNet) → VAE decode,
+from noise (txt2img) or from an init image (img2img, inpaint: runtime/conditioning.py). It follows diffusers' pipelines step for step, so the torch-reference runners reproduce
 diffusers' images exactly and engine runners can be compared to them.
 """
 
@@ -17,6 +17,8 @@ import torch
 from ..engines_file.engine_spec import Size
 from ..errors import RuntimeInputError
 from ..families import Family
+from ..workflows import DEFAULT_STRENGTH, EDIT_PIPELINE_CLASSES, FAMILY_WORKFLOWS, Workflow, request_workflow
+from . import conditioning
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
 from .schedulers import make_scheduler, scheduler_names
 
@@ -39,6 +41,20 @@ class GenerationRequest:
     controlnet: str | None = None
     control_image: np.ndarray | None = None  # uint8 [H, W, 3]
     controlnet_scale: float = 1.0
+    workflow: str | None = None  # None: what init_image/mask imply (workflows.request_workflow)
+    init_image: np.ndarray | None = None  # uint8 [H, W, 3], the bucket's size (never resized)
+    mask: np.ndarray | None = None  # uint8 [H, W]; white (>= 128) is repainted
+    strength: float | None = None  # (0, 1]; None: the workflow's default (workflows.DEFAULT_STRENGTH)
+
+    @property
+    def resolved_workflow(self) -> Workflow:
+        return request_workflow(self.workflow, self.init_image is not None, self.mask is not None)
+
+    @property
+    def resolved_strength(self) -> float:
+        if self.strength is not None:
+            return float(self.strength)
+        return DEFAULT_STRENGTH.get(self.resolved_workflow, 1.0)
 
 
 @dataclass
@@ -94,6 +110,11 @@ class _Item:
     scheduler: object
     latents: torch.Tensor
     step_kwargs: dict
+    start: conditioning.ImageStart | None = None  # img2img/inpaint: the trimmed schedule and the mask work
+
+    @property
+    def timesteps(self):
+        return self.start.timesteps if self.start is not None else self.scheduler.timesteps
 
     @property
     def rows(self) -> int:
@@ -109,7 +130,8 @@ def _tokenizer(model_dir: Path, subfolder: str):
 class EnginePipeline:
     """Runs requests over a RunnerTable. Holds no per-request state: safe to share between threads."""
 
-    def __init__(self, model_dir: str | Path, family: Family | str, runners: RunnerTable):
+    def __init__(self, model_dir: str | Path, family: Family | str, runners: RunnerTable,
+                 workflows: tuple[Workflow | str, ...] | None = None):
         from ..models.quiet import quiet_libraries
 
         quiet_libraries()
@@ -127,6 +149,28 @@ class EnginePipeline:
         self.denoiser_config = json.loads((self.model_dir / denoiser / "config.json").read_text())
         self.tokenizers = {name: _tokenizer(self.model_dir, name) for name in
                            ("tokenizer", "tokenizer_2", "tokenizer_3") if self.index.get(name, [None])[0]}
+        self.latent_channels = vae_config.get("latent_channels", 4)
+        self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
+
+    def _served_workflows(self) -> tuple[Workflow, ...]:
+        """What the runners can serve when the caller does not say (engines.yaml's `workflows` does): an
+        inpainting denoiser (mask and masked-image channels) serves inpaint only; image workflows need the VAE
+        encoder; edit needs an edit checkpoint."""
+        possible = FAMILY_WORKFLOWS[self.family]
+        if self._inpainting_denoiser:
+            possible = (Workflow.inpaint,)
+        edit_checkpoint = self.index.get("_class_name") in EDIT_PIPELINE_CLASSES
+        possible = tuple(w for w in possible if (w is Workflow.edit) == edit_checkpoint)
+        if not self.runners.has("vae_encoder"):
+            possible = tuple(w for w in possible if not w.needs_image)
+        return possible
+
+    @property
+    def _inpainting_denoiser(self) -> bool:
+        channels = self.denoiser_config["in_channels"]
+        if self.family is Family.flux:
+            channels //= 4  # packed 2x2 patches
+        return channels > self.latent_channels
 
     # ---------------------------------------------------------------- public
 
@@ -166,6 +210,7 @@ class EnginePipeline:
             elif request.control_image.shape != (request.height, request.width, 3):
                 problems.append(f"CONTROL_IMAGE is {list(request.control_image.shape)}, expected "
                                 f"[{request.height}, {request.width}, 3]")
+        problems += self._image_problems(request)
         if problems:
             raise RuntimeInputError("; ".join(problems))
         supported = self.runners.supported_sizes(self.denoiser)
@@ -173,6 +218,50 @@ class EnginePipeline:
                                  for e in self.runners.entries if e.component == self.denoiser):
             raise RuntimeInputError(f"size {size} is not served; supported sizes: {', '.join(supported)}")
         return size
+
+    def _image_problems(self, request: GenerationRequest) -> list[str]:
+        """The image-conditioned inputs against the workflow they ask for and what this pipeline serves."""
+        try:
+            workflow = request.resolved_workflow
+        except ValueError as err:
+            return [str(err)]
+        problems = []
+        served = ", ".join(w.value for w in self.workflows)
+        if workflow not in self.workflows:
+            why = ("it is not in this model's workflows" if workflow in FAMILY_WORKFLOWS[self.family]
+                   else f"the {self.family.value} family has no {workflow.value} workflow")
+            given = " (a MASK asks for inpaint)" if request.mask is not None and not request.workflow else ""
+            problems.append(f"WORKFLOW {workflow.value}{given} is not served: {why} (served: {served})")
+        if request.mask is not None and request.init_image is None:
+            problems.append("a MASK needs the INIT_IMAGE it masks")
+        if workflow.needs_image and request.init_image is None:
+            problems.append(f"WORKFLOW {workflow.value} needs INIT_IMAGE")
+        if not workflow.needs_image and request.init_image is not None:
+            problems.append(f"WORKFLOW {workflow.value} takes no INIT_IMAGE")
+        if workflow.needs_mask and request.mask is None and request.init_image is not None:
+            problems.append("WORKFLOW inpaint needs MASK")
+        if not workflow.needs_mask and request.mask is not None:
+            problems.append(f"WORKFLOW {workflow.value} takes no MASK (inpaint does)")
+        expected = (request.height, request.width)
+        for name, value, shape in (("INIT_IMAGE", request.init_image, expected + (3,)),
+                                   ("MASK", request.mask, expected)):
+            if value is None:
+                continue
+            if not isinstance(value, np.ndarray) or value.dtype != np.uint8:
+                problems.append(f"{name} must be uint8")
+            elif value.shape != shape:
+                problems.append(f"{name} is {list(value.shape)}, expected {list(shape)} (the request's size; "
+                                "images are not resized)")
+        if request.strength is not None:
+            if not workflow.takes_strength:
+                problems.append(f"WORKFLOW {workflow.value} takes no STRENGTH")
+            elif not np.isfinite(request.strength) or not 0 < request.strength <= 1:
+                problems.append(f"STRENGTH must be in (0, 1], got {request.strength}")
+            elif 1 <= request.steps <= MAX_STEPS and conditioning.kept_steps(
+                    request.steps, request.strength, self.family) < 1:
+                problems.append(f"STRENGTH {request.strength} keeps no step of {request.steps}: raise STEPS "
+                                "or STRENGTH")
+        return problems
 
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
         size = self.validate(request)
@@ -194,7 +283,9 @@ class EnginePipeline:
         Prompts, negative prompts, seeds and guidance scales are each request's own."""
         cfg = self.family is not Family.flux and request.guidance_scale > 1.0
         controlnet = (request.controlnet, request.controlnet_scale) if request.controlnet else None
-        key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet)
+        workflow = request.resolved_workflow  # the same trimmed schedule and denoiser inputs
+        strength = request.resolved_strength if workflow.takes_strength else None
+        key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength)
         if self.family is Family.flux:  # FLUX: one request per batch (its loop is not batched across requests)
             key += (id(request),)
         return key
@@ -340,6 +431,9 @@ class EnginePipeline:
         generator = torch.Generator().manual_seed(int(request.seed))
         scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
         h, w = size.latent(self.vae_scale_factor)
+        workflow = request.resolved_workflow
+        if workflow in (Workflow.img2img, Workflow.inpaint):
+            return self._image_item(request, encoding, size, workflow, generator, scheduler)
         channels = self.denoiser_config["in_channels"]
         latents = torch.randn((request.batch, channels, h, w), generator=generator, dtype=torch.float32)
         device = self._latent_device(request)  # None: the host path, numpy between runner and scheduler
@@ -351,6 +445,21 @@ class EnginePipeline:
         if self.family is not Family.sd3:
             latents = latents * scheduler.init_noise_sigma
         return _Item(request, encoding, generator, scheduler, latents, _step_kwargs(scheduler, generator))
+
+    def _image_item(self, request, encoding, size, workflow, generator, scheduler) -> _Item:
+        """An img2img/inpaint request: the schedule trimmed by strength, start latents from the init image
+        (host path: the latents stay on the host)."""
+        scheduler.set_timesteps(request.steps)
+        h, w = size.latent(self.vae_scale_factor)
+        encoder = conditioning.LatentEncoder(self.runners.find("vae_encoder", size=size, batch=1), self.family,
+                                             self.scaling_factor, self.shift_factor)
+        start_request = _StartRequest(request.steps, request.resolved_strength, request.init_image, request.mask)
+        latents, start = conditioning.image_start(
+            workflow, request=start_request, scheduler=scheduler, generator=generator, encoder=encoder,
+            family=self.family, shape=(request.batch, self.latent_channels, h, w),
+            denoiser_channels=self.denoiser_config["in_channels"],
+            init_noise_sigma=getattr(scheduler, "init_noise_sigma", 1.0))  # flow matching has none
+        return _Item(request, encoding, generator, scheduler, latents, _step_kwargs(scheduler, generator), start)
 
     def _denoise_items(self, items: list[_Item], size: Size, timings: StageTimings,
                        on_step: StepCallback | None = None) -> tuple[list[torch.Tensor], str]:
@@ -367,10 +476,10 @@ class EnginePipeline:
             control = np.concatenate([self._control_image(item.request, item.rows) for item in items])
         extra = self._added_conditioning(size, rows)
         offsets = np.cumsum([0] + [item.rows for item in items])
-        timesteps = items[0].scheduler.timesteps
+        timesteps = items[0].timesteps
         for index, t in enumerate(timesteps):
             start = time.perf_counter()
-            scaled = [_scale_input(item.scheduler, item.latents, t) for item in items]
+            scaled = [_denoiser_input(item, _scale_input(item.scheduler, item.latents, t)) for item in items]
             if cfg_mode == "batched":
                 model_in = torch.cat(scaled * 2)
                 noise = self._denoise(model_in, t, _cat(negative, positive), _cat_extra(extra), size, first,
@@ -391,6 +500,9 @@ class EnginePipeline:
                     noise_pred = uncond_t + item.request.guidance_scale * (noise_pred - uncond_t)
                 item.latents = item.scheduler.step(noise_pred, t, item.latents, **item.step_kwargs,
                                                    return_dict=False)[0]
+                if item.start is not None and item.start.blend:
+                    item.latents = conditioning.blend_known_region(item.start, item.scheduler, self.family,
+                                                                   item.latents, index)
             timings.step_s.append(time.perf_counter() - start)
             if on_step is not None:
                 on_step(index, len(timesteps), [item.latents.cpu() for item in items])
@@ -402,7 +514,7 @@ class EnginePipeline:
         host path, unchanged) otherwise, and with ControlNet residuals, which are computed on the host."""
         runners = [e.runner for e in self.runners.entries if e.component == self.denoiser]
         takes_device_tensors = runners and all(getattr(r, "device_tensors", False) for r in runners)
-        if request.controlnet is not None or not takes_device_tensors:
+        if request.controlnet is not None or not takes_device_tensors or request.init_image is not None:
             return None
         if any("mid_block_residual" in r.inputs for r in runners) or not torch.cuda.is_available():
             return None
@@ -441,8 +553,9 @@ class EnginePipeline:
         needed = set(runner.inputs)
         if control is not None or "mid_block_residual" in needed:
             feeds.update(self._residuals(feeds, runner, size, request, control))
-        return runner.run({k: v if isinstance(v, torch.Tensor) else np.ascontiguousarray(v)
-                           for k, v in feeds.items()})["noise_pred"]
+        # arrays keep their memory layout: img2img latents inherit the init image's channels-last strides, as in
+        # diffusers, and the torch reference must see them so (engine runners copy to contiguous where needed)
+        return runner.run(feeds)["noise_pred"]
 
     def _residuals(self, unet_feeds, unet_runner, size, request, control) -> dict[str, np.ndarray]:
         names = [n for n in unet_runner.inputs if "residual" in n]
@@ -451,6 +564,9 @@ class EnginePipeline:
         batch = unet_feeds["sample"].shape[0]
         runner = self.runners.find("controlnet", size=size, batch=batch, controlnet=request.controlnet)
         feeds = {k: v for k, v in unet_feeds.items() if k in runner.inputs}
+        # an inpainting UNet's mask and masked-image channels are its own: the ControlNet sees the latents
+        if feeds["sample"].shape[1] > self.latent_channels:
+            feeds["sample"] = feeds["sample"][:, :self.latent_channels]
         feeds["controlnet_cond"] = control
         feeds["conditioning_scale"] = np.array([request.controlnet_scale], np.float32)
         outputs = runner.run(feeds)
@@ -511,9 +627,26 @@ class EnginePipeline:
         """Latents to uint8 images [B, H, W, 3]."""
         latents = latents / self.scaling_factor + self.shift_factor
         runner = self.runners.find("vae_decoder", size=size, batch=batch)
-        image = runner.run({"latent": np.ascontiguousarray(latents.numpy(), dtype=np.float32)})["images"]
+        image = runner.run({"latent": latents.float().numpy()})["images"]  # layout kept, as in _denoise
         image = np.clip(image / 2 + 0.5, 0.0, 1.0)  # diffusers' postprocess: denormalize, then uint8
         return (np.transpose(image, (0, 2, 3, 1)) * 255).round().astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class _StartRequest:
+    """What conditioning.image_start reads of a request."""
+
+    steps: int
+    strength: float
+    init_image: np.ndarray
+    mask: np.ndarray | None
+
+
+def _denoiser_input(item: _Item, scaled: torch.Tensor) -> torch.Tensor:
+    """The scaled latents, with the mask and masked-image channels where an inpainting denoiser takes them."""
+    if item.start is not None and item.start.masked_image_latents is not None and not item.start.blend:
+        return conditioning.inpaint_channels(item.start, scaled)
+    return scaled
 
 
 def _as_torch(value) -> torch.Tensor:

@@ -20,11 +20,21 @@ class TorchRunner(BaseRunner):
         import torch
 
         with torch.inference_mode():
-            outputs = self.module(*[torch.from_numpy(np.ascontiguousarray(feeds[k])) for k in self.inputs])
+            outputs = self.module(*[_tensor(feeds[k]) for k in self.inputs])
         if not isinstance(outputs, (tuple, list)):
             outputs = (outputs,)
         return {k: v.detach().float().numpy() if v.is_floating_point() else v.numpy()
                 for k, v in zip(self.output_names, outputs)}
+
+
+def _tensor(array: np.ndarray):
+    """The feed as a tensor over the same memory, strides kept: the reference must see the layout diffusers'
+    own pipeline gives its modules (a channels-last image makes convolutions round differently)."""
+    import torch
+
+    if any(s < 0 for s in array.strides):  # torch takes no negative strides
+        array = np.ascontiguousarray(array)
+    return torch.from_numpy(array)
 
 
 class CallableRunner(BaseRunner):

@@ -1,0 +1,31 @@
+"""Seeded input images and masks for the image-conditioned workflows: what parity, preflight and the tests feed
+img2img, inpaint and edit requests. Generated, never downloaded, the same on every machine (numpy's PCG64)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def init_image(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """uint8 [H, W, 3]: a smooth colour field with a few discs, structure a VAE keeps and a denoiser can follow."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    y, x = y / max(height - 1, 1), x / max(width - 1, 1)
+    phase = rng.uniform(0, 2 * np.pi, 3)
+    freq = rng.uniform(1.0, 3.0, 3)
+    image = np.stack([0.5 + 0.4 * np.sin(2 * np.pi * f * (x + y) / 2 + p) for f, p in zip(freq, phase)], -1)
+    for _ in range(3):
+        cy, cx, r = rng.uniform(0.2, 0.8), rng.uniform(0.2, 0.8), rng.uniform(0.08, 0.2)
+        inside = (y - cy) ** 2 + (x - cx) ** 2 < r * r
+        image[inside] = rng.uniform(0, 1, 3)
+    return (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
+
+
+def inpaint_mask(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """uint8 [H, W] of 0/255: a rectangle to repaint (white), between a quarter and a half of each side."""
+    rng = np.random.default_rng(seed + 1_000_003)
+    mask = np.zeros((height, width), np.uint8)
+    h, w = int(height * rng.uniform(0.25, 0.5)), int(width * rng.uniform(0.25, 0.5))
+    top, left = int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1))
+    mask[top:top + h, left:left + w] = 255
+    return mask

@@ -1,0 +1,76 @@
+"""What a request asks a model to do: text-to-image, image-to-image, inpainting or instruction editing.
+
+Pure vocabulary (no torch): engines.yaml declares the workflows a model serves, the runtime and the Triton entry
+route each request by its workflow, and requests batch only with requests of the same workflow and options.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from .families import Component, Family
+
+
+class Workflow(str, Enum):
+    __str__ = str.__str__
+
+    txt2img = "txt2img"
+    img2img = "img2img"  # INIT_IMAGE, STRENGTH: start from the noised image instead of pure noise
+    inpaint = "inpaint"  # INIT_IMAGE, MASK (white = repaint), STRENGTH
+    edit = "edit"  # INIT_IMAGE as the instruction's context (FLUX.1 Kontext): its tokens beside the image's
+
+    @property
+    def needs_image(self) -> bool:
+        return self is not Workflow.txt2img
+
+    @property
+    def needs_mask(self) -> bool:
+        return self is Workflow.inpaint
+
+    @property
+    def takes_strength(self) -> bool:
+        return self in (Workflow.img2img, Workflow.inpaint)
+
+    @property
+    def encodes_image(self) -> bool:
+        """Whether the workflow runs the VAE encoder (every image-conditioned one does)."""
+        return self.needs_image
+
+
+# Which family runs which workflow, as diffusers' pipelines do (StableDiffusion{,XL,3}Img2Img/Inpaint, Flux
+# Img2Img/Inpaint/Fill, FluxKontext).
+FAMILY_WORKFLOWS: dict[Family, tuple[Workflow, ...]] = {
+    Family.sd15: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
+    Family.sdxl: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
+    Family.sd3: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
+    Family.flux: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint, Workflow.edit),
+}
+
+# The checkpoint (model_index.json `_class_name`) an edit workflow needs: editing is a trained skill, not a
+# sampling mode, so a plain FLUX.1 checkpoint is refused for it.
+EDIT_PIPELINE_CLASSES = ("FluxKontextPipeline",)
+
+DEFAULT_STRENGTH = {Workflow.img2img: 0.8, Workflow.inpaint: 1.0}  # diffusers' SD img2img / inpaint defaults
+
+
+def families_that_run(workflow: Workflow) -> list[str]:
+    return [family.value for family, workflows in FAMILY_WORKFLOWS.items() if workflow in workflows]
+
+
+def workflow_components(workflows) -> tuple[Component, ...]:
+    """The components the workflows add to a text-to-image release."""
+    return (Component.vae_encoder,) if any(Workflow(w).encodes_image for w in workflows) else ()
+
+
+def request_workflow(workflow: str | None, has_image: bool, has_mask: bool) -> Workflow:
+    """The workflow a request asks for: WORKFLOW when given, else what its inputs imply (an INIT_IMAGE means
+    img2img, an INIT_IMAGE with a MASK inpaint). Raises ValueError for a name that is not a workflow."""
+    if workflow:
+        try:
+            return Workflow(workflow)
+        except ValueError:
+            raise ValueError(f"unknown WORKFLOW {workflow!r}; choose one of "
+                             f"{', '.join(w.value for w in Workflow)}") from None
+    if has_image:
+        return Workflow.inpaint if has_mask else Workflow.img2img
+    return Workflow.txt2img
