@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .engines_file import EnginesConfig, EngineSpec, Precision, expand
 from .errors import TrtDiffusionError
-from .families import Component
+from .families import Component, family_info
+from .workflows import Workflow
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Plan:
     config: EnginesConfig
     specs: list[EngineSpec]
     rows: list[PlanRow]
+    workflows: dict[str, dict[str, str]] = field(default_factory=dict)  # model -> workflow -> what it adds
 
     @property
     def total_engines(self) -> int:
@@ -59,6 +61,7 @@ class Plan:
             "total_engines": self.total_engines,
             "buildable_here": self.buildable_here,
             "total_disk_bytes": self.total_disk_bytes,
+            "workflows": self.workflows,
             "rows": [{**r.__dict__, "disk_bytes": r.disk_bytes} for r in self.rows],
             "engines": [
                 {"key": s.key, "name": s.name, "model": s.model, "component": s.component, "target": s.target,
@@ -86,7 +89,33 @@ def make_plan(config: EnginesConfig, count_parameters: bool = True) -> Plan:
         rows.append(PlanRow(model_name, label, target, precision, len(members), params, per_engine, why,
                             formula=_formula(members), runs_as=_runs_as(target, precision),
                             not_here=_not_here(target), layouts=_layouts(target, members, per_engine)))
-    return Plan(config, specs, rows)
+    return Plan(config, specs, rows, {name: workflow_notes(model, specs) for name, model in config.models.items()})
+
+
+def workflow_notes(model, specs: list[EngineSpec]) -> dict[str, str]:
+    """What each declared workflow adds to the model's engines, in words."""
+    denoiser = family_info(model.family).denoiser.value
+    checkpoint = model.checkpoint
+    encoders = sum(1 for s in specs if s.model == model.name and s.component == Component.vae_encoder)
+    encoder = f"the VAE encoder ({encoders} engine{'s' if encoders != 1 else ''}: one per bucket and target, batch 1)"
+    notes = {}
+    for workflow in model.workflows:
+        if workflow is Workflow.txt2img:
+            notes[workflow.value] = "the text-to-image engines"
+        elif workflow is Workflow.img2img:
+            notes[workflow.value] = f"{encoder}; the same {denoiser} engines over the schedule strength keeps"
+        elif workflow is Workflow.inpaint:
+            if checkpoint is not None and checkpoint.inpainting:
+                how = (f"the checkpoint's {checkpoint.denoiser_channels}-channel inpainting {denoiser} (mask and "
+                       "masked-image latents as extra input channels)")
+            else:
+                channels = f"{checkpoint.denoiser_channels}-channel " if checkpoint and checkpoint.denoiser_channels else ""
+                how = f"mask blending on the {channels}{denoiser}, as diffusers does for non-inpainting checkpoints"
+            notes[workflow.value] = f"{encoder}; {how}"
+        else:
+            notes[workflow.value] = (f"{encoder}; the {denoiser} over the init image's tokens beside the noise "
+                                     "tokens (twice the image-token sequence)")
+    return notes
 
 
 def _layouts(target: str, members: list[EngineSpec], per_engine: int | None) -> dict[str, int] | None:

@@ -42,6 +42,10 @@ def plan_command(config: ConfigArg, as_json: Annotated[bool, typer.Option("--jso
                           f"{human_bytes(layout['per_shape_bytes'])} ({layout['per_shape_engines']} engines) · "
                           f"profiles {human_bytes(layout['profiles_bytes'])} ({layout['profiles_engines']} "
                           f"engine{'s' if layout['profiles_engines'] > 1 else ''})", soft_wrap=True, highlight=False)
+    for model, notes in result.workflows.items():
+        if list(notes) != ["txt2img"]:
+            for workflow, note in notes.items():
+                console.print(f"{model} workflow {workflow}: {note}", soft_wrap=True, highlight=False)
     reasons = dict.fromkeys((row.target, row.not_here) for row in result.rows if row.not_here)
     for target, reason in reasons:
         console.print(f"[yellow]not buildable here[/yellow] ({target}, marked *): {reason}", soft_wrap=True,

@@ -7,7 +7,8 @@ Each component depends on a different subset of the dimensions, and only those m
 | text encoders  | no     | image batch (one call each for prompt and negative) | no | no |
 | unet/transformer| yes   | denoiser batch (CFG)       | no         | yes        |
 | controlnet     | yes    | denoiser batch (CFG)       | each one   | no         |
-| vae enc/dec    | yes    | image batch (CFG-free)     | no         | no         |
+| vae decoder    | yes    | image batch (CFG-free)     | no         | no         |
+| vae encoder    | yes    | 1 (one init image per request, encoded once) | no | no |
 
 The denoiser batch is the image batch doubled when CFG runs batched (cond + uncond in one call).
 """
@@ -94,6 +95,10 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
                             yield make(component, batch, bucket,
                                        [f"bucket {bucket.label} × {w}{lora_why}" for w in why],
                                        lora_variant=variant, refittable=model.refittable and variant is None)
+            elif component is Component.vae_encoder:  # the init image, once per request (its rows repeat it)
+                uses = [w.value for w in model.workflows if w.encodes_image] or ["listed in components"]
+                for bucket in model.buckets:
+                    yield make(component, 1, bucket, [f"bucket {bucket.label} × init image ({', '.join(uses)})"])
             elif component.is_vae:
                 for bucket in model.buckets:
                     for batch, why in image_batches.items():

@@ -11,7 +11,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..errors import ConfigError
-from ..families import Component, Family, family_info, family_of_pipeline_class
+from ..families import SUBFOLDER, Component, Family, family_info, family_of_pipeline_class
+from ..workflows import EDIT_PIPELINE_CLASSES, FAMILY_WORKFLOWS, Workflow, families_that_run, workflow_components
 from ..workspace.urls import check_workspace_url, local_workspace
 from .engine_spec import Bucket, Size
 from .preflight import PreflightSettings
@@ -62,9 +63,51 @@ class ResolvedModel:
     loras: dict[str, ResolvedLora]
     quantization: QuantizationSettings
     parity: dict[Precision, ParityThresholds]
+    workflows: tuple[Workflow, ...] = (Workflow.txt2img,)
+    checkpoint: CheckpointKind | None = None  # what the folder's denoiser is for (None: not read)
 
     def precision_of(self, component: Component) -> Precision:
         return self.precision[component]
+
+
+@dataclass(frozen=True)
+class CheckpointKind:
+    """What a model folder's checkpoint is for, read from model_index.json and the denoiser's config.json."""
+
+    pipeline_class: str | None
+    denoiser_channels: int | None  # the denoiser's input channels
+    latent_channels: int | None  # the VAE's
+
+    @property
+    def inpainting(self) -> bool:
+        """A denoiser that takes the mask and the masked image's latents beside the noisy latents (9-channel
+        SD UNets, 33-channel SD3, FLUX Fill's packed 384)."""
+        if self.denoiser_channels is None or self.latent_channels is None:
+            return False
+        packed = 4 if self.pipeline_class and self.pipeline_class.startswith("Flux") else 1
+        return self.denoiser_channels > self.latent_channels * packed
+
+    @property
+    def editing(self) -> bool:
+        return self.pipeline_class in EDIT_PIPELINE_CLASSES
+
+    @property
+    def natural_workflows(self) -> tuple[Workflow, ...]:
+        """The workflows the checkpoint serves when engines.yaml does not say."""
+        if self.inpainting:
+            return (Workflow.inpaint,)
+        return (Workflow.edit,) if self.editing else (Workflow.txt2img,)
+
+    def refusal(self, workflow: Workflow) -> str | None:
+        if self.inpainting and workflow is not Workflow.inpaint:
+            return (f"this checkpoint's denoiser takes {self.denoiser_channels} input channels (an inpainting "
+                    f"checkpoint): it runs inpaint only")
+        if workflow is Workflow.edit and not self.editing:
+            return (f"edit needs an editing checkpoint ({', '.join(EDIT_PIPELINE_CLASSES)} in model_index.json; "
+                    f"this folder names {self.pipeline_class})")
+        if self.editing and workflow is not Workflow.edit:
+            return f"a {self.pipeline_class} checkpoint is trained to edit: it runs edit only"
+        return None
 
 
 @dataclass(frozen=True)
@@ -385,6 +428,14 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
                                  check_sources, "config.json")
         for cn_name, cn in entry.controlnets.items() if not isinstance(cn.source, FileSource)
     }
+    checkpoint = _checkpoint_kind(source.path, entry.family) if check_sources and source.path.is_dir() else None
+    workflows = _resolve_workflows(entry, defaults, checkpoint, base, problems)
+    needed = [c for c in workflow_components(workflows) if c not in components]
+    if needed and _merged(entry, defaults, "components") is not None:
+        where = base + ("components",) if entry.components is not None else ("defaults", "components")
+        problems.add(where, f"workflows {', '.join(w.value for w in workflows if w.encodes_image)} encode the "
+                            f"init image: add {', '.join(c.value for c in needed)} to components")
+    components = components + tuple(needed)
     parity = dict(defaults.parity or {})
     parity.update(entry.parity or {})
     return ResolvedModel(
@@ -393,7 +444,41 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         precision=precision, targets=tuple(dict.fromkeys(_merged(entry, defaults, "targets"))), refittable=bool(refittable),
         controlnets=controlnets, loras=loras,
         quantization=entry.quantization or defaults.quantization or QuantizationSettings(), parity=parity,
+        workflows=workflows, checkpoint=checkpoint,
     )
+
+
+def _resolve_workflows(entry: ModelEntry, defaults, checkpoint: CheckpointKind | None, base: tuple,
+                       problems: _Problems) -> tuple[Workflow, ...]:
+    declared = entry.workflows if entry.workflows is not None else defaults.workflows
+    where = base + ("workflows",) if entry.workflows is not None else ("defaults", "workflows")
+    if declared is None:
+        return checkpoint.natural_workflows if checkpoint else (Workflow.txt2img,)
+    workflows = tuple(dict.fromkeys(declared))
+    for i, workflow in enumerate(declared):
+        if workflow not in FAMILY_WORKFLOWS[entry.family]:
+            problems.add(where + (i,), f"the {entry.family.value} family cannot run {workflow.value} "
+                                       f"(families that can: {', '.join(families_that_run(workflow))})")
+        elif checkpoint is not None and (why := checkpoint.refusal(workflow)):
+            problems.add(where + (i,), f"{workflow.value}: {why}")
+    return workflows
+
+
+def _checkpoint_kind(folder: Path, family: Family) -> CheckpointKind:
+    """Read (never trust blindly: a missing or odd file just leaves a field None) what the checkpoint is for."""
+    def read(path: Path) -> dict:
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    denoiser = family_info(family).denoiser
+    channels = read(folder / SUBFOLDER[denoiser] / "config.json").get("in_channels")
+    latent = read(folder / "vae" / "config.json").get("latent_channels")
+    class_name = read(folder / "model_index.json").get("_class_name")
+    return CheckpointKind(class_name if isinstance(class_name, str) else None,
+                          channels if isinstance(channels, int) else None, latent if isinstance(latent, int) else None)
 
 
 def _check_bucket_geometry(data: dict, problems: _Problems) -> None:

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from ..families import Component, Family
 from ..precision import Precision
+from ..workflows import Workflow
 from .engine_spec import Size
 from .preflight import PreflightSettings
 
@@ -173,6 +174,9 @@ class ModelSettings(Strict):
     """Fields a model may set and `defaults` may supply."""
 
     components: list[Component] | None = None
+    # txt2img | img2img | inpaint | edit; default: what the checkpoint is for (an inpainting checkpoint inpaints,
+    # a Kontext one edits, any other generates from text). Image workflows add the VAE encoder.
+    workflows: list[Workflow] | None = None
     buckets: list[BucketEntry] | None = None
     batch: list[Annotated[int, Field(ge=1)]] | None = None
     cfg: list[CfgMode] | None = None
@@ -182,12 +186,12 @@ class ModelSettings(Strict):
     quantization: QuantizationSettings | None = None
     parity: dict[Precision, ParityThresholds] | None = None
 
-    @field_validator("cfg", "targets", "batch", "components", "buckets", mode="before")
+    @field_validator("cfg", "targets", "batch", "components", "buckets", "workflows", mode="before")
     @classmethod
     def _one_or_many(cls, value):
         return value if value is None or isinstance(value, list) else [value]
 
-    @field_validator("cfg", "targets", "batch", "components", "buckets")
+    @field_validator("cfg", "targets", "batch", "components", "buckets", "workflows")
     @classmethod
     def _not_empty(cls, value):
         # An empty list is never meant: `buckets: []` would plan text encoders only, `targets: []` nothing.
