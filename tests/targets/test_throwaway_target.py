@@ -1,17 +1,15 @@
 """A target defined here, in the test, registered at run time: the conformance suite runs for it, and it
 takes the tiny default through plan -> build -> parity -> package with no edit outside this file.
 
-It stores the exported ONNX as it is (one folder per engine, sealed by a JSON manifest) and runs it with
-ONNX Runtime: the simplest engine a target can make, enough to show the stages know targets only through
-the protocol.
+It stores the exported ONNX as it is (one folder per engine, built and sealed by the skeleton every folder
+target shares, targets/engine_folder.py) and runs it with ONNX Runtime: the simplest engine a target can make,
+enough to show the stages know targets only through the protocol.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,28 +18,28 @@ from target_conformance import TargetConformance
 
 from trt_diffusion import api
 from trt_diffusion.errors import BuildError, RefitError
-from trt_diffusion.onnx_facts import TensorInfo, onnx_io, onnx_sha256
+from trt_diffusion.onnx_facts import onnx_io, onnx_sha256
 from trt_diffusion.targets import (
     BuildRequest,
-    BuiltEngine,
     TargetBase,
     TritonEngineModel,
     register_target,
     target_names,
     unregister_target,
 )
+from trt_diffusion.targets.engine_folder import EngineFolders, FolderEngineManifest, input_hash
 
 NAME = "throwaway"
 THIS_FILE = Path(__file__).resolve()
+MODEL_FILE = "model.onnx"
 
 
-class ThrowawayManifest:
-    def __init__(self, raw: dict):
-        self.raw = raw
-        self.spec_key = raw["spec_key"]
-        self.inputs = tuple(TensorInfo(**t) for t in raw["inputs"])
-        self.outputs = tuple(TensorInfo(**t) for t in raw["outputs"])
-        self.profile_shapes = {k: tuple(tuple(s) for s in v) for k, v in raw["profile_shapes"].items()}
+class ThrowawayManifest(FolderEngineManifest):
+    target: str = NAME
+
+
+FOLDERS = EngineFolders(NAME, ThrowawayManifest, lambda folder: onnx_sha256(folder / MODEL_FILE),
+                        unreadable=(BuildError,))
 
 
 class ThrowawayTarget(TargetBase):
@@ -53,53 +51,35 @@ class ThrowawayTarget(TargetBase):
     def build_options(self, config):
         return {"throwaway_format": 1}
 
-    def _folder(self, workspace: Path, spec) -> Path:
-        return Path(workspace) / "engines" / NAME / f"{spec.name}.{spec.key}"
-
-    def _read(self, folder: Path) -> ThrowawayManifest | None:
-        try:
-            return ThrowawayManifest(json.loads((folder / "manifest.json").read_text()))
-        except (OSError, ValueError, KeyError):
-            return None
+    @staticmethod
+    def _built_from(request: BuildRequest) -> str:
+        return input_hash({"onnx": onnx_sha256(request.onnx_path), "spec": request.spec.key})
 
     def is_current(self, request: BuildRequest) -> bool:
-        folder = self._folder(request.workspace, request.spec)
-        manifest = self._read(folder)
-        if manifest is None or manifest.spec_key != request.spec.key:
-            return False
-        try:
-            engine_sha = onnx_sha256(folder / manifest.raw["model_file"])
-        except BuildError:  # missing or unreadable: not an engine to trust
-            return False
-        return manifest.raw["source_sha256"] == onnx_sha256(request.onnx_path) and manifest.raw["engine_sha256"] == engine_sha
+        folder = FOLDERS.folder(request.workspace, request.spec)
+        return FOLDERS.trusted(folder, self._built_from(request)) is not None
 
     def build(self, request: BuildRequest):
-        final = self._folder(request.workspace, request.spec)
+        final = FOLDERS.folder(request.workspace, request.spec)
         if self.is_current(request):
             return final, True
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        start = time.perf_counter()
         source = Path(request.onnx_path)
-        for file in source.parent.iterdir():  # the ONNX and its external data, under their own names
-            if file.is_file() and file.name.startswith(source.name):
-                shutil.copyfile(file, tmp / file.name)
-        if request.write_refit_map is not None:
-            request.write_refit_map(tmp / source.name, tmp)
-        inputs, outputs = onnx_io(tmp / source.name)
-        manifest = {"spec_key": request.spec.key, "source_sha256": onnx_sha256(source), "model_file": source.name,
-                    "engine_sha256": onnx_sha256(tmp / source.name),
-                    "inputs": [t.model_dump() for t in inputs], "outputs": [t.model_dump() for t in outputs],
-                    "profile_shapes": {k: [list(s) for s in v] for k, v in request.profile.items()}}
-        (tmp / "manifest.json").write_text(json.dumps(manifest))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        with FOLDERS.staging(final) as tmp:
+            for file in source.parent.iterdir():  # the ONNX's external data, under its own names
+                if file.is_file() and file.name.startswith(source.name) and file != source:
+                    shutil.copyfile(file, tmp / file.name)
+            shutil.copyfile(source, tmp / MODEL_FILE)
+            if request.write_refit_map is not None:
+                request.write_refit_map(tmp / MODEL_FILE, tmp)
+            inputs, outputs = onnx_io(tmp / MODEL_FILE)
+            FOLDERS.seal(tmp, final, spec=request.spec, built_from=self._built_from(request),
+                         onnx_sha256=onnx_sha256(source), profile=request.profile, inputs=inputs, outputs=outputs,
+                         started=start)
         return final, False
 
     def find(self, workspace, spec):
-        folder = self._folder(workspace, spec)
-        manifest = self._read(folder)
-        return BuiltEngine(spec, folder, manifest) if manifest and manifest.spec_key == spec.key else None
+        return FOLDERS.find(workspace, spec)
 
     def runner(self, engine, weights=None):
         if weights:
@@ -116,8 +96,7 @@ class ThrowawayTarget(TargetBase):
     def runner_from_files(self, folder, name):
         from trt_diffusion.targets.onnxruntime.runner import OnnxRuntimeRunner
 
-        model_file = json.loads((Path(folder) / "manifest.json").read_text())["model_file"]
-        return OnnxRuntimeRunner(Path(folder) / model_file, name=name)
+        return OnnxRuntimeRunner(Path(folder) / MODEL_FILE, name=name)
 
 
 REGISTER = f"""

@@ -1,35 +1,22 @@
 """Building an onnxruntime engine: one ONNX per engine shape, its dimensions fixed to the bucket and ONNX
 Runtime's offline graph optimizations saved, sealed by a manifest like a TensorRT engine's.
 
-Layout: `<workspace>/engines/onnxruntime/<spec.name>.<spec.key>/{model.onnx, model.onnx.data, manifest.json}`.
-The folder is built beside its final place and renamed in, manifest written last, so an interrupted
-build leaves nothing a later run trusts.
+Layout: `<workspace>/engines/onnxruntime/<spec.name>.<spec.key>/{model.onnx, model.onnx.data, manifest.json}`,
+built and sealed as every folder engine is (targets/engine_folder.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict
-
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError
-from ...onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
-from ...workspace.manifests import (
-    MANIFEST_FILE,
-    read_folder_manifest,
-    record_files,
-    trusted_folder_manifest,
-    verify_engine_folder,
-)
+from ...onnx_facts import ProfileShapes, onnx_io, onnx_sha256, validate_profile
+from ...workspace.manifests import MANIFEST_FILE
+from ..engine_folder import EngineFolders, FolderEngineManifest, input_hash, is_static
 
 if TYPE_CHECKING:
     import onnx
@@ -43,48 +30,30 @@ DATA_FILE = "model.onnx.data"
 SAVED_OPTIMIZATION = "extended"
 
 
-class OrtEngineManifest(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class OrtEngineManifest(FolderEngineManifest):
     schema_version: int = MANIFEST_SCHEMA_VERSION
-    spec_key: str
-    spec_name: str
     target: str = TARGET
     onnxruntime_version: str
-    input_hash: str  # what this engine was built from: source ONNX bytes, spec key, ORT version, options
-    onnx_sha256: str  # the source ONNX
-    engine_sha256: str  # the engine's own model.onnx (+ data)
-    static_shapes: bool
-    offline_optimization: str | None
-    profile_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
-    inputs: tuple[TensorInfo, ...]
-    outputs: tuple[TensorInfo, ...]
-    build_seconds: float
-    created_at: str
-    file_sha256: dict[str, str] = {}  # every file of the folder but the manifest (empty in older manifests)
+    offline_optimization: str | None  # None: a refittable engine, the exported graph as it is
 
 
-def engine_dir(workspace: str | Path, spec: EngineSpec) -> Path:
-    return Path(workspace) / "engines" / TARGET / f"{spec.name}.{spec.key}"
+def _engine_sha256(folder: Path) -> str:
+    return onnx_sha256(folder / MODEL_FILE)  # the engine's model.onnx (+ data)
+
+
+FOLDERS = EngineFolders(TARGET, OrtEngineManifest, _engine_sha256, unreadable=(BuildError,))
+engine_dir = FOLDERS.folder
+read_manifest = FOLDERS.read
+trusted_engine = FOLDERS.trusted  # the manifest of a complete engine built from exactly these inputs, else None
+verify = FOLDERS.verify  # BuildError unless the folder holds the bytes its manifest records
 
 
 def build_input_hash(source_sha256: str, spec: EngineSpec) -> str:
     import onnxruntime
 
-    payload = {"onnx": source_sha256, "spec": spec.key, "onnxruntime": onnxruntime.__version__,
-               "offline_optimization": None if spec.refittable else SAVED_OPTIMIZATION,
-               "schema": MANIFEST_SCHEMA_VERSION}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-def read_manifest(folder: Path) -> OrtEngineManifest | None:
-    return read_folder_manifest(folder, OrtEngineManifest)
-
-
-def trusted_engine(folder: Path, input_hash: str) -> OrtEngineManifest | None:
-    """The manifest of a complete engine built from exactly these inputs, else None."""
-    return trusted_folder_manifest(folder, input_hash, OrtEngineManifest, lambda f: onnx_sha256(f / MODEL_FILE),
-                                   unreadable=(BuildError,))
+    return input_hash({"onnx": source_sha256, "spec": spec.key, "onnxruntime": onnxruntime.__version__,
+                       "offline_optimization": None if spec.refittable else SAVED_OPTIMIZATION,
+                       "schema": MANIFEST_SCHEMA_VERSION})
 
 
 def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes, workspace: str | Path,
@@ -98,60 +67,39 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
 
     profile = validate_profile(profile)
     source_sha = onnx_sha256(onnx_path)
-    input_hash = build_input_hash(source_sha, spec)
-    final = engine_dir(workspace, spec)
-    manifest = trusted_engine(final, input_hash)
+    built_from = build_input_hash(source_sha, spec)
+    final, manifest = FOLDERS.current(workspace, spec, built_from)
     if manifest is not None:
         return final, manifest, True
     start = time.perf_counter()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        static = all(lo == opt == hi for lo, opt, hi in profile.values())
-        model = onnx.load(str(onnx_path), load_external_data=True)
-        if static:
-            fix_dimensions(model, {name: shapes[1] for name, shapes in profile.items()})
-        fixed = tmp / "fixed.onnx"
-        _save(model, fixed)
-        if spec.refittable:
-            # Refittable engines keep the exported graph with every float weight in external data: ONNX
-            # Runtime replaces external initializers (add_external_initializers) *before* optimizing,
-            # while add_initializer is applied after folding and silently changes nothing.
-            from ...lora import externalize_weights
+    with FOLDERS.staging(final) as tmp:
+        try:
+            model = onnx.load(str(onnx_path), load_external_data=True)
+            if is_static(profile):
+                fix_dimensions(model, {name: shapes[1] for name, shapes in profile.items()})
+            fixed = tmp / "fixed.onnx"
+            _save(model, fixed)
+            if spec.refittable:
+                # Refittable engines keep the exported graph with every float weight in external data: ONNX
+                # Runtime replaces external initializers (add_external_initializers) *before* optimizing,
+                # while add_initializer is applied after folding and silently changes nothing.
+                from ...lora import externalize_weights
 
-            externalize_weights(fixed, tmp / MODEL_FILE)
-        else:
-            _optimize_offline(fixed, tmp / MODEL_FILE)
-        for stale in (fixed, tmp / "fixed.onnx.data"):
-            stale.unlink(missing_ok=True)
-        if before_commit is not None:
-            before_commit(tmp)
-        inputs, outputs = onnx_io(tmp / MODEL_FILE)
-        manifest = OrtEngineManifest(
-            spec_key=spec.key, spec_name=spec.name, onnxruntime_version=onnxruntime.__version__,
-            input_hash=input_hash, onnx_sha256=source_sha, engine_sha256=onnx_sha256(tmp / MODEL_FILE),
-            static_shapes=static, offline_optimization=None if spec.refittable else SAVED_OPTIMIZATION,
-            profile_shapes={k: tuple(map(tuple, v)) for k, v in profile.items()}, inputs=inputs, outputs=outputs,
-            build_seconds=time.perf_counter() - start, created_at=datetime.now(UTC).isoformat(),
-            file_sha256=record_files(tmp),
-        )
-        (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except onnx.checker.ValidationError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise BuildError(f"{spec.name}: the ONNX is invalid: {exc}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                externalize_weights(fixed, tmp / MODEL_FILE)
+            else:
+                _optimize_offline(fixed, tmp / MODEL_FILE)
+            for stale in (fixed, tmp / "fixed.onnx.data"):
+                stale.unlink(missing_ok=True)
+            if before_commit is not None:
+                before_commit(tmp)
+            inputs, outputs = onnx_io(tmp / MODEL_FILE)
+            manifest = FOLDERS.seal(tmp, final, spec=spec, built_from=built_from, onnx_sha256=source_sha,
+                                    profile=profile, inputs=inputs, outputs=outputs, started=start,
+                                    onnxruntime_version=onnxruntime.__version__,
+                                    offline_optimization=None if spec.refittable else SAVED_OPTIMIZATION)
+        except onnx.checker.ValidationError as exc:
+            raise BuildError(f"{spec.name}: the ONNX is invalid: {exc}") from None
     return final, manifest, False
-
-
-def verify(folder: Path, manifest: OrtEngineManifest, *, where: str, full: bool = True) -> None:
-    """BuildError unless the folder holds the bytes its manifest records (see manifests.verify_engine_folder)."""
-    verify_engine_folder(folder, manifest, lambda f: onnx_sha256(f / MODEL_FILE), where=where, full=full,
-                         files=manifest.file_sha256)
 
 
 def fix_dimensions(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:

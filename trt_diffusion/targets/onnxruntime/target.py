@@ -8,13 +8,13 @@ from ...engines_file.engine_spec import EngineSpec
 from ...onnx_facts import onnx_sha256
 from ..base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
 from .engine import (
+    FOLDERS,
     MODEL_FILE,
     TARGET,
     build_engine,
     build_input_hash,
     engine_dir,
     engine_files,
-    read_manifest,
     trusted_engine,
     verify,
 )
@@ -52,12 +52,7 @@ class OnnxRuntimeTarget(TargetBase):
         return trusted_engine(folder, build_input_hash(onnx_sha256(request.onnx_path), request.spec)) is not None
 
     def find(self, workspace: Path, spec: EngineSpec) -> BuiltEngine | None:
-        folder = engine_dir(workspace, spec)
-        manifest = read_manifest(folder)
-        if not manifest or manifest.spec_key != spec.key:
-            return None
-        verify(folder, manifest, where=spec.name, full=False)  # a cached verdict while the files are unchanged
-        return BuiltEngine(spec, folder, manifest)
+        return FOLDERS.find(workspace, spec)
 
     def runner(self, engine: BuiltEngine, weights=None):
         initializers = self._initializers(engine, weights) if weights else None

@@ -2,37 +2,26 @@
 reshaped to the bucket's shape, compiled once through the model cache, sealed by a manifest.
 
 Layout: `<workspace>/engines/openvino/<spec.name>.<spec.key>/{model.xml, model.bin, manifest.json[, refit_map.json]}`
-and the compiled-model cache in `<workspace>/engines/openvino-cache/<OpenVINO + CPU fingerprint>/`. The
-folder is built beside its final place and renamed in, manifest written last, so an interrupted build
-leaves nothing a later run trusts.
+and the compiled-model cache in `<workspace>/engines/openvino-cache/<OpenVINO + CPU fingerprint>/`; the folder
+is built and sealed as every folder engine is (targets/engine_folder.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
-
-from pydantic import BaseModel, ConfigDict
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError
 from ...onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
 from ...workspace.files import update_digest
-from ...workspace.manifests import (
-    MANIFEST_FILE,
-    read_folder_manifest,
-    record_files,
-    trusted_folder_manifest,
-    verify_engine_folder,
-)
+from ...workspace.manifests import MANIFEST_FILE  # noqa: F401  (re-exported: the target serves it)
 from ...workspace.safe_paths import inside_folder
+from ..engine_folder import EngineFolders, FolderEngineManifest, input_hash
 from . import host, precision
 
 TARGET = "openvino"
@@ -45,12 +34,8 @@ _OV_TYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "i64": "int
              "boolean": "bool", "u8": "uint8", "i8": "int8"}
 
 
-class OpenVINOEngineManifest(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class OpenVINOEngineManifest(FolderEngineManifest):
     schema_version: int = MANIFEST_SCHEMA_VERSION
-    spec_key: str
-    spec_name: str
     target: str = TARGET
     precision: str  # as engines.yaml asks
     openvino_version: str
@@ -63,23 +48,9 @@ class OpenVINOEngineManifest(BaseModel):
     quantized: str | None  # i8 | f8-emulated | None
     compute: str  # one line: what runs
     runtime_precisions: dict[str, int]  # heavy layers by the precision they ran in when compiled at build
-    input_hash: str  # source ONNX bytes, spec key, OpenVINO version, CPU fingerprint, schema
-    onnx_sha256: str  # the source ONNX
-    engine_sha256: str  # model.xml + model.bin
-    static_shapes: bool
-    profile_shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
-    inputs: tuple[TensorInfo, ...]
-    outputs: tuple[TensorInfo, ...]
     refit_constants: tuple[str, ...] = ()
     cache_blob: str | None = None  # the compiled model's file name in the cache folder (valid for cpu_fingerprint)
-    build_seconds: float
     compile_seconds: float
-    created_at: str
-    file_sha256: dict[str, str] = {}  # every file of the folder but the manifest (empty in older manifests)
-
-
-def engine_dir(workspace: str | Path, spec: EngineSpec) -> Path:
-    return Path(workspace) / "engines" / TARGET / f"{spec.name}.{spec.key}"
 
 
 def cache_dir(engines_root: Path, facts: host.CpuFacts) -> Path:
@@ -88,21 +59,24 @@ def cache_dir(engines_root: Path, facts: host.CpuFacts) -> Path:
 
 
 def build_input_hash(source_sha256: str, spec: EngineSpec, facts: host.CpuFacts) -> str:
-    payload = {"onnx": source_sha256, "spec": spec.key, "openvino": facts.openvino_version,
-               "cpu": facts.fingerprint(), "schema": MANIFEST_SCHEMA_VERSION}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    """Source ONNX bytes, spec key, OpenVINO version, CPU fingerprint, schema."""
+    return input_hash({"onnx": source_sha256, "spec": spec.key, "openvino": facts.openvino_version,
+                       "cpu": facts.fingerprint(), "schema": MANIFEST_SCHEMA_VERSION})
 
 
 def engine_sha256(folder: Path) -> str:
+    """model.xml + model.bin under one digest."""
     digest = hashlib.sha256()
     for name in (MODEL_FILE, WEIGHTS_FILE):
         update_digest(digest, Path(folder) / name)
     return digest.hexdigest()
 
 
-def verify(folder: Path, manifest: OpenVINOEngineManifest, *, where: str, full: bool = True) -> None:
-    """BuildError unless the folder holds the bytes its manifest records (see manifests.verify_engine_folder)."""
-    verify_engine_folder(folder, manifest, engine_sha256, where=where, full=full, files=manifest.file_sha256)
+FOLDERS = EngineFolders(TARGET, OpenVINOEngineManifest, engine_sha256)
+engine_dir = FOLDERS.folder
+read_manifest = FOLDERS.read
+trusted_engine = FOLDERS.trusted  # a complete engine built from exactly these inputs on this OpenVINO and CPU
+verify = FOLDERS.verify  # BuildError unless the folder holds the bytes its manifest records
 
 
 def cache_blob_path(folder: Path, manifest: OpenVINOEngineManifest, where: str, error) -> Path | None:
@@ -111,15 +85,6 @@ def cache_blob_path(folder: Path, manifest: OpenVINOEngineManifest, where: str, 
     if manifest.cache_blob is None:
         return None
     return inside_folder(folder, manifest.cache_blob, where=where, field="cache_blob", error=error, name_only=True)
-
-
-def read_manifest(folder: Path) -> OpenVINOEngineManifest | None:
-    return read_folder_manifest(folder, OpenVINOEngineManifest)
-
-
-def trusted_engine(folder: Path, input_hash: str) -> OpenVINOEngineManifest | None:
-    """The manifest of a complete engine built from exactly these inputs on this OpenVINO and CPU, else None."""
-    return trusted_folder_manifest(folder, input_hash, OpenVINOEngineManifest, engine_sha256)
 
 
 def port_named(ports, name: str):
@@ -141,7 +106,7 @@ def tensor_infos(ports, names) -> tuple[TensorInfo, ...]:
     return tuple(infos)
 
 
-def _reshape(model, profile: ProfileShapes) -> bool:
+def _reshape(model, profile: ProfileShapes) -> None:
     """Fix every profiled input to its shape (static buckets) or to its bounds (range buckets)."""
     import openvino as ov
 
@@ -152,7 +117,6 @@ def _reshape(model, profile: ProfileShapes) -> bool:
     unknown = sorted(set(profile) - set(ports))
     if unknown:
         raise BuildError(f"the profile names input(s) the ONNX does not have: {unknown} (its inputs: {sorted(ports)})")
-    static = all(lo == opt == hi for lo, opt, hi in profile.values())
     shapes = {}
     for name, (lo, _, hi) in profile.items():
         shapes[ports[name]] = ov.PartialShape([ov.Dimension(a) if a == b else ov.Dimension(a, b) for a, b in zip(lo, hi)])
@@ -161,7 +125,6 @@ def _reshape(model, profile: ProfileShapes) -> bool:
     except RuntimeError as exc:
         raise BuildError(f"OpenVINO cannot reshape the model to the bucket's shapes {dict(profile)}: "
                          f"{str(exc).splitlines()[0]}") from None
-    return static
 
 
 def compile_config(compute: precision.Compute, threads: int | None) -> dict[str, str]:
@@ -184,20 +147,17 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
     profile = validate_profile(profile)
     source_sha = onnx_sha256(onnx_path)
     source_inputs, source_outputs = onnx_io(onnx_path)
-    input_hash = build_input_hash(source_sha, spec, facts)
-    final = engine_dir(workspace, spec)
-    manifest = trusted_engine(final, input_hash)
+    built_from = build_input_hash(source_sha, spec, facts)
+    final, manifest = FOLDERS.current(workspace, spec, built_from)
     if manifest is not None:
         return final, manifest, True
     start = time.perf_counter()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+    with FOLDERS.staging(final) as tmp:
         try:
             model = ov.convert_model(str(onnx_path))
         except Exception as exc:  # noqa: BLE001 - the frontend raises its own types
             raise BuildError(f"{spec.name}: OpenVINO cannot convert {onnx_path}: {str(exc).splitlines()[0]}") from None
-        static = _reshape(model, profile)
+        _reshape(model, profile)
         # compress_to_fp16 defaults to True: it would store an fp32 engine's weights in fp16.
         ov.save_model(model, str(tmp / MODEL_FILE), compress_to_fp16=False)
         del model
@@ -220,24 +180,15 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             shared.mkdir(parents=True, exist_ok=True)
             os.replace(blobs[0], shared / cache_blob)  # content-addressed: replacing an equal blob is harmless
         shutil.rmtree(tmp / ".compiled", ignore_errors=True)
-        manifest = OpenVINOEngineManifest(
-            spec_key=spec.key, spec_name=spec.name, precision=spec.precision,
-            openvino_version=facts.openvino_version, cpu=facts.device_name, cpu_architecture=facts.architecture,
-            cpu_capabilities=facts.capabilities, cpu_isa_flags=facts.isa_flags, cpu_fingerprint=facts.fingerprint(),
-            inference_precision_hint=compute.hint, quantized=compute.quantized, compute=compute.summary,
-            runtime_precisions=precision.runtime_precisions(compiled), input_hash=input_hash,
-            onnx_sha256=source_sha, engine_sha256=engine_sha256(tmp), static_shapes=static,
-            profile_shapes={k: tuple(map(tuple, v)) for k, v in profile.items()},
-            inputs=tensor_infos(compiled.inputs, [t.name for t in source_inputs]),
-            outputs=tensor_infos(compiled.outputs, [t.name for t in source_outputs]),
-            refit_constants=tuple(refit_constants), cache_blob=cache_blob, build_seconds=time.perf_counter() - start,
-            compile_seconds=compile_seconds, created_at=datetime.now(UTC).isoformat(), file_sha256=record_files(tmp))
+        inputs = tensor_infos(compiled.inputs, [t.name for t in source_inputs])
+        outputs = tensor_infos(compiled.outputs, [t.name for t in source_outputs])
+        runtime_precisions = precision.runtime_precisions(compiled)
         del compiled
-        (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        manifest = FOLDERS.seal(
+            tmp, final, spec=spec, built_from=built_from, onnx_sha256=source_sha, profile=profile, inputs=inputs,
+            outputs=outputs, started=start, precision=spec.precision, openvino_version=facts.openvino_version,
+            cpu=facts.device_name, cpu_architecture=facts.architecture, cpu_capabilities=facts.capabilities,
+            cpu_isa_flags=facts.isa_flags, cpu_fingerprint=facts.fingerprint(), inference_precision_hint=compute.hint,
+            quantized=compute.quantized, compute=compute.summary, runtime_precisions=runtime_precisions,
+            refit_constants=tuple(refit_constants), cache_blob=cache_blob, compile_seconds=compile_seconds)
     return final, manifest, False

@@ -12,6 +12,7 @@ from ...onnx_facts import onnx_sha256
 from ..base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
 from . import host, precision
 from .engine import (
+    FOLDERS,
     MANIFEST_FILE,
     MODEL_FILE,
     TARGET,
@@ -110,12 +111,7 @@ class OpenVINOTarget(TargetBase):
         return trusted_engine(folder, build_input_hash(source, request.spec, host.cpu_facts())) is not None
 
     def find(self, workspace: Path, spec: EngineSpec) -> BuiltEngine | None:
-        folder = engine_dir(workspace, spec)
-        manifest = read_manifest(folder)
-        if not manifest or manifest.spec_key != spec.key:
-            return None
-        verify(folder, manifest, where=spec.name, full=False)  # a cached verdict while the files are unchanged
-        return BuiltEngine(spec, folder, manifest)
+        return FOLDERS.find(workspace, spec)
 
     def runner(self, engine: BuiltEngine, weights=None):
         verify(Path(engine.path), engine.manifest, where=engine.spec.name)
