@@ -23,6 +23,8 @@ from ..runtime.engines import RunnerTable
 from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
 from ..runtime.pipeline import EnginePipeline, GenerationRequest
 from ..runtime.reference import reference_runners
+from ..sample_inputs import init_image, inpaint_mask
+from ..workflows import Workflow
 from .report import ComponentDiff, ParityReport, ReportFiles, compare_image, judge_report, judge_variant, write_report
 
 DEFAULT_PROMPTS = (
@@ -41,6 +43,7 @@ class ParityOptions:
     steps: int = 4
     guidance_scale: float = 7.5
     compute_lpips: bool = True
+    strength: float = 0.6  # img2img and inpaint requests: enough kept steps to compare the denoiser's work
 
 
 @dataclass
@@ -70,12 +73,14 @@ def run_parity(config: EnginesConfig, out_dir: Path, options: ParityOptions, *, 
                 reference = _reference(config, model_name, lora)
                 for bucket in model.buckets:
                     for controlnet in [None, *sorted(model.controlnets)]:
-                        label = _variant_id(model_name, target, bucket.label, lora, controlnet)
-                        progress(f"parity {label}")
-                        result, pngs = _compare_variant(config, model_name, target, bucket, lora, controlnet,
-                                                        table, reference, engines, runners, options, label)
-                        variants.append(result)
-                        images.update(pngs)
+                        for n, workflow in enumerate(model.workflows):  # each declared workflow, own inputs
+                            label = _variant_id(model_name, target, bucket.label, lora, controlnet, workflow)
+                            progress(f"parity {label}")
+                            result, pngs = _compare_variant(config, model_name, target, bucket, lora, controlnet,
+                                                            table, reference, engines, runners, options, label,
+                                                            workflow, component_diffs=n == 0)
+                            variants.append(result)
+                            images.update(pngs)
     if not variants:
         raise TrtDiffusionError(_nothing_to_compare(config, targets))
     report = judge_report(variants)
@@ -89,19 +94,22 @@ def _engines_or_none(config, model_name, target, lora, specs) -> list[BuiltEngin
         return None
 
 
-def _variant_id(model, target, bucket, lora, controlnet) -> str:
+def _variant_id(model, target, bucket, lora, controlnet, workflow=Workflow.txt2img) -> str:
     parts = [model, target, bucket]
     if lora:
         parts.append(f"lora-{lora}")
     if controlnet:
         parts.append(f"controlnet-{controlnet}")
+    if workflow is not Workflow.txt2img:  # txt2img keeps the ids reports had before workflows
+        parts.append(workflow.value)
     return "/".join(parts)
 
 
 def _reference(config: EnginesConfig, model_name: str, lora: str | None) -> RunnerTable:
     model = config.models[model_name]
     controlnets = {name: source.path for name, source in model.controlnets.items()}
-    table = reference_runners(model.source.path, model.family, controlnets=controlnets or None)
+    table = reference_runners(model.source.path, model.family, components=model.components,
+                              controlnets=controlnets or None)
     if lora:
         from ..export.modules import fuse_lora
 
@@ -124,7 +132,7 @@ def _control_image(height: int, width: int, seed: int) -> np.ndarray:
 
 
 def _compare_variant(config, model_name, target, bucket, lora, controlnet, table, reference, engines, runners,
-                     options, label):
+                     options, label, workflow=Workflow.txt2img, component_diffs=True):
     model = config.models[model_name]
     family = model.family
     denoiser = family_info(family).denoiser
@@ -132,36 +140,57 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     overrides = model.parity.get(model.precision[denoiser])
     thresholds = thresholds_for(precision, overrides.model_dump(exclude_none=True) if overrides else None)
     size = bucket.opt
-    engine_pipe = EnginePipeline(model.source.path, family, table)
-    reference_pipe = EnginePipeline(model.source.path, family, reference)
+    engine_pipe = EnginePipeline(model.source.path, family, table, model.workflows)
+    reference_pipe = EnginePipeline(model.source.path, family, reference, model.workflows)
+    strength = options.strength if workflow.takes_strength else None
     comparisons, pngs = [], {}
     first_request = first_candidate = None
     for p, prompt in enumerate(options.prompts):
         for seed in options.seeds:
+            inputs = _workflow_inputs(workflow, size, seed)
             request = GenerationRequest(
                 prompt=prompt, height=size.height, width=size.width, steps=options.steps,
                 guidance_scale=options.guidance_scale, seed=seed, controlnet=controlnet,
-                control_image=_control_image(size.height, size.width, seed) if controlnet else None)
+                control_image=_control_image(size.height, size.width, seed) if controlnet else None,
+                workflow=workflow.value, strength=strength, **inputs)
             candidate = engine_pipe.generate(request).images
             if first_request is None:
                 first_request, first_candidate = request, candidate
             candidate = candidate[0]
             expected = reference_pipe.generate(request).images[0]
             stem = f"{label.replace('/', '__')}__p{p}_s{seed}"
-            comparisons.append(compare_image(
+            comparison = compare_image(
                 prompt=prompt, seed=seed, reference=expected, candidate=candidate, thresholds=thresholds,
                 reference_png=f"{stem}_reference.png", candidate_png=f"{stem}_candidate.png",
-                compute_lpips=options.compute_lpips))
+                compute_lpips=options.compute_lpips)
             pngs[f"{stem}_reference.png"], pngs[f"{stem}_candidate.png"] = expected, candidate
+            shown = {}
+            for key, name in (("init_image", "init"), ("mask", "mask")):
+                if key in inputs:
+                    shown[f"{name}_png"] = f"{stem}_{name}.png"
+                    pngs[f"{stem}_{name}.png"] = inputs[key]
+            comparisons.append(comparison.model_copy(update=shown))
     reproducible = bool(np.array_equal(first_candidate, engine_pipe.generate(first_request).images))
     batch_independent = _batch_independent(engine_pipe, first_request, table, denoiser.value)
-    diffs, failures, failing_engines = _component_diffs(model, bucket, engines, runners, reference, controlnet)
+    diffs, failures, failing_engines = [], [], []
+    if component_diffs:  # the same engines at the same shapes whatever the workflow: once per bucket
+        diffs, failures, failing_engines = _component_diffs(model, bucket, engines, runners, reference, controlnet)
     result = judge_variant(
         variant_id=label, model=model_name, target=target, precision=precision, bucket=bucket.label,
         thresholds=thresholds, images=comparisons, components=diffs, reproducible=reproducible,
         batch_independent=batch_independent, lora=lora, controlnet=controlnet, extra_failures=failures,
         failing_engines=failing_engines)
-    return result, pngs
+    return result.model_copy(update={"workflow": workflow.value, "strength": strength}), pngs
+
+
+def _workflow_inputs(workflow: Workflow, size, seed: int) -> dict[str, np.ndarray]:
+    """The seeded init image (and mask) a workflow's parity requests start from (sample_inputs.py)."""
+    if not workflow.needs_image:
+        return {}
+    inputs = {"init_image": init_image(size.height, size.width, seed)}
+    if workflow.needs_mask:
+        inputs["mask"] = inpaint_mask(size.height, size.width, seed)
+    return inputs
 
 
 def _batch_independent(pipe, request, table, denoiser) -> bool | None:

@@ -46,6 +46,7 @@ def _referenced_pngs(report: ParityReport) -> list[str]:
     for variant in report.variants:
         for image in variant.images:
             names += [image.reference_png, image.candidate_png]
+            names += [name for name in (image.init_png, image.mask_png) if name]
     return list(dict.fromkeys(names))
 
 
@@ -89,7 +90,8 @@ class ReportFiles:
 def write_report(report: ParityReport, images: Mapping[str, np.ndarray], out_dir: str | os.PathLike) -> ReportFiles:
     """Write parity.json, parity.schema.json, parity.html, the PNGs and their diff heatmaps into out_dir.
 
-    `images` maps every reference_png / candidate_png name in the report to its uint8 pixels.
+    `images` maps every reference_png / candidate_png (and init_png / mask_png) name in the report to its uint8
+    pixels.
     Every file is written atomically, and parity.json last, so its presence means the report is complete.
     """
     out = Path(out_dir)

@@ -57,6 +57,9 @@ class ImageComparison(_ReportModel):
     passed: bool = Field(description="whether this image meets the variant's thresholds")
     reference_png: PngName = Field(description="the reference image, relative to the report folder")
     candidate_png: PngName = Field(description="the engine's image, relative to the report folder")
+    init_png: PngName | None = Field(default=None, description="the init image both pipelines started from "
+                                                               "(image-conditioned workflows)")
+    mask_png: PngName | None = Field(default=None, description="the inpainting mask (white = repainted)")
     diff_png: PngName | None = Field(default=None, description="the |diff| heatmap, written by write_report")
 
     @model_validator(mode="after")
@@ -102,6 +105,8 @@ class VariantResult(_ReportModel):
     bucket: str = Field(description="the resolution bucket label, e.g. 512x512 or 512x512..1024x1024")
     lora: str | None = None
     controlnet: str | None = None
+    workflow: str = Field(default="txt2img", description="txt2img, img2img, inpaint or edit")
+    strength: float | None = Field(default=None, description="the img2img/inpaint strength the requests used")
     thresholds: Thresholds = Field(description="the bar the images were judged against")
     images: list[ImageComparison] = Field(default_factory=list)
     components: list[ComponentDiff] = Field(default_factory=list)
