@@ -163,7 +163,7 @@ def bench_one(family: str, resolution: int, unet, source: str, work: Path, runs:
 
     from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
     from trt_diffusion.targets.tensorrt import engine as trt_engine
-    from trt_diffusion.targets.tensorrt.config import engine_path
+    from trt_diffusion.targets.tensorrt.manifest import engine_path
     from trt_diffusion.targets.tensorrt.runner import EngineGroup, TensorRTRunner
 
     io = UNetIO(family, resolution, unet)

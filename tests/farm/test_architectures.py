@@ -73,7 +73,7 @@ def test_build_ray_without_ray_names_the_extra(monkeypatch):
 
 
 def test_a_plan_for_another_architecture_is_left_to_a_host_that_has_it():
-    from trt_diffusion.targets.tensorrt.config import architecture_mismatch
+    from trt_diffusion.targets.tensorrt.versions import architecture_mismatch
 
     assert architecture_mismatch("sm_90", (9, 0)) is None
     assert architecture_mismatch("sm_90", (8, 9)) == "engines for sm_90 are built on an sm_90 GPU; this host has sm_89"

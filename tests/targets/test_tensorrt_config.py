@@ -14,34 +14,31 @@ from onnx import TensorProto, helper, numpy_helper
 
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import BuildError, ConfigError, MissingDependencyError, RefitError, RuntimeInputError
-from trt_diffusion.targets.tensorrt.config import (
-    GIB,
-    REBUILD_COMMAND,
-    BuildFlags,
-    EngineManifest,
-    RefitRecord,
+from trt_diffusion.onnx_facts import (
     TensorInfo,
-    check_engine_compatible,
-    check_feeds,
-    check_hardware,
-    check_onnx_precision,
     check_profile_against_inputs,
-    engine_path,
-    manifest_is_current,
-    manifest_path,
-    network_creation_flags,
     onnx_compute_dtype,
     onnx_has_qdq,
     onnx_input_shapes,
     onnx_sha256,
-    prepare_refit_weights,
     read_base_weights,
-    timing_cache_lock,
-    timing_cache_path,
     validate_profile,
-    versions_compatible,
-    weights_for_refit,
 )
+from trt_diffusion.targets.tensorrt.build_flags import GIB, BuildFlags, network_creation_flags
+from trt_diffusion.targets.tensorrt.feeds import check_feeds
+from trt_diffusion.targets.tensorrt.host_gates import check_engine_compatible, check_hardware
+from trt_diffusion.targets.tensorrt.manifest import (
+    REBUILD_COMMAND,
+    EngineManifest,
+    RefitRecord,
+    engine_path,
+    manifest_is_current,
+    manifest_path,
+)
+from trt_diffusion.targets.tensorrt.precision import check_onnx_precision
+from trt_diffusion.targets.tensorrt.refit_weights import prepare_refit_weights, weights_for_refit
+from trt_diffusion.targets.tensorrt.timing_cache import timing_cache_lock, timing_cache_path
+from trt_diffusion.targets.tensorrt.versions import versions_compatible
 
 STATIC_512 = Bucket.static(Size(512, 512))
 RANGE_512_1024 = Bucket(Size(512, 512), Size(768, 768), Size(1024, 1024))
@@ -775,7 +772,7 @@ def test_refittable_builds_are_refused_on_tensorrt_11_3_unless_waived(monkeypatc
     import trt_diffusion.targets.tensorrt as trt_target
     from trt_diffusion.engines_file.schema import TensorRTSettings
     from trt_diffusion.targets.tensorrt import engine
-    from trt_diffusion.targets.tensorrt.config import check_refit_supported
+    from trt_diffusion.targets.tensorrt.host_gates import check_refit_supported
 
     onnx_path = save(conv_model(), tmp_path / "conv.onnx")
     monkeypatch.setattr(engine, "check_can_build", lambda spec: None)

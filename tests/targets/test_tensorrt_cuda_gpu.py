@@ -32,8 +32,9 @@ def _cuda():
 
 import torch  # noqa: E402
 
-from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo, manifest_path  # noqa: E402
+from trt_diffusion.onnx_facts import TensorInfo  # noqa: E402
 from trt_diffusion.targets.tensorrt.cudart import Cuda  # noqa: E402
+from trt_diffusion.targets.tensorrt.manifest import EngineManifest, manifest_path  # noqa: E402
 from trt_diffusion.targets.tensorrt.runner import EngineGroup, TensorRTRunner  # noqa: E402
 
 SHAPE = (2, 4, 64, 64)

@@ -44,13 +44,8 @@ import torch  # noqa: E402
 
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size  # noqa: E402
 from trt_diffusion.errors import BuildError, RefitError, RuntimeInputError  # noqa: E402
-from trt_diffusion.targets.tensorrt.config import (  # noqa: E402
-    REBUILD_COMMAND,
-    EngineManifest,
-    engine_path,
-    manifest_path,
-    read_base_weights,
-)
+from trt_diffusion.onnx_facts import read_base_weights
+from trt_diffusion.targets.tensorrt.manifest import REBUILD_COMMAND, EngineManifest, engine_path, manifest_path
 from trt_diffusion.targets.tensorrt.runner import EngineGroup, TensorRTRunner  # noqa: E402
 
 STATIC = {"sample": ((2, 4, 8, 8),) * 3}
@@ -475,7 +470,8 @@ def refit_waived(spec: EngineSpec) -> EngineSpec:
     evidence that decides whether it may leave the list, so they build under the waiver there."""
     import tensorrt as trt
 
-    from trt_diffusion.targets.tensorrt.config import REFIT_KNOWN_ISSUES, parse_trt_version
+    from trt_diffusion.targets.tensorrt.host_gates import REFIT_KNOWN_ISSUES
+    from trt_diffusion.targets.tensorrt.versions import parse_trt_version
 
     known = parse_trt_version(trt.__version__)[:2] in REFIT_KNOWN_ISSUES
     return with_options(spec, tensorrt_allow_refit_on_11_3=True) if known else spec

@@ -51,7 +51,9 @@ def test_a_feed_inside_the_envelope_but_no_profile_is_refused_before_loading():
     import numpy as np
 
     from trt_diffusion.errors import RuntimeInputError
-    from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo, check_feeds
+    from trt_diffusion.onnx_facts import TensorInfo
+    from trt_diffusion.targets.tensorrt.feeds import check_feeds
+    from trt_diffusion.targets.tensorrt.manifest import EngineManifest
 
     profiles = ({"x": ((2, 8), (2, 8), (2, 8))}, {"x": ((1, 16), (1, 32), (1, 64))})
     manifest = EngineManifest(spec_key="k", spec_name="m", tensorrt_version="10.13.0", compute_capability=(9, 0),

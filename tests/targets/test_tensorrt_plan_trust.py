@@ -22,18 +22,11 @@ from onnx import TensorProto, helper, numpy_helper
 import trt_diffusion.targets.tensorrt as trt_target
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import BuildError, RefitError
+from trt_diffusion.onnx_facts import TensorInfo, onnx_sha256, validate_profile
 from trt_diffusion.targets.base import BuildRequest, BuiltEngine
 from trt_diffusion.targets.tensorrt import engine as trt_engine
-from trt_diffusion.targets.tensorrt.config import (
-    BuildFlags,
-    EngineManifest,
-    RefitRecord,
-    TensorInfo,
-    engine_path,
-    manifest_path,
-    onnx_sha256,
-    validate_profile,
-)
+from trt_diffusion.targets.tensorrt.build_flags import BuildFlags
+from trt_diffusion.targets.tensorrt.manifest import EngineManifest, RefitRecord, engine_path, manifest_path
 
 HOST = ("10.13.0.35", (9, 0), "NVIDIA H200")
 PROFILE = {"sample": ((1, 4, 8, 8),) * 3}

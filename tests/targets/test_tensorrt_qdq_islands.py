@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import BuildError
-from trt_diffusion.targets.tensorrt.config import check_onnx_precision, qdq_base_precision
+from trt_diffusion.targets.tensorrt.precision import check_onnx_precision, qdq_base_precision
 from trt_diffusion.targets.tensorrt.qdq_fp16 import qdq_over_fp16, qdq_over_precision
 
 HALF = 8  # sinusoid frequencies

@@ -21,8 +21,9 @@ import pytest
 from onnx import helper, numpy_helper
 
 from trt_diffusion.errors import BuildError, RefitError
+from trt_diffusion.onnx_facts import TensorInfo
 from trt_diffusion.targets.tensorrt import engine as target
-from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo
+from trt_diffusion.targets.tensorrt.manifest import EngineManifest
 
 FUSED_GROUPS = [{"conv.weight", "conv.bias"}]  # e.g. a conv whose kernel and bias TensorRT fused
 
@@ -325,7 +326,7 @@ def built_plan(tmp_path, monkeypatch):
     """A refittable plan and manifest as `build` leaves them, a host that loads it, and the target."""
     import trt_diffusion.targets.tensorrt as trt_target
     from trt_diffusion.targets.base import BuiltEngine
-    from trt_diffusion.targets.tensorrt.config import manifest_path
+    from trt_diffusion.targets.tensorrt.manifest import manifest_path
 
     monkeypatch.setattr(FakeEngine, "serialize", lambda self: PickledPlans.serialize(self), raising=False)
     monkeypatch.setattr(target, "_deserialize", PickledPlans.deserialize)
@@ -340,7 +341,7 @@ def built_plan(tmp_path, monkeypatch):
     plan.parent.mkdir()
     plan.write_bytes(PickledPlans.serialize(FakeEngine(engine_weights())))
     onnx_path = base_onnx(tmp_path / "model.onnx")
-    from trt_diffusion.targets.tensorrt.config import onnx_sha256
+    from trt_diffusion.onnx_facts import onnx_sha256
     from trt_diffusion.targets.tensorrt.plan_trust import plan_sha256
 
     manifest = make_engine().manifest.model_copy(update={
@@ -349,7 +350,7 @@ def built_plan(tmp_path, monkeypatch):
     manifest.write(manifest_path(plan))
 
     def reload() -> BuiltEngine:
-        from trt_diffusion.targets.tensorrt.config import EngineManifest
+        from trt_diffusion.targets.tensorrt.manifest import EngineManifest
 
         return BuiltEngine(spec=types.SimpleNamespace(precision="fp32", name="tiny", key="k" * 16,
                                                       option=lambda name, default=None: default), path=plan,
@@ -359,7 +360,7 @@ def built_plan(tmp_path, monkeypatch):
 
 
 def test_a_refitted_lora_is_recorded_and_replaced_from_base_by_the_next_refit(built_plan):
-    from trt_diffusion.targets.tensorrt.config import weights_digest
+    from trt_diffusion.targets.tensorrt.refit_weights import weights_digest
 
     trt_target, reload, onnx_path = built_plan
     lora_a = perturbed(engine_weights(), seed=1)  # every weight, the Constant-node one included
@@ -383,17 +384,17 @@ def test_a_refitted_lora_is_recorded_and_replaced_from_base_by_the_next_refit(bu
 
 
 def test_an_interrupted_refit_never_leaves_a_plan_that_passes_for_base(built_plan, monkeypatch):
-    from trt_diffusion.targets.tensorrt import config
+    from trt_diffusion.workspace import files
 
     trt_target, reload, onnx_path = built_plan
-    real_write = config.atomic_write_bytes
+    real_write = files.atomic_write_bytes
 
     def crash_on_plan(path, data):
         if str(path).endswith(".plan"):
             raise KeyboardInterrupt("killed while writing the plan")
         real_write(path, data)
 
-    monkeypatch.setattr(config, "atomic_write_bytes", crash_on_plan)
+    monkeypatch.setattr(files, "atomic_write_bytes", crash_on_plan)
     with pytest.raises(KeyboardInterrupt):
         trt_target.refit(reload(), perturbed(engine_weights(), seed=1), lambda: onnx_path)
     manifest = reload().manifest
@@ -402,7 +403,7 @@ def test_an_interrupted_refit_never_leaves_a_plan_that_passes_for_base(built_pla
     # #27 item 4: nothing loads it for inference; `refit` (from the ONNX) takes the plan as it is and repairs it
     with pytest.raises(BuildError, match="refit of its plan was interrupted"):
         target.load_engine(reload().path)
-    monkeypatch.setattr(config, "atomic_write_bytes", real_write)
+    monkeypatch.setattr(files, "atomic_write_bytes", real_write)
     assert trt_target.refit(reload(), None, lambda: onnx_path) == 0
     assert reload().manifest.is_base
     assert_weights(target.load_engine(reload().path), engine_weights())

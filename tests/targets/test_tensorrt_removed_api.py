@@ -139,7 +139,8 @@ def test_the_scan_leaves_what_11_keeps_alone():
 
 def test_builder_flags_of_every_spec_are_kept_in_11():
     from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
-    from trt_diffusion.targets.tensorrt.config import KNOWN_PRECISIONS, QUANTIZED_PRECISIONS, BuildFlags
+    from trt_diffusion.targets.tensorrt.build_flags import BuildFlags
+    from trt_diffusion.targets.tensorrt.precision import KNOWN_PRECISIONS, QUANTIZED_PRECISIONS
 
     for precision in KNOWN_PRECISIONS:
         for refittable in (False, True) if precision not in QUANTIZED_PRECISIONS else (False,):

@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 
 from trt_diffusion.errors import RuntimeInputError
+from trt_diffusion.onnx_facts import TensorInfo
 from trt_diffusion.targets.tensorrt import device_memory as dm
-from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo, manifest_path
 from trt_diffusion.targets.tensorrt.cudart import Cuda
+from trt_diffusion.targets.tensorrt.manifest import EngineManifest, manifest_path
 
 fake = pytest.importorskip("tensorrt_stub_fake")
 if fake.stub_path() is None:
@@ -453,7 +454,7 @@ def test_fp8_device_outputs_are_torchs_float8_e4m3fn(async_rig, monkeypatch):
     import torch
 
     from trt_diffusion.targets.tensorrt import runner as runner_module
-    from trt_diffusion.targets.tensorrt.config import TRT_DTYPE_NAMES
+    from trt_diffusion.targets.tensorrt.dtypes import TRT_DTYPE_NAMES
 
     for name in TRT_DTYPE_NAMES.values():
         if name not in dm.NO_TORCH_DTYPE:
@@ -522,7 +523,7 @@ def test_in_process_refit_is_queued_on_the_stream_and_drops_the_captured_graph(a
     (after the runs already queued, before later ones), drops the captured graph and records the LoRA in the
     in-memory manifest."""
     from trt_diffusion.targets.tensorrt import engine as trt_engine
-    from trt_diffusion.targets.tensorrt.config import weights_digest
+    from trt_diffusion.targets.tensorrt.refit_weights import weights_digest
 
     rig = async_rig
     runner = rig.runner("unet", cuda_graph=True)

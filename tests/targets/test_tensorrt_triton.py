@@ -11,8 +11,10 @@ import pytest
 
 import trt_diffusion.targets.tensorrt as trt_target
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
+from trt_diffusion.onnx_facts import TensorInfo
 from trt_diffusion.targets.base import BuiltEngine
-from trt_diffusion.targets.tensorrt.config import BuildFlags, EngineManifest, TensorInfo, engine_path, manifest_path
+from trt_diffusion.targets.tensorrt.build_flags import BuildFlags
+from trt_diffusion.targets.tensorrt.manifest import EngineManifest, engine_path, manifest_path
 from trt_diffusion.targets.tensorrt.triton_args import VERSION_COMPATIBLE_ARG, version_compatible_models
 from trt_diffusion.triton.server import TritonServer
 

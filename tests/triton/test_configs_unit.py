@@ -9,8 +9,9 @@ import pytest
 
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import ServeError
+from trt_diffusion.onnx_facts import TensorInfo
 from trt_diffusion.runtime.loader import BuiltEngine
-from trt_diffusion.targets.tensorrt.config import EngineManifest, TensorInfo, manifest_path
+from trt_diffusion.targets.tensorrt.manifest import EngineManifest, manifest_path
 from trt_diffusion.triton import configs, contract, naming
 from trt_diffusion.triton.configs import EnsembleStep
 from trt_diffusion.triton.contract import TensorDecl
@@ -84,7 +85,11 @@ def test_names_are_sanitised_and_unique_per_engine():
 def test_contract_stages():
     inputs, outputs = contract.stage_io("full", "sd15", has_controlnets=False)
     assert [i.name for i in inputs] == ["PROMPT", "NEGATIVE_PROMPT", "HEIGHT", "WIDTH", "STEPS", "GUIDANCE_SCALE",
-                                        "SEED", "SCHEDULER", "NUM_IMAGES"]
+                                        "SEED", "SCHEDULER", "WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH",
+                                        "NUM_IMAGES"]
+    by_name = {i.name: i for i in inputs}  # the image workflows' inputs: optional, on every entry
+    assert all(by_name[n].optional for n in ("WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH"))
+    assert (by_name["INIT_IMAGE"].dims, by_name["MASK"].dims) == ((-1, -1, 3), (-1, -1))
     assert outputs == (contract.IMAGE, contract.TIMING)
     assert contract.stage_io("stream", "sd15", False)[1] == (contract.IMAGE, contract.PREVIEW, contract.STEP,
                                                             contract.TIMING)
@@ -93,6 +98,7 @@ def test_contract_stages():
     assert "POSITIVE_POOLED" not in [o.name for o in contract.stage_io("encode", "sd15", True)[1]]
     denoise_in = [i.name for i in contract.stage_io("denoise", "sd15", True)[0]]
     assert "PROMPT" not in denoise_in and "CONTROL_IMAGE" in denoise_in
+    assert {"WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH"} <= set(denoise_in)  # the ensemble's denoise starts there
     with pytest.raises(ValueError):
         contract.stage_io("upscale", "sd15", False)
 

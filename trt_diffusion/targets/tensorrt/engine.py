@@ -2,12 +2,13 @@
 
 The only module of trt-diffusion that imports `tensorrt`, and only inside functions: importing this
 module needs neither TensorRT nor a GPU, and `tensorrt_available()` says why a host cannot build.
-Every decision (flags, profile checks, manifests, compatibility, the hardware gate) lives in `config.py`;
-this module carries them out through TensorRT's own API (Builder, OnnxParser, Runtime, Refitter,
-OnnxParserRefitter), typed against the TensorRT stubs: tests/targets/test_tensorrt_typecheck.py runs mypy
-over it, so a misspelled or removed TensorRT name fails the default test suite.
+Every decision (flags, profile checks, manifests, compatibility, the hardware gate) lives in the pure modules
+beside it (build_flags, precision, host_gates, manifest, feeds, refit_weights, ...); this module carries them
+out through TensorRT's own API (Builder, OnnxParser, Runtime, Refitter, OnnxParserRefitter), typed against the
+TensorRT stubs: tests/targets/test_tensorrt_typecheck.py runs mypy over it, so a misspelled or removed
+TensorRT name fails the default test suite.
 
-Builds are strongly typed on TensorRT 10 and 11: precision comes from the ONNX (see config.BuildFlags).
+Builds are strongly typed on TensorRT 10 and 11: precision comes from the ONNX (see build_flags.BuildFlags).
 """
 
 from __future__ import annotations
@@ -28,34 +29,23 @@ import numpy as np
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError, MissingDependencyError, RefitError
-from .config import (
-    REBUILD_COMMAND,
-    TRT_DTYPE_NAMES,
-    BuildFlags,
-    EngineManifest,
+from ...onnx_facts import (
     ProfileShapes,
     TensorInfo,
-    atomic_write_bytes,
-    check_engine_compatible,
-    check_feeds,
-    check_hardware,
-    check_onnx_precision,
     check_profile_against_inputs,
-    check_refit_supported,
-    manifest_path,
-    network_creation_flags,
     onnx_compute_dtype,
     onnx_has_qdq,
     onnx_input_shapes,
     onnx_sha256,
-    prepare_refit_weights,
-    sm_name,
-    timing_cache_lock,
-    timing_cache_path,
     validate_profile,
-    weights_for_refit,
 )
+from ...workspace.files import atomic_write_bytes
+from .build_flags import BuildFlags, network_creation_flags
+from .dtypes import TRT_DTYPE_NAMES
+from .feeds import check_feeds
+from .host_gates import check_engine_compatible, check_hardware, check_refit_supported
 from .layout import profile_envelope
+from .manifest import REBUILD_COMMAND, EngineManifest, manifest_path
 from .plan_stream import (
     STREAM_THRESHOLD_BYTES,
     ChunkSource,
@@ -65,6 +55,10 @@ from .plan_stream import (
     stream_reader,
 )
 from .plan_trust import check_plan_bytes, host_code_allowed, interrupted_refit_problem, plan_sha256
+from .precision import check_onnx_precision
+from .refit_weights import prepare_refit_weights, weights_for_refit
+from .timing_cache import timing_cache_lock, timing_cache_path
+from .versions import sm_name
 
 if TYPE_CHECKING:  # the annotations below are TensorRT's own types (tensorrt-stubs in the test extra)
     import tensorrt as trt

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from ...errors import BuildError
-from .config import EngineManifest
+from .manifest import EngineManifest
 from .plan_trust import digest_problem
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import BuildError
-from .config import REBUILD_COMMAND, EngineManifest
+from .manifest import REBUILD_COMMAND, EngineManifest
 
 RESTORE_COMMAND = "trt-diffusion refit engines.yaml --model MODEL --base"
 _VERDICTS: dict[tuple[str, int, int, int], str] = {}

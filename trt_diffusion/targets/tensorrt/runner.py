@@ -26,7 +26,6 @@ import numpy as np
 
 from ...errors import RuntimeInputError
 from ..runner_base import TensorSpec
-from .config import EngineManifest, check_feeds, manifest_path, numpy_dtype_for
 from .cudart import Cuda, CudaError, host_array
 from .device_memory import (
     MEMORY_ENV,
@@ -48,7 +47,10 @@ from .device_memory import (
     torch_dtype_name,
     weight_streaming_budget,
 )
+from .dtypes import numpy_dtype_for
+from .feeds import check_feeds
 from .layout import select_profile
+from .manifest import EngineManifest, manifest_path
 
 if TYPE_CHECKING:
     import tensorrt as trt
@@ -257,7 +259,7 @@ class RunnerStats:
 
 
 class _FeedView:
-    """What config.check_feeds reads of a feed (dtype, shape) for numpy arrays and torch tensors alike."""
+    """What feeds.check_feeds reads of a feed (dtype, shape) for numpy arrays and torch tensors alike."""
 
     def __init__(self, value: object):
         info = describe_feed(value)
@@ -519,7 +521,8 @@ class TensorRTRunner:
         from the ONNX the plan was built from first (no residue of an earlier LoRA); else `base_weights` restore
         what an earlier refit changed. The in-memory manifest records what the engine now holds."""
         from . import engine as trt_engine
-        from .config import RefitRecord, weights_digest
+        from .manifest import RefitRecord
+        from .refit_weights import weights_digest
 
         group = self.group
         with group.lock:

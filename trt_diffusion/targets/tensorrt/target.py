@@ -1,5 +1,5 @@
-"""The TensorRT target class: the `targets.base.Target` hooks over `config.py` (pure decisions) and `engine.py`
-(the only importer of `tensorrt`)."""
+"""The TensorRT target class: the `targets.base.Target` hooks over the pure decisions (`build_flags.py`,
+`precision.py`, `host_gates.py`, `manifest.py`, ...) and `engine.py` (the only importer of `tensorrt`)."""
 
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ class TensorRTTarget(TargetBase):
 
     def spec_unavailable_reason(self, spec) -> str | None:
         """A plan for another GPU architecture is built on a host that has it (`build --ray`), not here."""
-        from .config import architecture_mismatch
         from .engine import host_info
+        from .versions import architecture_mismatch
 
         wanted = spec.option("architecture")
         return architecture_mismatch(wanted, host_info()[1]) if wanted else None
@@ -68,11 +68,11 @@ class TensorRTTarget(TargetBase):
         return options
 
     def build(self, request: BuildRequest) -> tuple[Path, bool]:
-        from . import config as trt_config
         from . import engine
+        from .manifest import engine_path
 
         engine.check_can_build(request.spec)  # the hardware gate, before TensorRT is started
-        plan = trt_config.engine_path(request.workspace, request.spec)
+        plan = engine_path(request.workspace, request.spec)
         if self.is_current(request):
             return plan, True
         refit_map = None
@@ -93,28 +93,30 @@ class TensorRTTarget(TargetBase):
         """Reuse a plan only when its manifest records exactly these inputs on this TensorRT and GPU, the plan
         is the one its manifest's sha256 names, and it still holds the weights it was built with (a refitted
         plan is never taken for a build)."""
-        from . import config as trt_config
+        from ...onnx_facts import onnx_has_qdq, onnx_sha256
+        from .build_flags import BuildFlags
         from .engine import host_info
+        from .manifest import EngineManifest, engine_path, manifest_is_current, manifest_path
         from .plan_trust import plan_file_problem
 
-        plan = trt_config.engine_path(request.workspace, request.spec)
+        plan = engine_path(request.workspace, request.spec)
         try:
-            manifest = trt_config.EngineManifest.read(trt_config.manifest_path(plan))
+            manifest = EngineManifest.read(manifest_path(plan))
         except Exception:  # missing or unreadable: build
             return False
         if plan_file_problem(manifest, plan) is not None:  # missing, resized or changed: build
             return False
         trt_version, compute_capability, _ = host_info()
         onnx_path = self.engine_onnx(request)
-        flags = trt_config.BuildFlags.for_spec(request.spec, trt_config.onnx_has_qdq(onnx_path))
-        return trt_config.manifest_is_current(manifest, request.spec, trt_config.onnx_sha256(onnx_path),
-                                              flags, request.profile, trt_version, compute_capability)
+        flags = BuildFlags.for_spec(request.spec, onnx_has_qdq(onnx_path))
+        return manifest_is_current(manifest, request.spec, onnx_sha256(onnx_path), flags, request.profile,
+                                   trt_version, compute_capability)
 
     def find(self, workspace: Path, spec) -> BuiltEngine | None:
         """The built engine of `spec`: a plan whose sha256 is the one its manifest records (a verdict cached on
         the file's inode, size and mtime). A plan whose refit was interrupted is found (`refit` restores it);
         loading it for inference is refused."""
-        from .config import EngineManifest, engine_path, manifest_path
+        from .manifest import EngineManifest, engine_path, manifest_path
         from .plan_trust import plan_file_problem
 
         plan = engine_path(workspace, spec)
@@ -144,7 +146,7 @@ class TensorRTTarget(TargetBase):
         save it in place with the manifest recording what it now holds (`refit`: None means base again)."""
         from ...lora import RefitMap, refit_weights_for_tensorrt
         from . import engine as trt_engine
-        from .config import QUANTIZED_PRECISIONS, qdq_base_precision
+        from .precision import QUANTIZED_PRECISIONS, qdq_base_precision
 
         onnx_path = source_onnx()
         # the ONNX the plan was built from (for fp8/int8: Q/DQ over its base); the plan is
@@ -165,7 +167,7 @@ class TensorRTTarget(TargetBase):
 
     def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
         from ...errors import BuildError
-        from .config import manifest_path
+        from .manifest import manifest_path
         from .plan_trust import interrupted_refit_problem, plan_file_problem
 
         problem = interrupted_refit_problem(engine.manifest) or plan_file_problem(engine.manifest, engine.path,
@@ -184,7 +186,8 @@ class TensorRTTarget(TargetBase):
 
 
 def _engine_onnx(spec, onnx_path: Path, workspace: Path) -> Path:
-    from .config import QUANTIZED_PRECISIONS, onnx_compute_dtype, qdq_base_precision
+    from ...onnx_facts import onnx_compute_dtype
+    from .precision import QUANTIZED_PRECISIONS, qdq_base_precision
 
     if spec.precision in QUANTIZED_PRECISIONS and onnx_compute_dtype(onnx_path) == "float32":
         from .qdq_fp16 import qdq_base_onnx
@@ -198,7 +201,8 @@ def check_refit_base(manifest, base_onnx: Path) -> None:
     """RefitError unless `base_onnx` is the ONNX the plan was built from (its manifest's `onnx_sha256`): a
     re-export of a changed model would otherwise pass for the base, and a refit from it mixes two models."""
     from ...errors import RefitError
-    from .config import REBUILD_COMMAND, onnx_sha256
+    from ...onnx_facts import onnx_sha256
+    from .manifest import REBUILD_COMMAND
 
     digest = onnx_sha256(base_onnx)
     if digest != manifest.onnx_sha256:
@@ -216,8 +220,10 @@ def save_refitted_plan(plan_path: Path, manifest, plan, weights) -> None:
     ones. An interruption after (1) or (2) leaves a plan that `build` rebuilds and `refit` restores from
     its ONNX; it never passes for a base engine. `plan` is any buffer (TensorRT's IHostMemory).
     """
-    from .config import RefitRecord, atomic_write_bytes, manifest_path, weights_digest
+    from ...workspace.files import atomic_write_bytes
+    from .manifest import RefitRecord, manifest_path
     from .plan_trust import plan_sha256
+    from .refit_weights import weights_digest
 
     nbytes, digest = memoryview(plan).nbytes, plan_sha256(plan)
     record = RefitRecord(weights_sha256=weights_digest(weights), names=tuple(sorted(weights))) if weights else None

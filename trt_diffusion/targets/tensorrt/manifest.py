@@ -1,0 +1,150 @@
+"""The engine manifest: what a .plan was built from and for, where both live, and when an existing plan is
+exactly the one a build would make (the only reason a build is skipped)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ...engines_file.engine_spec import EngineSpec
+from ...errors import BuildError
+from ...onnx_facts import ProfileShapes, Shape, TensorInfo, validate_profile
+from ...workspace.files import atomic_write_bytes
+from .versions import parse_trt_version
+
+if TYPE_CHECKING:
+    from .build_flags import BuildFlags
+
+TARGET = "tensorrt"
+MANIFEST_SCHEMA_VERSION = 3  # 2: `refit` records what a refit wrote into the plan; 3: `plan_sha256`
+REBUILD_COMMAND = "trt-diffusion build engines.yaml --target tensorrt"
+
+
+def engine_path(workspace: str | Path, spec: EngineSpec) -> Path:
+    """<workspace>/engines/tensorrt/<spec.name>.<spec.key>.plan (the key keeps same-named specs apart)."""
+    return Path(workspace) / "engines" / TARGET / f"{spec.name}.{spec.key}.plan"
+
+
+def manifest_path(plan_path: str | Path) -> Path:
+    plan_path = Path(plan_path)
+    stem = plan_path.name[: -len(".plan")] if plan_path.name.endswith(".plan") else plan_path.name
+    return plan_path.with_name(f"{stem}.manifest.json")
+
+
+def _utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class RefitRecord(BaseModel):
+    """What `trt-diffusion refit` wrote into a plan saved in place: the plan no longer holds its base weights."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weights_sha256: str  # `weights_digest` of the weights given, by ONNX initializer name
+    names: tuple[str, ...]  # the ONNX initializer names that differ from the base ONNX
+    # True while a refit is being saved: written before the plan is replaced, so a refit interrupted between
+    # the two files leaves a plan that is never taken for its base (the next refit restores it from the ONNX)
+    in_progress: bool = False
+    # while in progress: the sha256 of the plan being replaced (the file on disk is that one or the new one)
+    replacing_sha256: str | None = None
+    refitted_at: str = Field(default_factory=lambda: _utc_now())
+
+
+class EngineManifest(BaseModel):
+    """What a .plan was built from and for; read before the plan is ever deserialized."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = MANIFEST_SCHEMA_VERSION
+    spec_key: str
+    spec_name: str
+    target: str = TARGET
+    tensorrt_version: str
+    compute_capability: tuple[int, int]
+    device_name: str
+    flags: dict[str, Any]
+    profile_shapes: dict[str, tuple[Shape, Shape, Shape]]
+    # engine_layout: profiles — the optimization profiles in TensorRT's order (profile_shapes is then their
+    # envelope, layout.profile_envelope); None: one profile, profile_shapes
+    profiles: tuple[dict[str, tuple[Shape, Shape, Shape]], ...] | None = None
+    onnx_sha256: str
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    refit_map: str | None = None
+    # None: the plan holds the weights it was built with (the base). Set by `refit`, cleared by a restore.
+    refit: RefitRecord | None = None
+    plan_bytes: int
+    # sha256 of the plan this manifest describes: checked before TensorRT deserializes it (plan_trust.py);
+    # None only in manifests made in code, which nothing loads
+    plan_sha256: str | None = None
+    # `device_memory_size_v2` of the engine (its activation memory, profile 0): the runner budgets the shared
+    # activation allocation with it before loading; None when the build could not read it back
+    device_memory_bytes: int | None = None
+    # `streamable_weights_size` of an engine built with weight streaming (None otherwise or unread)
+    streamable_weights_bytes: int | None = None
+    build_seconds: float
+    created_at: str = Field(default_factory=_utc_now)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "engine manifest") -> EngineManifest:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise BuildError(f"{source} is not valid JSON ({err}): rebuild with `{REBUILD_COMMAND}`") from err
+        version = raw.get("schema_version") if isinstance(raw, dict) else None
+        if version != MANIFEST_SCHEMA_VERSION:
+            raise BuildError(
+                f"{source} has schema_version {version!r}; this trt-diffusion reads {MANIFEST_SCHEMA_VERSION}: "
+                f"rebuild with `{REBUILD_COMMAND}`"
+            )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as err:
+            raise BuildError(f"{source} is malformed: {err}") from err
+
+    def write(self, path: str | Path) -> None:
+        atomic_write_bytes(path, self.to_json().encode())
+
+    @classmethod
+    def read(cls, path: str | Path) -> EngineManifest:
+        path = Path(path)
+        if not path.is_file():
+            raise BuildError(f"engine manifest {path} is missing: rebuild with `{REBUILD_COMMAND}`")
+        return cls.from_json(path.read_text(), source=f"engine manifest {path}")
+
+    @property
+    def is_base(self) -> bool:
+        """True when the plan holds its base weights; a refitted plan never passes for a built one."""
+        return self.refit is None
+
+    def input(self, name: str) -> TensorInfo | None:
+        return next((info for info in self.inputs if info.name == name), None)
+
+
+def manifest_is_current(
+    manifest: EngineManifest,
+    spec: EngineSpec,
+    onnx_digest: str,
+    flags: BuildFlags,
+    profile_shapes: ProfileShapes,
+    trt_version: str,
+    compute_capability: tuple[int, int],
+) -> bool:
+    """True when an existing engine was built from exactly these inputs on this kind of host:
+    the only reason a build may be skipped."""
+    return (
+        manifest.is_base  # a LoRA refitted into the plan is not the engine `build` would make
+        and manifest.spec_key == spec.key
+        and manifest.onnx_sha256 == onnx_digest
+        and manifest.flags == flags.to_dict()
+        and manifest.profile_shapes == validate_profile(profile_shapes)
+        and parse_trt_version(manifest.tensorrt_version) == parse_trt_version(trt_version)
+        and tuple(manifest.compute_capability) == tuple(compute_capability)
+    )
