@@ -181,3 +181,28 @@ def test_a_mask_to_a_model_without_inpaint_is_refused(ours):
 def test_an_inpainting_checkpoint_serves_inpaint_only(ours):
     assert [w.value for w in ours("sd15", "inpaint").workflows] == ["inpaint"]
     assert [w.value for w in ours("sd15").workflows] == ["txt2img", "img2img", "inpaint"]
+
+
+def test_img2img_with_a_controlnet_equals_diffusers(tiny_model_factory):
+    """img2img + ControlNet (sd15) against diffusers' StableDiffusionControlNetImg2ImgPipeline."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetImg2ImgPipeline
+
+    from trt_diffusion.parity.stage import _control_image
+
+    folder = tiny_model_factory("sd15", controlnet=True)
+    table = reference_runners(folder, "sd15", components=_components(folder, "sd15"),
+                              controlnets={"canny": folder / "controlnet"})
+    mine_pipe = EnginePipeline(folder, "sd15", table)
+    control = _control_image(SIZE, SIZE, 4)
+    args = dict(steps=5, strength=0.6, guidance_scale=5.0, seed=4)
+    mine = mine_pipe.generate(request("img2img", controlnet="canny", control_image=control, controlnet_scale=0.7,
+                                      **args)).images
+    pipe = StableDiffusionControlNetImg2ImgPipeline.from_pretrained(
+        folder, controlnet=ControlNetModel.from_pretrained(folder / "controlnet"), safety_checker=None,
+        requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = make_scheduler("default", dict(pipe.scheduler.config), "sd15")
+    theirs_images = pipe(PROMPT, image=Image.fromarray(init_image(SIZE, SIZE, 4)), control_image=Image.fromarray(control),
+                         num_inference_steps=5, strength=0.6, guidance_scale=5.0, controlnet_conditioning_scale=0.7,
+                         generator=torch.Generator().manual_seed(4), output_type="np").images
+    np.testing.assert_array_equal(mine, (theirs_images * 255).round().astype(np.uint8))
