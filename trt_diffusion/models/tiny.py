@@ -22,9 +22,12 @@ from ..families import Family
 from .quiet import quiet_libraries
 
 FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl)
-# Checkpoint variants beside the text-to-image one: an inpainting denoiser (the mask and the masked image's
-# latents as extra input channels) and its pipeline class, as the released inpainting checkpoints are saved.
-VARIANTS = {"inpaint": (Family.sd15, Family.sdxl)}
+# Checkpoint variants beside the text-to-image one, each saved with the pipeline class its released checkpoints
+# have: an inpainting denoiser (the mask and the masked image's latents as extra input channels: the 9-channel
+# UNets, FLUX.1 Fill's transformer) and FLUX.1 Kontext (the plain transformer's shape, an edit checkpoint).
+VARIANTS = {"inpaint": (Family.sd15, Family.sdxl), "fill": (Family.flux,), "kontext": (Family.flux,)}
+FLUX_LATENT_CHANNELS = 4  # the tiny FLUX VAE's (the real one has 16)
+VAE_BLOCK_OUT_CHANNELS = [8, 8, 16, 16]  # four blocks: the real 8x spatial factor, tiny channel counts
 # Shards of at most this size: safetensors copies a shard into memory to write it, and a full-size SDXL UNet
 # (10 GB) written in one piece would need twice its size.
 SHARD_SIZE = "2GB"
@@ -89,9 +92,8 @@ def _t5_encoder(d_model: int):
 def _vae(latent_channels: int, **extra):
     from diffusers import AutoencoderKL
 
-    # Four blocks: the real 8x spatial factor, with tiny channel counts.
     return AutoencoderKL(
-        block_out_channels=[8, 8, 16, 16], in_channels=3, out_channels=3,
+        block_out_channels=VAE_BLOCK_OUT_CHANNELS, in_channels=3, out_channels=3,
         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
         latent_channels=latent_channels, norm_num_groups=4, layers_per_block=1, sample_size=64, **extra,
     )
@@ -207,13 +209,20 @@ def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny",
             tokenizer_3=_t5_tokenizer(), scheduler=scheduler,
         )
     else:
+        packed = FLUX_LATENT_CHANNELS * 4  # 2x2 latent pixels per token
+        channels = {"in_channels": packed}
+        if variant == "fill":  # FluxFillPipeline's input: latents, masked-image latents, the mask per 8x8 pixels
+            vae_scale = 2 ** (len(VAE_BLOCK_OUT_CHANNELS) - 1)
+            channels = dict(in_channels=2 * packed + 4 * vae_scale * vae_scale, out_channels=packed)
         transformer = diffusers.FluxTransformer2DModel(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            patch_size=1, num_layers=1, num_single_layers=1, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
-            guidance_embeds=True,
+            guidance_embeds=True, **channels,
         )
-        pipe = diffusers.FluxPipeline(
-            transformer=transformer, vae=_vae(4, shift_factor=0.1159, scaling_factor=0.3611,
+        pipe_cls = {"fill": diffusers.FluxFillPipeline, "kontext": diffusers.FluxKontextPipeline}.get(
+            variant, diffusers.FluxPipeline)
+        pipe = pipe_cls(
+            transformer=transformer, vae=_vae(FLUX_LATENT_CHANNELS, shift_factor=0.1159, scaling_factor=0.3611,
                                             use_quant_conv=False, use_post_quant_conv=False),
             text_encoder=_clip_text_encoder(32), text_encoder_2=_t5_encoder(32), tokenizer=_clip_tokenizer(),
             tokenizer_2=_t5_tokenizer(), scheduler=scheduler,
