@@ -79,7 +79,15 @@ class LatentEncoder:
         outputs = self.runner.run({"images": image.numpy()})  # its layout kept (image_tensor)
         mean = torch.from_numpy(np.asarray(outputs["latent"], np.float32))
         std = torch.from_numpy(np.asarray(outputs["latent_std"], np.float32))
-        sample = mean + std * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+        return self._scaled(mean + std * torch.randn(mean.shape, generator=generator, dtype=mean.dtype))
+
+    def mode(self, image: torch.Tensor) -> torch.Tensor:
+        """The latent's mean, scaled: `retrieve_latents(..., sample_mode="argmax")` (FLUX.1 Kontext's context
+        image), which draws nothing from the generator."""
+        outputs = self.runner.run({"images": image.numpy()})
+        return self._scaled(torch.from_numpy(np.asarray(outputs["latent"], np.float32)))
+
+    def _scaled(self, sample: torch.Tensor) -> torch.Tensor:
         if self.family in FLOW_FAMILIES:
             return (sample - self.shift_factor) * self.scaling_factor
         return self.scaling_factor * sample

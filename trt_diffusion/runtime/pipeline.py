@@ -1,6 +1,7 @@
 """One pipeline over runners: tokenize → text encoders → scheduler loop (CFG, ControlNet) → VAE decode,
-from noise (txt2img) or from an init image (img2img, inpaint: runtime/conditioning.py). It follows diffusers' pipelines step for step, so the torch-reference runners reproduce
-diffusers' images exactly and engine runners can be compared to them.
+from noise (txt2img) or from an init image (img2img, inpaint: runtime/conditioning.py). FLUX has its own loop
+(runtime/flux_loop.py: packed latents, Fill, Kontext edit). It follows diffusers' pipelines step for step, so the
+torch-reference runners reproduce diffusers' images exactly and engine runners can be compared to them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..families import Family
 from ..workflows import DEFAULT_STRENGTH, EDIT_PIPELINE_CLASSES, FAMILY_WORKFLOWS, Workflow, request_workflow
 from . import conditioning
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
+from .flux_loop import FluxLoop
 from .schedulers import make_scheduler, scheduler_names
 
 MAX_STEPS = 1000
@@ -150,6 +152,10 @@ class EnginePipeline:
         self.tokenizers = {name: _tokenizer(self.model_dir, name) for name in
                            ("tokenizer", "tokenizer_2", "tokenizer_3") if self.index.get(name, [None])[0]}
         self.latent_channels = vae_config.get("latent_channels", 4)
+        self.flux = None if self.family is not Family.flux else FluxLoop(
+            runners, self.denoiser_config, self.scheduler_config, latent_channels=self.latent_channels,
+            vae_scale_factor=self.vae_scale_factor, scaling_factor=self.scaling_factor,
+            shift_factor=self.shift_factor, denoiser=denoiser)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
 
     def _served_workflows(self) -> tuple[Workflow, ...]:
@@ -228,8 +234,13 @@ class EnginePipeline:
         problems = []
         served = ", ".join(w.value for w in self.workflows)
         if workflow not in self.workflows:
-            why = ("it is not in this model's workflows" if workflow in FAMILY_WORKFLOWS[self.family]
-                   else f"the {self.family.value} family has no {workflow.value} workflow")
+            checkpoint = self.index.get("_class_name")
+            if workflow not in FAMILY_WORKFLOWS[self.family]:
+                why = f"the {self.family.value} family has no {workflow.value} workflow"
+            elif workflow is Workflow.edit and checkpoint not in EDIT_PIPELINE_CLASSES:
+                why = f"edit needs an edit checkpoint ({', '.join(EDIT_PIPELINE_CLASSES)}), this one is {checkpoint}"
+            else:
+                why = "it is not in this model's workflows"
             given = " (a MASK asks for inpaint)" if request.mask is not None and not request.workflow else ""
             problems.append(f"WORKFLOW {workflow.value}{given} is not served: {why} (served: {served})")
         if request.mask is not None and request.init_image is None:
@@ -286,7 +297,7 @@ class EnginePipeline:
         workflow = request.resolved_workflow  # the same trimmed schedule and denoiser inputs
         strength = request.resolved_strength if workflow.takes_strength else None
         key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength)
-        if self.family is Family.flux:  # FLUX: one request per batch (its loop is not batched across requests)
+        if self.family is Family.flux:  # FLUX: one request per batch (runtime/flux_loop.py says why)
             key += (id(request),)
         return key
 
@@ -341,7 +352,7 @@ class EnginePipeline:
     def generate_together(self, requests: list[GenerationRequest], on_step: StepCallback | None = None
                           ) -> list[Generation]:
         """One batch of `plan_batches`: requests of one `batch_key` whose rows an engine batch serves."""
-        if len(requests) == 1 or self.family is Family.flux:
+        if len(requests) == 1 or self.flux is not None:
             return [self.generate(r, on_step) for r in requests]
         size = self.validate(requests[0])
         timings = [StageTimings(batch=len(requests)) for _ in requests]
@@ -376,10 +387,8 @@ class EnginePipeline:
         """The scheduler loop from seeded noise to final latents, with a fresh scheduler for this request."""
         size = Size(request.width, request.height)
         timings = timings or StageTimings()
-        if self.family is Family.flux:
-            generator = torch.Generator().manual_seed(int(request.seed))
-            scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
-            return self._flux(request, size, scheduler, generator, timings, encoding.positive, on_step)
+        if self.flux is not None:
+            return self.flux.denoise(self.flux.item(request, encoding.positive, size), size, timings, on_step), "none"
         latents, cfg_mode = self._denoise_items([self._item(request, encoding, size)], size, timings, on_step)
         return latents[0], cfg_mode
 
@@ -583,43 +592,6 @@ class EnginePipeline:
         image = request.control_image.astype(np.float32) / 255.0  # [0, 1], as diffusers' ControlNet pipelines
         image = np.transpose(image, (2, 0, 1))[None]
         return np.ascontiguousarray(np.repeat(image, batch, axis=0))
-
-    # ---------------------------------------------------------------- FLUX
-
-    def _flux(self, request, size, scheduler, generator, timings, positive: Conditioning, on_step=None):
-        from diffusers import FluxPipeline
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        batch = request.batch
-        h = 2 * (size.height // (self.vae_scale_factor * 2))
-        w = 2 * (size.width // (self.vae_scale_factor * 2))
-        channels = self.denoiser_config["in_channels"] // 4
-        latents = torch.randn((batch, channels, h, w), generator=generator, dtype=torch.float32)
-        latents = FluxPipeline._pack_latents(latents, batch, channels, h, w)
-        image_ids = FluxPipeline._prepare_latent_image_ids(batch, h // 2, w // 2, "cpu", torch.float32).numpy()
-        text_ids = np.zeros((positive.embeds.shape[1], 3), np.float32)
-        config = scheduler.config
-        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
-        sigmas = np.linspace(1.0, 1 / request.steps, request.steps)
-        kwargs = {"mu": mu} if config.get("use_dynamic_shifting") else {}
-        scheduler.set_timesteps(sigmas=sigmas, **kwargs)
-        runner = self.runners.find(self.denoiser, size=size, batch=batch)
-        for t in scheduler.timesteps:
-            start = time.perf_counter()
-            feeds = {"hidden_states": latents.numpy(), "timestep": np.full((batch,), float(t) / 1000, np.float32),
-                     "encoder_hidden_states": positive.embeds, "pooled_projections": positive.pooled,
-                     "img_ids": image_ids, "txt_ids": text_ids}
-            if "guidance" in runner.inputs:
-                feeds["guidance"] = np.full((batch,), request.guidance_scale, np.float32)
-            noise = runner.run({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in feeds.items()})["noise_pred"]
-            latents = scheduler.step(torch.from_numpy(noise), t, latents, return_dict=False)[0]
-            timings.step_s.append(time.perf_counter() - start)
-            if on_step is not None:
-                on_step(len(timings.step_s) - 1, len(scheduler.timesteps), [latents])
-        latents = FluxPipeline._unpack_latents(latents, size.height, size.width, self.vae_scale_factor)
-        return latents, "none"
 
     # ---------------------------------------------------------------- VAE
 

@@ -1,0 +1,221 @@
+"""The FLUX loop over runners: packed latents, the sigma schedule shifted by the image's token count, and the
+image-conditioned workflows as diffusers' FLUX pipelines run them, draw for draw from the request's generator.
+
+| workflow | diffusers | generator draws | what the transformer sees |
+|---|---|---|---|
+| txt2img | FluxPipeline | noise | the noise tokens |
+| img2img | FluxImg2ImgPipeline | init latent, noise | the init image noised to the first kept sigma |
+| inpaint, plain transformer | FluxInpaintPipeline | init latent, noise (a masked latent, unused) | as img2img; the known region blended back after each step |
+| inpaint, Fill transformer | FluxFillPipeline | init latent, noise, masked latent | latents ‖ masked-image latents ‖ the mask per 8x8 pixels, on channels |
+| edit (Kontext) | FluxKontextPipeline | noise (the init latent is its mean: no draw) | noise tokens ‖ init-image tokens (image ids with 1 in front), output cut to the noise tokens |
+
+Strength trims the schedule's head as SD3's img2img does (the float product of steps and strength); the shift `mu`
+always follows the noise tokens alone (the Kontext context tokens do not enter it).
+
+Requests are not batched with each other: FLUX runs without CFG, so a one-image request calls the transformer over
+one row, and its timestep and guidance embedders' linear layers round differently over one row (a matrix-vector
+product) than over several; a batched request would not equal its own image.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..engines_file.engine_spec import Size
+from ..errors import RuntimeInputError
+from ..families import Family
+from ..workflows import Workflow
+from . import conditioning
+from .schedulers import make_scheduler
+
+if TYPE_CHECKING:
+    from .pipeline import Conditioning, GenerationRequest, StageTimings, StepCallback
+
+PACKING = 2  # FLUX packs 2x2 latent pixels into one token
+
+
+@dataclass
+class FluxItem:
+    """One request's state in the FLUX loop. Tensors are packed [rows, tokens, channels]."""
+
+    request: GenerationRequest
+    positive: Conditioning
+    scheduler: object
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    blend: conditioning.ImageStart | None = None  # plain-transformer inpaint: image latents, noise, mask (packed)
+    fill: torch.Tensor | None = None  # Fill: masked-image latents ‖ mask, joined to the latents on channels
+    context: torch.Tensor | None = None  # Kontext: the init image's tokens, joined to the latents on tokens
+
+    @property
+    def rows(self) -> int:
+        return self.request.batch
+
+    def model_input(self) -> torch.Tensor:
+        if self.fill is not None:
+            return torch.cat((self.latents, self.fill), dim=2)
+        if self.context is not None:
+            return torch.cat([self.latents, self.context], dim=1)
+        return self.latents
+
+
+class FluxLoop:
+    """The FLUX denoising loop of an EnginePipeline: what it reads of the model folder, and its runners."""
+
+    def __init__(self, runners, denoiser_config: dict, scheduler_config: dict, *, latent_channels: int,
+                 vae_scale_factor: int, scaling_factor: float, shift_factor: float, denoiser: str = "transformer"):
+        self.runners, self.denoiser = runners, denoiser
+        self.config, self.scheduler_config = denoiser_config, scheduler_config
+        self.latent_channels, self.vae_scale_factor = latent_channels, vae_scale_factor
+        self.scaling_factor, self.shift_factor = scaling_factor, shift_factor
+        self.packed_channels = latent_channels * PACKING * PACKING
+        # FluxFillPipeline: latents, the masked image's latents and the mask (one channel per pixel of a
+        # vae_scale_factor^2 patch, packed 2x2) side by side
+        self.fill_channels = 2 * self.packed_channels + PACKING * PACKING * vae_scale_factor ** 2
+
+    @property
+    def fill_transformer(self) -> bool:
+        return int(self.config["in_channels"]) == self.fill_channels
+
+    # ---------------------------------------------------------------- items
+
+    def item(self, request: GenerationRequest, positive: Conditioning, size: Size) -> FluxItem:
+        """A request's seeded start, its own scheduler and schedule, set up as its diffusers pipeline does."""
+        generator = torch.Generator().manual_seed(int(request.seed))
+        scheduler = make_scheduler(request.scheduler, self.scheduler_config, Family.flux.value)
+        rows = request.batch
+        h, w = self.latent_size(size)
+        shape = (rows, self.latent_channels, h, w)
+        self._set_schedule(scheduler, request.steps, (h // PACKING) * (w // PACKING))
+        workflow = request.resolved_workflow
+        item = FluxItem(request, positive, scheduler, latents=torch.empty(0), timesteps=scheduler.timesteps)
+        if workflow is Workflow.txt2img:
+            item.latents = self.pack(torch.randn(shape, generator=generator, dtype=torch.float32))
+            return item
+        image = conditioning.image_tensor(request.init_image)  # channels-last, as VaeImageProcessor gives it
+        encoder = conditioning.LatentEncoder(self.runners.find("vae_encoder", size=size, batch=1), Family.flux,
+                                             self.scaling_factor, self.shift_factor)
+        if workflow is Workflow.edit:  # FluxKontextPipeline: the full schedule, the image beside the noise
+            item.context = self.pack(_rows(encoder.mode(image), rows))  # the latent's mean: no draw
+            item.latents = self.pack(torch.randn(shape, generator=generator, dtype=torch.float32))
+            scheduler.set_begin_index(0)
+            return item
+        item.timesteps = conditioning.trim_timesteps(scheduler, request.steps, request.resolved_strength,
+                                                     Family.flux)
+        image_latents = _rows(encoder.encode(image, generator), rows)  # encoded at every strength, 1 included
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+        item.latents = self.pack(scheduler.scale_noise(image_latents, item.timesteps[:1].repeat(rows), noise))
+        if workflow is Workflow.img2img:
+            return item
+        mask = conditioning.mask_tensor(request.mask)
+        if self.fill_transformer:
+            masked_latents = self.pack(_rows(encoder.encode(image * (1 - mask), generator), rows))
+            item.fill = torch.cat((masked_latents, self._fill_mask(_rows(mask, rows), h, w)), dim=-1)
+        elif int(self.config["in_channels"]) == self.packed_channels:
+            # FluxInpaintPipeline encodes the masked image too, then never uses it with a plain transformer: that
+            # draw is the request's last, so leaving it out changes nothing
+            latent_mask = torch.nn.functional.interpolate(mask, size=(h, w))
+            latent_mask = _rows(latent_mask, rows).repeat(1, self.latent_channels, 1, 1)
+            item.blend = conditioning.ImageStart(item.timesteps, image_latents=self.pack(image_latents),
+                                                 noise=self.pack(noise), mask=self.pack(latent_mask), blend=True)
+        else:
+            raise RuntimeInputError(
+                f"an inpainting FLUX transformer takes {self.packed_channels} input channels (mask blending) or "
+                f"{self.fill_channels} (FLUX.1 Fill), this one {self.config['in_channels']}")
+        return item
+
+    def latent_size(self, size: Size) -> tuple[int, int]:
+        factor = self.vae_scale_factor * PACKING
+        return PACKING * (size.height // factor), PACKING * (size.width // factor)
+
+    def _set_schedule(self, scheduler, steps: int, tokens: int) -> None:
+        """FLUX's sigmas (1 → 1/steps), shifted by `mu` from the noise's token count where the scheduler shifts."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = scheduler.config
+        mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        kwargs = {"mu": mu} if config.get("use_dynamic_shifting") else {}
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), **kwargs)
+
+    def _fill_mask(self, mask: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """[rows, 1, H, W] pixels -> packed [rows, tokens, 4 * vae_scale_factor^2]: each latent pixel's patch of
+        the mask as channels (FluxFillPipeline.prepare_mask_latents)."""
+        rows, factor = mask.shape[0], self.vae_scale_factor
+        mask = mask[:, 0, :, :].view(rows, h, factor, w, factor).permute(0, 2, 4, 1, 3)
+        return self.pack(mask.reshape(rows, factor * factor, h, w))
+
+    # ---------------------------------------------------------------- the loop
+
+    def denoise(self, item: FluxItem, size: Size, timings: StageTimings,
+                on_step: StepCallback | None = None) -> torch.Tensor:
+        """The request's final latents, unpacked [rows, C, h, w]: one transformer call per step."""
+        h, w = self.latent_size(size)
+        tokens = (h // PACKING) * (w // PACKING)
+        image_ids = _image_ids(h // PACKING, w // PACKING)
+        if item.context is not None:  # the context tokens' ids: the same grid with 1 in front
+            context_ids = image_ids.clone()
+            context_ids[..., 0] = 1
+            image_ids = torch.cat([image_ids, context_ids], dim=0)
+        runner = self._runner(size, item.rows, len(image_ids), item.request.resolved_workflow)
+        constant = {"encoder_hidden_states": item.positive.embeds, "pooled_projections": item.positive.pooled,
+                    "img_ids": image_ids.numpy(),
+                    "txt_ids": np.zeros((item.positive.embeds.shape[1], 3), np.float32)}
+        if "guidance" in runner.inputs:
+            constant["guidance"] = np.full((item.rows,), item.request.guidance_scale, np.float32)
+        for index, t in enumerate(item.timesteps):
+            start = time.perf_counter()
+            feeds = {"hidden_states": item.model_input().numpy(),
+                     "timestep": np.full((item.rows,), float(t) / 1000, np.float32), **constant}
+            noise_pred = torch.from_numpy(runner.run(feeds)["noise_pred"])
+            if item.context is not None:
+                noise_pred = noise_pred[:, :tokens]  # the noise tokens' prediction; the context's is dropped
+            item.latents = item.scheduler.step(noise_pred, t, item.latents, return_dict=False)[0]
+            if item.blend is not None:
+                item.latents = conditioning.blend_known_region(item.blend, item.scheduler, Family.flux,
+                                                               item.latents, index)
+            timings.step_s.append(time.perf_counter() - start)
+            if on_step is not None:
+                on_step(index, len(item.timesteps), [item.latents])
+        return self.unpack(item.latents, size)
+
+    def _runner(self, size: Size, rows: int, sequence: int, workflow: Workflow):
+        """The transformer runner for `rows` over `sequence` image tokens (edit: twice the image's)."""
+        runner = self.runners.find(self.denoiser, size=size, batch=rows)
+        spec = runner.inputs.get("hidden_states")
+        fixed = spec.shape[1] if spec is not None and len(spec.shape) == 3 else None
+        if isinstance(fixed, int) and fixed != sequence:
+            why = (" (the noise's tokens and the init image's: build the edit model's transformer with a profile "
+                   "for twice the image tokens)" if workflow is Workflow.edit else "")
+            raise RuntimeInputError(f"the {workflow.value} workflow at {size} feeds the transformer {sequence} "
+                                    f"image tokens{why}; {runner.name} takes {fixed}")
+        return runner
+
+    # ---------------------------------------------------------------- packing
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        from diffusers import FluxPipeline
+
+        rows, channels, h, w = latents.shape
+        return FluxPipeline._pack_latents(latents, rows, channels, h, w)
+
+    def unpack(self, latents: torch.Tensor, size: Size) -> torch.Tensor:
+        from diffusers import FluxPipeline
+
+        return FluxPipeline._unpack_latents(latents, size.height, size.width, self.vae_scale_factor)
+
+
+def _image_ids(rows: int, cols: int) -> torch.Tensor:
+    from diffusers import FluxPipeline
+
+    return FluxPipeline._prepare_latent_image_ids(1, rows, cols, "cpu", torch.float32)
+
+
+def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """One image's tensor repeated to the request's rows (diffusers' torch.cat([x] * n): the same values)."""
+    return tensor.repeat(rows // tensor.shape[0], *([1] * (tensor.ndim - 1))) if tensor.shape[0] < rows else tensor
