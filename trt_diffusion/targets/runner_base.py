@@ -2,13 +2,19 @@
 
 `runner = target.runner(engine)` builds the object; `with runner:` (or `activate()`) allocates what it holds
 for its life, once; `run(feeds)` checks names, dtypes and shapes against `inputs` and says what it expected — a
-wrong feed is one clear `RuntimeInputError`, not a backend's stack trace — then calls the subclass's `_run`;
-`deactivate()` frees. A runner used without `with` is activated on its first `run`.
+wrong feed is one clear `RuntimeInputError`, not a backend's stack trace, and nothing is loaded for it — then
+calls the subclass's `_run` while the runner is in use; `deactivate()` frees. A runner used without `with` is
+activated on its first `run`.
+
+A subclass implements `_run` and, where it holds resources, `_activate`/`_deactivate`; one whose inputs say more
+than `inputs` can (TensorRT: the profile's shape ranges) overrides `_check_feeds`, and one shared with other
+runners (TensorRT: a group's stream and lock) overrides `_in_use`, what holds while one run executes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,7 +69,7 @@ def check_feeds(name: str, inputs: dict[str, TensorSpec], feeds: dict[str, np.nd
 
 class BaseRunner:
     """The lifecycle every runner shares. Subclasses set `name` and `inputs` and implement `_run` (and, where they
-    hold resources, `_activate`/`_deactivate`)."""
+    hold resources, `_activate`/`_deactivate`; see the module's docstring for `_check_feeds` and `_in_use`)."""
 
     name: str
     inputs: dict[str, TensorSpec]
@@ -90,9 +96,19 @@ class BaseRunner:
         self.deactivate()
 
     def run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
-        self.activate()
+        self._check_feeds(feeds)
+        with self._in_use():
+            return self._run(feeds)
+
+    def _check_feeds(self, feeds: Mapping[str, Any]) -> None:
+        """RuntimeInputError unless the feeds match `inputs` (names, dtypes, ranks and fixed sizes)."""
         check_feeds(self.name, self.inputs, feeds)
-        return self._run(feeds)
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """What holds while one run executes: the runner active (activated on its first run)."""
+        self.activate()
+        yield
 
     def _activate(self) -> None:
         """Allocate what the runner holds while active (nothing by default)."""

@@ -14,10 +14,11 @@ to unload) is a pure function of `device_memory.py`; this module only carries th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...errors import RuntimeInputError
-from ..runner_base import TensorSpec
+from ..runner_base import BaseRunner, TensorSpec
 from .cudart import Cuda, CudaError, host_array
 from .device_memory import (
     MEMORY_ENV,
@@ -267,9 +268,9 @@ class _FeedView:
         self.shape = info.shape
 
 
-class TensorRTRunner:
-    """One TensorRT engine, run as a lifecycle. Inputs are checked against the manifest (names, dtypes,
-    the profile's shape ranges) before anything reaches TensorRT."""
+class TensorRTRunner(BaseRunner):
+    """One TensorRT engine, run as BaseRunner's lifecycle. Inputs are checked against the manifest (names, dtypes,
+    the profile's shape ranges) before anything reaches TensorRT; every step holds the group's lock."""
 
     device_tensors = True  # takes torch CUDA tensors and gives them back without host copies
 
@@ -351,9 +352,10 @@ class TensorRTRunner:
 
     @property
     def active(self) -> bool:
-        return self.context is not None
+        return self.context is not None  # the group may unload a lazily loaded engine (deactivate) to make room
 
     def __enter__(self) -> TensorRTRunner:
+        """BaseRunner's `with`, counted (blocks may nest) and pinned: an engine entered is never unloaded."""
         with self.group.lock:
             self.activate()
             self._entered += 1
@@ -377,7 +379,8 @@ class TensorRTRunner:
         return self._trt
 
     def activate(self) -> None:
-        """Load the engine, create its context, bind the shared activation memory, allocate the buffers."""
+        """Load the engine, create its context, bind the shared activation memory, allocate the buffers (under
+        the group's lock, on its GPU); an active runner is only marked recently used."""
         group = self.group
         with group.lock:
             group.use_device()
@@ -385,44 +388,48 @@ class TensorRTRunner:
                 if group.budget is not None:
                     group.budget.touch(self.key)
                 return
-            trt_mod = self._trt_mod()
-            streamable = self.manifest.streamable_weights_bytes
-            budget = weight_streaming_budget(self.weight_budget_bytes, streamable,
-                                             bool(self.manifest.flags.get("weight_streaming")), self.name)
-            group.admit(self, resident_bytes(self.manifest.plan_bytes, streamable, budget),
-                        self.manifest.device_memory_bytes)
-            try:
-                if self._loader is None:
-                    import functools
+            super().activate()
 
-                    from .engine import load_engine
+    def _activate(self) -> None:
+        group = self.group
+        trt_mod = self._trt_mod()
+        streamable = self.manifest.streamable_weights_bytes
+        budget = weight_streaming_budget(self.weight_budget_bytes, streamable,
+                                         bool(self.manifest.flags.get("weight_streaming")), self.name)
+        group.admit(self, resident_bytes(self.manifest.plan_bytes, streamable, budget),
+                    self.manifest.device_memory_bytes)
+        try:
+            if self._loader is None:
+                import functools
 
-                    # the compatibility check reads the group's GPU (hosts may mix GPU architectures)
-                    self._loader = functools.partial(load_engine, device=group.device or 0)
-                self.engine = self._loader(self.path)
-                self._refuse_if_changed_on_disk(self.engine.manifest)
-                if self.manifest.refit != self._disk_manifest.refit:  # an in-process refit is not on disk
-                    raise RuntimeInputError(f"{self.name}: the engine was unloaded after an in-process refit and the "
-                                            "plan on disk does not hold those weights: refit it again, or reload()")
-                engine: trt.ICudaEngine = self.engine.engine
-                if budget is not None:  # before the context: its scratch memory depends on the budget
-                    engine.weight_streaming_budget_v2 = budget
-                context = engine.create_execution_context(trt_mod.ExecutionContextAllocationStrategy.USER_MANAGED)
-                if context is None:
-                    raise RuntimeInputError(f"{self.name}: TensorRT could not create an execution context "
-                                            "(out of GPU memory?)")
-                self.context = context
-                self.stats.contexts_created += 1
-                self._activation_need = int(engine.device_memory_size_v2)
-                group.bind_activation(self, context, self._activation_need)
-                self._allocate(self._io_tensors(trt_mod, engine, context))
-                # the outputs at the shapes now set (a multi-profile engine's buffers are sized for another one)
-                self._output_shapes = {n: _dims(context.get_tensor_shape(n)) for n in self.output_names}
-                self.stats.activations += 1
-                self.stats.graph_skip_reason = graph_capture_reason(self.cuda_graph, self.manifest.profile_shapes)
-            except BaseException:
-                self.deactivate()
-                raise
+                from .engine import load_engine
+
+                # the compatibility check reads the group's GPU (hosts may mix GPU architectures)
+                self._loader = functools.partial(load_engine, device=group.device or 0)
+            self.engine = self._loader(self.path)
+            self._refuse_if_changed_on_disk(self.engine.manifest)
+            if self.manifest.refit != self._disk_manifest.refit:  # an in-process refit is not on disk
+                raise RuntimeInputError(f"{self.name}: the engine was unloaded after an in-process refit and the "
+                                        "plan on disk does not hold those weights: refit it again, or reload()")
+            engine: trt.ICudaEngine = self.engine.engine
+            if budget is not None:  # before the context: its scratch memory depends on the budget
+                engine.weight_streaming_budget_v2 = budget
+            context = engine.create_execution_context(trt_mod.ExecutionContextAllocationStrategy.USER_MANAGED)
+            if context is None:
+                raise RuntimeInputError(f"{self.name}: TensorRT could not create an execution context "
+                                        "(out of GPU memory?)")
+            self.context = context
+            self.stats.contexts_created += 1
+            self._activation_need = int(engine.device_memory_size_v2)
+            group.bind_activation(self, context, self._activation_need)
+            self._allocate(self._io_tensors(trt_mod, engine, context))
+            # the outputs at the shapes now set (a multi-profile engine's buffers are sized for another one)
+            self._output_shapes = {n: _dims(context.get_tensor_shape(n)) for n in self.output_names}
+            self.stats.activations += 1
+            self.stats.graph_skip_reason = graph_capture_reason(self.cuda_graph, self.manifest.profile_shapes)
+        except BaseException:
+            self.deactivate()
+            raise
 
     def _io_tensors(self, trt_mod: Any, engine: trt.ICudaEngine, context: trt.IExecutionContext) -> list[IOTensor]:
         """Every I/O tensor at its largest shape: inputs from the profile, outputs as TensorRT infers
@@ -487,26 +494,31 @@ class TensorRTRunner:
         cuda.free_host(buffer.host)
 
     def deactivate(self) -> None:
-        """Free everything activation made; the runner can be activated again."""
+        """Free everything activation made; the runner can be activated again. Runs whether or not the runner is
+        active: it also undoes a failed activation's half (the group's admission, buffers made before the error)."""
+        with self.group.lock:
+            self._deactivate()
+            self._active = False
+
+    def _deactivate(self) -> None:
         group = self.group
-        with group.lock:
-            group.use_device()
-            if group.stream is not None and (self._pending or self.active):
-                group.cuda.synchronize(group.stream)
-            self._pending = False
-            self._drop_graph()
-            if self._refit_pinned and group.budget is not None:
-                group.budget.unpin(self.key)
-            self._refit_pinned = False
-            for buffer in self._buffers.values():
-                self._free(buffer)
-            self._buffers.clear()
-            self._shapes.clear()
-            self._output_shapes.clear()
-            self._profile = 0
-            self.context = None
-            self.engine = None
-            group.leave(self)
+        group.use_device()
+        if group.stream is not None and (self._pending or self.active):
+            group.cuda.synchronize(group.stream)
+        self._pending = False
+        self._drop_graph()
+        if self._refit_pinned and group.budget is not None:
+            group.budget.unpin(self.key)
+        self._refit_pinned = False
+        for buffer in self._buffers.values():
+            self._free(buffer)
+        self._buffers.clear()
+        self._shapes.clear()
+        self._output_shapes.clear()
+        self._profile = 0
+        self.context = None
+        self.engine = None
+        group.leave(self)
 
     # ------------------------------------------------------------------ refit in process (LoRA hot swap)
 
@@ -560,9 +572,17 @@ class TensorRTRunner:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
-        """One inference. numpy in, numpy out; a torch CUDA tensor among the feeds: torch CUDA tensors out."""
+    # BaseRunner.run: `_check_feeds`, then `_run` inside `_in_use`. numpy in, numpy out; a torch CUDA tensor
+    # among the feeds: torch CUDA tensors out.
+
+    def _check_feeds(self, feeds: Mapping[str, Any]) -> None:
+        """Names, dtypes and the profile's shape ranges, from the manifest, before anything reaches TensorRT."""
         check_feeds(self.manifest, {k: _FeedView(v) for k, v in feeds.items()})
+
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """One run: the group's lock on its GPU, the plan on disk still the one read, the engine loaded and pinned
+        (never unloaded while it runs)."""
         group = self.group
         with group.lock:
             group.use_device()
@@ -571,7 +591,7 @@ class TensorRTRunner:
             assert group.budget is not None
             group.budget.pin(self.key)
             try:
-                return self._run(feeds)
+                yield
             finally:
                 group.budget.unpin(self.key)
 
