@@ -91,3 +91,20 @@ def test_txt2img_on_an_inpainting_checkpoint_is_refused(tmp_path, tiny_model_fac
     assert main(["plan", path]) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "models.m.workflows.0" in err and "takes 9 input channels (an inpainting checkpoint)" in err
+
+
+def test_a_kontext_checkpoint_edits_with_twice_the_image_tokens(tmp_path, tiny_model_factory, capsys):
+    from trt_diffusion.components import get_component, load_model_config
+
+    folder = tiny_model_factory("flux", variant="kontext")
+    path = write(tmp_path, "", folder, "flux")
+    config = load_engines_file(path)
+    model = config.models["m"]
+    assert model.workflows == (Workflow.edit,) and Component.vae_encoder in model.components
+    spec = next(s for s in expand(config) if s.component == "transformer" and s.bucket.label == "64x64")
+    assert spec.option("context_image") is True
+    profile = get_component("flux", "transformer").profile(spec, load_model_config(folder, "flux", "transformer"))
+    tokens = (64 // 16) * (64 // 16)  # the bucket's packed latent tokens
+    assert profile["hidden_states"][1][1] == 2 * tokens and profile["img_ids"][1][0] == 2 * tokens
+    assert main(["plan", path]) == 0
+    assert "m workflow edit: the VAE encoder" in " ".join(capsys.readouterr().out.split())

@@ -10,11 +10,11 @@ from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
 from PIL import Image
 
 from trt_diffusion.errors import RuntimeInputError
+from trt_diffusion.families import Component, family_info
 from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
 from trt_diffusion.runtime.schedulers import make_scheduler
 from trt_diffusion.sample_inputs import init_image, inpaint_mask
-from trt_diffusion.families import Component, family_info
 
 PROMPT = "a lighthouse on a cliff at dusk"
 SIZE = 64

@@ -16,6 +16,7 @@ from .base import (
     ComponentDef,
     ComponentIO,
     ExportWrapper,
+    Geometry,
     SymbolicDim,
     TensorDecl,
     normal,
@@ -107,6 +108,10 @@ class FluxTransformer(ComponentDef):
     by 1000, as FluxPipeline passes it), `guidance` [B] (guidance-distilled models only: the guidance
     scale itself), `encoder_hidden_states` [B,S,J] (T5), `pooled_projections` [B,P] (CLIP), `img_ids` [T,3],
     `txt_ids` [S,3].
+
+    Build option `context_image` (an edit model, FLUX.1 Kontext): the init image's packed latents follow the
+    noise tokens in `hidden_states` and `img_ids` (ids with a first coordinate of 1), so the token axis is twice
+    the bucket's; the pipeline keeps the first T tokens of `noise_pred`.
     """
 
     kind = "flux_transformer"
@@ -120,6 +125,12 @@ class FluxTransformer(ComponentDef):
 
     def tokens(self, config: ModelConfig, latent_height: int, latent_width: int) -> int:
         return (latent_height // FLUX_PACKING) * (latent_width // FLUX_PACKING)
+
+    def shapes(self, config: ModelConfig, options: Mapping[str, Any], geometry: Geometry) -> dict[str, tuple]:
+        values = self.axis_values(config, geometry)
+        if options.get("context_image") and "tokens" in values:
+            values["tokens"] *= 2  # the context image's tokens beside the noise tokens (same size: never resized)
+        return {t.name: t.shape(values) for t in self.io(config, options).inputs}
 
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
         channels = int(config["in_channels"])
@@ -149,6 +160,10 @@ class FluxTransformer(ComponentDef):
         height, width = geometry.size.latent(config.vae_scale_factor)
         rows, cols = np.meshgrid(np.arange(height // FLUX_PACKING), np.arange(width // FLUX_PACKING), indexing="ij")
         img_ids = np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.float32)
+        if options.get("context_image"):
+            context_ids = img_ids.copy()
+            context_ids[:, 0] = 1.0
+            img_ids = np.concatenate([img_ids, context_ids])
         values = {
             "hidden_states": normal(gen, shapes["hidden_states"]),
             "timestep": timesteps(gen, geometry.batch, high=1.0),

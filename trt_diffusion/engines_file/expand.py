@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 from ..families import LORA_TEXT_ENCODERS, Component
+from ..workflows import Workflow
 from .engine_spec import EngineSpec, LoraVariant
 from .load import EnginesConfig, ResolvedModel
 from .schema import CfgMode, LoraMode
@@ -59,6 +60,8 @@ def _build_options(config: EnginesConfig, model: ResolvedModel, variant: dict, c
     options = {"opset": config.build.opset, **variant}
     if component is Component.unet and model.controlnets:
         options["controlnet_residuals"] = True  # the UNet takes the ControlNet's residuals as extra inputs
+    if component is Component.transformer and Workflow.edit in model.workflows:
+        options["context_image"] = True  # Kontext: the init image's tokens beside the noise tokens
     if model.precision[component].is_quantized:
         options["quantization"] = json.dumps(model.quantization.model_dump(mode="json"), sort_keys=True)
     return tuple(sorted(options.items()))
