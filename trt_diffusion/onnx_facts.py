@@ -13,9 +13,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict
-
 from .errors import BuildError, RefitError
+from .tensors import TensorSpec
 from .workspace.files import update_digest
 
 if TYPE_CHECKING:  # onnx and numpy are imported where used: listing targets (plan, the CLI) needs neither
@@ -28,14 +27,6 @@ ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]
 
 QDQ_OP_TYPES = frozenset({"QuantizeLinear", "DequantizeLinear"})
 TRT_CUSTOM_DOMAIN = "trt"  # ModelOpt's FP8 export emits trt::TRT_FP8QuantizeLinear / ...DequantizeLinear
-
-
-class TensorInfo(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    dtype: str  # numpy's dtype name where numpy has one
-    shape: Shape  # as the engine declares it: -1 for a dynamic dim
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,17 +261,17 @@ _ONNX_DTYPES = {"FLOAT": "float32", "FLOAT16": "float16", "INT64": "int64", "INT
                 "BFLOAT16": "bfloat16"}
 
 
-def onnx_io(onnx_path: str | Path) -> tuple[tuple[TensorInfo, ...], tuple[TensorInfo, ...]]:
+def onnx_io(onnx_path: str | Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """The graph's real inputs (initializers excluded) and outputs, -1 for every dynamic dim."""
     model = load_onnx_structure(onnx_path)
 
-    def info(value) -> TensorInfo:
+    def info(value) -> TensorSpec:
         tensor = value.type.tensor_type
         shape = tuple(d.dim_value if d.dim_value else -1 for d in tensor.shape.dim)
         import onnx
 
         dtype = _ONNX_DTYPES.get(onnx.TensorProto.DataType.Name(tensor.elem_type), "float32")
-        return TensorInfo(name=value.name, dtype=dtype, shape=shape)
+        return TensorSpec(name=value.name, dtype=dtype, shape=shape)
 
     initializers = {i.name for i in model.graph.initializer}
     inputs = tuple(info(v) for v in model.graph.input if v.name not in initializers)

@@ -15,7 +15,6 @@ from onnx import TensorProto, helper, numpy_helper
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import BuildError, ConfigError, MissingDependencyError, RefitError, RuntimeInputError
 from trt_diffusion.onnx_facts import (
-    TensorInfo,
     check_profile_against_inputs,
     onnx_compute_dtype,
     onnx_has_qdq,
@@ -39,6 +38,7 @@ from trt_diffusion.targets.tensorrt.precision import check_onnx_precision
 from trt_diffusion.targets.tensorrt.refit_weights import prepare_refit_weights, weights_for_refit
 from trt_diffusion.targets.tensorrt.timing_cache import timing_cache_lock, timing_cache_path
 from trt_diffusion.targets.tensorrt.versions import versions_compatible
+from trt_diffusion.tensors import TensorSpec
 
 STATIC_512 = Bucket.static(Size(512, 512))
 RANGE_512_1024 = Bucket(Size(512, 512), Size(768, 768), Size(1024, 1024))
@@ -429,11 +429,11 @@ def make_manifest(**changes) -> EngineManifest:
         profile_shapes=validate_profile(sd15_unet_profile(STATIC_512, 2)),
         onnx_sha256="ab" * 32,
         inputs=(
-            TensorInfo(name="sample", dtype="float16", shape=(-1, 4, -1, -1)),
-            TensorInfo(name="timestep", dtype="float16", shape=(-1,)),
-            TensorInfo(name="encoder_hidden_states", dtype="float16", shape=(-1, 77, 768)),
+            TensorSpec(name="sample", dtype="float16", shape=(-1, 4, -1, -1)),
+            TensorSpec(name="timestep", dtype="float16", shape=(-1,)),
+            TensorSpec(name="encoder_hidden_states", dtype="float16", shape=(-1, 77, 768)),
         ),
-        outputs=(TensorInfo(name="out_sample", dtype="float16", shape=(-1, 4, -1, -1)),),
+        outputs=(TensorSpec(name="out_sample", dtype="float16", shape=(-1, 4, -1, -1)),),
         refit_map="refit/unet.json",
         plan_bytes=1234,
         build_seconds=12.5,

@@ -32,10 +32,10 @@ def _cuda():
 
 import torch  # noqa: E402
 
-from trt_diffusion.onnx_facts import TensorInfo  # noqa: E402
 from trt_diffusion.targets.tensorrt.cudart import Cuda  # noqa: E402
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, manifest_path  # noqa: E402
 from trt_diffusion.targets.tensorrt.runner import EngineGroup, TensorRTRunner  # noqa: E402
+from trt_diffusion.tensors import TensorSpec  # noqa: E402
 
 SHAPE = (2, 4, 64, 64)
 ACTIVATION = 1 << 20
@@ -110,8 +110,8 @@ def runner(tmp_path, name="unet", group=None, cuda_graph=False) -> TensorRTRunne
     plan.write_bytes(b"x")
     EngineManifest(spec_key=name, spec_name=name, tensorrt_version="10.13.0", compute_capability=(9, 0),
                    device_name="gpu", flags={}, profile_shapes={"sample": (SHAPE,) * 3}, onnx_sha256="0" * 64,
-                   inputs=(TensorInfo(name="sample", dtype="float32", shape=SHAPE),),
-                   outputs=(TensorInfo(name="out", dtype="float32", shape=SHAPE),), plan_bytes=1,
+                   inputs=(TensorSpec(name="sample", dtype="float32", shape=SHAPE),),
+                   outputs=(TensorSpec(name="out", dtype="float32", shape=SHAPE),), plan_bytes=1,
                    build_seconds=0).write(manifest_path(plan))
     loader = lambda path: SimpleNamespace(engine=TorchEngine(), manifest=EngineManifest.read(manifest_path(path)))
     return TensorRTRunner(plan, name=name, group=group or EngineGroup(cuda=Cuda()), cuda_graph=cuda_graph,

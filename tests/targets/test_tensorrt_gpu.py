@@ -44,8 +44,8 @@ import torch  # noqa: E402
 
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size  # noqa: E402
 from trt_diffusion.errors import BuildError, RefitError, RuntimeInputError  # noqa: E402
-from trt_diffusion.onnx_facts import read_base_weights
-from trt_diffusion.targets.tensorrt.manifest import REBUILD_COMMAND, EngineManifest, engine_path, manifest_path
+from trt_diffusion.onnx_facts import read_base_weights  # noqa: E402
+from trt_diffusion.targets.tensorrt.manifest import REBUILD_COMMAND, EngineManifest, engine_path, manifest_path  # noqa: E402
 from trt_diffusion.targets.tensorrt.runner import EngineGroup, TensorRTRunner  # noqa: E402
 
 STATIC = {"sample": ((2, 4, 8, 8),) * 3}

@@ -51,15 +51,15 @@ def test_a_feed_inside_the_envelope_but_no_profile_is_refused_before_loading():
     import numpy as np
 
     from trt_diffusion.errors import RuntimeInputError
-    from trt_diffusion.onnx_facts import TensorInfo
     from trt_diffusion.targets.tensorrt.feeds import check_feeds
     from trt_diffusion.targets.tensorrt.manifest import EngineManifest
+    from trt_diffusion.tensors import TensorSpec
 
     profiles = ({"x": ((2, 8), (2, 8), (2, 8))}, {"x": ((1, 16), (1, 32), (1, 64))})
     manifest = EngineManifest(spec_key="k", spec_name="m", tensorrt_version="10.13.0", compute_capability=(9, 0),
                               device_name="gpu", flags={}, profile_shapes=profile_envelope(profiles),
                               profiles=profiles, onnx_sha256="0" * 64,
-                              inputs=(TensorInfo(name="x", dtype="float32", shape=(-1, -1)),), outputs=(),
+                              inputs=(TensorSpec(name="x", dtype="float32", shape=(-1, -1)),), outputs=(),
                               plan_bytes=1, build_seconds=0)
     check_feeds(manifest, {"x": np.zeros((1, 40), np.float32)})
     with pytest.raises(RuntimeInputError, match="fit none of the engine's 2 profiles"):

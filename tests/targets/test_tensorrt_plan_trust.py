@@ -22,11 +22,12 @@ from onnx import TensorProto, helper, numpy_helper
 import trt_diffusion.targets.tensorrt as trt_target
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import BuildError, RefitError
-from trt_diffusion.onnx_facts import TensorInfo, onnx_sha256, validate_profile
+from trt_diffusion.onnx_facts import onnx_sha256, validate_profile
 from trt_diffusion.targets.base import BuildRequest, BuiltEngine
 from trt_diffusion.targets.tensorrt import engine as trt_engine
 from trt_diffusion.targets.tensorrt.build_flags import BuildFlags
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, RefitRecord, engine_path, manifest_path
+from trt_diffusion.tensors import TensorSpec
 
 HOST = ("10.13.0.35", (9, 0), "NVIDIA H200")
 PROFILE = {"sample": ((1, 4, 8, 8),) * 3}
@@ -58,8 +59,8 @@ def built(tmp_path: Path, the_spec: EngineSpec, onnx_path: Path, plan: bytes = b
         spec_key=the_spec.key, spec_name=the_spec.name, tensorrt_version=HOST[0], compute_capability=HOST[1],
         device_name=HOST[2], flags=BuildFlags.for_spec(the_spec, False).to_dict(),
         profile_shapes=validate_profile(PROFILE), onnx_sha256=onnx_sha256(onnx_path),
-        inputs=(TensorInfo(name="sample", dtype="float32", shape=(1, 4, 8, 8)),),
-        outputs=(TensorInfo(name="out", dtype="float32", shape=(1, 4, 8, 8)),),
+        inputs=(TensorSpec(name="sample", dtype="float32", shape=(1, 4, 8, 8)),),
+        outputs=(TensorSpec(name="out", dtype="float32", shape=(1, 4, 8, 8)),),
         plan_bytes=len(plan), plan_sha256=hashlib.sha256(plan).hexdigest(), build_seconds=0.1,
     ).write(manifest_path(path))
     return path

@@ -21,9 +21,9 @@ import pytest
 from onnx import helper, numpy_helper
 
 from trt_diffusion.errors import BuildError, RefitError
-from trt_diffusion.onnx_facts import TensorInfo
 from trt_diffusion.targets.tensorrt import engine as target
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest
+from trt_diffusion.tensors import TensorSpec
 
 FUSED_GROUPS = [{"conv.weight", "conv.bias"}]  # e.g. a conv whose kernel and bias TensorRT fused
 
@@ -163,8 +163,8 @@ def make_engine(refit: bool = True) -> target.TensorRTEngine:
         spec_key="k" * 16, spec_name="tiny.unet.64x64.b2.fp32", tensorrt_version="10.13.0.35",
         compute_capability=(9, 0), device_name="NVIDIA H200", flags={"refit": refit},
         profile_shapes={"sample": ((2, 4, 8, 8),) * 3}, onnx_sha256="0" * 64,
-        inputs=(TensorInfo(name="sample", dtype="float32", shape=(2, 4, 8, 8)),),
-        outputs=(TensorInfo(name="out", dtype="float32", shape=(2, 64, 16)),),
+        inputs=(TensorSpec(name="sample", dtype="float32", shape=(2, 4, 8, 8)),),
+        outputs=(TensorSpec(name="out", dtype="float32", shape=(2, 64, 16)),),
         plan_bytes=1, build_seconds=0.1,
     )
     return target.TensorRTEngine(plan_path=Path("tiny.plan"), manifest=manifest, engine=FakeEngine(base_weights()))

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from trt_diffusion.errors import RuntimeInputError
-from trt_diffusion.onnx_facts import TensorInfo
 from trt_diffusion.targets.tensorrt import device_memory as dm
 from trt_diffusion.targets.tensorrt.cudart import Cuda
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, manifest_path
+from trt_diffusion.tensors import TensorSpec
 
 fake = pytest.importorskip("tensorrt_stub_fake")
 if fake.stub_path() is None:
@@ -152,8 +152,8 @@ def _plan(tmp_path: Path, name: str, profile, plan_bytes: int = 1000, device_mem
         profile_shapes=profile, onnx_sha256="0" * 64, plan_bytes=plan_bytes, build_seconds=0.0,
         plan_sha256=hashlib.sha256(plan.read_bytes()).hexdigest(), device_memory_bytes=device_memory_bytes,
         profiles=tuple(profiles) if profiles else None, **{"flags": {}, **manifest_fields},
-        inputs=(TensorInfo(name="sample", dtype="float32", shape=shape),),
-        outputs=(TensorInfo(name="out", dtype=output_dtype, shape=shape),),
+        inputs=(TensorSpec(name="sample", dtype="float32", shape=shape),),
+        outputs=(TensorSpec(name="out", dtype=output_dtype, shape=shape),),
     ).write(manifest_path(plan))
     return plan
 

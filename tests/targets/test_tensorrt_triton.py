@@ -11,11 +11,11 @@ import pytest
 
 import trt_diffusion.targets.tensorrt as trt_target
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
-from trt_diffusion.onnx_facts import TensorInfo
 from trt_diffusion.targets.base import BuiltEngine
 from trt_diffusion.targets.tensorrt.build_flags import BuildFlags
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, engine_path, manifest_path
 from trt_diffusion.targets.tensorrt.triton_args import VERSION_COMPATIBLE_ARG, version_compatible_models
+from trt_diffusion.tensors import TensorSpec
 from trt_diffusion.triton.server import TritonServer
 
 
@@ -33,7 +33,7 @@ def _package(workspace: Path, repo: Path, spec: EngineSpec) -> None:
     manifest = EngineManifest(
         spec_key=spec.key, spec_name=spec.name, tensorrt_version="10.13.0.35", compute_capability=(9, 0),
         device_name="NVIDIA H200", flags=BuildFlags.for_spec(spec, False).to_dict(), profile_shapes={},
-        onnx_sha256="0" * 64, inputs=(TensorInfo(name="x", dtype="float32", shape=(1,)),), outputs=(),
+        onnx_sha256="0" * 64, inputs=(TensorSpec(name="x", dtype="float32", shape=(1,)),), outputs=(),
         plan_bytes=plan.stat().st_size, plan_sha256=hashlib.sha256(plan.read_bytes()).hexdigest(), build_seconds=0)
     manifest.write(manifest_path(plan))
     model = trt_target.TensorRTTarget().triton_model(BuiltEngine(spec, plan, manifest), engine_backend="tensorrt")

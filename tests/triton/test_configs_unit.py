@@ -9,9 +9,9 @@ import pytest
 
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import ServeError
-from trt_diffusion.onnx_facts import TensorInfo
 from trt_diffusion.runtime.loader import BuiltEngine
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, manifest_path
+from trt_diffusion.tensors import TensorSpec
 from trt_diffusion.triton import configs, contract, naming
 from trt_diffusion.triton.configs import EnsembleStep
 from trt_diffusion.triton.contract import TensorDecl
@@ -28,8 +28,8 @@ def spec(component: str, bucket: Bucket | None, batch: int = 2, controlnet: str 
                       precision="fp16", batch=batch, bucket=bucket, controlnet=controlnet)
 
 
-def t(name: str, *shape: int, dtype: str = "float32") -> TensorInfo:
-    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape))
+def t(name: str, *shape: int, dtype: str = "float32") -> TensorSpec:
+    return TensorSpec(name=name, dtype=dtype, shape=tuple(shape))
 
 
 def trt_engine(tmp_path, engine_spec: EngineSpec, inputs, outputs, profile) -> BuiltEngine:

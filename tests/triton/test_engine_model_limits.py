@@ -17,7 +17,7 @@ import pytest
 
 from trt_diffusion.errors import RuntimeInputError
 from trt_diffusion.runtime.runners import CallableRunner
-from trt_diffusion.targets.runner_base import TensorSpec
+from trt_diffusion.tensors import TensorSpec
 from trt_diffusion.triton.backend import engine_model, pb
 from trt_diffusion.triton.backend.engine_model import check_profile, read_profile
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..families import Component, Family
 from ..models.loading import load_component, load_controlnet
-from ..targets.runner_base import TensorSpec
+from ..tensors import TensorSpec
 from .engines import RunnerTable
 from .runners import TorchRunner
 

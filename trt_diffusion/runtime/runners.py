@@ -1,5 +1,5 @@
 """The runners the runtime itself makes: the PyTorch reference and a plain-function adapter, on the runner base
-every target's runner shares (`targets/runner_base.py`: the lifecycle, the Runner protocol, TensorSpec)."""
+every target's runner shares (`targets/runner_base.py`: the lifecycle, the Runner protocol; `tensors.py`: TensorSpec)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..targets.runner_base import BaseRunner, TensorSpec
+from ..targets.runner_base import BaseRunner
+from ..tensors import TensorSpec
 
 
 class TorchRunner(BaseRunner):

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from ..onnx_facts import ProfileShapes, Shape, TensorInfo
+from ..onnx_facts import ProfileShapes, Shape
+from ..tensors import TensorSpec
 from ..workspace.manifests import (
     MANIFEST_FILE,
     read_folder_manifest,
@@ -53,8 +54,8 @@ class FolderEngineManifest(BaseModel):
     engine_sha256: str  # the engine's own bytes, as the target digests them
     static_shapes: bool
     profile_shapes: dict[str, tuple[Shape, Shape, Shape]]
-    inputs: tuple[TensorInfo, ...]
-    outputs: tuple[TensorInfo, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
     build_seconds: float
     created_at: str
     file_sha256: dict[str, str] = {}  # every file of the folder but the manifest (empty in older manifests)
@@ -126,7 +127,7 @@ class EngineFolders(Generic[Manifest]):
             raise
 
     def seal(self, staging: Path, final: Path, *, spec: EngineSpec, built_from: str, onnx_sha256: str,
-             profile: ProfileShapes, inputs: tuple[TensorInfo, ...], outputs: tuple[TensorInfo, ...],
+             profile: ProfileShapes, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
              started: float, **fields: Any) -> Manifest:
         """Write the manifest of the engine in `staging` (the common fields, then the target's `fields`) last,
         and rename the folder to `final` in place of what was there."""

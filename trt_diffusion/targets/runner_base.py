@@ -15,24 +15,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import RuntimeInputError
-
-Dim = int | str | None  # a fixed size, or a symbolic/dynamic one
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    dtype: np.dtype
-    shape: tuple[Dim, ...]
-
-    def describe(self) -> str:
-        dims = ",".join(str(d) if isinstance(d, int) else (d or "?") for d in self.shape)
-        return f"{np.dtype(self.dtype).name}[{dims}]"
+from ..tensors import TensorSpec, is_fixed
 
 
 class Runner(Protocol):
@@ -56,10 +44,10 @@ def check_feeds(name: str, inputs: dict[str, TensorSpec], feeds: dict[str, np.nd
         if key not in feeds:
             continue
         value = feeds[key]
-        if value.dtype != spec.dtype:
-            problems.append(f"{key}: dtype {value.dtype.name}, expected {np.dtype(spec.dtype).name}")
+        if np.dtype(value.dtype).name != spec.dtype:
+            problems.append(f"{key}: dtype {np.dtype(value.dtype).name}, expected {spec.dtype}")
         if len(value.shape) != len(spec.shape) or any(
-            isinstance(want, int) and got != want for got, want in zip(value.shape, spec.shape)
+            is_fixed(want) and got != want for got, want in zip(value.shape, spec.shape)
         ):
             problems.append(f"{key}: shape {list(value.shape)}, expected {spec.describe()}")
     if problems:

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import BuildError
-from ..runner_base import BaseRunner, TensorSpec
+from ...tensors import TensorSpec
+from ..runner_base import BaseRunner
 from .engine import MANIFEST_FILE, MODEL_FILE, read_manifest, verify
 
 _ORT_TYPES = {

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError
-from ...onnx_facts import ProfileShapes, TensorInfo, onnx_io, onnx_sha256, validate_profile
+from ...onnx_facts import ProfileShapes, onnx_io, onnx_sha256, validate_profile
+from ...tensors import TensorSpec
 from ...workspace.files import update_digest
 from ...workspace.manifests import MANIFEST_FILE  # noqa: F401  (re-exported: the target serves it)
 from ...workspace.safe_paths import inside_folder
@@ -95,13 +96,13 @@ def port_named(ports, name: str):
     raise BuildError(f"the OpenVINO model has no tensor named {name!r}")
 
 
-def tensor_infos(ports, names) -> tuple[TensorInfo, ...]:
+def tensor_specs(ports, names) -> tuple[TensorSpec, ...]:
     """The ONNX graph's inputs or outputs, by their ONNX names, with the compiled ports' types and shapes."""
     infos = []
     for name in names:
         port = port_named(ports, name)
         dims = tuple(d.get_length() if d.is_static else -1 for d in port.get_partial_shape())
-        infos.append(TensorInfo(name=name, dtype=_OV_TYPES.get(port.get_element_type().get_type_name(), "float32"),
+        infos.append(TensorSpec(name=name, dtype=_OV_TYPES.get(port.get_element_type().get_type_name(), "float32"),
                                 shape=dims))
     return tuple(infos)
 
@@ -180,8 +181,8 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             shared.mkdir(parents=True, exist_ok=True)
             os.replace(blobs[0], shared / cache_blob)  # content-addressed: replacing an equal blob is harmless
         shutil.rmtree(tmp / ".compiled", ignore_errors=True)
-        inputs = tensor_infos(compiled.inputs, [t.name for t in source_inputs])
-        outputs = tensor_infos(compiled.outputs, [t.name for t in source_outputs])
+        inputs = tensor_specs(compiled.inputs, [t.name for t in source_inputs])
+        outputs = tensor_specs(compiled.outputs, [t.name for t in source_outputs])
         runtime_precisions = precision.runtime_precisions(compiled)
         del compiled
         manifest = FOLDERS.seal(

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import BuildError, RefitError
-from ..runner_base import BaseRunner, TensorSpec
+from ...tensors import TensorSpec
+from ..runner_base import BaseRunner
 from . import host, precision
 from .engine import MANIFEST_FILE, MODEL_FILE, OpenVINOEngineManifest, compile_config, port_named, read_manifest
 

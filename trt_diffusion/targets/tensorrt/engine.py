@@ -31,7 +31,6 @@ from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError, MissingDependencyError, RefitError
 from ...onnx_facts import (
     ProfileShapes,
-    TensorInfo,
     check_profile_against_inputs,
     onnx_compute_dtype,
     onnx_has_qdq,
@@ -39,6 +38,7 @@ from ...onnx_facts import (
     onnx_sha256,
     validate_profile,
 )
+from ...tensors import TensorSpec
 from ...workspace.files import atomic_write_bytes
 from .build_flags import BuildFlags, network_creation_flags
 from .dtypes import TRT_DTYPE_NAMES
@@ -366,11 +366,11 @@ def _dtype_name(trt_dtype: trt.DataType) -> str:
     return TRT_DTYPE_NAMES.get(trt_dtype.name, trt_dtype.name.lower())
 
 
-def _tensor_infos(tensors: Iterable[trt.ITensor]) -> tuple[TensorInfo, ...]:
+def _tensor_specs(tensors: Iterable[trt.ITensor]) -> tuple[TensorSpec, ...]:
     def shape(dims: trt.Dims) -> tuple[int, ...]:
         return tuple(dims[i] for i in range(len(dims)))
 
-    return tuple(TensorInfo(name=t.name, dtype=_dtype_name(t.dtype), shape=shape(t.shape)) for t in tensors)
+    return tuple(TensorSpec(name=t.name, dtype=_dtype_name(t.dtype), shape=shape(t.shape)) for t in tensors)
 
 
 def check_can_build(spec: EngineSpec) -> CudaDevice:
@@ -440,8 +440,8 @@ def build_engine(
         profile_shapes=shapes,
         profiles=tuple(profiles) if len(profiles) > 1 else None,
         onnx_sha256=digest,
-        inputs=_tensor_infos(network.get_input(i) for i in range(network.num_inputs)),
-        outputs=_tensor_infos(network.get_output(i) for i in range(network.num_outputs)),
+        inputs=_tensor_specs(network.get_input(i) for i in range(network.num_inputs)),
+        outputs=_tensor_specs(network.get_output(i) for i in range(network.num_outputs)),
         refit_map=str(refit_map) if refit_map is not None else None,
         plan_bytes=plan.nbytes,
         plan_sha256=plan_sha256(plan),

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import RuntimeInputError
-from ...onnx_facts import Shape, TensorInfo
+from ...onnx_facts import Shape
+from ...tensors import TensorSpec
 from .manifest import EngineManifest
 
 
@@ -25,7 +26,7 @@ def _expected_inputs(manifest: EngineManifest) -> str:
     return "\n  ".join(lines)
 
 
-def _feed_problems(info: TensorInfo, feed: Any, shapes: tuple[Shape, Shape, Shape] | None) -> list[str]:
+def _feed_problems(info: TensorSpec, feed: Any, shapes: tuple[Shape, Shape, Shape] | None) -> list[str]:
     problems = []
     try:
         dtype = np.dtype(feed.dtype).name
@@ -34,7 +35,8 @@ def _feed_problems(info: TensorInfo, feed: Any, shapes: tuple[Shape, Shape, Shap
         return [f"{info.name}: expected a numpy array, got {type(feed).__name__}"]
     if dtype != info.dtype:
         problems.append(f"{info.name}: dtype {dtype}, expected {info.dtype}")
-    low, high = (shapes[0], shapes[2]) if shapes else (info.shape, info.shape)
+    declared = tuple(d if isinstance(d, int) else -1 for d in info.shape)  # a manifest's: ints, -1 dynamic
+    low, high = (shapes[0], shapes[2]) if shapes else (declared, declared)
     in_range = len(shape) == len(low) and all(lo <= d <= hi for d, lo, hi in zip(shape, low, high))
     if not in_range:
         problems.append(f"{info.name}: shape {shape} is outside the engine's profile {low}..{high}")

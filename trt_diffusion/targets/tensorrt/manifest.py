@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError
-from ...onnx_facts import ProfileShapes, Shape, TensorInfo, validate_profile
+from ...onnx_facts import ProfileShapes, Shape, validate_profile
+from ...tensors import TensorSpec
 from ...workspace.files import atomic_write_bytes
 from .versions import parse_trt_version
 
@@ -72,8 +73,8 @@ class EngineManifest(BaseModel):
     # envelope, layout.profile_envelope); None: one profile, profile_shapes
     profiles: tuple[dict[str, tuple[Shape, Shape, Shape]], ...] | None = None
     onnx_sha256: str
-    inputs: tuple[TensorInfo, ...]
-    outputs: tuple[TensorInfo, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
     refit_map: str | None = None
     # None: the plan holds the weights it was built with (the base). Set by `refit`, cleared by a restore.
     refit: RefitRecord | None = None
@@ -124,7 +125,7 @@ class EngineManifest(BaseModel):
         """True when the plan holds its base weights; a refitted plan never passes for a built one."""
         return self.refit is None
 
-    def input(self, name: str) -> TensorInfo | None:
+    def input(self, name: str) -> TensorSpec | None:
         return next((info for info in self.inputs if info.name == name), None)
 
 

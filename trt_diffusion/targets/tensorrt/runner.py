@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...errors import RuntimeInputError
-from ..runner_base import BaseRunner, TensorSpec
+from ...tensors import TensorSpec, is_fixed
+from ..runner_base import BaseRunner
 from .cudart import Cuda, CudaError, host_array
 from .device_memory import (
     MEMORY_ENV,
@@ -314,8 +315,8 @@ class TensorRTRunner(BaseRunner):
         self.manifest = EngineManifest.read(manifest_path(self.path))
         self._disk_manifest = self.manifest  # as on disk; `manifest` also records in-process refits
         self._manifest_stat = _stat_key(manifest_path(self.path))
-        self.inputs = {t.name: TensorSpec(np.dtype(numpy_dtype_for(t.dtype) or np.float32),
-                                          tuple(d if d >= 0 else None for d in t.shape))
+        self.inputs = {t.name: TensorSpec((numpy_dtype_for(t.dtype) or np.dtype(np.float32)).name,
+                                          tuple(d if is_fixed(d) else None for d in t.shape))
                        for t in self.manifest.inputs}
         self.output_names = [t.name for t in self.manifest.outputs]
 

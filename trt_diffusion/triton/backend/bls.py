@@ -10,7 +10,8 @@ import numpy as np
 
 from ...errors import TrtDiffusionError
 from ...runtime.engines import RunnerTable
-from ...targets.runner_base import TensorSpec, check_feeds
+from ...targets.runner_base import check_feeds
+from ...tensors import TensorSpec
 from ..description import EngineEntry, PipelineDescription
 from . import pb
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from ...runtime.engines import RunnerTable
-from ...targets.runner_base import TensorSpec
+from ...tensors import TensorSpec
 from ..description import EngineEntry, PipelineDescription
 from . import pb
 
