@@ -34,6 +34,16 @@ REQUEST_INPUTS: tuple[TensorDecl, ...] = (
     _scalar("SEED", "TYPE_INT64"),
     _scalar("SCHEDULER", "TYPE_STRING", optional=True),
 )
+# Image-conditioned workflows (issue 25): declared on every entry, whatever it serves, so a request for a workflow
+# the model lacks is answered in the pipeline's words ("WORKFLOW inpaint is not served ..."), not Triton's
+# "unexpected inference input". WORKFLOW absent: what the other inputs imply (INIT_IMAGE: img2img, + MASK:
+# inpaint, neither: txt2img; workflows.request_workflow). Images are the request's size: never resized.
+WORKFLOW_INPUTS: tuple[TensorDecl, ...] = (
+    _scalar("WORKFLOW", "TYPE_STRING", optional=True),  # txt2img | img2img | inpaint | edit
+    TensorDecl("INIT_IMAGE", "TYPE_UINT8", (-1, -1, 3), optional=True),  # [H, W, 3] RGB
+    TensorDecl("MASK", "TYPE_UINT8", (-1, -1), optional=True),  # [H, W], white (>= 128) is repainted
+    _scalar("STRENGTH", "TYPE_FP32", optional=True),  # (0, 1]; absent: the workflow's default
+)
 CONTROLNET_INPUTS: tuple[TensorDecl, ...] = (
     _scalar("CONTROLNET", "TYPE_STRING", optional=True),
     TensorDecl("CONTROL_IMAGE", "TYPE_UINT8", (-1, -1, 3), optional=True),
@@ -61,7 +71,7 @@ PROMPT_ONLY = ("PROMPT", "NEGATIVE_PROMPT")  # request inputs the denoise stage 
 
 
 def request_inputs(has_controlnets: bool) -> tuple[TensorDecl, ...]:
-    return REQUEST_INPUTS + (CONTROLNET_INPUTS if has_controlnets else ())
+    return REQUEST_INPUTS + WORKFLOW_INPUTS + (CONTROLNET_INPUTS if has_controlnets else ())
 
 
 def has_pooled(family: Family | str) -> bool:

@@ -1,6 +1,7 @@
 """pipeline.json: what a pipeline python model needs to rebuild, inside Triton, the RunnerTable the
 in-process pipeline uses: every engine's Triton model name, routing keys (component, bucket, batch,
-ControlNet) and I/O, all taken from the BuiltEngine list the repository was generated from."""
+ControlNet) and I/O, all taken from the BuiltEngine list the repository was generated from; and the
+workflows engines.yaml declares for the model (what the entry serves: EnginePipeline's `workflows`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..errors import ServeError
 SCHEMA_VERSION = 1
 FILE_NAME = "pipeline.json"
 SKELETON_DIR = "model"  # the model folder's configs and tokenizers, beside pipeline.json
+DEFAULT_WORKFLOWS = ("txt2img",)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class PipelineDescription:
     engines: tuple[EngineEntry, ...]
     schema_version: int = SCHEMA_VERSION
     controlnets: tuple[str, ...] = field(default=())
+    # engines.yaml's `workflows:` (txt2img, img2img, inpaint, edit); a repository packaged before they existed
+    # has none recorded and serves txt2img, as it did
+    workflows: tuple[str, ...] = field(default=DEFAULT_WORKFLOWS)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -70,4 +75,5 @@ class PipelineDescription:
 
         engines = tuple(EngineEntry(e["model"], e["component"], e["bucket"], e["batch"], e["controlnet"],
                                     tensors(e["inputs"]), tensors(e["outputs"])) for e in raw["engines"])
-        return cls(raw["pipeline"], raw["family"], engines, raw["schema_version"], tuple(raw.get("controlnets", ())))
+        return cls(raw["pipeline"], raw["family"], engines, raw["schema_version"], tuple(raw.get("controlnets", ())),
+                   tuple(raw.get("workflows") or DEFAULT_WORKFLOWS))

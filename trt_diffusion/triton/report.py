@@ -41,6 +41,7 @@ class PackageReport:
     seconds: float
     schema_version: int = SCHEMA_VERSION
     notes: list[str] = field(default_factory=list)
+    workflows: list[str] = field(default_factory=lambda: ["txt2img"])  # what the entry serves (engines.yaml)
 
     def engine_models(self) -> list[PackagedModel]:
         return [m for m in self.models if m.role == "engine"]

@@ -28,11 +28,12 @@ from typing import Any
 from ..errors import ServeError
 from ..families import FAMILIES, Family
 from ..targets import get_target
+from ..workflows import FAMILY_WORKFLOWS, Workflow, families_that_run
 from ..workspace.safe_paths import checked_name, is_link
 from . import configs, contract, naming
 from .configs import EnsembleStep, ModelConfig, QueuePolicy, WarmupSample
 from .contract import TensorDecl
-from .description import SKELETON_DIR, EngineEntry, PipelineDescription, TensorEntry
+from .description import DEFAULT_WORKFLOWS, SKELETON_DIR, EngineEntry, PipelineDescription, TensorEntry
 from .report import FILE_NAME as REPORT_FILE
 from .report import PackagedModel, PackageReport
 from .validate import validate_repository
@@ -113,8 +114,10 @@ class _ModelPlan:
 
 
 def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, pipeline_name: str,
-            out_dir: str | Path, options: PackageOptions | None = None) -> PackageReport:
-    """Write the Triton repository serving `built` (BuiltEngine list of one model) to `out_dir`."""
+            out_dir: str | Path, options: PackageOptions | None = None,
+            workflows: Sequence[Workflow | str] | None = None) -> PackageReport:
+    """Write the Triton repository serving `built` (BuiltEngine list of one model) to `out_dir`. `workflows`:
+    what engines.yaml declares for the model (None: txt2img only); the entry serves those and refuses others."""
     start = time.perf_counter()
     options = options or PackageOptions()
     options.check()
@@ -124,10 +127,11 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
     pipeline = naming.sanitize(pipeline_name)
     target = _single_target(built)
     _check_components(built, family)
+    served_workflows = _check_workflows(built, family, workflows)
 
     engines = [_engine_plan(pipeline, engine, options) for engine in built]
     _check_unique([plan.config.name for plan in engines])
-    description = _description(pipeline, family, built, engines)
+    description = _description(pipeline, family, built, engines, served_workflows)
     has_controlnets = bool(description.controlnets)
     sizes, request_sizes = _sizes(built, family, "label"), _sizes(built, family, "opt")
     models = engines + _pipeline_plans(pipeline, family, has_controlnets, description, sizes, request_sizes,
@@ -137,6 +141,7 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
         repo=str(out_dir), pipeline=pipeline, entry=naming.entry_name(pipeline),
         ensemble=naming.ensemble_name(pipeline) if options.ensemble else None, family=family.value, target=target,
         sizes=sizes, request_sizes=request_sizes, controlnets=list(description.controlnets),
+        workflows=list(description.workflows),
         models=[plan.record for plan in models], options=asdict(options), seconds=0.0,
         notes=list(dict.fromkeys(note for plan in engines for note in plan.notes)))
     _check_out_dir(out_dir)
@@ -181,6 +186,28 @@ def _check_components(built: Sequence[Any], family: Family) -> None:
     if missing:
         raise ServeError(f"a {family.value} pipeline needs engines for {missing}; the engine list has only "
                          f"{sorted(have)} (add them to engines.yaml's components and build)")
+
+
+def _check_workflows(built: Sequence[Any], family: Family, workflows: Sequence[Workflow | str] | None
+                     ) -> tuple[str, ...]:
+    """The workflows the entry serves, as names: each one the family runs, and the VAE encoder engines built
+    where one needs an image (engines.yaml's checks say the same at load; this guards direct callers)."""
+    if not workflows:
+        return DEFAULT_WORKFLOWS
+    try:
+        chosen = tuple(dict.fromkeys(Workflow(w) for w in workflows))
+    except ValueError as err:
+        raise ServeError(f"unknown workflow in {list(map(str, workflows))}: {err}; choose from "
+                         f"{', '.join(w.value for w in Workflow)}") from None
+    problems = [f"the {family.value} family has no {w.value} workflow (families that have it: "
+                f"{', '.join(families_that_run(w))})" for w in chosen if w not in FAMILY_WORKFLOWS[family]]
+    encoding = [w.value for w in chosen if w.encodes_image]
+    if encoding and not any(e.spec.component == "vae_encoder" for e in built):
+        problems.append(f"workflow(s) {', '.join(encoding)} encode the INIT_IMAGE: the engine list has no "
+                        "vae_encoder engine (build it: engines.yaml's workflows add it)")
+    if problems:
+        raise ServeError("cannot package these workflows: " + "; ".join(problems))
+    return tuple(w.value for w in chosen)
 
 
 def _tensor_decls(infos, where: str) -> list[TensorDecl]:
@@ -237,8 +264,8 @@ def _check_unique(names: list[str]) -> None:
                          "one LoRA variant / precision per component")
 
 
-def _description(pipeline: str, family: Family, built: Sequence[Any], engines: list[_ModelPlan]
-                 ) -> PipelineDescription:
+def _description(pipeline: str, family: Family, built: Sequence[Any], engines: list[_ModelPlan],
+                 workflows: tuple[str, ...] = DEFAULT_WORKFLOWS) -> PipelineDescription:
     def entries(infos) -> tuple[TensorEntry, ...]:
         return tuple(TensorEntry(t.name, t.dtype, tuple(t.shape)) for t in infos)
 
@@ -246,7 +273,7 @@ def _description(pipeline: str, family: Family, built: Sequence[Any], engines: l
                              e.spec.batch, e.spec.controlnet, entries(e.manifest.inputs), entries(e.manifest.outputs))
                  for plan, e in zip(engines, built))
     controlnets = tuple(sorted({e.spec.controlnet for e in built if e.spec.controlnet}))
-    return PipelineDescription(pipeline, family.value, rows, controlnets=controlnets)
+    return PipelineDescription(pipeline, family.value, rows, controlnets=controlnets, workflows=workflows)
 
 
 def _sizes(built: Sequence[Any], family: Family, which: str) -> list[str]:
@@ -276,7 +303,8 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
             name, stage=stage, inputs=inputs, outputs=outputs,
             instances=options.pipeline_instances if long_running else 1, queue=queue if long_running else None,
             parameters={"pipeline": pipeline, "family": family.value, "sizes": ";".join(sizes),
-                        "request_sizes": ";".join(request_sizes), "max_images": str(options.max_images)},
+                        "request_sizes": ";".join(request_sizes), "max_images": str(options.max_images),
+                        "workflows": ";".join(description.workflows)},
             batch_requests=batch_requests if batching else 1,
             batch_delay_us=int(options.batch_delay_ms * 1000) if batching and per_call > 1 else 0)
         role = {"full": "entry", "stream": "stream"}.get(stage, "stage")

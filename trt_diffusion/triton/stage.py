@@ -60,7 +60,8 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
                                      "--verify PUBKEY")
     if verify_keys:
         signing.verify_engines(engines, config.workspace, release_path, verify_keys)
-    report = package(engines, resolved.source.path, resolved.family, model, out_dir, options)
+    report = package(engines, resolved.source.path, resolved.family, model, out_dir, options,
+                     workflows=resolved.workflows)  # engines.yaml's `workflows:`
     if verify_keys:
         shutil.copyfile(release_path, Path(out_dir) / signing.RELEASE_FILE)  # serve --verify checks it again
     if config.build.trust == "signed":  # serve then requires --verify too

@@ -1,8 +1,9 @@
 """The public entry over a batch of requests (Triton's dynamic batcher hands `execute` several at once).
 
 Each request becomes NUM_IMAGES items (seeds SEED, SEED + 1, ...); items that share a batch key (size, steps,
-scheduler, CFG, ControlNet) run through shared denoiser calls (`EnginePipeline.plan_batches` /
-`generate_together`), split over the engine batches built. A request that is refused (bad values), fails or is
+scheduler, CFG, ControlNet, workflow and strength: `EnginePipeline.batch_key`, the only grouping rule) run through
+shared denoiser calls (`EnginePipeline.plan_batches` / `generate_together`), split over the engine batches built:
+an img2img request never shares a call with a txt2img or inpaint one, nor with an img2img one of another strength. A request that is refused (bad values), fails or is
 cancelled gets its own error; its partners are run again without it and still get their images.
 """
 

@@ -33,8 +33,10 @@ class TritonPythonModel:
         folder = Path(args["model_repository"]) / args["model_version"]
         self.description = PipelineDescription.read(folder)
         self.context = RequestContext()
+        # the workflows engines.yaml declares (recorded at package): a request for another is refused by name
         self.pipeline = EnginePipeline(folder / SKELETON_DIR, self.description.family,
-                                          bls_runner_table(self.description, self.context))
+                                       bls_runner_table(self.description, self.context),
+                                       workflows=self.description.workflows)
         # Imports, tokenizers and scheduler code warmed before the server reports ready (no engine calls:
         # BLS is not available during initialize; the engine models warm themselves with model_warmup).
         seconds = warm_up_in_process(self.pipeline, self.description)

@@ -16,7 +16,7 @@ UPSTREAM_PROMPT = "(encoded by the encode stage)"  # the denoise stage never see
 # Checked on the bytes, before decoding or tokenizing (8 MB of text took 13.6 s of tokenizer CPU): 4096
 # characters (runtime.pipeline.MAX_PROMPT_CHARS) of up to 4 UTF-8 bytes each.
 MAX_PROMPT_BYTES = 4 * 4096
-MAX_NAME_BYTES = 256  # SCHEDULER, CONTROLNET
+MAX_NAME_BYTES = 256  # SCHEDULER, CONTROLNET, WORKFLOW
 
 
 def _only(value: np.ndarray, name: str):
@@ -41,6 +41,21 @@ def _text(value: np.ndarray | None, name: str, max_bytes: int = MAX_NAME_BYTES) 
         raise RuntimeInputError(f"{name} is not valid UTF-8 text") from None
 
 
+def _decimal(value) -> float:
+    """An FP32 wire value as the decimal the client meant: the shortest one that rounds to the same float32
+    (0.7 arrives as 0.699999988; in process it is 0.7, and int(10 * strength) must keep the same steps)."""
+    return float(str(np.float32(value)))
+
+
+def _image(value: np.ndarray | None, name: str) -> np.ndarray | None:
+    """One image of the request (its batch dimension of 1 dropped): CONTROL_IMAGE, INIT_IMAGE, MASK."""
+    if value is None:
+        return None
+    if value.shape[0] != 1:
+        raise RuntimeInputError(f"{name} must hold one image, got shape {list(value.shape)}")
+    return np.ascontiguousarray(value[0])
+
+
 def read_request(request: Any, *, with_prompt: bool = True):
     """The request as a GenerationRequest (imported here: it pulls torch, and model.py must import light)."""
     from ...runtime.pipeline import GenerationRequest
@@ -57,9 +72,7 @@ def read_request(request: Any, *, with_prompt: bool = True):
         return cast(_only(value, name))
 
     controlnet = _text(get("CONTROLNET"), "CONTROLNET") or None
-    control_image = get("CONTROL_IMAGE")
-    if control_image is not None:
-        control_image = np.ascontiguousarray(control_image[0])  # drop the request batch dimension
+    strength = get("STRENGTH")
     prompt = _text(get("PROMPT"), "PROMPT", MAX_PROMPT_BYTES) if with_prompt else UPSTREAM_PROMPT
     return GenerationRequest(
         prompt=prompt if prompt is not None else "",
@@ -67,6 +80,10 @@ def read_request(request: Any, *, with_prompt: bool = True):
         height=number("HEIGHT", int), width=number("WIDTH", int), steps=number("STEPS", int),
         guidance_scale=number("GUIDANCE_SCALE", float), seed=number("SEED", int),
         scheduler=_text(get("SCHEDULER"), "SCHEDULER") or "default",
-        controlnet=controlnet, control_image=control_image,
+        controlnet=controlnet, control_image=_image(get("CONTROL_IMAGE"), "CONTROL_IMAGE"),
         controlnet_scale=number("CONTROLNET_SCALE", float, default=1.0),
+        # the workflow and its inputs: checked against what this model serves by EnginePipeline.validate
+        workflow=_text(get("WORKFLOW"), "WORKFLOW") or None,
+        init_image=_image(get("INIT_IMAGE"), "INIT_IMAGE"), mask=_image(get("MASK"), "MASK"),
+        strength=None if strength is None else _decimal(_only(strength, "STRENGTH")),
     )

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from ...engines_file.engine_spec import Size
 from ...runtime.engines import RunnerTable
 from ...tensors import TensorSpec
 from ..description import EngineEntry, PipelineDescription
@@ -53,6 +54,7 @@ def warm_up_in_process(pipeline, description: PipelineDescription) -> float:
             first = requests[0]
             requests += [GenerationRequest(prompt="warm-up", height=first.height, width=first.width, steps=2,
                                            scheduler=name) for name in scheduler_names(description.family)[1:]]
+            requests += _image_requests(pipeline, stand_ins, first)
         for request in requests:
             pipeline.generate(request)
     except Exception as err:  # noqa: BLE001
@@ -60,3 +62,20 @@ def warm_up_in_process(pipeline, description: PipelineDescription) -> float:
     finally:
         pipeline.runners = real_runners
     return time.perf_counter() - start
+
+
+def _image_requests(pipeline, stand_ins: RunnerTable, first) -> list:
+    """One request per image workflow the pipeline serves (img2img, inpaint: the init image's encoding, the
+    trimmed schedule, the mask), where a static VAE encoder stand-in covers the first size."""
+    from ...runtime.pipeline import GenerationRequest
+    from ...workflows import Workflow
+
+    size = Size(first.width, first.height)
+    if not any(e.component == "vae_encoder" and e.bucket is not None and e.bucket.covers(size)
+               for e in stand_ins.entries):
+        return []
+    image = np.zeros((first.height, first.width, 3), np.uint8)
+    mask = np.full((first.height, first.width), 255, np.uint8)
+    return [GenerationRequest(prompt="warm-up", height=first.height, width=first.width, steps=2, workflow=w.value,
+                              init_image=image, mask=mask if w.needs_mask else None)
+            for w in (Workflow.img2img, Workflow.inpaint) if w in pipeline.workflows]
