@@ -13,7 +13,9 @@ from trt_diffusion.triton.server import free_port
 def test_request_tensors_follow_the_contract():
     control = np.zeros((64, 64, 3), np.uint8)
     tensors = client.ImageRequest("a cat", 64, 64, steps=3, seed=2**40, negative_prompt="dog", scheduler="ddim",
-                                  controlnet="canny", control_image=control, controlnet_scale=0.5).tensors()
+                                  controlnet="canny", control_image=control, controlnet_scale=0.5,
+                                  workflow="inpaint", init_image=control, mask=np.zeros((64, 64), np.uint8),
+                                  strength=0.6).tensors()
     declared = {t.name: t for t in contract.request_inputs(True)}
     assert set(tensors) == set(declared)
     for name, value in tensors.items():
@@ -21,7 +23,10 @@ def test_request_tensors_follow_the_contract():
         assert client._TYPES[name] == contract.TRITON_TO_WIRE[declared[name].data_type]
     assert tensors["SEED"].dtype == np.int64 and tensors["SEED"][0, 0] == 2**40
     assert tensors["PROMPT"][0, 0] == b"a cat"
-    optional = {"NEGATIVE_PROMPT", "SCHEDULER", "CONTROLNET", "CONTROL_IMAGE", "CONTROLNET_SCALE"}
+    assert tensors["INIT_IMAGE"].shape == (1, 64, 64, 3) and tensors["MASK"].shape == (1, 64, 64)
+    assert tensors["WORKFLOW"][0, 0] == b"inpaint" and tensors["STRENGTH"].dtype == np.float32
+    optional = {"NEGATIVE_PROMPT", "SCHEDULER", "CONTROLNET", "CONTROL_IMAGE", "CONTROLNET_SCALE", "WORKFLOW",
+                "INIT_IMAGE", "MASK", "STRENGTH"}
     assert set(client.ImageRequest("a cat", 64, 64).tensors()) == set(declared) - optional
 
 

@@ -14,6 +14,7 @@ from .client_limits import (  # noqa: F401  (RequestRejected, RequestCancelled, 
     RequestCancelled,
     RequestRejected,
     cap_responses,
+    check_input_image,
     check_served_size,
     deadline,
     malformed,
@@ -22,6 +23,7 @@ from .client_limits import (  # noqa: F401  (RequestRejected, RequestCancelled, 
 from .configs import ROLE
 
 PROTOCOLS = ("http", "grpc")
+_WORKFLOW_INPUTS = tuple(t.name for t in contract.WORKFLOW_INPUTS)
 _TYPES = {t.name: contract.TRITON_TO_WIRE[t.data_type]
           for t in (*contract.request_inputs(True), contract.NUM_IMAGES, contract.PREVIEW_EVERY)}
 
@@ -40,6 +42,11 @@ class ImageRequest:
     control_image: np.ndarray | None = None  # uint8 [H, W, 3]
     controlnet_scale: float | None = None
     num_images: int | None = None  # None: one image, NUM_IMAGES not sent (servers before NUM_IMAGES accept it)
+    # Image-conditioned workflows (docs/triton.md): None leaves the input out (servers before them accept it)
+    workflow: str | None = None  # txt2img | img2img | inpaint | edit; None: what init_image / mask imply
+    init_image: np.ndarray | None = None  # uint8 [H, W, 3], the request's size (the server never resizes)
+    mask: np.ndarray | None = None  # uint8 [H, W], white (>= 128) is repainted
+    strength: float | None = None  # (0, 1]; None: the workflow's default (img2img 0.8, inpaint 1.0)
 
     def tensors(self) -> dict[str, np.ndarray]:
         """Request tensors with their batch dimension of 1; optional ones only when set."""
@@ -63,6 +70,14 @@ class ImageRequest:
             values["CONTROLNET_SCALE"] = np.array([[self.controlnet_scale]], np.float32)
         if self.num_images is not None:
             values["NUM_IMAGES"] = np.array([[self.num_images]], np.int32)
+        if self.workflow is not None:
+            values["WORKFLOW"] = text(self.workflow)
+        if self.init_image is not None:
+            values["INIT_IMAGE"] = check_input_image("INIT_IMAGE", self.init_image, 3)[None]
+        if self.mask is not None:
+            values["MASK"] = check_input_image("MASK", self.mask, None)[None]
+        if self.strength is not None:
+            values["STRENGTH"] = np.array([[self.strength]], np.float32)
         return values
 
 
@@ -152,6 +167,10 @@ def server_error(err: Exception, url: str, pipeline: str) -> ServeError:
     if "unexpected inference input 'controlnet" in lowered:
         return ServeError(f"Triton at {url}: model {pipeline} serves no ControlNet (package a model with "
                           "`controlnets:` in engines.yaml); leave out --controlnet and --control-image")
+    if any(f"unexpected inference input '{name.lower()}'" in lowered for name in _WORKFLOW_INPUTS):
+        return ServeError(f"Triton at {url}: model {pipeline} takes no {'/'.join(_WORKFLOW_INPUTS)} (a repository "
+                          "packaged before image-conditioned workflows): package it again, with `workflows:` in "
+                          "engines.yaml")
     if isinstance(err, OSError) or "failed to connect" in lowered or "connection refused" in lowered:
         return ServeError(f"cannot reach Triton at {url} ({message or err}); is `trt-diffusion serve` running?")
     return ServeError(text)
@@ -271,11 +290,15 @@ def response_parameters(response: Any, result: Any = None) -> dict:
 def generate(url: str, *, pipeline: str | None = None, prompt: str, height: int, width: int, steps: int = 20,
              guidance_scale: float = 7.5, seed: int = 0, negative_prompt: str | None = None,
              scheduler: str | None = None, controlnet: str | None = None, control_image: np.ndarray | None = None,
-             controlnet_scale: float | None = None, protocol: str = "http", timeout_s: float = 300.0) -> np.ndarray:
-    """Generate one image on a Triton server; uint8 [H, W, 3]. `pipeline` None: the server's only pipeline."""
+             controlnet_scale: float | None = None, protocol: str = "http", timeout_s: float = 300.0,
+             workflow: str | None = None, init_image: np.ndarray | None = None, mask: np.ndarray | None = None,
+             strength: float | None = None) -> np.ndarray:
+    """Generate one image on a Triton server; uint8 [H, W, 3]. `pipeline` None: the server's only pipeline.
+    `init_image` (img2img; with `mask`, inpaint) is the request's size: the server never resizes."""
     module = client_module(protocol)
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler,
-                           controlnet, control_image, controlnet_scale)
+                           controlnet, control_image, controlnet_scale, workflow=workflow, init_image=init_image,
+                           mask=mask, strength=strength)
     client = connect(url, protocol, timeout_s)
     try:
         with deadline(timeout_s, url) as end:

@@ -12,6 +12,7 @@ from ..errors import ServeError
 
 MAX_RESPONSE_BYTES = 64 << 20  # one reply (an image batch is far smaller)
 MAX_SERVED_SIDE = 8192  # a size a server declares (request_sizes) is asked for, and a control image made for it
+MAX_INPUT_SIDE = MAX_SERVED_SIDE  # an INIT_IMAGE or MASK the client sends: no bucket is larger
 
 
 class RequestRejected(ServeError):
@@ -114,3 +115,24 @@ def check_served_size(label: str, url: str, pipeline: str) -> None:
     if not (0 < size.height <= MAX_SERVED_SIDE and 0 < size.width <= MAX_SERVED_SIDE):
         raise ServeError(f"Triton at {url}: model {pipeline} declares request size {label!r}, beyond "
                          f"{MAX_SERVED_SIDE} pixels a side; refusing to make a request (or control image) of it")
+
+
+def check_input_image(name: str, value, channels: int | None):
+    """INIT_IMAGE ([H, W, 3], channels 3) or MASK ([H, W], channels None) as the client sends it: uint8 (never
+    cast: a float image in [0, 1] would arrive black), the rank the entry declares, sides in 1..MAX_INPUT_SIDE.
+    Whether its size is the request's is the server's to say (it knows the buckets); images are not resized."""
+    import numpy as np
+
+    shape = "[H, W, 3]" if channels else "[H, W]"
+    if not isinstance(value, np.ndarray):
+        raise ServeError(f"{name} must be a numpy uint8 array {shape}, got {type(value).__name__}")
+    if value.dtype != np.uint8:
+        raise ServeError(f"{name} must be uint8 {shape} (0-255), got {value.dtype}; convert it first (an image "
+                         "in [0, 1] is value * 255, rounded)")
+    rank_ok = value.ndim == 3 and value.shape[2] == channels if channels else value.ndim == 2
+    if not rank_ok:
+        raise ServeError(f"{name} must be {shape}, got {list(value.shape)}")
+    height, width = value.shape[:2]
+    if not (0 < height <= MAX_INPUT_SIDE and 0 < width <= MAX_INPUT_SIDE):
+        raise ServeError(f"{name} is {width}x{height}: each side must be 1 to {MAX_INPUT_SIDE} pixels")
+    return np.ascontiguousarray(value)
