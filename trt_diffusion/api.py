@@ -235,11 +235,14 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
                               "name one with --model")
         (model,) = config.models
     model_dir, family, table = engine_runners(config, model, target)
-    pipeline = EnginePipeline(model_dir, family, table)
+    # the workflows engines.yaml declares, as the served entry gets them (package records them)
+    pipeline = EnginePipeline(model_dir, family, table, workflows=config.models[model].workflows)
     images = [pipeline.generate(GenerationRequest(  # NUM_IMAGES as the server reads it: seeds SEED, SEED + 1, ...
         prompt=request.prompt, height=request.height, width=request.width, steps=request.steps,
         guidance_scale=request.guidance_scale, seed=request.seed + i, negative_prompt=request.negative_prompt,
         scheduler=request.scheduler or "default", controlnet=request.controlnet, control_image=request.control_image,
-        controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale)).images[0]
+        controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale,
+        workflow=request.workflow, init_image=request.init_image, mask=request.mask,
+        strength=request.strength)).images[0]
         for i in range(request.num_images or 1)]
     return np.stack(images), model

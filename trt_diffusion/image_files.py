@@ -7,7 +7,11 @@ most image viewers show):
     Negative prompt: blurry
     Steps: 20, Sampler: ddim, CFG scale: 7.5, Seed: 0, Size: 512x512, Model: sd15-tiny
 
-beside it, `trt_diffusion` holds the same request as JSON, exactly (`generate --from PNG` reads it first).
+beside it, `trt_diffusion` holds the same request as JSON, exactly (`generate --from PNG` reads it first). An
+image-conditioned request adds `Workflow: img2img, Denoising strength: 0.8` (A1111's name for it) to the settings
+line; the JSON also names its input files (`init_image`, `mask`: as given on the command line).
+
+Input images (`generate --image`, `--mask`) are read here too: RGB and grayscale uint8 arrays, never resized.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ class ImageParameters:
     model: str | None = None
     controlnet: str | None = None
     controlnet_scale: float | None = None
+    workflow: str | None = None  # img2img | inpaint | edit (None: txt2img, as before workflows existed)
+    strength: float | None = None  # img2img / inpaint: the strength the image was made with
+    init_image: str | None = None  # the input files' names, as given (--image, --mask)
+    mask: str | None = None
 
     def a1111_text(self) -> str:
         lines = [self.prompt]
@@ -52,6 +60,10 @@ class ImageParameters:
         if self.controlnet:
             settings.append(f"ControlNet: {self.controlnet}"
                             + (f" {self.controlnet_scale:g}" if self.controlnet_scale is not None else ""))
+        if self.workflow:
+            settings.append(f"Workflow: {self.workflow}")
+        if self.strength is not None:
+            settings.append(f"Denoising strength: {self.strength:g}")
         lines.append(", ".join(settings))
         return "\n".join(lines)
 
@@ -130,13 +142,38 @@ def parse_a1111(text: str, where: str = "parameters") -> ImageParameters:
     try:
         width, height = (int(v) for v in settings.get("Size", "0x0").split("x"))
         sampler = settings.get("Sampler")
+        strength = settings.get("Denoising strength")
         return ImageParameters(
             prompt="\n".join(body), width=width, height=height, steps=int(settings.get("Steps", 20)),
             guidance_scale=float(settings.get("CFG scale", 7.5)), seed=int(settings.get("Seed", 0)),
             negative_prompt=negative or None, scheduler=None if sampler in (None, "default") else sampler.lower(),
-            model=settings.get("Model"))
+            model=settings.get("Model"), workflow=settings.get("Workflow") or None,
+            strength=float(strength) if strength else None)
     except ValueError as exc:
         raise ConfigError(f"{where}: unreadable settings line {settings_line!r} ({exc})") from None
+
+
+def read_input_image(path: str | Path, option: str = "--image"):
+    """uint8 [H, W, 3] (RGB; an alpha channel is dropped) of an image file, at its own size."""
+    return _read_image(path, option, "RGB")
+
+
+def read_mask(path: str | Path, option: str = "--mask"):
+    """uint8 [H, W] of a mask file, converted to grayscale (white = repaint; diffusers binarises at 0.5)."""
+    return _read_image(path, option, "L")
+
+
+def _read_image(path: str | Path, option: str, mode: str):
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert(mode), dtype=np.uint8)
+    except FileNotFoundError:
+        raise ConfigError(f"{option} {path}: no such file") from None
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        raise ConfigError(f"{option} {path}: not a readable image ({exc})") from None
 
 
 def output_paths(output: str | Path, count: int, *, overwrite: bool = False) -> list[Path]:

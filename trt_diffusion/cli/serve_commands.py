@@ -143,8 +143,10 @@ def generate_command(
     = None,
     pipeline: Annotated[str | None, typer.Option("--pipeline", help="model name; default: the only one")] = None,
     negative_prompt: Annotated[str | None, typer.Option("--negative-prompt")] = None,
-    height: Annotated[int | None, typer.Option("--height", help="default: the server's first bucket")] = None,
-    width: Annotated[int | None, typer.Option("--width", help="default: the server's first bucket")] = None,
+    height: Annotated[int | None, typer.Option("--height", help="default: --image's height, else the server's "
+                                               "first bucket")] = None,
+    width: Annotated[int | None, typer.Option("--width", help="default: --image's width, else the server's first "
+                                              "bucket")] = None,
     steps: Annotated[int, typer.Option("--steps", min=1)] = 20,
     guidance_scale: Annotated[float, typer.Option("--guidance-scale", help="<= 1: no CFG (distilled models)")]
     = 7.5,
@@ -154,6 +156,15 @@ def generate_command(
     control_image: Annotated[Path | None, typer.Option("--control-image", help="image for the ControlNet")]
     = None,
     controlnet_scale: Annotated[float | None, typer.Option("--controlnet-scale")] = None,
+    image: Annotated[Path | None, typer.Option("--image", help="init image (PNG): img2img, or inpaint with --mask. "
+                                               "Never resized: its size is the request's, so --width/--height "
+                                               "default to it and, if given, must equal it")] = None,
+    mask: Annotated[Path | None, typer.Option("--mask", help="inpaint mask (PNG, converted to grayscale; white = "
+                                              "repaint), the size of --image")] = None,
+    strength: Annotated[float | None, typer.Option("--strength", help="(0, 1]: how far the image is re-noised "
+                                                   "(default: img2img 0.8, inpaint 1.0)")] = None,
+    workflow: Annotated[str | None, typer.Option("--workflow", help="txt2img | img2img | inpaint | edit "
+                                                 "(default: what --image and --mask imply)")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout", help="seconds to wait for the image")] = 300.0,
     num_images: Annotated[int, typer.Option("--num-images", min=1, help="images for this prompt, seeds SEED, "
                                             "SEED+1, ...; written as OUTPUT-0.png, OUTPUT-1.png, ... when > 1")] = 1,
@@ -180,9 +191,16 @@ def generate_command(
         scheduler = scheduler if "scheduler" in given else recorded.scheduler
         height = height if "height" in given else recorded.height or None
         width = width if "width" in given else recorded.width or None
+        workflow = workflow if "workflow" in given else recorded.workflow
+        strength = strength if "strength" in given else recorded.strength
+        image = image if "image" in given else _recorded_input(recorded.init_image, from_png)
+        mask = mask if "mask" in given else _recorded_input(recorded.mask, from_png)
     if not prompt:
         ctx.fail("Missing option '--prompt' (what to draw), or --from PNG to repeat an image's request")
     transport = _transport(url, protocol)
+    init_image, mask_array = _input_images(image, mask, width, height)
+    if init_image is not None:  # the image's size is the request's (never resized)
+        height, width = init_image.shape[0], init_image.shape[1]
     if config is None and (height is None or width is None):
         from ..engines_file.engine_spec import Size
         from ..triton.client import served_sizes
@@ -194,7 +212,8 @@ def generate_command(
         ctx.fail("Missing option '--height'/'--width': give both with --config (no server to ask for its sizes)")
     control = _control_image(control_image, width, height) if control_image is not None else None
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
-                           control, controlnet_scale, num_images=num_images if num_images > 1 else None)
+                           control, controlnet_scale, num_images=num_images if num_images > 1 else None,
+                           workflow=workflow, init_image=init_image, mask=mask_array, strength=strength)
     paths = output_paths(output, num_images, overwrite=overwrite)
     start = time.perf_counter()
     parameters: dict = {}
@@ -212,11 +231,11 @@ def generate_command(
 
         images, parameters = generate_images(url, request, pipeline=pipeline, protocol=transport.value,
                                              timeout_s=timeout_s)
-    for i, (path, image) in enumerate(zip(paths, images)):
-        save_png(image, path, ImageParameters(
+    for i, (path, picture) in enumerate(zip(paths, images)):
+        save_png(picture, path, ImageParameters(
             prompt=prompt, width=width, height=height, steps=steps, guidance_scale=guidance_scale, seed=seed + i,
             negative_prompt=negative_prompt, scheduler=scheduler, model=pipeline, controlnet=controlnet,
-            controlnet_scale=controlnet_scale))
+            controlnet_scale=controlnet_scale, **_workflow_record(workflow, strength, image, mask)))
     timing = parameters.get("timing") or {}
     console.print(f"wrote {', '.join(map(str, paths))} ({width}x{height}, {steps} steps, seed {seed}) in "
                   f"{time.perf_counter() - start:.2f} s"
@@ -237,6 +256,53 @@ def _transport(url: str, protocol: Transport | None) -> Transport:
     chosen = protocol or (Transport.grpc if scheme in ("grpc", "grpcs") else Transport.http)
     parse_url(url, chosen.value)  # refuses a scheme that contradicts --protocol, with the reason
     return chosen
+
+
+def _recorded_input(name: str | None, png: Path) -> Path | None:
+    """An input file a PNG's request names (--from): as recorded (relative to here), else beside the PNG."""
+    if not name:
+        return None
+    path = Path(name)
+    if not path.exists() and not path.is_absolute() and (png.parent / path).exists():
+        return png.parent / path
+    return path
+
+
+def _input_images(image: Path | None, mask: Path | None, width: int | None, height: int | None):
+    """(init image uint8 [H, W, 3], mask uint8 [H, W]) from --image/--mask, each None when not given. Sizes are
+    checked here, before any request: the image is the request's size, the mask the image's."""
+    from ..errors import ConfigError
+    from ..image_files import read_input_image, read_mask
+
+    if image is None:
+        if mask is not None:
+            raise ConfigError(f"--mask {mask}: a mask needs the --image it masks")
+        return None, None
+    init_image = read_input_image(image)
+    image_h, image_w = init_image.shape[:2]
+    if (width is not None and width != image_w) or (height is not None and height != image_h):
+        raise ConfigError(f"--image {image} is {image_w}x{image_h}, but --width/--height ask for "
+                          f"{width or image_w}x{height or image_h}: images are not resized; leave out "
+                          "--width/--height (the image's size is used) or resize the image")
+    mask_array = read_mask(mask) if mask is not None else None
+    if mask_array is not None and mask_array.shape != init_image.shape[:2]:
+        raise ConfigError(f"--mask {mask} is {mask_array.shape[1]}x{mask_array.shape[0]}, --image {image} is "
+                          f"{image_w}x{image_h}: the mask must be the image's size")
+    return init_image, mask_array
+
+
+def _workflow_record(workflow: str | None, strength: float | None, image: Path | None, mask: Path | None) -> dict:
+    """What a PNG records of an image-conditioned request: the workflow and strength it ran with, the inputs'
+    names. A plain text-to-image request records nothing new (its PNG reads as before)."""
+    from ..workflows import DEFAULT_STRENGTH, request_workflow
+
+    if image is None and workflow is None:
+        return {}
+    resolved = request_workflow(workflow, image is not None, mask is not None)
+    if strength is None and resolved.takes_strength:
+        strength = DEFAULT_STRENGTH.get(resolved)
+    return {"workflow": resolved.value, "strength": strength if resolved.takes_strength else None,
+            "init_image": None if image is None else str(image), "mask": None if mask is None else str(mask)}
 
 
 def _control_image(path: Path, width: int, height: int):
