@@ -348,6 +348,11 @@ BAD_REQUESTS = [
     (dict(steps=0, height=60), "STEPS must be between 1 and 1000, got 0; size 64x60 is not a positive multiple"),
     (dict(height=96, width=96), "size 96x96 is not served; supported sizes: 64x64"),
     (dict(controlnet="depth", control_image=np.zeros((SIZE, SIZE, 3), np.uint8)), "no ControlNet named 'depth'"),
+    # image workflows (issue 25) to a txt2img-only model: refused by name, through the ensemble's encode too
+    (dict(init_image=np.zeros((SIZE, SIZE, 3), np.uint8), mask=np.zeros((SIZE, SIZE), np.uint8)),
+     r"WORKFLOW inpaint \(a MASK asks for inpaint\) is not served: it is not in this model's workflows \(served: "
+     r"txt2img\)"),
+    (dict(workflow="magic"), "unknown WORKFLOW 'magic'; choose one of txt2img, img2img, inpaint, edit"),
 ]
 
 
