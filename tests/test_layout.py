@@ -1,5 +1,6 @@
-"""The tree's shape: every test file is collected, no folder hides behind a name pytest skips, and no
-module outside trt_diffusion/targets/ (and the registry that names them) compares a target's name."""
+"""The tree's shape: every test file is collected, no folder hides behind a name pytest skips, no module outside
+trt_diffusion/targets/ (and the registry that names them) compares a target's name, and no module but
+trt_diffusion/precision.py spells a precision as a string literal (see test_no_precision_literal_outside_precision_py)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,72 @@ def test_no_module_outside_targets_compares_a_target_name():
                                     'ok = target in ("tensorrt", "x")'])
 def test_the_target_name_check_catches_a_comparison(source):
     assert list(_compared_names(ast.parse(source), _target_names()))
+
+
+# numpy's dtype names other than "int8", which is spelled like the int8 precision: a display holding one of
+# these is a dtype table (numpy, TensorRT, OpenVINO or Triton type names), not a precision table.
+DTYPE_NAMES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "uint8", "bool"}
+NOT_A_PRECISION = "# not a precision"
+
+
+def _precision_names() -> set[str]:
+    from trt_diffusion.precision import Precision
+
+    return {p.value for p in Precision}
+
+
+def _precision_literals(source: str, names: set[str]):
+    """(line, value) of every string constant spelled exactly like a precision that the rule counts."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                skipped.add(id(first.value))  # a docstring
+        elif isinstance(node, ast.JoinedStr):
+            skipped.update(id(value) for value in node.values)  # the text of an f-string: a message
+        elif isinstance(node, (ast.Dict, ast.List, ast.Tuple, ast.Set)):
+            members = [*node.keys, *node.values] if isinstance(node, ast.Dict) else node.elts
+            constants = [m for m in members if isinstance(m, ast.Constant) and isinstance(m.value, str)]
+            if any(c.value in DTYPE_NAMES for c in constants):
+                skipped.update(id(c) for c in constants)  # a dtype table
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+                and id(node) not in skipped and NOT_A_PRECISION not in lines[node.lineno - 1]):
+            yield node.lineno, node.value
+
+
+def test_no_precision_literal_outside_precision_py():
+    """A precision is `trt_diffusion.precision.Precision` (a str enum: members compare, hash and print as their
+    names, so keys and messages are unchanged); the one module that spells them is precision.py.
+
+    The rule, over every module of the package but precision.py: a string constant whose whole value is a
+    precision name ("fp32", "fp16", "bf16", "fp8", "int8") is refused wherever code uses it as a value — a
+    comparison, a dict key or value, a default, an argument, a return. Not counted: docstrings and comments; the
+    text of f-strings (a message may say "an fp16 engine"); a constant in a dict, list, tuple or set display that
+    also holds another of numpy's dtype names (a dtype table, where "int8" is numpy's dtype and "bf16"
+    OpenVINO's element type); and a constant on a line marked `# not a precision`, for another vocabulary spelled
+    the same (OpenVINO's bf16 precision hint, a CPU's bf16 flag). Tests may spell precisions: they are input."""
+    names = _precision_names()
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "precision.py":
+            continue
+        for line, value in _precision_literals(path.read_text(), names):
+            found.append(f"{path.relative_to(ROOT)}:{line}: {value!r}")
+    assert found == [], "name a Precision member (trt_diffusion/precision.py) instead"
+
+
+@pytest.mark.parametrize("source,counted", [
+    ('if spec.precision == "fp16": pass', ["fp16"]),
+    ('TOLERANCE = {"fp32": 1e-3, "int8": 0.5}', ["fp32", "int8"]),
+    ('def f(precision="bf16"): return "fp8"', ["bf16", "fp8"]),
+    ('ok = precision in ("int8", "fp8")', ["int8", "fp8"]),
+    ('def f():\n    """fp16"""\n    raise ValueError(f"not fp16: {x}")', []),
+    ('ITEMSIZE = {"float32": 4, "int8": 1}', []),
+    ('hint = "bf16"  # not a precision: OpenVINO\'s INFERENCE_PRECISION_HINT', []),
+])
+def test_the_precision_literal_check(source, counted):
+    assert [value for _, value in _precision_literals(source, _precision_names())] == counted

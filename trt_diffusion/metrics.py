@@ -21,6 +21,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trt_diffusion.errors import ConfigError
+from trt_diffusion.precision import Precision
 
 # The file torchvision's AlexNet_Weights.IMAGENET1K_V1 is cached as; lpips uses this backbone.
 ALEXNET_WEIGHTS_FILE = "alexnet-owt-7be5be79.pth"
@@ -285,11 +286,11 @@ class Thresholds(BaseModel):
 # from the fp32 reference, so they get looser bars; engines.yaml `parity:` overrides per variant.
 DEFAULT_THRESHOLDS: Mapping[str, Thresholds] = MappingProxyType(
     {
-        "fp32": Thresholds(min_psnr_db=40.0, min_ssim=0.98),
-        "fp16": Thresholds(min_psnr_db=30.0, min_ssim=0.95),
-        "bf16": Thresholds(min_psnr_db=30.0, min_ssim=0.95),
-        "fp8": Thresholds(min_psnr_db=20.0, min_ssim=0.80),
-        "int8": Thresholds(min_psnr_db=20.0, min_ssim=0.80),
+        Precision.fp32: Thresholds(min_psnr_db=40.0, min_ssim=0.98),
+        Precision.fp16: Thresholds(min_psnr_db=30.0, min_ssim=0.95),
+        Precision.bf16: Thresholds(min_psnr_db=30.0, min_ssim=0.95),
+        Precision.fp8: Thresholds(min_psnr_db=20.0, min_ssim=0.80),
+        Precision.int8: Thresholds(min_psnr_db=20.0, min_ssim=0.80),
     }
 )
 

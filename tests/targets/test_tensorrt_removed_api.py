@@ -139,17 +139,17 @@ def test_the_scan_leaves_what_11_keeps_alone():
 
 def test_builder_flags_of_every_spec_are_kept_in_11():
     from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
+    from trt_diffusion.precision import PRECISIONS, QUANTIZED
     from trt_diffusion.targets.tensorrt.build_flags import BuildFlags
-    from trt_diffusion.targets.tensorrt.precision import KNOWN_PRECISIONS, QUANTIZED_PRECISIONS
 
-    for precision in KNOWN_PRECISIONS:
-        for refittable in (False, True) if precision not in QUANTIZED_PRECISIONS else (False,):
+    for precision in PRECISIONS:
+        for refittable in (False, True) if precision not in QUANTIZED else (False,):
             for options in ({}, {"tensorrt_tf32": False, "tensorrt_version_compatible": True},
                             {"tensorrt_strip_plan": True, "tensorrt_weight_streaming": True}):
                 spec = EngineSpec(model="m", family="sd15", source="s", component="unet", target="tensorrt",
                                   precision=precision, batch=1, bucket=Bucket.static(Size(512, 512)),
                                   refittable=refittable, build_options=tuple(sorted(options.items())))
-                flags = BuildFlags.for_spec(spec, precision in QUANTIZED_PRECISIONS)
+                flags = BuildFlags.for_spec(spec, precision in QUANTIZED)
                 names = set(flags.builder_flags()) | set(flags.cleared_builder_flags())
                 assert not names & REMOVED_MEMBERS["BuilderFlag"], (precision, names)
                 assert names <= {"REFIT", "REFIT_IDENTICAL", "STRIP_PLAN", "WEIGHT_STREAMING", "VERSION_COMPATIBLE",

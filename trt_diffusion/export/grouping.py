@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engines_file.engine_spec import EngineSpec, LoraVariant
+from ..precision import Precision
 from ..workspace.store import hash_inputs
 
-FP16_ONNX = {"fp16"}
+FP16_ONNX = {Precision.fp16}
 # Build options that change the exported graph; every other option belongs to later stages.
 EXPORT_OPTIONS = ("opset", "controlnet_residuals")
 DEFAULT_OPSET = 20
@@ -37,7 +38,7 @@ def onnx_precision(precision: str, target: str | None = None) -> str:
             declared = None
         if declared is not None:
             return declared
-    return "fp16" if precision in FP16_ONNX else "fp32"
+    return Precision.fp16 if precision in FP16_ONNX else Precision.fp32
 
 
 def export_options(spec: EngineSpec) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from ..components.base import ComponentDef, Geometry
 from ..components.model_config import ModelConfig
 from ..errors import ExportError
 from ..metrics import psnr, tensor_diff
+from ..precision import Precision
 
 FP16_MAX = 65504.0
 IMAGE_DATA_RANGE = 2.0  # decoder pixels span [-1, 1]
@@ -47,13 +48,13 @@ class Tolerance:
 # 2.7% off its fp32 self on the tiny model. 5% still fails any wrong weight or wiring (errors of the
 # output's own size); image quality in fp16 is judged later by the parity stage (PSNR/SSIM of images).
 TOLERANCES: Mapping[str, Tolerance] = {
-    "fp32": Tolerance(rtol=1e-3, atol=1e-5, min_psnr_db=60.0),
-    "fp16": Tolerance(rtol=5e-2, atol=1e-3, min_psnr_db=35.0),
+    Precision.fp32: Tolerance(rtol=1e-3, atol=1e-5, min_psnr_db=60.0),
+    Precision.fp16: Tolerance(rtol=5e-2, atol=1e-3, min_psnr_db=35.0),
     # bf16 graphs are checked as `widened_for_parity` copies (ONNX Runtime has no bf16 kernels on CPU): bf16
     # weights in fp32 math, so the bar is bf16's weight rounding (8 mantissa bits: 0.4% per weight); a wrong
     # weight or wiring is still an error of the output's own size. bf16 activations are tested in
     # tests/export/test_bf16_export.py against torch's bf16 module.
-    "bf16": Tolerance(rtol=8e-2, atol=2e-3, min_psnr_db=30.0),
+    Precision.bf16: Tolerance(rtol=8e-2, atol=2e-3, min_psnr_db=30.0),
 }
 
 
@@ -116,7 +117,7 @@ def check_parity(onnx_path: Path, reference: torch.nn.Module | Sequence[Mapping[
         reference = reference_outputs(reference, definition, config, options, geometries, seed)
     if len(reference) != len(geometries):
         raise ValueError(f"{label}: {len(reference)} reference outputs for {len(geometries)} geometries")
-    if precision == "bf16":
+    if precision == Precision.bf16:
         from .bf16 import widened_for_parity
 
         with widened_for_parity(onnx_path) as widened:
@@ -158,14 +159,14 @@ def compare_output(name: str, geometry: Geometry, expected: np.ndarray, got: np.
     diff = tensor_diff(expected, got)
     scale = float(np.abs(expected[np.isfinite(expected)]).max()) if np.isfinite(expected).any() else 0.0
     allowed = tolerance.allowed(scale)
-    saturated = int((np.abs(got) >= FP16_MAX).sum()) if precision == "fp16" else 0
+    saturated = int((np.abs(got) >= FP16_MAX).sum()) if precision == Precision.fp16 else 0
     psnr_db = psnr(expected, got, data_range=IMAGE_DATA_RANGE) if image and diff.is_finite else None
     problem = None
     if not np.isfinite(expected).all():
         problem = "PyTorch's own fp32 output has NaN/Inf at this shape: the model itself is broken"
     elif not diff.is_finite or saturated:
         counts = f"{diff.nan_count} NaN, {diff.inf_count} Inf, {saturated} at ±{FP16_MAX:g}"
-        if precision == "fp16":
+        if precision == Precision.fp16:
             problem = (f"float16 overflow ({counts} values; PyTorch fp32 is finite, max |value| {scale:.4g}): this "
                        f"component cannot run in fp16 — set its precision to fp32 in engines.yaml")
         else:

@@ -22,6 +22,7 @@ from ..components import ExportWrapper, get_component, load_model_config
 from ..engines_file.engine_spec import EngineSpec
 from ..engines_file.load import EnginesConfig
 from ..memory import release_memory
+from ..precision import Precision
 from ..workspace.files import tool_versions
 from ..workspace.store import Artifact, ArtifactStore, hash_inputs
 from .artifact_key import describe_inputs
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ARTIFACT_KIND = "onnx"
 ONNX_NAME = "model.onnx"
-COMPUTE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+COMPUTE_DTYPES = {Precision.fp32: torch.float32, Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ import onnx
 
 from ..errors import RefitError
 from ..onnx_facts import FP8_MAX, to_fp8
+from ..precision import Precision
 from .onnx_graph import graph_consumers
 from .refit_records import MatchedBy, RefitTarget, WeightQuantization
 
@@ -75,10 +76,10 @@ def quantized_arrays(target, value: np.ndarray) -> dict[str, np.ndarray]:
     if target.transpose:
         weight = weight.T
     weight = np.ascontiguousarray(weight.reshape(target.shape), dtype=np.float32)
-    if quant.kind == "int8":
+    if quant.kind == Precision.int8:
         scale = int8_scale(weight, quant.axis)
         return {target.initializer: weight, quant.scale: scale.reshape(quant.scale_shape)}
-    if quant.kind == "fp8":
+    if quant.kind == Precision.fp8:
         scale = fp8_scale(weight)
         return {target.initializer: to_fp8(weight, scale),
                 quant.scale: np.full(quant.scale_shape, scale, dtype=np.float32)}
@@ -132,13 +133,13 @@ def weight_quantizers(graph: onnx.GraphProto) -> list[_Quantizer]:
             continue
         source = node.input[0]
         if source in initializers and initializers[source].data_type == FLOAT8:
-            kind, stored = "fp8", source
+            kind, stored = Precision.fp8, source
         elif source in producers and producers[source].op_type == "QuantizeLinear" \
                 and producers[source].input[0] in initializers:
             quantize = producers[source]
             if quantize.input[1] != node.input[1]:
                 continue  # Q and DQ with different scale tensors: not what the quantize stage writes
-            kind, stored = "int8", quantize.input[0]
+            kind, stored = Precision.int8, quantize.input[0]
             zero_point = quantize.input[2] if len(quantize.input) > 2 else ""
             if zero_point and zero_point in initializers and initializers[zero_point].data_type == FLOAT8:
                 kind = "fp8-unfolded"
@@ -210,7 +211,7 @@ def annotate_quantized(graph, targets: dict, unmapped: dict, params: dict, prefi
     for param, target in targets.items():
         by_stored.setdefault(target.initializer, []).append(param)
     for quantizer in quantizers:
-        plain = quantizer.stored.removesuffix("_fp8") if quantizer.kind == "fp8" else quantizer.stored
+        plain = quantizer.stored.removesuffix("_fp8") if quantizer.kind == Precision.fp8 else quantizer.stored
         plain = plain[len(prefix):] if prefix and plain.startswith(prefix) else plain
         candidates = [p for p in by_stored.get(quantizer.stored, []) if p in params] or \
                      ([plain] if plain in params else [])
@@ -257,7 +258,7 @@ def _confirms(graph, target, base: np.ndarray) -> bool:
     """The stored initializer (and its scale) are what `quantized_arrays` makes of the base weight."""
     expected = quantized_arrays(target, base)
     stored = graph.value(target.initializer)
-    if target.quantization.kind == "fp8":
+    if target.quantization.kind == Precision.fp8:
         # fp8 codes of the base weight; the scale may differ from ModelOpt's by one ulp (1/(448/amax) vs
         # amax/448), which moves a value across a rounding boundary rarely: allow one code in a thousand
         codes = expected[target.initializer].view(np.uint8) != stored.view(np.uint8)

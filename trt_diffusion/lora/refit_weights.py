@@ -8,15 +8,14 @@ import numpy as np
 import torch
 
 from ..errors import RefitError
+from ..precision import float_dtype
 from .quantized_refit import quantized_arrays
 from .refit_map import RefitMap
-
-PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def numpy_dtype(name: str) -> np.dtype:
     """numpy dtype for `float16`, `fp16`, `bfloat16` (through ml_dtypes, which onnx brings)..."""
-    name = PRECISION_DTYPES.get(name, name)
+    name = float_dtype(name) or name
     if name == "bfloat16":
         import ml_dtypes
 

@@ -19,6 +19,7 @@ from ..engines_file import EnginesConfig, expand
 from ..errors import TrtDiffusionError
 from ..families import family_info
 from ..metrics import tensor_diff, thresholds_for
+from ..precision import Precision
 from ..runtime.engines import RunnerTable
 from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
 from ..runtime.pipeline import EnginePipeline, GenerationRequest
@@ -33,7 +34,8 @@ DEFAULT_PROMPTS = (
 )
 # Largest relative output error (max |diff| / max |ref|) a component engine may show, per precision:
 # a localiser for failures; the release gate itself is the image metrics.
-COMPONENT_TOLERANCE = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 5e-2, "fp8": 0.5, "int8": 0.5}
+COMPONENT_TOLERANCE = {Precision.fp32: 1e-3, Precision.fp16: 2e-2, Precision.bf16: 5e-2, Precision.fp8: 0.5,
+                       Precision.int8: 0.5}
 
 
 @dataclass

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from ..precision import Precision
+
 # Module-name globs kept in higher precision unless engines.yaml re-includes them with "!pattern".
 # A pattern matches a module or any of its ancestors ("time_embedding" covers time_embedding.linear_1).
 # The list follows ModelOpt's diffusers example, plus the adaptive-norm modulation linears.
@@ -35,7 +37,7 @@ CALIBRATION_PERCENTILE = 99.99
 # destroyed) measures 16.3 dB on the tiny UNet, a sound one 33-40 dB. Real checkpoints quantize better than
 # random weights, so these bars catch garbage without failing a usable engine; the image bar (engines.yaml
 # `parity:`) is the one to tighten per model.
-DENOISER_MIN_PSNR_DB: Mapping[str, float] = MappingProxyType({"int8": 22.0, "fp8": 20.0})
+DENOISER_MIN_PSNR_DB: Mapping[str, float] = MappingProxyType({Precision.int8: 22.0, Precision.fp8: 20.0})
 
 # Held-out samples the gate generates (each runs the calibration's step count).
 HELD_OUT_SAMPLES = 2

@@ -22,6 +22,7 @@ from onnx.external_data_helper import uses_external_data
 from ..components import ExportWrapper
 from ..errors import QuantizeError
 from ..export.graph_passes import load_attribute_tensors, strip_prefix, write_external_data
+from ..precision import Precision
 from .feeds import DenoiserInterface
 from .fp8_rewrite import MIN_OPSET as FP8_MIN_OPSET
 from .fp8_rewrite import rewrite_fp8_qdq
@@ -56,7 +57,7 @@ def _register_symbolics(opset: int) -> None:
 def export_opset(requested: int, precision: str) -> int:
     """The opset the legacy exporter can write for `precision`: requested, clamped into what works."""
     opset = min(max(requested, LEGACY_MIN_OPSET), LEGACY_MAX_OPSET)
-    if precision == "fp8" and opset < FP8_MIN_OPSET:
+    if precision == Precision.fp8 and opset < FP8_MIN_OPSET:
         opset = FP8_MIN_OPSET
     return opset
 
@@ -66,7 +67,7 @@ def _fp8_conv_weights_off(module: torch.nn.Module, precision: str):
     """The legacy exporter cannot use a custom op's output as a Conv weight: turn FP8 Conv weight quantizers
     off for the trace and yield their ranges, so the rewrite pass adds the weight DequantizeLinear."""
     switched: dict[str, torch.nn.Module] = {}
-    if precision == "fp8":
+    if precision == Precision.fp8:
         for name, layer in module.named_modules():
             quantizer = getattr(layer, "weight_quantizer", None)
             if isinstance(layer, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and quantizer is not None \
@@ -142,7 +143,7 @@ def finalize_quantized(traced: TracedGraph, interface: DenoiserInterface, out_pa
     model = onnx.load(str(traced.path), load_external_data=False)
     load_attribute_tensors(model.graph, traced.path.parent)
     _check_declared_io(model.graph, interface, label)
-    if precision == "fp8":
+    if precision == Precision.fp8:
         rewrite_fp8_qdq(model, traced.conv_weight_amax, base_dir=traced.path.parent)
     strip_prefix(model.graph, WRAPPER_PREFIX)
     summary = ExportSummary(dict(Counter(node.op_type for node in model.graph.node)))

@@ -18,6 +18,7 @@ import torch
 
 from .. import progress as live
 from ..errors import QuantizeError
+from ..precision import Precision
 from .defaults import CALIBRATION_PERCENTILE, SMOOTHQUANT_ALPHA
 from .exclusions import LayerSelection
 from .feeds import Call
@@ -30,8 +31,8 @@ _QUANTIZED_CLASSES = ("nn.Linear", "nn.Conv1d", "nn.Conv2d", "nn.Conv3d")  # as 
 
 _NUMERICS = {
     # weights per output channel for int8 (what TensorRT's int8 kernels take), per tensor for fp8
-    "int8": ({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}),
-    "fp8": ({"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None}),
+    Precision.int8: ({"num_bits": 8, "axis": 0}, {"num_bits": 8, "axis": None}),
+    Precision.fp8: ({"num_bits": (4, 3), "axis": None}, {"num_bits": (4, 3), "axis": None}),
 }
 
 
@@ -104,7 +105,7 @@ def quantize_config(precision: str, algorithm: str, selection: LayerSelection) -
     """
     if precision not in _NUMERICS:
         raise QuantizeError(f"cannot quantize to {precision!r}: supported are {', '.join(_NUMERICS)}")
-    if algorithm == "smoothquant" and precision != "int8":
+    if algorithm == "smoothquant" and precision != Precision.int8:
         raise QuantizeError(f"calibration algorithm 'smoothquant' applies to int8 only (asked for {precision}); "
                             "use 'max' or 'percentile' for fp8")
     weight_cfg, input_cfg = _NUMERICS[precision]

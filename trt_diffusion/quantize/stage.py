@@ -31,6 +31,7 @@ from ..export.modules import fuse_lora
 from ..families import Component, family_info
 from ..memory import release_memory
 from ..models.loading import component_folder
+from ..precision import is_quantized
 from ..workspace.files import sha256_file, tool_versions
 from ..workspace.store import Artifact, ArtifactStore, hash_inputs
 from .calibration import CalibrationRecipe, calibration_loop, capture_calls, denoiser_of, load_pipeline, t5_length
@@ -155,7 +156,7 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
     if component is not denoiser:
         raise QuantizeError(f"{model.name}: quantization of {component.value} is not supported yet "
                             f"(the {model.family.value} denoiser, {denoiser.value}, is)")
-    if precision not in ("int8", "fp8"):
+    if not is_quantized(precision):
         raise QuantizeError(f"{model.name}.{component.value}: {precision} is not a quantized precision (int8, fp8)")
     settings = model.quantization
     calibration = settings.calibration

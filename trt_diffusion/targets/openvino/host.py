@@ -22,7 +22,7 @@ INSTALL_HINT = f'pip install "trt-diffusion[openvino]" (openvino=={PINNED_VERSIO
 # The flags that decide what OpenVINO's CPU plugin can do fast (x86 and ARM spellings).
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
-             "asimd", "asimdhp", "fphp", "asimddp", "bf16", "i8mm", "sve")
+             "asimd", "asimdhp", "fphp", "asimddp", "bf16", "i8mm", "sve")  # not a precision: ARM's bf16 flag
 
 
 def unavailable_reason() -> str | None:

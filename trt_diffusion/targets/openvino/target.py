@@ -9,6 +9,7 @@ from pathlib import Path
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError, ServeError
 from ...onnx_facts import onnx_sha256
+from ...precision import is_quantized
 from ..base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
 from . import host, precision
 from .engine import (
@@ -85,7 +86,7 @@ class OpenVINOTarget(TargetBase):
         return precision.plan_note(precision_name, facts.capabilities, facts.device_name)
 
     def build(self, request: BuildRequest) -> tuple[Path, bool]:
-        if request.spec.refittable and request.spec.precision in ("int8", "fp8"):
+        if request.spec.refittable and is_quantized(request.spec.precision):
             # measured: converting the Q/DQ ONNX, OpenVINO folds every quantized weight with its scales into
             # its own low-precision constants (int8: no weight or scale name is left; fp8: no scale name)
             raise BuildError(f"{request.spec.name}: the openvino target cannot refit {request.spec.precision} "
@@ -171,7 +172,7 @@ class OpenVINOTarget(TargetBase):
     @staticmethod
     def _native_model(engine: BuiltEngine, files) -> TritonEngineModel:
         manifest = engine.manifest
-        if manifest.inference_precision_hint != "bf16":
+        if manifest.inference_precision_hint != precision.HINT_BF16:
             raise ServeError(
                 f"{engine.spec.name}: Triton's openvino backend cannot serve this {manifest.precision} engine "
                 f"as built ({manifest.compute}): its only precision setting is HINT_BF16, so on AMX CPUs "

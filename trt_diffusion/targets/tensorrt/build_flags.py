@@ -8,8 +8,8 @@ from typing import Any
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError
+from ...precision import PRECISIONS, is_quantized
 from .manifest import TARGET
-from .precision import KNOWN_PRECISIONS, QUANTIZED_PRECISIONS
 from .versions import parse_trt_version
 
 GIB = 1 << 30
@@ -31,9 +31,9 @@ def _option_workspace_bytes(spec: EngineSpec) -> int:
 
 def _check_precision(spec: EngineSpec, has_qdq: bool) -> None:
     precision = spec.precision
-    if precision not in KNOWN_PRECISIONS:
-        raise BuildError(f"{spec.name}: unknown precision {precision!r} (known: {', '.join(KNOWN_PRECISIONS)})")
-    quantized = precision in QUANTIZED_PRECISIONS
+    if precision not in PRECISIONS:
+        raise BuildError(f"{spec.name}: unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
+    quantized = is_quantized(precision)
     if quantized and not has_qdq:
         raise BuildError(
             f"{spec.name}: precision {precision} needs an ONNX with Q/DQ nodes from the quantize stage; this ONNX has none"
@@ -54,7 +54,7 @@ class BuildFlags:
     Every engine is strongly typed, on TensorRT 10 and 11 alike (TensorRT 11 has no other mode): the
     ONNX's own dtypes decide the precision of every layer, so no precision flag exists here. An fp16
     engine is built from an fp16 ONNX, a bf16 engine from a bf16 ONNX (both with fp32 I/O), an fp8/int8
-    engine from a Q/DQ ONNX over fp16 (see `TENSORRT_ONNX_PRECISION`).
+    engine from a Q/DQ ONNX over fp16 or bf16 (see `precision.qdq_base_precision`).
     """
 
     precision: str

@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError
+from ...precision import Precision, is_quantized
 from .manifest import REBUILD_COMMAND
-from .precision import QUANTIZED_PRECISIONS, qdq_base_precision
+from .precision import qdq_base_precision
 from .versions import parse_trt_version, sm_name, versions_compatible
 
 if TYPE_CHECKING:
@@ -18,14 +19,14 @@ if TYPE_CHECKING:
 
 # The lowest compute capability whose tensor cores run each precision (TensorRT support matrix):
 # BF16 from Ampere (8.0), FP8 from Ada / Hopper (8.9). fp32, fp16 and int8 run on every GPU TensorRT 10/11 supports.
-PRECISION_MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {"bf16": (8, 0), "fp8": (8, 9)}
+PRECISION_MIN_COMPUTE_CAPABILITY: dict[str, tuple[int, int]] = {Precision.bf16: (8, 0), Precision.fp8: (8, 9)}
 
 
 def check_hardware(spec: EngineSpec, compute_capability: tuple[int, int], device_name: str) -> None:
     """BuildError naming the engine, its precision and the GPU when this GPU cannot run the precision."""
     needed = PRECISION_MIN_COMPUTE_CAPABILITY.get(spec.precision)
-    if spec.precision in QUANTIZED_PRECISIONS and qdq_base_precision(spec) == "bf16":  # int8 over bf16: Ampere
-        needed = max(needed or (0, 0), PRECISION_MIN_COMPUTE_CAPABILITY["bf16"])
+    if is_quantized(spec.precision) and qdq_base_precision(spec) == Precision.bf16:  # int8 over bf16: Ampere
+        needed = max(needed or (0, 0), PRECISION_MIN_COMPUTE_CAPABILITY[Precision.bf16])
     if needed is not None and tuple(compute_capability) < needed:
         raise BuildError(
             f"{spec.name}: precision {spec.precision} needs a GPU of compute capability {needed[0]}.{needed[1]} or "

@@ -26,6 +26,7 @@ from onnx import helper, numpy_helper
 
 from ...errors import BuildError
 from ...onnx_facts import onnx_sha256
+from ...precision import Precision
 from .fp32_islands import constant_names, fp32_island_nodes, tensor_types
 
 FLOAT: int = onnx.TensorProto.FLOAT
@@ -35,7 +36,7 @@ FP16_MAX = 65504.0
 MIN_OPSET = 19  # QuantizeLinear/DequantizeLinear take float16/bfloat16 scales from opset 19 on
 # (op_type, input index) that the ONNX standard keeps float32 whatever the graph's precision
 FLOAT32_INPUTS = frozenset({("Resize", 2), ("Upsample", 1)})
-BASES = {"fp16": FLOAT16, "bf16": BFLOAT16}
+BASES: dict[str, int] = {Precision.fp16: FLOAT16, Precision.bf16: BFLOAT16}
 PASS_VERSION = "qdq-base-v2"  # v2: fp32 islands kept; bf16 bases
 
 
@@ -62,7 +63,7 @@ class _Casts:
     def of(self, name: str, to: int) -> str:
         key = (name, to)
         if key not in self.made:
-            suffix = {FLOAT: "fp32", FLOAT16: "fp16", BFLOAT16: "bf16"}[to]
+            suffix = {FLOAT: Precision.fp32, FLOAT16: Precision.fp16, BFLOAT16: Precision.bf16}[to]
             self.made[key] = f"{name}__{suffix}"
             self.pending.append(helper.make_node("Cast", [name], [self.made[key]], to=to,
                                                  name=f"{name}__{suffix}_cast"))
@@ -73,7 +74,7 @@ class _Casts:
         return out
 
 
-def qdq_over_precision(model: onnx.ModelProto, precision: str = "fp16", base_dir: str | Path = "") -> onnx.ModelProto:
+def qdq_over_precision(model: onnx.ModelProto, precision: str = Precision.fp16, base_dir: str | Path = "") -> onnx.ModelProto:
     """The model with its float32 compute made `precision` (fp16 | bf16) but for its fp32 islands, fp32 I/O
     kept (in place; returned)."""
     if precision not in BASES:
@@ -110,7 +111,7 @@ def qdq_over_precision(model: onnx.ModelProto, precision: str = "fp16", base_dir
                     attribute.t.CopyFrom(_lowered(attribute.t, base, low))
 
     # float outputs computed in the low type: the producer writes `<name>__<low>`, a Cast gives the fp32 output
-    suffix = {FLOAT16: "fp16", BFLOAT16: "bf16"}[low]
+    suffix = {FLOAT16: Precision.fp16, BFLOAT16: Precision.bf16}[low]
     output_casts: list[onnx.NodeProto] = []
     for value in graph.output:
         if types.get(value.name, value.type.tensor_type.elem_type) == FLOAT and value.name not in fp32:
@@ -139,14 +140,14 @@ def qdq_over_precision(model: onnx.ModelProto, precision: str = "fp16", base_dir
 
 def qdq_over_fp16(model: onnx.ModelProto, base_dir: str | Path = "") -> onnx.ModelProto:
     """`qdq_over_precision(model, "fp16")`: the UNet families' Q/DQ base."""
-    return qdq_over_precision(model, "fp16", base_dir)
+    return qdq_over_precision(model, Precision.fp16, base_dir)
 
 
 def _digest(onnx_path: Path, precision: str) -> str:
     return hashlib.sha256(f"{PASS_VERSION}:{precision}:{onnx_sha256(onnx_path)}".encode()).hexdigest()[:16]
 
 
-def qdq_base_onnx(onnx_path: str | Path, cache_dir: str | Path, precision: str = "fp16") -> Path:
+def qdq_base_onnx(onnx_path: str | Path, cache_dir: str | Path, precision: str = Precision.fp16) -> Path:
     """`<cache_dir>/<key>/model.onnx`: the Q/DQ-over-`precision` form of a quantized ONNX, made once per source
     and base (keyed on its content hash and this pass's version) and committed by renaming a finished folder,
     so a half-written one is never used."""
@@ -174,4 +175,4 @@ def qdq_base_onnx(onnx_path: str | Path, cache_dir: str | Path, precision: str =
 
 
 def qdq_fp16_onnx(onnx_path: str | Path, cache_dir: str | Path) -> Path:
-    return qdq_base_onnx(onnx_path, cache_dir, "fp16")
+    return qdq_base_onnx(onnx_path, cache_dir, Precision.fp16)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...precision import Precision, float_dtype
 from ..base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
 
 # build.tensorrt settings that become `tensorrt_<name>` build options when not their default
@@ -54,7 +55,7 @@ class TensorRTTarget(TargetBase):
         """The ONNX export a `precision` engine is built from (strongly typed: the graph's dtypes are the
         engine's): fp32, fp16 and bf16 graphs (fp32 I/O) for those precisions; fp8/int8 engines are built
         from the quantize stage's Q/DQ graph, converted to Q/DQ over the family's base, fp16 or bf16 (`engine_onnx`, `qdq_fp16.py`)."""
-        return precision if precision in ("fp32", "fp16", "bf16") else "fp32"
+        return precision if float_dtype(precision) else Precision.fp32
 
     def build_options(self, config) -> dict:
         settings = config.build.tensorrt
@@ -145,8 +146,9 @@ class TensorRTTarget(TargetBase):
         """Refit the plan from its base ONNX (so no earlier LoRA stays behind), then `weights` over it, and
         save it in place with the manifest recording what it now holds (`refit`: None means base again)."""
         from ...lora import RefitMap, refit_weights_for_tensorrt
+        from ...precision import is_quantized
         from . import engine as trt_engine
-        from .precision import QUANTIZED_PRECISIONS, qdq_base_precision
+        from .precision import qdq_base_precision
 
         onnx_path = source_onnx()
         # the ONNX the plan was built from (for fp8/int8: Q/DQ over its base); the plan is
@@ -155,7 +157,7 @@ class TensorRTTarget(TargetBase):
         check_refit_base(engine.manifest, base_onnx)
         refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
         loaded = trt_engine.load_engine(engine.path, spec=engine.spec, for_refit=True)
-        if engine.spec.precision in QUANTIZED_PRECISIONS:  # weights with their recomputed scales, over the Q/DQ base
+        if is_quantized(engine.spec.precision):  # weights with their recomputed scales, over the Q/DQ base
             arrays = (refit_weights_for_tensorrt(refit_map, weights, precision=qdq_base_precision(engine.spec))
                       if weights else {})
             trt_engine.refit_quantized_from_base(loaded, base_onnx, arrays)
@@ -187,9 +189,10 @@ class TensorRTTarget(TargetBase):
 
 def _engine_onnx(spec, onnx_path: Path, workspace: Path) -> Path:
     from ...onnx_facts import onnx_compute_dtype
-    from .precision import QUANTIZED_PRECISIONS, qdq_base_precision
+    from ...precision import is_quantized
+    from .precision import qdq_base_precision
 
-    if spec.precision in QUANTIZED_PRECISIONS and onnx_compute_dtype(onnx_path) == "float32":
+    if is_quantized(spec.precision) and onnx_compute_dtype(onnx_path) == "float32":
         from .qdq_fp16 import qdq_base_onnx
 
         base = qdq_base_precision(spec)
