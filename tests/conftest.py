@@ -85,14 +85,15 @@ def built_sd15(tmp_path_factory, tiny_sd15_dir, write_engines_yaml) -> Path:
 @pytest.fixture(scope="session")
 def built_sd15_workflows(tmp_path_factory, tiny_sd15_dir, write_engines_yaml) -> Path:
     """engines.yaml of the tiny sd15 model declaring txt2img, img2img and inpaint (so a VAE encoder engine too),
-    fp32, with every onnxruntime and openvino engine built. Shared by the workflow parity, preflight and Triton
-    tests; treat it as read-only."""
+    fp32, a refit LoRA, with every onnxruntime and openvino engine built. Shared by the workflow parity, preflight
+    and Triton tests; treat it as read-only."""
     from trt_diffusion import api
 
     config = write_engines_yaml(
         tmp_path_factory.mktemp("built-sd15-workflows"), tiny_sd15_dir, "sd15",
         workflows=["txt2img", "img2img", "inpaint"], targets=["onnxruntime", "openvino"],
         precision={"text_encoder": "fp32", "unet": "fp32", "vae_decoder": "fp32"},
+        loras={"style": {"source": str(tiny_sd15_dir / "lora/pytorch_lora_weights.safetensors"), "mode": "refit"}},
     )
     report = api.build(config)
     if report.failed:

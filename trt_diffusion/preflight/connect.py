@@ -84,7 +84,8 @@ def in_process(config: EnginesConfig, engines: Engines, *, table=None, honour_de
     buckets = [b for b in model.buckets if any(e.spec.bucket == b for e in usable)]
     return InProcessDeployment(naming.entry_name(naming.sanitize(engines.model)), model.family.value,
                                model.source.path, table if table is not None else table_from_engines(usable),
-                               [e.spec.key for e in usable], buckets, honour_deadline=honour_deadline)
+                               [e.spec.key for e in usable], buckets, honour_deadline=honour_deadline,
+                               workflows=model.workflows)
 
 
 def start_served(config: EnginesConfig, engines: Engines, *, protocol: str, work_dir: Path,

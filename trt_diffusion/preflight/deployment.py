@@ -158,7 +158,7 @@ class InProcessDeployment(Deployment):
     """EnginePipeline over a RunnerTable, in this process. No queue and no server: the overload check is n/a."""
 
     def __init__(self, pipeline: str, family: str, model_dir, table, engine_keys: list[str], buckets: list[Bucket],
-                 *, honour_deadline: bool = True, instances: int = 2):
+                 *, honour_deadline: bool = True, instances: int = 2, workflows=None):
         from ..runtime.engines import RunnerTable
         from ..runtime.pipeline import EnginePipeline
 
@@ -169,7 +169,7 @@ class InProcessDeployment(Deployment):
                                                          and entry.controlnet is None, honour_deadline),
                         bucket=entry.bucket, batch=entry.batch, controlnet=entry.controlnet)
         self.table = wrapped
-        self.engine_pipeline = EnginePipeline(model_dir, family, wrapped)
+        self.engine_pipeline = EnginePipeline(model_dir, family, wrapped, workflows)
         controlnets = sorted({e.controlnet for e in table.entries if e.controlnet})
         served = [ServedBucket(b.label, b.opt, b.max) for b in buckets]
         super().__init__("in-process", pipeline, str(family), served, controlnets, sorted(engine_keys),
@@ -186,7 +186,9 @@ class InProcessDeployment(Deployment):
                 guidance_scale=request.guidance_scale, seed=request.seed, negative_prompt=request.negative_prompt,
                 scheduler=request.scheduler or "default", controlnet=request.controlnet,
                 control_image=request.control_image,
-                controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale)).images[0]
+                controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale,
+                workflow=request.workflow, init_image=request.init_image, mask=request.mask,
+                strength=request.strength)).images[0]
         except _Cancelled:
             raise RequestCancelled(f"in process: deadline of {timeout_s:g} s passed") from None
         finally:

@@ -11,10 +11,13 @@ import numpy as np
 
 from ...engines_file import EnginesConfig
 from ...engines_file.preflight import PreflightSettings
+from ...sample_inputs import init_image, inpaint_mask
 from ...triton.client import ImageRequest
+from ...workflows import Workflow
 from ..deployment import Deployment
 
 PROMPT = "a lighthouse on a cliff at dusk"
+STRENGTH = 0.6  # img2img/inpaint requests of the checks: most of the schedule, from a recognisable start
 
 
 @dataclass
@@ -34,14 +37,22 @@ class CheckContext:
     def resolved_model(self):
         return self.config.models[self.model]
 
+    @property
+    def workflows(self) -> tuple[Workflow, ...]:
+        """The workflows engines.yaml declares for the model: the checks that run per workflow loop over them."""
+        return self.resolved_model.workflows
+
     def remaining(self, floor: float = 1.0) -> float:
         """Seconds left before the check's timeout (at least `floor`): the bound for a request's own timeout."""
         return max(floor, self.deadline - time.monotonic())
 
-    def request(self, size=None, **values) -> ImageRequest:
+    def request(self, size=None, workflow: Workflow = Workflow.txt2img, **values) -> ImageRequest:
+        """An ImageRequest at `size` (the first bucket's); an image workflow's gets the seeded init image (and
+        mask) of its seed and the checks' strength."""
         size = size or self.deployment.buckets[0].request
         fields = dict(prompt=PROMPT, height=size.height, width=size.width, steps=4, guidance_scale=7.5, seed=0)
         fields.update(values)
+        fields.update(workflow_fields(workflow, size.height, size.width, fields["seed"]))
         return ImageRequest(**fields)
 
     def generate(self, request: ImageRequest, timeout_s: float | None = None) -> np.ndarray:
@@ -77,6 +88,23 @@ class Check:
     name: str
     title: str
     run: Callable[[CheckContext], Outcome]
+
+
+def workflow_fields(workflow: Workflow, height: int, width: int, seed: int) -> dict:
+    """The request fields of a workflow: none for txt2img (its requests stay as before workflows)."""
+    if workflow is Workflow.txt2img:
+        return {}
+    fields = {"workflow": workflow.value, "init_image": init_image(height, width, seed)}
+    if workflow.needs_mask:
+        fields["mask"] = inpaint_mask(height, width, seed)
+    if workflow.takes_strength:
+        fields["strength"] = STRENGTH
+    return fields
+
+
+def workflow_label(workflow: Workflow) -> str:
+    """'' for txt2img (its rows and messages read as before), else ' (img2img)'."""
+    return "" if workflow is Workflow.txt2img else f" ({workflow.value})"
 
 
 def control_image(height: int, width: int, seed: int = 0) -> np.ndarray:

@@ -8,21 +8,23 @@ import numpy as np
 
 from ...errors import TrtDiffusionError
 from ...families import family_info
-from .base import Check, CheckContext, Outcome, control_image, mean_abs_diff
+from .base import Check, CheckContext, Outcome, control_image, mean_abs_diff, workflow_fields, workflow_label
 
 
 def run(ctx: CheckContext) -> Outcome:
     settings = ctx.settings.plugins
     outcome = Outcome(summary="", thresholds={"min_change": settings.min_change, "min_mean": settings.min_mean})
     for name in ctx.deployment.controlnets:
-        for bucket in ctx.deployment.buckets:
-            size = bucket.request
-            plain = ctx.request(size, steps=settings.steps, seed=21)
-            base = ctx.generate(plain)
-            image = ctx.generate(ctx.request(size, steps=settings.steps, seed=21, controlnet=name,
-                                             control_image=control_image(size.height, size.width, 21),
-                                             controlnet_scale=1.0))
-            _judge(outcome, settings, f"ControlNet {name}", bucket.label, ctx.deployment.kind, base, image, True)
+        for workflow in ctx.workflows:
+            for bucket in ctx.deployment.buckets:
+                size = bucket.request
+                plain = ctx.request(size, workflow, steps=settings.steps, seed=21)
+                base = ctx.generate(plain)
+                image = ctx.generate(ctx.request(size, workflow, steps=settings.steps, seed=21, controlnet=name,
+                                                 control_image=control_image(size.height, size.width, 21),
+                                                 controlnet_scale=1.0))
+                _judge(outcome, settings, f"ControlNet {name}", bucket.label + workflow_label(workflow),
+                       ctx.deployment.kind, base, image, True)
     for lora_name, lora in sorted(ctx.resolved_model.loras.items()):
         for target in ctx.resolved_model.targets:
             _lora_in_process(ctx, outcome, settings, lora_name, lora, target)
@@ -85,7 +87,7 @@ def _pipeline(model, engines, make_runner, flags):
 
     make = make_runner or runner_for
     return EnginePipeline(model.source.path, model.family,
-                             table_from_engines(engines, lambda e: _FiniteProbe(make(e), flags)))
+                          table_from_engines(engines, lambda e: _FiniteProbe(make(e), flags)), model.workflows)
 
 
 def _lora_in_process(ctx: CheckContext, outcome: Outcome, settings, lora_name: str, lora, target: str) -> None:
@@ -126,16 +128,18 @@ def _lora_in_process(ctx: CheckContext, outcome: Outcome, settings, lora_name: s
     flags: list = []
     base_pipe = _pipeline(model, base_engines, None, [])
     lora_pipe = _pipeline(model, lora_engines, make, flags)
-    for bucket in model.buckets:
-        if not any(e.spec.bucket == bucket for e in lora_engines):
-            continue
-        size = bucket.opt
-        request = GenerationRequest(prompt="a portrait of a cat", height=size.height, width=size.width,
-                                    steps=settings.steps, seed=21)
-        base = base_pipe.generate(request).images[0]
-        image = lora_pipe.generate(request).images[0]
-        _judge(outcome, settings, f"LoRA {lora_name}", f"{target} {precision} {bucket.label}", f"in process, {kind}",
-               base, image, not flags)
+    for workflow in model.workflows:  # a LoRA combines with every workflow (inpaint + refit LoRA included)
+        for bucket in model.buckets:
+            if not any(e.spec.bucket == bucket for e in lora_engines):
+                continue
+            size = bucket.opt
+            request = GenerationRequest(prompt="a portrait of a cat", height=size.height, width=size.width,
+                                        steps=settings.steps, seed=21,
+                                        **workflow_fields(workflow, size.height, size.width, 21))
+            base = base_pipe.generate(request).images[0]
+            image = lora_pipe.generate(request).images[0]
+            _judge(outcome, settings, f"LoRA {lora_name}", f"{target} {precision} {bucket.label}"
+                   f"{workflow_label(workflow)}", f"in process, {kind}", base, image, not flags)
 
 
 CHECK = Check("plugins", "Plugin compatibility", run)

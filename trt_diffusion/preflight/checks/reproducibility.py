@@ -4,23 +4,25 @@ batch of 2 gives the image it gives alone (in process: the served entry takes on
 from __future__ import annotations
 
 from ...families import family_info
-from .base import Check, CheckContext, Outcome, max_abs_diff
+from .base import Check, CheckContext, Outcome, max_abs_diff, workflow_fields, workflow_label
 
 
 def run(ctx: CheckContext) -> Outcome:
     settings = ctx.settings.reproducibility
     outcome = Outcome(summary="")
     worst = 0
-    for bucket in ctx.deployment.buckets:
-        request = ctx.request(bucket.request, steps=settings.steps, seed=settings.seed, scheduler="euler_a",
-                              negative_prompt="blurry")
-        first, second = ctx.generate(request), ctx.generate(request)
-        diff = max_abs_diff(first, second)
-        worst = max(worst, diff)
-        outcome.rows.append({"bucket": bucket.label, "max_abs_diff": diff, "identical": diff == 0})
-        if diff:
-            outcome.failures.append(f"bucket {bucket.label}: the same request twice gave different images "
-                                    f"(max |diff| {diff} grey levels, seed {settings.seed})")
+    for workflow in ctx.workflows:  # each declared workflow: img2img's encoder sample draws from the seed too
+        for bucket in ctx.deployment.buckets:
+            request = ctx.request(bucket.request, workflow, steps=settings.steps, seed=settings.seed,
+                                  scheduler="euler_a", negative_prompt="blurry")
+            first, second = ctx.generate(request), ctx.generate(request)
+            diff = max_abs_diff(first, second)
+            worst = max(worst, diff)
+            outcome.rows.append({"bucket": bucket.label, "workflow": workflow.value, "max_abs_diff": diff,
+                                 "identical": diff == 0})
+            if diff:
+                outcome.failures.append(f"bucket {bucket.label}{workflow_label(workflow)}: the same request twice "
+                                        f"gave different images (max |diff| {diff} grey levels, seed {settings.seed})")
     outcome.figures["max_abs_diff_same_request"] = worst
     batch = _batch_of_two(ctx, settings)
     outcome.figures.update(batch)
@@ -30,8 +32,9 @@ def run(ctx: CheckContext) -> Outcome:
     outcome.thresholds = {"max_abs_diff": 0}
     if batch.get("batch_na_reason"):
         outcome.notes.append(f"batch of 2: n/a: {batch['batch_na_reason']}")
+    workflows = "" if len(ctx.workflows) == 1 else f" × {len(ctx.workflows)} workflows"
     outcome.summary = (f"same request twice: max |diff| {worst} (must be 0) over {len(ctx.deployment.buckets)} "
-                       f"bucket(s); batch of 2: " + ("n/a" if batch.get("batch_independent") is None else
+                       f"bucket(s){workflows}; batch of 2: " + ("n/a" if batch.get("batch_independent") is None else
                                                      "identical" if batch["batch_independent"] else "differs"))
     return outcome
 
@@ -53,16 +56,20 @@ def _batch_of_two(ctx: CheckContext, settings) -> dict:
     if not needed & set(batches):
         return {"batch_independent": None, "batch_na_reason": f"no {denoiser} engine for a batch of 2 is built"}
     pipeline = EnginePipeline(model.source.path, model.family,
-                                 table_from_engines([e for e in ctx.engines.found if e.spec.lora_variant is None]))
+                              table_from_engines([e for e in ctx.engines.found if e.spec.lora_variant is None]),
+                              model.workflows)
     size = ctx.deployment.buckets[0].request
-    request = GenerationRequest(prompt="a red bicycle", height=size.height, width=size.width, steps=settings.steps,
-                                seed=settings.seed)
     from dataclasses import replace
 
-    alone = pipeline.generate(request).images[0]
-    pair = pipeline.generate(replace(request, batch=2)).images[0]
-    diff = max_abs_diff(alone, pair)
-    return {"batch_independent": diff <= 1, "max_abs_diff_batch": diff}
+    worst = 0
+    for workflow in model.workflows:
+        request = GenerationRequest(prompt="a red bicycle", height=size.height, width=size.width,
+                                    steps=settings.steps, seed=settings.seed,
+                                    **workflow_fields(workflow, size.height, size.width, settings.seed))
+        alone = pipeline.generate(request).images[0]
+        pair = pipeline.generate(replace(request, batch=2)).images[0]
+        worst = max(worst, max_abs_diff(alone, pair))
+    return {"batch_independent": worst <= 1, "max_abs_diff_batch": worst}
 
 
 CHECK = Check("reproducibility", "Fixed-seed reproducibility", run)
