@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -246,3 +247,55 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
         strength=request.strength)).images[0]
         for i in range(request.num_images or 1)]
     return np.stack(images), model
+
+
+def package(config_path: str | Path, out_dir: str | Path = "triton_repo", target: str = "onnxruntime", *,
+            model: str | None = None, options=None, lora_variant: str | None = None,
+            verify_keys: Sequence[str | Path] = (), release: str | Path | None = None):
+    """A Triton model repository serving the built engines of one model of engines.yaml (triton/stage.py): engine
+    models from each target's `triton_model`, the entry and its BLS loop, the ensemble, warm-up. `verify_keys`:
+    package only engines a signed release manifest covers."""
+    from .triton import stage
+
+    return stage.package_stage(config_path, out_dir, target, model=model, options=options,
+                               lora_variant=lora_variant, verify_keys=verify_keys, release=release)
+
+
+def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
+          metrics_port: int | None = 8002, first_request: bool = True, on_ready=None, admin_apis: bool = False,
+          verify_keys: Sequence[str | Path] = ()):
+    """tritonserver on a packaged repository (127.0.0.1) until Ctrl-C or SIGTERM: `on_ready(report)` once every
+    model is ready and warm; the warm-up report, or None when stopped before the server was ready."""
+    from .triton import stage
+
+    return stage.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                       first_request=first_request, on_ready=on_ready, admin_apis=admin_apis,
+                       verify_keys=verify_keys)
+
+
+def generate(request, *, url: str = "127.0.0.1:8000", protocol: str = "http", pipeline: str | None = None,
+             timeout_s: float = 300.0, config: str | Path | None = None, model: str | None = None,
+             target: str = "onnxruntime", on_preview=None, preview_every: int = 5):
+    """Images for one `triton.client.ImageRequest`: (images uint8 [N, H, W, 3], the server's response parameters,
+    the pipeline's name). From the server at `url` (`pipeline`: its model, default the only one); with
+    `on_preview(step, image)`, streamed over gRPC from `<pipeline>_stream`, one image, a preview every
+    `preview_every` steps; with `config` (engines.yaml), from its built engines in this process (no parameters)."""
+    if config is not None:
+        images, name = generate_in_process(config, request, model=model, target=target)
+        return images, {}, name
+    if on_preview is not None:
+        from .triton.client import connect, find_pipeline, stream
+
+        if pipeline is None:
+            client = connect(url, "grpc", 60.0)
+            try:
+                pipeline = find_pipeline(client, url)
+            finally:
+                client.close()
+        image, _, parameters = stream(url, request, model=f"{pipeline}_stream", preview_every=preview_every,
+                                      timeout_s=timeout_s, on_preview=on_preview)
+        return image[None], parameters, pipeline
+    from .triton.client import generate_images
+
+    images, parameters = generate_images(url, request, pipeline=pipeline, protocol=protocol, timeout_s=timeout_s)
+    return images, parameters, pipeline

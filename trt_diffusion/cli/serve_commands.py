@@ -53,7 +53,7 @@ def package_command(
         "over batch-N engines); default: what one call of the biggest UNet engine takes with CFG (batch 8: 4)")]
     = None,
     batch_delay_ms: Annotated[float, typer.Option("--batch-delay-ms", min=0, max=10000, help="longest wait for "
-                                                  "batch partners (0 where the engines are batch 1 only)")] = 5.0,
+                                                  "batch partners (0 where the engines are batch 1 only and --batch-requests is not set)")] = 5.0,
     max_images: Annotated[int, typer.Option("--max-images", min=1, help="NUM_IMAGES of one request at most")] = 8,
     stream: Annotated[bool, typer.Option("--stream/--no-stream",
                                          help="also write <pipeline>_stream (gRPC streaming, previews)")] = True,
@@ -61,16 +61,16 @@ def package_command(
                                                            "signed release manifest covers (repeatable)")] = None,
 ):
     """Write a Triton model repository serving the built engines of one model."""
+    from .. import api
     from ..triton.repository import PackageOptions
-    from ..triton.stage import package_stage
 
     options = PackageOptions(engine_backend=engine_backend.value, pipeline_instances=instances,
                              engine_instances=engine_instances, max_queue_size=max_queue_size,
                              queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble,
                              batch_requests=batch_requests, batch_delay_ms=batch_delay_ms, max_images=max_images,
                              stream=stream)
-    report = package_stage(config, out, check_target_name(target), model=model, options=options,
-                           verify_keys=verify_keys or ())
+    report = api.package(config, out, check_target_name(target), model=model, options=options,
+                         verify_keys=verify_keys or ())
     table = Table(title=f"Triton repository {report.repo}")
     for column in ("model", "role", "backend", "component", "bucket", "batch", "warm-up shapes"):
         table.add_column(column)
@@ -103,7 +103,7 @@ def serve_command(
     = None,
 ):
     """Run tritonserver on the repository (127.0.0.1) until Ctrl-C."""
-    from ..triton.stage import serve
+    from .. import api
 
     def announce(report) -> None:
         console.print(f"ready in {report.seconds_to_ready:.1f} s ({len(report.models_ready)} models, all warm)")
@@ -117,9 +117,9 @@ def serve_command(
     if admin_apis:
         console.print("[yellow]note:[/yellow] --admin-apis: shared-memory, trace and logging APIs are open to every "
                       "client that reaches the ports")
-    warmup = serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                   first_request=first_request, on_ready=announce, admin_apis=admin_apis,
-                   verify_keys=verify_keys or ())
+    warmup = api.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                       first_request=first_request, on_ready=announce, admin_apis=admin_apis,
+                       verify_keys=verify_keys or ())
     console.print("stopped" if warmup else "stopped before the server was ready (tritonserver and its stubs too)")
 
 
@@ -176,6 +176,7 @@ def generate_command(
     with its request in the PNG's text (A1111 `parameters` and JSON)."""
     import time
 
+    from .. import api
     from ..errors import ServeError
     from ..image_files import ImageParameters, output_paths, read_png_parameters, save_png
     from ..triton.client import ImageRequest
@@ -216,21 +217,15 @@ def generate_command(
                            workflow=workflow, init_image=init_image, mask=mask_array, strength=strength)
     paths = output_paths(output, num_images, overwrite=overwrite)
     start = time.perf_counter()
-    parameters: dict = {}
-    if config is not None:
-        from .. import api
-
-        images, pipeline = api.generate_in_process(config, request, model=model, target=target)
-    elif preview is not None:
+    on_preview = None
+    if config is None and preview is not None:
         if transport is not Transport.grpc or num_images > 1:
             raise ServeError("--preview streams over gRPC, one image at a time: use --url grpc://HOST:8001 and no "
                              "--num-images (HTTP has no streaming in Triton)")
-        images, parameters, pipeline = _streamed(url, request, pipeline, preview, preview_every, timeout_s)
-    else:
-        from ..triton.client import generate_images
-
-        images, parameters = generate_images(url, request, pipeline=pipeline, protocol=transport.value,
-                                             timeout_s=timeout_s)
+        on_preview = _preview_saver(preview)
+    images, parameters, pipeline = api.generate(request, url=url, protocol=transport.value, pipeline=pipeline,
+                                                timeout_s=timeout_s, config=config, model=model, target=target,
+                                                on_preview=on_preview, preview_every=preview_every)
     for i, (path, picture) in enumerate(zip(paths, images)):
         save_png(picture, path, ImageParameters(
             prompt=prompt, width=width, height=height, steps=steps, guidance_scale=guidance_scale, seed=seed + i,
@@ -320,11 +315,9 @@ def _control_image(path: Path, width: int, height: int):
         raise ConfigError(f"--control-image {path}: not a readable image ({exc})") from None
 
 
-def _streamed(url: str, request, pipeline: str | None, preview: Path, preview_every: int, timeout_s: float):
-    """(images [1, H, W, 3], response parameters, pipeline) from the streaming entry, saving each preview."""
+def _preview_saver(preview: Path):
+    """`on_preview(step, image)` for a streamed request: each preview saved in the folder, and said."""
     from PIL import Image
-
-    from ..triton.client import connect, find_pipeline, stream
 
     preview.mkdir(parents=True, exist_ok=True)
 
@@ -332,15 +325,7 @@ def _streamed(url: str, request, pipeline: str | None, preview: Path, preview_ev
         Image.fromarray(picture).save(preview / f"step-{step:04d}.png")
         console.print(f"preview {preview / f'step-{step:04d}.png'}", soft_wrap=True, highlight=False)
 
-    if pipeline is None:
-        client = connect(url, "grpc", 60.0)
-        try:
-            pipeline = find_pipeline(client, url)
-        finally:
-            client.close()
-    image, _, parameters = stream(url, request, model=f"{pipeline}_stream", preview_every=preview_every,
-                                  timeout_s=timeout_s, on_preview=save)
-    return image[None], parameters, pipeline
+    return save
 
 
 COMMANDS = {"package": package_command, "serve": serve_command, "generate": generate_command}
