@@ -136,7 +136,7 @@ def test_baseline_of_other_engines(preflight_yaml, tmp_path, capsys):
     config = load_engines_file(path)
     keys = [e.spec.key for e in connect.servable(connect.find_engines(config, "sd15-tiny", "onnxruntime"))]
     quality = config.preflight.quality
-    images = {(p, s): np.zeros((64, 64, 3), np.uint8) for p in quality.prompts for s in quality.seeds}
+    images = {("txt2img", p, s): np.zeros((64, 64, 3), np.uint8) for p in quality.prompts for s in quality.seeds}
     save_baseline(Baseline(folder_for(config, "sd15-tiny", config.preflight), "sd15-tiny", "onnxruntime",
                            ["0123456789abcdef", *keys[1:]], "64x64", quality.steps, quality.guidance_scale, images))
     out = tmp_path / "report"  # refused before connecting: the URL is never tried

@@ -67,3 +67,22 @@ def test_the_refit_lora_is_checked_with_every_workflow(workflows_yaml):
     for target in ("onnxruntime", "openvino"):
         assert any(w.startswith(target) and w.endswith("(inpaint)") for w in where), where
         assert any(w.startswith(target) and w.endswith("(img2img)") for w in where), where
+
+
+def test_quality_per_workflow_shows_input_mask_baseline_and_image(workflows_yaml, tmp_path):
+    """A baseline saved for every declared workflow, then compared; the HTML shows the images side by side."""
+    from trt_diffusion.preflight.run import run_preflight
+
+    config = load_engines_file(workflows_yaml)
+    saved = run_preflight(config, only=["quality"], save_baseline=True, in_process=True, target="onnxruntime",
+                          out_dir=tmp_path / "first")
+    assert saved.baseline is not None
+    run = run_preflight(config, only=["quality"], in_process=True, target="onnxruntime", out_dir=tmp_path / "report")
+    (check,) = run.report.checks
+    assert check.status == "pass", check.failures
+    rows = {row["workflow"]: row for row in check.rows}
+    assert set(rows) == {"txt2img", "img2img", "inpaint"}
+    assert {"input", "mask", "baseline", "image"} <= set(rows["inpaint"]) and "input" not in rows["txt2img"]
+    html = (tmp_path / "report" / "preflight.html").read_text()
+    for name in (rows["inpaint"][c] for c in ("input", "mask", "baseline", "image")):
+        assert (tmp_path / "report" / name).is_file() and f'src="{name}"' in html

@@ -40,7 +40,7 @@ class Baseline:
     size: str
     steps: int
     guidance_scale: float
-    images: dict[tuple[str, int], np.ndarray]  # (prompt, seed) -> uint8 image
+    images: dict[tuple[str, str, int], np.ndarray]  # (workflow, prompt, seed) -> uint8 image
     created_at: str = ""
 
     def describe(self) -> dict:
@@ -53,7 +53,7 @@ def _png_name(index: int) -> str:
 
 
 def load_baseline(folder: Path, *, model: str, engine_keys: list[str], quality, size: str,
-                  config_path) -> Baseline:
+                  config_path, workflows=("txt2img",)) -> Baseline:
     from PIL import Image
 
     path = folder / BASELINE_FILE
@@ -68,7 +68,9 @@ def load_baseline(folder: Path, *, model: str, engine_keys: list[str], quality, 
         images = {}
         for row in raw["images"]:
             with Image.open(folder / row["png"]) as image:
-                images[(row["prompt"], int(row["seed"]))] = np.asarray(image.convert("RGB"), dtype=np.uint8)
+                # baselines saved before workflows hold txt2img images only
+                key = (row.get("workflow", "txt2img"), row["prompt"], int(row["seed"]))
+                images[key] = np.asarray(image.convert("RGB"), dtype=np.uint8)
         baseline = Baseline(folder, raw["model"], raw["target"], list(raw["engine_keys"]), raw["size"],
                             int(raw["steps"]), float(raw["guidance_scale"]), images, raw.get("created_at", ""))
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -82,7 +84,7 @@ def load_baseline(folder: Path, *, model: str, engine_keys: list[str], quality, 
         raise PreflightError(f"the quality baseline at {folder} was saved from other engines ({len(gone)} of its "
                              f"engines are not these, {len(new)} of these are new: e.g. {(new or gone)[:2]}); "
                              f"compare like with like, or save a new baseline with `{save_hint}`")
-    wanted = {(p, s) for p in quality.prompts for s in quality.seeds}
+    wanted = {(str(w), p, s) for w in workflows for p in quality.prompts for s in quality.seeds}
     if set(baseline.images) != wanted or baseline.steps != quality.steps or baseline.size != size \
             or baseline.guidance_scale != quality.guidance_scale:
         raise PreflightError(f"the quality baseline at {folder} has another prompt x seed set ({len(baseline.images)} "
@@ -101,11 +103,11 @@ def save_baseline(baseline: Baseline) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         rows = []
-        for index, ((prompt, seed), pixels) in enumerate(baseline.images.items()):
+        for index, ((workflow, prompt, seed), pixels) in enumerate(baseline.images.items()):
             buffer = io.BytesIO()
             Image.fromarray(np.asarray(pixels, dtype=np.uint8)).save(buffer, format="PNG")
             (staging / _png_name(index)).write_bytes(buffer.getvalue())
-            rows.append({"prompt": prompt, "seed": seed, "png": _png_name(index)})
+            rows.append({"workflow": workflow, "prompt": prompt, "seed": seed, "png": _png_name(index)})
         document = {"schema_version": BASELINE_SCHEMA_VERSION, "created_at": datetime.now(UTC).isoformat(),
                     "model": baseline.model, "target": baseline.target, "engine_keys": sorted(baseline.engine_keys),
                     "size": baseline.size, "steps": baseline.steps, "guidance_scale": baseline.guidance_scale,

@@ -51,8 +51,19 @@ def _columns(check: CheckResult) -> list[str]:
     return list(dict.fromkeys(key for row in check.rows for key in row))
 
 
-def write_report(report: PreflightReport, out_dir: str | Path) -> ReportFiles:
+def write_report(report: PreflightReport, out_dir: str | Path, images=None) -> ReportFiles:
+    """`images`: PNG name (relative, as the report's rows give it) -> uint8 pixels, written before the report."""
+    import io
+
+    from PIL import Image
+
+    from ..parity.report.model import relative_png_name
+
     out = Path(out_dir)
+    for name, pixels in (images or {}).items():
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        _write_atomically(out / relative_png_name(name), buffer.getvalue())
     schema = _write_atomically(out / REPORT_SCHEMA, json.dumps(PreflightReport.model_json_schema(), indent=2).encode())
     html = _write_atomically(out / REPORT_HTML, render_html(report).encode())
     path = _write_atomically(out / REPORT_JSON, report.model_dump_json(indent=2).encode())

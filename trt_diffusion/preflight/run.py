@@ -92,7 +92,8 @@ def run_preflight(config: EnginesConfig, *, url: str | None = None, protocol: st
         servable = connect.servable(engines)
         baseline = load_baseline(folder_for(config, model, settings), model=model,
                                  engine_keys=[e.spec.key for e in servable], quality=settings.quality,
-                                 size=str(connect.served_buckets(servable)[0].request), config_path=config.path)
+                                 size=str(connect.served_buckets(servable)[0].request), config_path=config.path,
+                                 workflows=config.models[model].workflows)
     owned = deployment is None
     work_dir = None
     try:
@@ -125,7 +126,7 @@ def run_preflight(config: EnginesConfig, *, url: str | None = None, protocol: st
         written_baseline = None
         if save_baseline and "baseline" in ctx.saved:
             written_baseline = write_baseline(ctx.saved["baseline"])
-        files = write_report(report, out)
+        files = write_report(report, out, ctx.saved.get("report_images", {}))
         return PreflightRun(report, files, written_baseline)
     finally:
         if owned and deployment is not None:

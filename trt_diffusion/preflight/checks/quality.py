@@ -1,12 +1,14 @@
-"""7. Quality regression: a fixed prompt x seed set against the stored baseline (same engine keys), PSNR and SSIM
-per image (LPIPS when its weights are present), gated. `--save-baseline` stores this run's images instead."""
+"""7. Quality regression: a fixed prompt x seed set, for every declared workflow, against the stored baseline
+(same engine keys), PSNR and SSIM per image (LPIPS when its weights are present), gated. `--save-baseline` stores
+this run's images instead. The report shows each image beside its baseline (and the workflow's input and mask)."""
 
 from __future__ import annotations
 
 from ...metrics import Thresholds
 from ...parity.report.judge import compare_image
+from ...workflows import Workflow
 from ..baseline import Baseline, folder_for
-from .base import Check, CheckContext, Outcome, not_applicable
+from .base import Check, CheckContext, Outcome, not_applicable, workflow_fields
 
 
 def quality_size(ctx: CheckContext):
@@ -17,10 +19,12 @@ def run(ctx: CheckContext) -> Outcome:
     settings = ctx.settings.quality
     size = quality_size(ctx)
     images = {}
-    for prompt in settings.prompts:
-        for seed in settings.seeds:
-            images[(prompt, seed)] = ctx.generate(ctx.request(size, prompt=prompt, seed=seed, steps=settings.steps,
-                                                              guidance_scale=settings.guidance_scale))
+    for workflow in ctx.workflows:
+        for prompt in settings.prompts:
+            for seed in settings.seeds:
+                images[(workflow.value, prompt, seed)] = ctx.generate(ctx.request(
+                    size, workflow, prompt=prompt, seed=seed, steps=settings.steps,
+                    guidance_scale=settings.guidance_scale))
     if ctx.save_baseline:
         ctx.saved["baseline"] = Baseline(folder_for(ctx.config, ctx.model, ctx.settings), ctx.model, ctx.target,
                                          list(ctx.deployment.engine_keys), str(size), settings.steps,
@@ -33,17 +37,27 @@ def run(ctx: CheckContext) -> Outcome:
                             max_lpips=settings.max_lpips)
     outcome = Outcome(summary="", thresholds=thresholds.model_dump())
     worst_psnr, worst_ssim = float("inf"), 1.0
-    for index, ((prompt, seed), image) in enumerate(images.items()):
-        compared = compare_image(prompt=prompt, seed=seed, reference=ctx.baseline.images[(prompt, seed)],
-                                 candidate=image, thresholds=thresholds, reference_png=f"baseline_{index}.png",
-                                 candidate_png=f"candidate_{index}.png",
+    shown = ctx.saved.setdefault("report_images", {})  # PNGs the report shows, written beside it
+    for index, ((workflow, prompt, seed), image) in enumerate(images.items()):
+        baseline = ctx.baseline.images[(workflow, prompt, seed)]
+        compared = compare_image(prompt=prompt, seed=seed, reference=baseline, candidate=image,
+                                 thresholds=thresholds, reference_png=f"quality/{index:03d}_baseline.png",
+                                 candidate_png=f"quality/{index:03d}_candidate.png",
                                  compute_lpips=settings.max_lpips is not None)
         worst_psnr, worst_ssim = min(worst_psnr, compared.psnr_db), min(worst_ssim, compared.ssim)
-        outcome.rows.append({"prompt": prompt, "seed": seed, "psnr_db": compared.psnr_db, "ssim": compared.ssim,
-                             "lpips": compared.lpips, "passed": compared.passed})
+        row = {"workflow": workflow, "prompt": prompt, "seed": seed, "psnr_db": compared.psnr_db,
+               "ssim": compared.ssim, "lpips": compared.lpips, "passed": compared.passed}
+        inputs = workflow_fields(Workflow(workflow), size.height, size.width, seed)
+        for column, pixels in (("input", inputs.get("init_image")), ("mask", inputs.get("mask")),
+                               ("baseline", baseline), ("image", image)):
+            if pixels is not None:
+                row[column] = f"quality/{index:03d}_{column}.png"
+                shown[row[column]] = pixels
+        outcome.rows.append(row)
+        where = "" if workflow == Workflow.txt2img.value else f" ({workflow})"
         for failure in thresholds.image_failures(compared.psnr_db, compared.ssim, compared.lpips,
                                                  compared.lpips_reason):
-            outcome.failures.append(f"prompt {prompt[:40]!r} seed {seed}: {failure}")
+            outcome.failures.append(f"prompt {prompt[:40]!r} seed {seed}{where}: {failure}")
         if compared.lpips is None and settings.max_lpips is not None:
             outcome.notes.append(compared.lpips_reason or "LPIPS not computed")
     outcome.figures = {"images": len(images), "size": str(size), "steps": settings.steps,
