@@ -70,8 +70,9 @@ class PackageOptions:
     warmup_data: str = "zero"  # zero | random (floating inputs only; token ids stay zero)
     ensemble: bool = True  # also write <pipeline>_ensemble and its three stage models
     # Dynamic batching in the entry: one execute gets up to `batch_requests` requests, waiting at most
-    # `batch_delay_ms` for partners; requests of one size/steps/scheduler/CFG/ControlNet share denoiser calls
-    # over the batch-N engines built (none to share with batch [1] only: then no wait). None: what one call
+    # `batch_delay_ms` for partners; requests of one size/steps/scheduler/CFG/ControlNet/workflow/strength share
+    # denoiser calls over the batch-N engines built (none to share with batch [1] only: then no wait, unless
+    # batch_requests is set above 1: no-CFG requests share a batch-2 engine's call). None: what one call
     # of the biggest denoiser engine takes with CFG batched (batch 8 -> 4 requests) — more would run as
     # several calls in one instance while another instance idles.
     batch_requests: int | None = None
@@ -292,6 +293,9 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
               + (["encode", "denoise", "decode"] if options.ensemble else []))
     per_call = _requests_per_denoiser_call(description)
     batch_requests = options.batch_requests or per_call
+    # Wait for partners only where some can share a call: CFG requests on bigger engines, or, when batch_requests
+    # is set above 1, the requests it was set for (no-CFG requests share even batch-2 engines: two rows a call).
+    gathers = per_call > 1 or batch_requests > 1
     plans = []
     for stage in stages:
         name = naming.entry_name(pipeline) if stage == "full" else naming.stage_name(pipeline, stage)
@@ -306,7 +310,7 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
                         "request_sizes": ";".join(request_sizes), "max_images": str(options.max_images),
                         "workflows": ";".join(description.workflows)},
             batch_requests=batch_requests if batching else 1,
-            batch_delay_us=int(options.batch_delay_ms * 1000) if batching and per_call > 1 else 0)
+            batch_delay_us=int(options.batch_delay_ms * 1000) if batching and gathers else 0)
         role = {"full": "entry", "stream": "stream"}.get(stage, "stage")
         record = PackagedModel(name=name, role=role, backend="python")
         plans.append(_ModelPlan(config, record, texts={"model.py": PIPELINE_MODEL_PY}, skeleton=True,
