@@ -67,7 +67,10 @@ class Plan:
                 {"key": s.key, "name": s.name, "model": s.model, "component": s.component, "target": s.target,
                  "precision": s.precision, "batch": s.batch, "bucket": s.bucket.to_json() if s.bucket else None,
                  "controlnet": s.controlnet, "lora": s.lora_variant.name if s.lora_variant else None,
-                 "refittable": s.refittable, "reasons": list(s.reasons)}
+                 "refittable": s.refittable, "reasons": list(s.reasons),
+                 # engine_layout: profiles — the (bucket, batch) of each optimization profile; [] for one shape
+                 "profiles": [{"bucket": m.bucket.to_json() if m.bucket else None, "batch": m.batch}
+                              for m in s.members] if s.profiles else []}
                 for s in self.specs
             ],
         }
@@ -152,6 +155,8 @@ def _formula(members: list[EngineSpec]) -> str:
     def distinct(values):
         return list(dict.fromkeys(values))
 
+    engines = len(members)
+    members = [m for s in members for m in s.members]  # a multi-profile engine counts its shapes
     buckets = distinct(s.bucket.label for s in members if s.bucket)
     batches = distinct(s.batch for s in members)
     variants = distinct(s.lora_variant.name if s.lora_variant else "base" for s in members)
@@ -165,7 +170,10 @@ def _formula(members: list[EngineSpec]) -> str:
     if architectures:
         parts.append(f"{len(architectures)} GPU architecture{'s' if len(architectures) > 1 else ''} "
                      f"({', '.join(architectures)})")
-    return " × ".join(parts)
+    text = " × ".join(parts)
+    if engines < len(members):  # engine_layout: profiles
+        text += f" shapes as {engines} engine{'s' if engines > 1 else ''} with a profile per shape"
+    return text
 
 
 # The modules of the VAE each part exports (as models.loading.count_parameters counts them).

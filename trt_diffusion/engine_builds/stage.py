@@ -194,9 +194,11 @@ def build_request(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> B
 
             build_refit_map(onnx, base_module(config, spec.model, spec.component)).save(destination)
 
-    return BuildRequest(spec=spec, onnx_path=Path(onnx_path), profile=profile_for(config, spec),
+    # a spec with several profiles (engine_layout: profiles): one (min, opt, max) set per member shape, in order
+    first, *rest = spec.members
+    return BuildRequest(spec=spec, onnx_path=Path(onnx_path), profile=profile_for(config, first),
                         workspace=Path(config.workspace), timing_cache_dir=Path(config.timing_cache_dir),
-                        write_refit_map=writer)
+                        write_refit_map=writer, extra_profiles=tuple(profile_for(config, m) for m in rest))
 
 
 _module_lock = threading.Lock()

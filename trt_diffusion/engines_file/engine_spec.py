@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import ConfigError
 from ..families import Component, Family
@@ -95,6 +95,10 @@ class EngineSpec:
     lora_variant: LoraVariant | None = None
     refittable: bool = False
     build_options: tuple[tuple[str, object], ...] = ()  # target/stage options that change the engine
+    # `engine_layout: profiles`: one engine for every (bucket, batch) shape of one weight set, one optimization
+    # profile each, in TensorRT's order; `bucket` and `batch` are then profile 0's. Empty (every per-shape spec):
+    # one shape, `bucket` and `batch`; left out of the key then, so per-shape keys are what they were.
+    profiles: tuple[tuple[Bucket | None, int], ...] = ()
     reasons: tuple[str, ...] = field(default=(), compare=False)  # why it exists; not part of the key
 
     def __post_init__(self) -> None:
@@ -107,13 +111,52 @@ class EngineSpec:
             except ValueError:
                 raise ConfigError(f"unknown {name} {value!r} in the spec of {self.model!r} (known: "
                                   f"{', '.join(member.value for member in kind)})") from None
+        if self.profiles:  # read back from JSON: {"bucket": {...} | None, "batch": n} or [bucket, batch]
+            object.__setattr__(self, "profiles", tuple(_profile_entry(entry) for entry in self.profiles))
 
     def key_fields(self) -> dict:
         fields = asdict(self)
         fields.pop("reasons")
         fields["bucket"] = self.bucket.to_json() if self.bucket else None
+        fields.pop("profiles")
+        if self.profiles:
+            fields["profiles"] = [{"bucket": b.to_json() if b else None, "batch": n} for b, n in self.profiles]
         fields["schema"] = SPEC_SCHEMA_VERSION
         return fields
+
+    @property
+    def members(self) -> tuple[EngineSpec, ...]:
+        """One per-shape spec per optimization profile, in profile order (the spec itself when it has one shape):
+        what each profile is built and routed for."""
+        if not self.profiles:
+            return (self,)
+        return tuple(replace(self, bucket=bucket, batch=batch, profiles=(), reasons=())
+                     for bucket, batch in self.profiles)
+
+    @property
+    def buckets(self) -> tuple[Bucket | None, ...]:
+        """The distinct buckets the engine serves, in profile order."""
+        return tuple(dict.fromkeys(member.bucket for member in self.members))
+
+    @property
+    def batches(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(member.batch for member in self.members))
+
+    def weight_set_fields(self) -> dict:
+        """What the engine's weights depend on: every key field but the shapes (bucket, batch, profiles)."""
+        fields = self.key_fields()
+        for name in ("bucket", "batch", "profiles"):
+            fields.pop(name, None)
+        return fields
+
+    @classmethod
+    def with_profiles(cls, specs: tuple[EngineSpec, ...] | list[EngineSpec]) -> EngineSpec:
+        """One engine for these per-shape specs of one weight set, one optimization profile each (in this order)."""
+        head = specs[0]
+        if any(s.weight_set_fields() != head.weight_set_fields() or s.profiles for s in specs):
+            raise ValueError("only per-shape specs of one weight set share an engine")
+        reasons = tuple(dict.fromkeys(r for s in specs for r in s.reasons))
+        return replace(head, profiles=tuple((s.bucket, s.batch) for s in specs), reasons=reasons)
 
     @property
     def key(self) -> str:
@@ -128,9 +171,13 @@ class EngineSpec:
             parts.append(self.controlnet)
         if self.lora_variant:
             parts.append(f"lora-{self.lora_variant.name}")
-        if self.bucket:
-            parts.append(self.bucket.label.replace("..", "-"))
-        parts += [f"b{self.batch}", self.precision]
+        if self.profiles:  # one engine, a profile per shape: the shapes are its manifest's, not its name's
+            parts.append(f"{len(self.profiles)}profiles")
+        else:
+            if self.bucket:
+                parts.append(self.bucket.label.replace("..", "-"))
+            parts.append(f"b{self.batch}")
+        parts.append(self.precision)
         if self.option("architecture"):  # a GPU architecture the engine is built for (tensorrt)
             parts.append(str(self.option("architecture")))
         # One path component whatever the names hold (the schema already refuses unsafe names).
@@ -138,3 +185,13 @@ class EngineSpec:
 
     def option(self, name: str, default=None):
         return dict(self.build_options).get(name, default)
+
+
+def _profile_entry(entry) -> tuple[Bucket | None, int]:
+    if isinstance(entry, dict):
+        bucket, batch = entry.get("bucket"), entry["batch"]
+    else:
+        bucket, batch = entry
+    if isinstance(bucket, dict):
+        bucket = Bucket(*(Size.parse(bucket[k]) for k in ("min", "opt", "max")))
+    return bucket, int(batch)

@@ -11,6 +11,11 @@ Each component depends on a different subset of the dimensions, and only those m
 | vae encoder    | yes    | 1 (one init image per request, encoded once) | no | no |
 
 The denoiser batch is the image batch doubled when CFG runs batched (cond + uncond in one call).
+
+A target that builds one engine per weight set (TensorRT's `build.tensorrt.engine_layout: profiles`,
+`Target.profiles_layout`) gets the per-shape specs of one (model, component, ControlNet, precision, LoRA variant,
+target variant) merged into one spec holding a profile per bucket × batch shape (`EngineSpec.profiles`, in the
+order above: bucket, then batch); a weight set with one shape stays the per-shape spec, key and all.
 """
 
 from __future__ import annotations
@@ -43,7 +48,31 @@ def expand(config: EnginesConfig) -> list[EngineSpec]:
                 reasons = tuple(dict.fromkeys(existing.reasons + spec.reasons))
                 spec = EngineSpec(**{**existing.__dict__, "reasons": reasons})
             specs[spec.key] = spec
-    return list(specs.values())  # file order: model, target, component, bucket
+    return _one_engine_per_weight_set(config, list(specs.values()))  # file order: model, target, component, bucket
+
+
+def _one_engine_per_weight_set(config: EnginesConfig, specs: list[EngineSpec]) -> list[EngineSpec]:
+    """Under a target's profiles layout, the specs that differ only in bucket and batch become one spec with a
+    profile each, where the first of them was; every other spec is left as it is."""
+    from ..target_registry import get_target
+
+    merging = {name for name in dict.fromkeys(s.target for s in specs) if get_target(name).profiles_layout(config)}
+    if not merging:
+        return specs
+    groups: dict[str, list[EngineSpec]] = {}
+    order: list[EngineSpec | str] = []
+    for spec in specs:
+        if spec.target not in merging:
+            order.append(spec)
+            continue
+        weight_set = json.dumps(spec.weight_set_fields(), sort_keys=True, default=str)
+        if weight_set not in groups:
+            groups[weight_set] = []
+            order.append(weight_set)
+        groups[weight_set].append(spec)
+    return [entry if isinstance(entry, EngineSpec)
+            else groups[entry][0] if len(groups[entry]) == 1 else EngineSpec.with_profiles(groups[entry])
+            for entry in order]
 
 
 def _target_variants(config: EnginesConfig, model: ResolvedModel):

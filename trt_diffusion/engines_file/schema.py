@@ -141,6 +141,11 @@ class TensorRTSettings(Strict):
     strip_plan: bool = False  # STRIP_PLAN: plans without weights, refitted from their ONNX at load
     weight_streaming: bool = False  # WEIGHT_STREAMING: weights may stream from host memory within a runner budget
     tf32: bool = True  # TF32 math in fp32 layers
+    # per_shape: one plan per bucket × batch shape, each with every weight; profiles: one engine per weight set
+    # (model, component, ControlNet, precision, LoRA variant, GPU architecture) with one optimization profile per
+    # shape, the weights held once (docs/tensorrt.md). Not a build option: the specs themselves change (one spec
+    # with `profiles` per weight set), so per_shape keys stay what they were.
+    engine_layout: Literal["per_shape", "profiles"] = "per_shape"
 
 
 class FarmSettings(Strict):

@@ -46,7 +46,8 @@ class ExportShapes:
 
 
 def export_shapes(group: ExportGroup, definition: ComponentDef, config: ModelConfig) -> ExportShapes:
-    batches = sorted({spec.batch for spec in group.specs})
+    shapes = [member for spec in group.specs for member in spec.members]  # every profile of a multi-profile spec
+    batches = sorted({spec.batch for spec in shapes})
     batch_range = (batches[0], max(batches[-1], batches[0] + 1))
     if not definition.resolution_dependent:
         parity = tuple(dict.fromkeys([Geometry(batch_range[0]), Geometry(batches[-1]), Geometry(batch_range[1])]))
@@ -54,14 +55,14 @@ def export_shapes(group: ExportGroup, definition: ComponentDef, config: ModelCon
 
     alignment = definition.spatial_alignment(config)
     factor = config.vae_scale_factor
-    sizes = [size for spec in group.specs for size in (spec.bucket.min, spec.bucket.opt, spec.bucket.max)]
+    sizes = [size for spec in shapes for size in (spec.bucket.min, spec.bucket.opt, spec.bucket.max)]
     _check_alignment(group, sizes, factor, alignment)
     step = factor * alignment  # one aligned latent row, in pixels
     widths = _widened([s.width for s in sizes], step)
     heights = _widened([s.height for s in sizes], step)
     low = Geometry(batch_range[0], Size(widths[0], heights[0]))
     high = Geometry(batch_range[1], Size(widths[1], heights[1]))
-    opts = [Geometry(spec.batch, spec.bucket.opt) for spec in group.specs]
+    opts = [Geometry(spec.batch, spec.bucket.opt) for spec in shapes]
     opt = next((g for g in opts if g not in (low, high)), opts[0])  # a third shape where there is one
     ranges = {"batch": batch_range}
     for axis in AXES[1:]:

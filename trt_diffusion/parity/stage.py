@@ -209,8 +209,7 @@ def _batch_independent(pipe, request, table, denoiser) -> bool | None:
 
 def _component_diffs(model, bucket, engines: list[BuiltEngine], runners: dict, reference: RunnerTable, controlnet):
     diffs, failures, failing_engines = [], [], []
-    for engine in engines:
-        spec = engine.spec
+    for engine, spec in ((e, member) for e in engines for member in e.spec.members):  # each profile's shape
         if spec.bucket not in (None, bucket) or spec.controlnet not in (None, controlnet):
             continue
         component = spec.component
@@ -219,7 +218,7 @@ def _component_diffs(model, bucket, engines: list[BuiltEngine], runners: dict, r
         model_config = load_model_config(model.source.path, model.family, component, controlnet_dir=cn_dir)
         geometry = Geometry(spec.batch, bucket.opt if spec.bucket else None)
         feeds = definition.dummy_inputs(model_config, dict(spec.build_options), geometry, seed=1)
-        got = runners[spec.key].run(feeds)
+        got = runners[engine.spec.key].run(feeds)
         ref_runner = reference.find(spec.component, size=None, batch=spec.batch, controlnet=spec.controlnet)
         expected = ref_runner.run({k: v for k, v in feeds.items() if k in ref_runner.inputs})
         for output, value in expected.items():

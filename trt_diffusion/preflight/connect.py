@@ -57,16 +57,17 @@ def find_engines(config: EnginesConfig, model: str, target: str) -> Engines:
 def servable(engines: Engines) -> list:
     """Engines that make whole buckets: a bucket whose denoiser or VAE decoder is missing is left out (the
     buckets check reports it)."""
-    missing_buckets = {s.bucket for s in engines.missing if s.bucket is not None}
-    return [e for e in engines.found if e.spec.bucket is None or e.spec.bucket not in missing_buckets]
+    missing_buckets = {b for s in engines.missing for b in s.buckets if b is not None}
+    return [e for e in engines.found if any(b is None or b not in missing_buckets for b in e.spec.buckets)]
 
 
 def served_buckets(engines: list) -> list[ServedBucket]:
     seen = {}
     for engine in engines:
         spec = engine.spec
-        if spec.component in DENOISERS and spec.bucket is not None and not spec.controlnet:
-            seen.setdefault(spec.bucket.label, ServedBucket(spec.bucket.label, spec.bucket.opt, spec.bucket.max))
+        for bucket in spec.buckets if spec.component in DENOISERS and not spec.controlnet else ():
+            if bucket is not None:
+                seen.setdefault(bucket.label, ServedBucket(bucket.label, bucket.opt, bucket.max))
     return list(seen.values())
 
 
@@ -81,7 +82,7 @@ def in_process(config: EnginesConfig, engines: Engines, *, table=None, honour_de
 
     model = config.models[engines.model]
     usable = servable(engines)
-    buckets = [b for b in model.buckets if any(e.spec.bucket == b for e in usable)]
+    buckets = [b for b in model.buckets if any(b in e.spec.buckets for e in usable)]
     return InProcessDeployment(naming.entry_name(naming.sanitize(engines.model)), model.family.value,
                                model.source.path, table if table is not None else table_from_engines(usable),
                                [e.spec.key for e in usable], buckets, honour_deadline=honour_deadline,

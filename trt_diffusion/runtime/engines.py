@@ -1,4 +1,9 @@
-"""Which runner serves a component at a given size and batch: routing a request to its bucket's engines."""
+"""Which runner serves a component at a given size and batch: routing a request to its bucket's engines.
+
+A multi-profile engine (TensorRT's `engine_layout: profiles`) has one entry per profile: its bucket and batch,
+the one runner, and the profile's index. `route` answers (runner, profile); `find` hands out the runner bound to
+that profile (`ProfileRunner`: the engine runs the request in the profile built for its shape).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import numpy as np
 
 from ..engines_file.engine_spec import Bucket, Size
 from ..errors import RuntimeInputError
-from ..targets.runner_base import Runner
+from ..targets.runner_base import Runner, routed_profile
 
 MAX_DYNAMIC_ROWS = 8  # requests' rows per denoiser call where the engine's batch is dynamic
 
@@ -20,6 +25,16 @@ class RunnerEntry:
     bucket: Bucket | None = None  # None: any size (text encoders, the torch reference)
     batch: int | None = None  # None: any batch
     controlnet: str | None = None
+    profile: int | None = None  # the optimization profile of a multi-profile engine built for this bucket/batch
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request of one component, size and batch runs: the entry's runner, in its profile."""
+
+    runner: Runner
+    profile: int | None
+    batch: int | None  # the engine's batch (larger than the request's when its rows are padded)
 
 
 class RunnerTable:
@@ -27,8 +42,8 @@ class RunnerTable:
         self.entries: list[RunnerEntry] = list(entries or [])
 
     def add(self, component: str, runner: Runner, *, bucket: Bucket | None = None, batch: int | None = None,
-            controlnet: str | None = None) -> None:
-        self.entries.append(RunnerEntry(component, runner, bucket, batch, controlnet))
+            controlnet: str | None = None, profile: int | None = None) -> None:
+        self.entries.append(RunnerEntry(component, runner, bucket, batch, controlnet, profile))
 
     def has(self, component: str, controlnet: str | None = None) -> bool:
         return any(e.component == component and e.controlnet == controlnet for e in self.entries)
@@ -37,6 +52,14 @@ class RunnerTable:
         return {e.batch for e in self._covering(component, size, None)}
 
     def find(self, component: str, *, size: Size | None, batch: int, controlnet: str | None = None) -> Runner:
+        route = self.route(component, size=size, batch=batch, controlnet=controlnet)
+        runner = route.runner
+        if route.batch is not None and route.batch > batch:  # e.g. a no-CFG request (guidance <= 1) on a
+            runner = BatchPaddedRunner(runner, batch, route.batch)  # `cfg: batched` build's batch-2 engines
+        return runner if route.profile is None else ProfileRunner(runner, route.profile)
+
+    def route(self, component: str, *, size: Size | None, batch: int, controlnet: str | None = None) -> Route:
+        """The engine (and, for a multi-profile one, the profile) a call of `batch` rows at `size` runs in."""
         candidates = self._covering(component, size, controlnet)
         if not candidates:
             supported = self.supported_sizes(component, controlnet)
@@ -45,10 +68,10 @@ class RunnerTable:
                 f"supported sizes: {', '.join(supported) or 'none built'}")
         for entry in candidates:
             if entry.batch in (None, batch):
-                return entry.runner
+                return Route(entry.runner, entry.profile, entry.batch)
         larger = sorted((e for e in candidates if e.batch is not None and e.batch > batch), key=lambda e: e.batch)
-        if larger:  # e.g. a no-CFG request (guidance <= 1) on a `cfg: batched` build's batch-2 engines
-            return BatchPaddedRunner(larger[0].runner, batch, larger[0].batch)
+        if larger:
+            return Route(larger[0].runner, larger[0].profile, larger[0].batch)
         have = sorted(e.batch for e in candidates if e.batch is not None)
         raise RuntimeInputError(f"no {component} engine for batch {batch} at {size}; built batches: {have}")
 
@@ -67,6 +90,21 @@ class RunnerTable:
         found = [e for e in self.entries if e.component == component and e.controlnet == controlnet
                  and (e.bucket is None or size is None or e.bucket.covers(size))]
         return sorted(found, key=lambda e: (e.bucket is None, not (e.bucket and e.bucket.is_static)))
+
+
+class ProfileRunner:
+    """One optimization profile of a multi-profile engine: calls run in the profile the table routed their bucket
+    and batch to (`routed_profile`; the runner falls back to the tightest profile holding the shapes)."""
+
+    def __init__(self, runner: Runner, profile: int):
+        self.runner, self.profile = runner, profile
+        self.name = f"{runner.name} (profile {profile})"
+        self.inputs = runner.inputs
+        self.device_tensors = getattr(runner, "device_tensors", False)
+
+    def run(self, feeds):
+        with routed_profile(self.profile):
+            return self.runner.run(feeds)
 
 
 class BatchPaddedRunner:

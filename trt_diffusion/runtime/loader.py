@@ -52,11 +52,16 @@ def runner_for(engine: BuiltEngine, *, weights=None):
 
 
 def table_from_engines(engines: list[BuiltEngine], make_runner=runner_for) -> RunnerTable:
+    """One entry per engine shape: a multi-profile engine (engine_layout: profiles) is one runner with an entry per
+    profile, its bucket, batch and profile index (the table routes a request to (engine, profile))."""
     table = RunnerTable()
     for engine in engines:
         spec = engine.spec
-        table.add(spec.component, make_runner(engine), bucket=spec.bucket, batch=spec.batch,
-                  controlnet=spec.controlnet)
+        runner = make_runner(engine)
+        members = spec.members
+        for index, member in enumerate(members):
+            table.add(spec.component, runner, bucket=member.bucket, batch=member.batch, controlnet=spec.controlnet,
+                      profile=index if len(members) > 1 else None)
     return table
 
 

@@ -31,6 +31,8 @@ class BuildRequest:
     workspace: Path
     timing_cache_dir: Path
     write_refit_map: RefitMapWriter | None = None  # set for refittable specs
+    # a spec with several profiles (`EngineSpec.profiles`): the profiles after `profile`, one per further member
+    extra_profiles: tuple[ProfileShapes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class TritonEngineModel:
     model_file: str | None = None  # the file a non-python backend loads (its default_model_filename)
     notes: tuple[str, ...] = ()  # what the user must know (e.g. which Triton build has this backend)
     parameters: Mapping[str, str] = field(default_factory=dict)  # the backend's config.pbtxt parameters
+    # the optimization profiles the instances run in, as Triton names them ("0", "1", ...): a multi-profile
+    # TensorRT plan (engine_layout: profiles) lists every one, else Triton's TensorRT backend uses profile 0 only
+    profiles: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -114,6 +119,11 @@ class TargetBase:
     def farm_needs(self, spec: EngineSpec) -> dict[str, Any]:
         """Ray resources a build of `spec` needs on a farm (a GPU of its architecture); none by default."""
         return {}
+
+    def profiles_layout(self, config: EnginesConfig) -> bool:
+        """True when this target builds the bucket × batch shapes of one weight set as the optimization profiles of
+        one engine (TensorRT's `engine_layout: profiles`): the spec expansion then merges them. False by default."""
+        return False
 
     def layout_memory(self, specs: list[EngineSpec], weight_bytes_per_engine: int) -> dict[str, int] | None:
         """Device weight memory of these specs' engines under each engine layout the target offers (TensorRT:

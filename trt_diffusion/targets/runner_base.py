@@ -15,12 +15,28 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import RuntimeInputError
 from ..tensors import TensorSpec, is_fixed
+
+# The optimization profile the runtime routed the current call to (a multi-profile TensorRT engine serves several
+# buckets and batches: runtime/engines.py's RunnerTable names which one a request's shape is for). Per thread and
+# task, so wrappers around a runner (padding, probes) pass it through untouched; runners with one profile ignore it.
+ROUTED_PROFILE: ContextVar[int | None] = ContextVar("trt_diffusion_routed_profile", default=None)
+
+
+@contextlib.contextmanager
+def routed_profile(index: int | None) -> Iterator[None]:
+    """Calls inside run in optimization profile `index` of a multi-profile engine, where it holds their shapes."""
+    token = ROUTED_PROFILE.set(index)
+    try:
+        yield
+    finally:
+        ROUTED_PROFILE.reset(token)
 
 
 class Runner(Protocol):

@@ -18,12 +18,16 @@ def sanitize(text: str) -> str:
 
 
 def engine_model_name(pipeline: str, spec: EngineSpec) -> str:
-    """<pipeline>__<component>[__<controlnet>]__<bucket>__b<batch>; text encoders have bucket 'any'."""
+    """<pipeline>__<component>[__<controlnet>]__<bucket>__b<batch>; text encoders have bucket 'any'. A
+    multi-profile engine (engine_layout: profiles) serves several: <pipeline>__<component>[__<controlnet>]__<n>profiles."""
     parts = [pipeline, spec.component]
     if spec.controlnet:
         parts.append(spec.controlnet)
-    parts.append(spec.bucket.label.replace("..", "-") if spec.bucket else "any")
-    parts.append(f"b{spec.batch}")
+    if spec.profiles:
+        parts.append(f"{len(spec.profiles)}profiles")
+    else:
+        parts.append(spec.bucket.label.replace("..", "-") if spec.bucket else "any")
+        parts.append(f"b{spec.batch}")
     return "__".join(sanitize(p) for p in parts)
 
 

@@ -217,23 +217,28 @@ def _tensor_decls(infos, where: str) -> list[TensorDecl]:
 
 
 def _warmup_samples(name: str, manifest: Any, spec: Any) -> list[WarmupSample]:
-    """One sample per distinct (min, opt, max) shape set of the engine's profile: every bucket shape."""
+    """One sample per distinct (min, opt, max) shape set of each of the engine's profiles: every bucket shape (a
+    multi-profile engine's envelope may hold shapes no profile does: each profile is warmed at its own)."""
     data_types = {t.name: configs.triton_type(t.dtype, f"{name} input {t.name!r}") for t in manifest.inputs}
-    profile = dict(manifest.profile_shapes)
+    profiles = [dict(p) for p in getattr(manifest, "profiles", None) or [manifest.profile_shapes]]
+    members = spec.members if len(spec.members) == len(profiles) else [spec] * len(profiles)
     samples: dict[tuple, WarmupSample] = {}
-    for index, which in enumerate(("min", "opt", "max")):
-        shapes = {}
-        for tensor in manifest.inputs:
-            if tensor.name in profile:
-                shapes[tensor.name] = tuple(profile[tensor.name][index])
-            elif all(d >= 0 for d in tensor.shape):
-                shapes[tensor.name] = tuple(tensor.shape)
-            else:
-                raise ServeError(f"{name}: input {tensor.name!r} is dynamic {list(tensor.shape)} and the engine "
-                                 "manifest gives no profile shape to warm it up with")
-        key = tuple(sorted(shapes.items()))
-        label = spec.bucket.label if spec.bucket else "any size"
-        samples.setdefault(key, WarmupSample(f"{label} ({which})", shapes, data_types))
+    for profile, member in zip(profiles, members):
+        label = member.bucket.label if member.bucket else "any size"
+        if len(profiles) > 1:
+            label += f" b{member.batch}"
+        for index, which in enumerate(("min", "opt", "max")):
+            shapes = {}
+            for tensor in manifest.inputs:
+                if tensor.name in profile:
+                    shapes[tensor.name] = tuple(profile[tensor.name][index])
+                elif all(d >= 0 for d in tensor.shape):
+                    shapes[tensor.name] = tuple(tensor.shape)
+                else:
+                    raise ServeError(f"{name}: input {tensor.name!r} is dynamic {list(tensor.shape)} and the engine "
+                                     "manifest gives no profile shape to warm it up with")
+            key = tuple(sorted(shapes.items()))
+            samples.setdefault(key, WarmupSample(f"{label} ({which})", shapes, data_types))
     return list(samples.values())
 
 
@@ -246,6 +251,7 @@ def _engine_plan(pipeline: str, engine: Any, options: PackageOptions) -> _ModelP
         name, inputs=_tensor_decls(manifest.inputs, name), outputs=_tensor_decls(manifest.outputs, name),
         backend=served.backend, model_file=served.model_file, instances=options.engine_instances,
         kind=served.instance_kind, warmup=warmup, random_warmup=options.warmup_data == "random",
+        profiles=served.profiles,
         parameters={**served.parameters, "engine": spec.name, "engine_key": spec.key,
                     "component": spec.component, "target": spec.target})
     record = PackagedModel(
@@ -270,16 +276,18 @@ def _description(pipeline: str, family: Family, built: Sequence[Any], engines: l
     def entries(infos) -> tuple[TensorEntry, ...]:
         return tuple(TensorEntry(t.name, t.dtype, tuple(t.shape)) for t in infos)
 
-    rows = tuple(EngineEntry(plan.config.name, e.spec.component, e.spec.bucket.to_json() if e.spec.bucket else None,
-                             e.spec.batch, e.spec.controlnet, entries(e.manifest.inputs), entries(e.manifest.outputs))
-                 for plan, e in zip(engines, built))
+    # one row per shape: a multi-profile engine (engine_layout: profiles) routes each of its buckets and batches
+    # to its one model, whose engine runs the request in the profile built for its shape
+    rows = tuple(EngineEntry(plan.config.name, e.spec.component, m.bucket.to_json() if m.bucket else None,
+                             m.batch, e.spec.controlnet, entries(e.manifest.inputs), entries(e.manifest.outputs))
+                 for plan, e in zip(engines, built) for m in e.spec.members)
     controlnets = tuple(sorted({e.spec.controlnet for e in built if e.spec.controlnet}))
     return PipelineDescription(pipeline, family.value, rows, controlnets=controlnets, workflows=workflows)
 
 
 def _sizes(built: Sequence[Any], family: Family, which: str) -> list[str]:
     denoiser = FAMILIES[family].denoiser.value
-    buckets = [e.spec.bucket for e in built if e.spec.component == denoiser and e.spec.bucket and not e.spec.controlnet]
+    buckets = [b for e in built if e.spec.component == denoiser and not e.spec.controlnet for b in e.spec.buckets if b]
     return list(dict.fromkeys(b.label if which == "label" else str(b.opt) for b in buckets))
 
 

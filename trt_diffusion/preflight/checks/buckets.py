@@ -15,8 +15,9 @@ def run(ctx: CheckContext) -> Outcome:
     served = {b.label: b for b in ctx.deployment.buckets}
     missing_by_bucket: dict[str, list[str]] = {}
     for spec in ctx.engines.missing:
-        if spec.bucket is not None:
-            missing_by_bucket.setdefault(spec.bucket.label, []).append(spec.name)
+        for bucket in spec.buckets:  # a multi-profile engine (engine_layout: profiles) serves several
+            if bucket is not None:
+                missing_by_bucket.setdefault(bucket.label, []).append(spec.name)
     outcome = Outcome(summary="", thresholds={"max_first_request_s": settings.max_first_request_s})
     worst = None
     for bucket in model.buckets:

@@ -130,7 +130,7 @@ def _lora_in_process(ctx: CheckContext, outcome: Outcome, settings, lora_name: s
     lora_pipe = _pipeline(model, lora_engines, make, flags)
     for workflow in model.workflows:  # a LoRA combines with every workflow (inpaint + refit LoRA included)
         for bucket in model.buckets:
-            if not any(e.spec.bucket == bucket for e in lora_engines):
+            if not any(bucket in e.spec.buckets for e in lora_engines):
                 continue
             size = bucket.opt
             request = GenerationRequest(prompt="a portrait of a cat", height=size.height, width=size.width,

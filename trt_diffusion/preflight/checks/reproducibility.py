@@ -46,8 +46,8 @@ def _batch_of_two(ctx: CheckContext, settings) -> dict:
 
     model = ctx.resolved_model
     denoiser = family_info(model.family).denoiser.value
-    batches = sorted({e.spec.batch for e in ctx.engines.found if e.spec.component == denoiser})
-    cfg_batched = any(e.spec.batch % 2 == 0 for e in ctx.engines.found if e.spec.component == denoiser)
+    batches = sorted({b for e in ctx.engines.found if e.spec.component == denoiser for b in e.spec.batches})
+    cfg_batched = any(b % 2 == 0 for b in batches)
     needed = {4, 2} if cfg_batched else {2}
     if 2 not in model.batch:
         return {"batch_independent": None, "batch_na_reason": (

@@ -391,11 +391,13 @@ def build_engine(
     timing_cache_dir: str | Path,
     refit_map: str | Path | None = None,
     extra_profiles: Sequence[ProfileShapes] = (),
+    profile_labels: Sequence[str] | None = None,
 ) -> EngineManifest:
     """Build one strongly typed engine: the plan at `out_path`, its manifest beside it, the timing cache updated.
 
     `extra_profiles` (engine_layout: profiles): more optimization profiles after `profile_shapes`, one engine
-    holding the weights once for every bucket × batch shape; the manifest records them all.
+    holding the weights once for every bucket × batch shape; the manifest records them all (and `profile_labels`,
+    what each is for).
 
     Everything that can be checked without TensorRT (profile, ONNX inputs, precision vs Q/DQ and vs the
     ONNX's dtypes, the GPU's compute capability) is checked first, so a wrong request fails the same way
@@ -439,6 +441,7 @@ def build_engine(
         flags=flags.to_dict(),
         profile_shapes=shapes,
         profiles=tuple(profiles) if len(profiles) > 1 else None,
+        profile_labels=tuple(profile_labels) if profile_labels and len(profiles) > 1 else None,
         onnx_sha256=digest,
         inputs=_tensor_specs(network.get_input(i) for i in range(network.num_inputs)),
         outputs=_tensor_specs(network.get_output(i) for i in range(network.num_outputs)),

@@ -6,9 +6,11 @@ per (model, component, ControlNet, precision, LoRA variant, build options) with 
 bucket × batch shape: TensorRT still chooses tactics per profile, the weights are held once, and the runner
 selects the profile that fits a request (`IExecutionContext.set_optimization_profile_async`).
 
-Pure decisions, tested on CPU: which specs share an engine (`profile_groups`), what each layout holds in GPU
-memory (`layout_memory`, what `plan` shows), which profile a request runs in (`select_profile`), and the one
-envelope a multi-profile manifest's feeds are first checked against (`profile_envelope`).
+Pure decisions, tested on CPU: which specs share an engine (`profile_groups`; engines.yaml's expansion merges
+them the same way, `EngineSpec.weight_set_fields`), what each layout holds in GPU memory (`layout_memory`, what
+`plan` shows), which profile a request runs in (`select_profile`: the one the runtime's route names when it holds
+the shapes, else the tightest), and the one envelope a multi-profile manifest's feeds are first checked against
+(`profile_envelope`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ Shape = tuple[int, ...]
 Profile = Mapping[str, tuple[Sequence[int], Sequence[int], Sequence[int]]]
 
 
-def weight_set_key(spec: EngineSpec) -> tuple:
+def weight_set_key(spec: EngineSpec) -> str:
     """What the weights of an engine depend on: everything of its spec but the bucket and the batch."""
-    return (spec.model, spec.family, spec.source, spec.component, spec.target, spec.precision, spec.controlnet,
-            spec.controlnet_source, spec.lora_variant, spec.refittable, spec.build_options)
+    import json
+
+    return json.dumps(spec.weight_set_fields(), sort_keys=True, default=str)
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class ProfileGroup:
 def profile_groups(specs: Iterable[EngineSpec]) -> list[ProfileGroup]:
     """The engines `engine_layout: profiles` builds: specs that differ only in bucket and batch share one. Order:
     first appearance; inside a group the specs' order (profile 0 is the first, which is TensorRT's default)."""
-    groups: dict[tuple, list[EngineSpec]] = {}
+    groups: dict[str, list[EngineSpec]] = {}
     for spec in specs:
         groups.setdefault(weight_set_key(spec), []).append(spec)
     return [ProfileGroup(tuple(members)) for members in groups.values()]
@@ -83,9 +86,13 @@ def _fits(profile: Profile, shapes: Mapping[str, Sequence[int]]) -> bool:
     return True
 
 
-def select_profile(profiles: Sequence[Profile], shapes: Mapping[str, Sequence[int]]) -> int | None:
-    """The index of the profile a request with these input shapes runs in: of those whose ranges hold every
+def select_profile(profiles: Sequence[Profile], shapes: Mapping[str, Sequence[int]],
+                   preferred: int | None = None) -> int | None:
+    """The index of the profile a request with these input shapes runs in: `preferred` (the profile the runtime
+    routed the request's bucket and batch to) when it holds every shape; else, of those whose ranges hold every
     shape, the tightest (smallest max volume: its tactics were chosen for shapes nearest these); None if none."""
+    if preferred is not None and 0 <= preferred < len(profiles) and _fits(profiles[preferred], shapes):
+        return preferred
     def volume(profile: Profile) -> int:
         total = 0
         for low_opt_high in profile.values():

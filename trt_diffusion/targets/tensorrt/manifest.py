@@ -72,6 +72,8 @@ class EngineManifest(BaseModel):
     # engine_layout: profiles — the optimization profiles in TensorRT's order (profile_shapes is then their
     # envelope, layout.profile_envelope); None: one profile, profile_shapes
     profiles: tuple[dict[str, tuple[Shape, Shape, Shape]], ...] | None = None
+    # what each of `profiles` is for, as the spec says ("bucket 512x512 × batch 2"), in the same order
+    profile_labels: tuple[str, ...] | None = None
     onnx_sha256: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
@@ -137,15 +139,22 @@ def manifest_is_current(
     profile_shapes: ProfileShapes,
     trt_version: str,
     compute_capability: tuple[int, int],
+    extra_profiles: tuple[ProfileShapes, ...] = (),
 ) -> bool:
     """True when an existing engine was built from exactly these inputs on this kind of host:
-    the only reason a build may be skipped."""
+    the only reason a build may be skipped. `extra_profiles`: a multi-profile engine's further profiles (the
+    manifest then records every profile, and their envelope as `profile_shapes`)."""
+    from .layout import profile_envelope
+
+    profiles = [validate_profile(shapes) for shapes in (profile_shapes, *extra_profiles)]
+    envelope = profile_envelope(profiles) if len(profiles) > 1 else profiles[0]
     return (
         manifest.is_base  # a LoRA refitted into the plan is not the engine `build` would make
         and manifest.spec_key == spec.key
         and manifest.onnx_sha256 == onnx_digest
         and manifest.flags == flags.to_dict()
-        and manifest.profile_shapes == validate_profile(profile_shapes)
+        and manifest.profile_shapes == envelope
+        and (manifest.profiles or None) == (tuple(profiles) if len(profiles) > 1 else None)
         and parse_trt_version(manifest.tensorrt_version) == parse_trt_version(trt_version)
         and tuple(manifest.compute_capability) == tuple(compute_capability)
     )

@@ -27,7 +27,7 @@ import numpy as np
 
 from ...errors import RuntimeInputError
 from ...tensors import TensorSpec, is_fixed
-from ..runner_base import BaseRunner
+from ..runner_base import ROUTED_PROFILE, BaseRunner
 from .cudart import Cuda, CudaError, host_array
 from .device_memory import (
     MEMORY_ENV,
@@ -603,8 +603,8 @@ class TensorRTRunner(BaseRunner):
         stream = group.stream
         on_device = outputs_on_device(feeds)
         shapes = {name: describe_feed(value).shape for name, value in feeds.items()}
-        if self.manifest.profiles:  # engine_layout: profiles: the tightest profile that holds these shapes
-            wanted = select_profile(self.manifest.profiles, shapes)
+        if self.manifest.profiles:  # engine_layout: profiles: the routed profile, else the tightest that holds these
+            wanted = select_profile(self.manifest.profiles, shapes, ROUTED_PROFILE.get())
             if wanted is None:  # check_feeds let it through: a bug, not a user error
                 raise AssertionError(f"{self.name}: no profile for {shapes}")
             if wanted != self._profile:

@@ -17,11 +17,16 @@ OPTIONAL_SETTINGS = {"allow_refit_on_11_3": False, "version_compatible": False, 
 class TensorRTTarget(TargetBase):
     name = "tensorrt"
 
+    def profiles_layout(self, config) -> bool:
+        """`build.tensorrt.engine_layout: profiles`: one engine per weight set, an optimization profile per shape."""
+        return config.build.tensorrt.engine_layout == "profiles"
+
     def layout_memory(self, specs, weight_bytes_per_engine: int) -> dict[str, int]:
-        """GPU weights of `engine_layout: per_shape` (a copy per shape) vs `profiles` (a copy per weight set)."""
+        """GPU weights of `engine_layout: per_shape` (a copy per shape) vs `profiles` (a copy per weight set),
+        whichever layout `specs` were expanded under (a multi-profile spec counts its shapes)."""
         from .layout import layout_memory
 
-        memory = layout_memory(specs, weight_bytes_per_engine)
+        memory = layout_memory([member for spec in specs for member in spec.members], weight_bytes_per_engine)
         return {"per_shape_engines": memory.engines_per_shape, "per_shape_bytes": memory.per_shape_bytes,
                 "profiles_engines": memory.engines_profiles, "profiles_bytes": memory.profiles_bytes}
 
@@ -81,8 +86,10 @@ class TensorRTTarget(TargetBase):
             refit_map = plan.with_name(plan.name.removesuffix(".plan") + ".refit_map.json")
             plan.parent.mkdir(parents=True, exist_ok=True)
             request.write_refit_map(request.onnx_path, refit_map)
+        # engine_layout: profiles — every member shape's profile, added to one builder config (tactics per profile)
         engine.build_engine(self.engine_onnx(request), request.spec, request.profile, plan, request.timing_cache_dir,
-                            refit_map=str(refit_map) if refit_map else None)
+                            refit_map=str(refit_map) if refit_map else None, extra_profiles=request.extra_profiles,
+                            profile_labels=profile_labels(request.spec))
         return plan, False
 
     def engine_onnx(self, request: BuildRequest) -> Path:
@@ -111,7 +118,7 @@ class TensorRTTarget(TargetBase):
         onnx_path = self.engine_onnx(request)
         flags = BuildFlags.for_spec(request.spec, onnx_has_qdq(onnx_path))
         return manifest_is_current(manifest, request.spec, onnx_sha256(onnx_path), flags, request.profile,
-                                   trt_version, compute_capability)
+                                   trt_version, compute_capability, extra_profiles=request.extra_profiles)
 
     def find(self, workspace: Path, spec) -> BuiltEngine | None:
         """The built engine of `spec`: a plan whose sha256 is the one its manifest records (a verdict cached on
@@ -177,14 +184,24 @@ class TensorRTTarget(TargetBase):
         if problem:  # packaged files are hashed in full: a repository never carries a plan its manifest disowns
             raise BuildError(problem)
         files = {"model.plan": Path(engine.path), "manifest.json": manifest_path(engine.path)}
+        # a multi-profile plan (engine_layout: profiles): every profile listed, Triton picks one by the shapes
+        profiles = tuple(str(i) for i in range(len(engine.manifest.profiles or ())))
         return TritonEngineModel("tensorrt_plan", "KIND_GPU", files, "model.plan", notes=(
             "platform tensorrt_plan needs NVIDIA's Triton containers with the TensorRT version and GPU the plans "
-            "were built for",))
+            "were built for",), profiles=profiles)
 
     def runner_from_files(self, folder: Path, name: str):
         from .runner import TensorRTRunner
 
         return TensorRTRunner(Path(folder) / "model.plan", name=name)
+
+
+def profile_labels(spec) -> tuple[str, ...] | None:
+    """What each optimization profile of a multi-profile spec is for, as the manifest records it
+    ("bucket 512x512 × batch 2"); None for a per-shape spec."""
+    if not spec.profiles:
+        return None
+    return tuple(f"{'bucket ' + m.bucket.label + ' × ' if m.bucket else ''}batch {m.batch}" for m in spec.members)
 
 
 def _engine_onnx(spec, onnx_path: Path, workspace: Path) -> Path:
