@@ -169,6 +169,11 @@ def _external_data_files(model: onnx.ModelProto) -> list[str]:
     return sorted(locations)
 
 
+def external_data_files(onnx_path: str | Path, *, error: type[Exception] = BuildError) -> list[str]:
+    """The external-data file names (relative to its folder) an ONNX keeps its initializers in."""
+    return _external_data_files(load_onnx_structure(onnx_path, error=error))
+
+
 _DIGESTS_LOCK = threading.Lock()
 _DIGESTS: dict[tuple, str] = {}
 

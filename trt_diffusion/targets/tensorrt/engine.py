@@ -443,6 +443,7 @@ def build_engine(
         profiles=tuple(profiles) if len(profiles) > 1 else None,
         profile_labels=tuple(profile_labels) if profile_labels and len(profiles) > 1 else None,
         onnx_sha256=digest,
+        onnx_path=str(onnx_path.resolve()),
         inputs=_tensor_specs(network.get_input(i) for i in range(network.num_inputs)),
         outputs=_tensor_specs(network.get_output(i) for i in range(network.num_outputs)),
         refit_map=str(refit_map) if refit_map is not None else None,

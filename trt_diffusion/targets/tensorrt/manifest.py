@@ -30,8 +30,17 @@ def engine_path(workspace: str | Path, spec: EngineSpec) -> Path:
     return Path(workspace) / "engines" / TARGET / f"{spec.name}.{spec.key}.plan"
 
 
+# A Triton model version folder holds a plan as model.plan and its manifest as manifest.json (`package`); in the
+# workspace a plan is <name>.<key>.plan beside <name>.<key>.manifest.json, so the two never meet.
+PACKAGED_PLAN, PACKAGED_MANIFEST = "model.plan", "manifest.json"
+# the ONNX a stripped plan (STRIP_PLAN) refits its weights from, packaged beside it (with its external data)
+PACKAGED_WEIGHTS_ONNX = "weights.onnx"
+
+
 def manifest_path(plan_path: str | Path) -> Path:
     plan_path = Path(plan_path)
+    if plan_path.name == PACKAGED_PLAN:
+        return plan_path.with_name(PACKAGED_MANIFEST)
     stem = plan_path.name[: -len(".plan")] if plan_path.name.endswith(".plan") else plan_path.name
     return plan_path.with_name(f"{stem}.manifest.json")
 
@@ -75,6 +84,9 @@ class EngineManifest(BaseModel):
     # what each of `profiles` is for, as the spec says ("bucket 512x512 × batch 2"), in the same order
     profile_labels: tuple[str, ...] | None = None
     onnx_sha256: str
+    # the ONNX file the plan was built from (onnx_sha256 is its digest): a stripped plan refits every weight from
+    # it at load, and `package` ships it beside such a plan; None in manifests written before it was recorded
+    onnx_path: str | None = None
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     refit_map: str | None = None

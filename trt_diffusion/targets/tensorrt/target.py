@@ -176,24 +176,65 @@ class TensorRTTarget(TargetBase):
 
     def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
         from ...errors import BuildError
-        from .manifest import manifest_path
+        from .manifest import PACKAGED_MANIFEST, PACKAGED_PLAN, manifest_path
         from .plan_trust import interrupted_refit_problem, plan_file_problem
 
         problem = interrupted_refit_problem(engine.manifest) or plan_file_problem(engine.manifest, engine.path,
                                                                                    cached=False)
         if problem:  # packaged files are hashed in full: a repository never carries a plan its manifest disowns
             raise BuildError(problem)
-        files = {"model.plan": Path(engine.path), "manifest.json": manifest_path(engine.path)}
+        files = {PACKAGED_PLAN: Path(engine.path), PACKAGED_MANIFEST: manifest_path(engine.path)}
+        if engine.manifest.flags.get("strip_plan"):  # no weights in the plan: the ONNX goes with it
+            return self._stripped_triton_model(engine, files)
         # a multi-profile plan (engine_layout: profiles): every profile listed, Triton picks one by the shapes
         profiles = tuple(str(i) for i in range(len(engine.manifest.profiles or ())))
         return TritonEngineModel("tensorrt_plan", "KIND_GPU", files, "model.plan", notes=(
             "platform tensorrt_plan needs NVIDIA's Triton containers with the TensorRT version and GPU the plans "
             "were built for",), profiles=profiles)
 
-    def runner_from_files(self, folder: Path, name: str):
+    @staticmethod
+    def _stripped_triton_model(engine: BuiltEngine, files: dict[str, Path]) -> TritonEngineModel:
+        """A stripped plan (STRIP_PLAN) is served by a python-backend model running this target's runner, which
+        refits every weight from the packaged ONNX at load (Triton's TensorRT backend cannot refit a plan): the
+        ONNX the plan was built from, checked against the manifest's sha256, as weights.onnx with its external data."""
+        from ...errors import BuildError
+        from ...onnx_facts import external_data_files
+        from .manifest import PACKAGED_WEIGHTS_ONNX, REBUILD_COMMAND
+
+        manifest = engine.manifest
+        source = Path(manifest.onnx_path) if manifest.onnx_path else None
+        if source is None or not source.is_file():
+            raise BuildError(
+                f"cannot package the stripped plan {engine.path}: it refits its weights from the ONNX it was built "
+                f"from, and {'its manifest names none' if source is None else f'{source} is gone'}; rebuild with "
+                f"`{REBUILD_COMMAND}` (or build with strip_plan: false)")
+        check_refit_base(manifest, source)  # the very ONNX the plan was built from, or nothing is packaged
+        files = {**files, PACKAGED_WEIGHTS_ONNX: source}
+        for location in external_data_files(source):
+            if location in files:
+                raise BuildError(f"cannot package the stripped plan {engine.path}: its ONNX keeps weights in "
+                                 f"{location!r}, a name the model folder already uses")
+            files[location] = source.parent / location
+        return TritonEngineModel("python", "KIND_GPU", files, notes=(
+            "stripped TensorRT plans (strip_plan: true) are served by python-backend models running trt-diffusion's "
+            "TensorRT runner, which refits each plan from the weights.onnx beside it when the model loads: the "
+            "Triton image needs trt-diffusion with its tensorrt extra (TensorRT and cuda-python) in the python "
+            "backend's environment",), parameters={"weights_onnx": PACKAGED_WEIGHTS_ONNX})
+
+    def runner_from_files(self, folder: Path, name: str, *, device: int | None = None):
+        """The runner of a packaged plan (model.plan, manifest.json); a stripped one refits from the weights.onnx
+        packaged beside it when it loads. `device`: the GPU of the Triton instance (`model_instance_device_id`)."""
+        import functools
+
+        from .engine import load_engine
+        from .manifest import PACKAGED_PLAN, PACKAGED_WEIGHTS_ONNX, EngineManifest, manifest_path
         from .runner import TensorRTRunner
 
-        return TensorRTRunner(Path(folder) / "model.plan", name=name)
+        plan = Path(folder) / PACKAGED_PLAN
+        stripped = bool(EngineManifest.read(manifest_path(plan)).flags.get("strip_plan"))
+        loader = functools.partial(load_engine, device=device or 0,
+                                   weights_onnx=Path(folder) / PACKAGED_WEIGHTS_ONNX if stripped else None)
+        return TensorRTRunner(plan, name=name, loader=loader, device=device)
 
 
 def profile_labels(spec) -> tuple[str, ...] | None:
