@@ -38,8 +38,10 @@ def package_command(
     = EngineBackend.python,
     instances: Annotated[int, typer.Option("--instances", min=1, help="instances of the pipeline (denoise) models;"
                                            " 2 avoids a 500 ms stall of Triton 2.51's batcher with one")] = 2,
-    engine_instances: Annotated[int, typer.Option("--engine-instances", min=1, help="instances per engine model")]
-    = 1,
+    engine_instances: Annotated[int, typer.Option("--engine-instances", min=1, help="instances per engine model "
+                                                  "(per GPU with --gpu)")] = 1,
+    gpus: Annotated[list[int] | None, typer.Option("--gpu", min=0, help="GPU the engine models' GPU instances run on "
+                                                   "(repeatable; default: every GPU Triton sees)")] = None,
     max_queue_size: Annotated[int, typer.Option("--max-queue-size", min=1,
                                                 help="waiting requests beyond this are refused at once")] = 8,
     queue_timeout_s: Annotated[float, typer.Option("--queue-timeout", help="seconds a request may wait queued")]
@@ -65,7 +67,7 @@ def package_command(
     from ..triton.repository import PackageOptions
 
     options = PackageOptions(engine_backend=engine_backend.value, pipeline_instances=instances,
-                             engine_instances=engine_instances, max_queue_size=max_queue_size,
+                             engine_instances=engine_instances, gpus=tuple(gpus or ()), max_queue_size=max_queue_size,
                              queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble,
                              batch_requests=batch_requests, batch_delay_ms=batch_delay_ms, max_images=max_images,
                              stream=stream)

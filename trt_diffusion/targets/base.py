@@ -93,8 +93,9 @@ class Target(Protocol):
         """The Triton model that serves this engine; `engine_backend` is "python" (a python-backend model
         running this target's runner) or "native" (the target's own Triton backend)."""
 
-    def runner_from_files(self, folder: Path, name: str) -> Any:
-        """A Runner over the files `triton_model` put in a Triton model version folder (python backend)."""
+    def runner_from_files(self, folder: Path, name: str, *, device: int | None = None) -> Any:
+        """A Runner over the files `triton_model` put in a Triton model version folder (python backend). `device`:
+        the GPU of a KIND_GPU instance (the python backend's `model_instance_device_id`), passed only for those."""
 
 
 class TargetBase:

@@ -52,14 +52,16 @@ def _parameters(config: ModelConfig, values: dict[str, str]) -> None:
         config.parameters[key].string_value = value
 
 
-def _instances(config: ModelConfig, count: int, kind: str, profiles: Sequence[str] = ()) -> None:
+def _instances(config: ModelConfig, count: int, kind: str, profiles: Sequence[str] = (),
+               gpus: Sequence[int] = ()) -> None:
     """`profiles`: a multi-profile TensorRT plan's optimization profiles the instances may run in (Triton's
     TensorRT backend makes a context per profile listed and picks one by the request's shapes; left out, it uses
-    profile 0 only)."""
+    profile 0 only). `gpus` (KIND_GPU): `count` instances on each GPU listed; none: on every GPU Triton sees."""
     group = config.instance_group.add()
     group.count = count
     group.kind = mc.ModelInstanceGroup.Kind.Value(kind)
     group.profile.extend(profiles)
+    group.gpus.extend(gpus)
 
 
 def _warmup(config: ModelConfig, samples: Sequence[WarmupSample], random_floats: bool) -> None:
@@ -83,10 +85,12 @@ PLAN_PLATFORM = "tensorrt_plan"  # Triton names TensorRT plans as a platform, no
 
 def engine_config(name: str, *, inputs: Sequence[TensorDecl], outputs: Sequence[TensorDecl], backend: str,
                   model_file: str | None, instances: int, kind: str, warmup: Sequence[WarmupSample],
-                  random_warmup: bool, parameters: dict[str, str], profiles: Sequence[str] = ()) -> ModelConfig:
+                  random_warmup: bool, parameters: dict[str, str], profiles: Sequence[str] = (),
+                  gpus: Sequence[int] = ()) -> ModelConfig:
     """One engine: `backend` is a Triton backend (python, onnxruntime, openvino, ...) or the platform
     tensorrt_plan, as the engine's target says; `model_file` the file a non-python backend loads; `profiles` the
-    optimization profiles of a multi-profile plan its instances run in."""
+    optimization profiles of a multi-profile plan its instances run in; `gpus` the GPUs of a KIND_GPU model's
+    instances."""
     config = ModelConfig(name=name, max_batch_size=0)  # the engine's batch is part of its shape
     if backend == PLAN_PLATFORM:
         config.platform = backend
@@ -96,7 +100,7 @@ def engine_config(name: str, *, inputs: Sequence[TensorDecl], outputs: Sequence[
         config.default_model_filename = model_file
     _add_tensors(config.input, inputs, inputs=True)
     _add_tensors(config.output, outputs, inputs=False)
-    _instances(config, instances, kind, profiles)
+    _instances(config, instances, kind, profiles, gpus)
     _warmup(config, warmup, random_warmup)
     _parameters(config, {ROLE: "engine", **parameters})
     return config

@@ -65,6 +65,9 @@ class PackageOptions:
     # being released (a lost wake-up, measured: ~5% of back-to-back requests); a second instance avoids it.
     pipeline_instances: int = 2
     engine_instances: int = 1
+    # GPUs the engine models' KIND_GPU instances run on (`engine_instances` on each; Triton hands each instance its
+    # GPU, and the runner binds it); empty: every GPU Triton sees. CPU engine models ignore it.
+    gpus: tuple[int, ...] = ()
     max_queue_size: int = 8  # requests waiting beyond this are refused at once (UNAVAILABLE)
     queue_timeout_s: float = 60.0  # a request that waits longer in the queue is refused
     warmup_data: str = "zero"  # zero | random (floating inputs only; token ids stay zero)
@@ -90,6 +93,8 @@ class PackageOptions:
         for name in ("pipeline_instances", "engine_instances", "max_queue_size", "batch_requests", "max_images"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if any(not isinstance(g, int) or g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
+            problems.append(f"gpus must be distinct GPU indices (0, 1, ...), got {list(self.gpus)}")
         if not 0 <= self.batch_delay_ms <= 10_000:
             problems.append(f"batch_delay_ms must be in [0, 10000], got {self.batch_delay_ms}")
         if not self.queue_timeout_s > 0:
@@ -251,7 +256,7 @@ def _engine_plan(pipeline: str, engine: Any, options: PackageOptions) -> _ModelP
         name, inputs=_tensor_decls(manifest.inputs, name), outputs=_tensor_decls(manifest.outputs, name),
         backend=served.backend, model_file=served.model_file, instances=options.engine_instances,
         kind=served.instance_kind, warmup=warmup, random_warmup=options.warmup_data == "random",
-        profiles=served.profiles,
+        profiles=served.profiles, gpus=options.gpus if served.instance_kind == "KIND_GPU" else (),
         parameters={**served.parameters, "engine": spec.name, "engine_key": spec.key,
                     "component": spec.component, "target": spec.target})
     record = PackagedModel(

@@ -74,8 +74,8 @@ class OnnxRuntimeTarget(TargetBase):
                 "in nvidia-pytriton has only the python backend (package with --engine-backend python)",))
         return TritonEngineModel("python", "KIND_CPU", files)
 
-    def runner_from_files(self, folder: Path, name: str):
-        return load_runner(folder, name=name)
+    def runner_from_files(self, folder: Path, name: str, *, device: int | None = None):
+        return load_runner(folder, name=name)  # KIND_CPU models: never given a device
 
     @staticmethod
     def _initializers(engine: BuiltEngine, weights) -> dict:

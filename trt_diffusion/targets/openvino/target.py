@@ -152,7 +152,7 @@ class OpenVINOTarget(TargetBase):
             files["refit_map.json"] = folder / "refit_map.json"
         return TritonEngineModel("python", "KIND_CPU", files)
 
-    def runner_from_files(self, folder: Path, name: str):
+    def runner_from_files(self, folder: Path, name: str, *, device: int | None = None):  # KIND_CPU: no device
         folder = Path(folder)
         manifest = read_manifest(folder)
         if manifest is None:

@@ -9,6 +9,9 @@ Engine models can be called directly, not only by the pipeline: every request's 
 engine's profile (`profile_shapes` of the manifest.json packaged beside it) before the runner sees them. Triton
 checks the rank and the fixed dims of the config; the dynamic dims of a range bucket (-1 there) only this can
 check, and an ONNX Runtime engine would otherwise run any size.
+
+A KIND_GPU instance runs on the GPU Triton gave it (`model_instance_device_id`; an instance group with `gpus: [1]`
+puts its instances on GPU 1): its runner binds that device, not device 0 (`instance_device`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ class TritonPythonModel:
         self.name = config["name"]
         folder = Path(args["model_repository"]) / args["model_version"]
         target = config["parameters"]["target"]["string_value"]
-        self.runner = get_target(target).runner_from_files(folder, self.name)
+        device = instance_device(args)
+        self.runner = (get_target(target).runner_from_files(folder, self.name) if device is None
+                       else get_target(target).runner_from_files(folder, self.name, device=device))
         self.output_names = [output["name"] for output in config["output"]]
         self.profile = read_profile(folder)
 
@@ -49,6 +54,18 @@ class TritonPythonModel:
             except Exception as err:  # noqa: BLE001 - one bad request must not take the model down
                 responses.append(pb.internal_error(self.name, err))
         return responses
+
+
+def instance_device(args: Mapping[str, Any]) -> int | None:
+    """The GPU a KIND_GPU instance runs on, as the python backend says (`model_instance_kind` GPU,
+    `model_instance_device_id` N); None for CPU instances."""
+    if str(args.get("model_instance_kind", "")).upper() != "GPU":
+        return None
+    try:
+        return int(args["model_instance_device_id"])
+    except (KeyError, TypeError, ValueError):
+        raise RuntimeInputError(f"a GPU instance without a usable model_instance_device_id "
+                                f"({args.get('model_instance_device_id')!r})") from None
 
 
 Profile = Mapping[str, Sequence[Sequence[Sequence[int]]]]  # input -> (min, opt, max) shapes

@@ -152,3 +152,110 @@ def test_a_plan_with_weights_stays_a_tensorrt_plan_model(tmp_path, tiny_model_fa
     unet = read_configs(tmp_path / "repo")["tiny__unet__64x64__b1"]
     assert unet.platform == "tensorrt_plan"
     assert sorted(p.name for p in (tmp_path / "repo" / unet.name / "1").iterdir()) == ["manifest.json", "model.plan"]
+
+
+# ---------------------------------------------------------------------------------------------- the instance's GPU
+
+
+def test_engine_models_instance_groups_name_the_gpus_and_kind(tmp_path, tiny_model_factory):
+    """`package --gpu 1`: every KIND_GPU engine model's instance group lists GPU 1 (`engine_instances` on each);
+    the pipeline models stay KIND_CPU with no GPUs."""
+    repo = tmp_path / "repo"
+    package(sd15_engines(tmp_path / "ws"), tiny_model_factory("sd15"), "sd15", "tiny", repo,
+            PackageOptions(ensemble=False, stream=False, gpus=(1,), engine_instances=2))
+    models = read_configs(repo)
+    for name in ("tiny__unet__64x64__b1", "tiny__vae_decoder__64x64__b1", "tiny__text_encoder__any__b1"):
+        group = models[name].instance_group[0]
+        assert (configs.mc.ModelInstanceGroup.Kind.Name(group.kind), list(group.gpus), group.count) == (
+            "KIND_GPU", [1], 2)
+    entry = models["tiny"].instance_group[0]
+    assert configs.mc.ModelInstanceGroup.Kind.Name(entry.kind) == "KIND_CPU" and list(entry.gpus) == []
+    package(sd15_engines(tmp_path / "ws2", strip=False), tiny_model_factory("sd15"), "sd15", "tiny",
+            tmp_path / "native", PackageOptions(ensemble=False, stream=False, gpus=(0, 1)))
+    native = read_configs(tmp_path / "native")["tiny__unet__64x64__b1"]
+    assert native.platform == "tensorrt_plan" and list(native.instance_group[0].gpus) == [0, 1]
+    with pytest.raises(Exception, match="gpus must be distinct GPU indices"):
+        PackageOptions(gpus=(1, 1)).check()
+
+
+class _Utils:
+    """The python backend's utils as far as the engine model uses them."""
+
+    class TritonError:
+        INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
+
+        def __init__(self, message, code):
+            self.message, self.code = message, code
+
+    class Logger:
+        @staticmethod
+        def log_error(text):
+            raise AssertionError(f"internal error: {text}")
+
+    class InferenceResponse:
+        def __init__(self, tensors=(), error=None):
+            self.tensors, self.error = list(tensors), error
+
+    @staticmethod
+    def Tensor(name, value):  # noqa: N802 - the backend's name
+        return (name, value)
+
+
+def test_a_gpu_instance_runs_its_runner_on_the_gpu_triton_gave_it(tmp_path, tiny_model_factory, monkeypatch):
+    """The python backend says `model_instance_kind: GPU`, `model_instance_device_id: 1`: the runner's group is on
+    GPU 1 and every allocation and launch happens with GPU 1 current (the fake CUDA records the device of each
+    cudaMalloc); the load probes GPU 1. A CPU instance passes no device."""
+    import json
+
+    fake = pytest.importorskip("tensorrt_stub_fake")
+    if fake.stub_path() is None:
+        pytest.skip("tensorrt-stubs are not installed")
+    from trt_diffusion import targets
+    from trt_diffusion.targets.tensorrt import runner as trt_runner
+    from trt_diffusion.targets.tensorrt.cudart import Cuda
+    from trt_diffusion.triton.backend import engine_model, pb
+
+    repo = tmp_path / "repo"
+    package(sd15_engines(tmp_path / "ws"), tiny_model_factory("sd15"), "sd15", "tiny", repo,
+            PackageOptions(ensemble=False, stream=False, gpus=(1,)))
+    trt, cudart = fake.FakeTensorRT(), fake.FakeCudart()
+    groups = {}
+    monkeypatch.setattr(trt_runner, "default_group", lambda device=None: groups.setdefault(
+        device, trt_runner.EngineGroup(cuda=Cuda(cudart), bound_bytes=1 << 30, device=device)))
+    loads = []
+
+    def load_engine(plan, *, device=0, weights_onnx=None, **kwargs):
+        loads.append((device, Path(weights_onnx).name if weights_onnx else None))
+        description = fake.EngineDescription(
+            inputs={"sample": ("FLOAT", (1, 4, 8, 8), (1, 4, 8, 8), (1, 4, 8, 8))}, outputs={"noise_pred": "FLOAT"},
+            output_shape=lambda shapes: {"noise_pred": (1, 4, 8, 8)}, compute=lambda f: {"noise_pred": f["sample"] + 1})
+        return types.SimpleNamespace(engine=trt.engine(description, cudart), manifest=EngineManifest.read(
+            manifest_path(plan)))
+
+    monkeypatch.setattr(trt_engine, "load_engine", load_engine)
+    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: trt)  # the stub-generated enums
+    monkeypatch.setattr(pb, "utils", lambda: _Utils)
+    monkeypatch.setattr(pb, "input_array", lambda request, name: request[name])
+    name = "tiny__unet__64x64__b1"
+    config = (repo / name / "config.pbtxt").read_text()
+    from google.protobuf import json_format
+
+    model_config = json.dumps(json_format.MessageToDict(configs.parse(config, name), preserving_proto_field_name=True))
+    instance = engine_model.TritonPythonModel()
+    instance.initialize({"model_config": model_config, "model_repository": str(repo / name), "model_version": "1",
+                         "model_instance_kind": "GPU", "model_instance_device_id": "1", "model_name": name})
+    cudart.current_device = 0  # the thread Triton calls from starts on device 0
+    feeds = {"sample": np.ones((1, 4, 8, 8), np.float32)}
+    (response,) = instance.execute([feeds])
+    assert response.error is None and np.array_equal(dict(response.tensors)["noise_pred"], feeds["sample"] + 1)
+    assert loads == [(1, "weights.onnx")] and set(groups) == {1}
+    assert cudart.malloc_devices == {1} and cudart.current_device == 1  # nothing allocated on GPU 0
+
+    seen = []
+    monkeypatch.setattr(targets, "get_target", lambda target: types.SimpleNamespace(
+        runner_from_files=lambda folder, n, **kw: seen.append(kw) or instance.runner))
+    cpu = engine_model.TritonPythonModel()
+    cpu.initialize({"model_config": model_config, "model_repository": str(repo / name), "model_version": "1",
+                    "model_instance_kind": "CPU", "model_instance_device_id": "0"})
+    assert seen == [{}]
+    assert engine_model.instance_device({"model_instance_kind": "GPU", "model_instance_device_id": "3"}) == 3
