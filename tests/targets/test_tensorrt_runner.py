@@ -96,6 +96,24 @@ def test_budget_evicts_least_recently_used_and_never_pinned():
         dm.EngineBudget(10).admit("huge", 11)
 
 
+def test_budget_grows_for_resident_refit_weights_and_lora_sets_leave_least_recently_used_first():
+    budget = dm.EngineBudget(100)
+    budget.admit("unet", 40)
+    budget.admit("vae", 40)
+    assert budget.grow("unet", 30) == ["vae"]  # the unet's resident LoRA weights push the vae out, never itself
+    assert budget.used_bytes == 70
+    budget.pin("unet")
+    with pytest.raises(dm.MemoryBudgetError, match="resident_lora_sets"):
+        budget.grow("unet", 40)
+    assert budget.grow("unet", -30) == [] and budget.used_bytes == 40
+    assert budget.grow("gone", -10) == []  # an engine already unloaded frees nothing twice
+    sets = dm.ResidentSets(2)
+    assert sets.add("a", 10) == [] and sets.add("b", 10) == []
+    sets.use("a")
+    assert sets.add("c", 10) == ["b"] and sets.digests == ["a", "c"] and sets.total_bytes == 20
+    assert sets.clear() == ["a", "c"] and "a" not in sets
+
+
 def test_feeds_are_described_without_torch_cuda():
     import torch
 
@@ -547,6 +565,158 @@ def test_in_process_refit_is_queued_on_the_stream_and_drops_the_captured_graph(a
     np.testing.assert_array_equal(out.numpy_after(rig.torch_stream), _sample(seed=5)["sample"] * 2 + 1)
     assert runner.stats.graph_captures == 1 and runner.stats.eager_runs == 2  # warm-up again after the refit
 
+
+
+# ---------------------------------------------------------------------------------------------- LoRA hot swap
+
+
+def _refit_tensorrt(rig, stored: dict):
+    """The `tensorrt` of the refit calls: a Refitter generated from the stubs (names and argument types checked)
+    that takes device weights only, and whose `refit_cuda_engine_async` queues on the stream a read of every weight
+    it was given: the engine's weights (`stored`) change only when that stream runs, from device memory that must
+    still be allocated then (the asynchronous fake CUDA refuses reads of freed memory)."""
+    import importlib.machinery
+    import types
+
+    classes = rig.trt.classes
+    data_type, location = fake.make_enum(classes["DataType"]), fake.make_enum(classes["TensorLocation"])
+
+    class Weights:
+        def __init__(self, dtype, ptr, count):
+            self.dtype, self.ptr, self.count = dtype, ptr, count
+
+    def behaviours():
+        def get_weights_prototype(self, weights_name):
+            return SimpleNamespace(dtype=data_type.FLOAT, size=stored[weights_name].size if weights_name in stored
+                                   else -1)
+
+        def set_named_weights(self, name, weights, location):
+            if location is not data_type_location.DEVICE or name not in stored:
+                return False
+            self._pending[name] = weights
+            return True
+
+        def get_missing_weights(self):
+            return []
+
+        def refit_cuda_engine_async(self, stream_handle):
+            pending = dict(self._pending)
+
+            def refit():
+                for name, weights in pending.items():
+                    stored[name] = rig.cudart.read(weights.ptr, np.float32, (weights.count,)).copy()
+
+            rig.cudart.enqueue(stream_handle, "refit", refit)
+            rig.refits += 1
+            return True
+
+        return fake._functions(locals())
+
+    data_type_location = location
+    refitter = fake.make_class(classes["Refitter"], behaviours())
+    refitter.__init__ = lambda self, engine, logger: object.__setattr__(self, "_pending", {})
+    module = types.ModuleType("tensorrt")
+    module.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)
+    module.Refitter, module.Weights, module.TensorLocation, module.DataType = refitter, Weights, location, data_type
+    return module
+
+
+def test_hot_swap_uploads_each_lora_set_once_keeps_it_on_the_device_and_frees_it_with_the_engine(
+        async_rig, monkeypatch):
+    """`runner.refit(w, base_weights=..., resident=True)`: a LoRA set is uploaded to the GPU once (cast, copied on
+    the runner's stream, one sync), the base values of the weights it changes once too; a swap back to a resident
+    set allocates, copies and synchronizes nothing — the refit reads device memory on the stream; beyond
+    `resident_lora_sets` the least recently used set is freed (after the stream ran the refits reading it), and
+    everything resident is freed when the engine unloads."""
+    import sys
+
+    from trt_diffusion.targets.tensorrt import engine as trt_engine
+
+    rig = async_rig
+    rig.refits = 0
+    rng = np.random.default_rng(0)
+    base = {"w": rng.standard_normal(4096).astype(np.float32), "b": rng.standard_normal(64).astype(np.float32)}
+    stored = {name: array.copy() for name, array in base.items()}  # what the engine holds
+    module = _refit_tensorrt(rig, stored)
+    monkeypatch.setitem(sys.modules, "tensorrt", module)
+    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: module)
+    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
+    plan = _plan(rig.tmp_path, "unet", STATIC, flags={"refit": True})
+
+    def load(path):
+        return trt_engine.TensorRTEngine(path, EngineManifest.read(manifest_path(path)),
+                                         rig.trt.engine(_description(STATIC), rig.cudart))
+
+    runner = TensorRTRunner(plan, name="unet", group=rig.group, loader=load, trt_module=rig.trt, resident_lora_sets=2)
+    runner.run(_sample())
+    lora_a = {"w": base["w"] + 1}
+    lora_b = {"b": base["b"] * 2, "w": base["w"] - 1}
+    lora_c = {"b": base["b"] + 5}
+    counts = rig.cudart.calls
+    held = rig.group.budget.used_bytes
+
+    runner.refit(lora_a, base_weights=base, resident=True)
+    assert runner.stats.extra["resident_uploads"] == 1 and rig.refits == 1
+    np.testing.assert_array_equal(stored["w"], base["w"])  # queued, not run: the refit is asynchronous
+    runner.run(_sample())  # the host path synchronizes: the refit ran first
+    np.testing.assert_array_equal(stored["w"], lora_a["w"])
+    assert rig.group.budget.used_bytes == held + 4096 * 4  # device-resident weights count against the bound
+
+    runner.refit(lora_b, base_weights=base, resident=True)  # B's set; nothing of A is stale (B sets w too)
+    rig.cudart.run_stream(rig.group.stream)
+    np.testing.assert_array_equal(stored["w"], lora_b["w"])
+    np.testing.assert_array_equal(stored["b"], lora_b["b"])
+
+    before = dict(counts)
+    runner.refit(lora_a, base_weights=base, resident=True)  # A again: b back to base, from the device too
+    swap = {k: counts[k] - before.get(k, 0) for k in counts if counts[k] != before.get(k, 0)}
+    assert swap == {"cudaMalloc": 1, "cudaMemcpyAsync(HtoD)": 1, "cudaStreamSynchronize": 1}  # base b, once
+    rig.cudart.run_stream(rig.group.stream)
+    np.testing.assert_array_equal(stored["w"], lora_a["w"])
+    np.testing.assert_array_equal(stored["b"], base["b"])
+    before = dict(counts)
+    runner.refit(lora_b, base_weights=base, resident=True)
+    runner.refit(lora_a, base_weights=base, resident=True)  # both resident now, base b too: pure device swaps
+    assert {k: counts[k] - before.get(k, 0) for k in counts if counts[k] != before.get(k, 0)} == {}
+    assert runner.stats.extra["resident_reuses"] == 3 and runner.stats.extra["resident_uploads"] == 3
+    rig.cudart.run_stream(rig.group.stream)
+    np.testing.assert_array_equal(stored["w"], lora_a["w"])
+
+    frees = counts["cudaFree"]
+    runner.refit(lora_c, base_weights=base, resident=True)  # a third set: B (least recently used) is freed
+    assert counts["cudaFree"] - frees == 2 and runner.stats.extra["resident_frees"] == 2
+    rig.cudart.run_stream(rig.group.stream)  # the queued refits never read freed memory
+    np.testing.assert_array_equal(stored["b"], lora_c["b"])
+    np.testing.assert_array_equal(stored["w"], base["w"])  # A's w went back to base with C
+    live = rig.cudart.live_device
+    runner.deactivate()  # the engine unloads: every resident weight is freed with it
+    assert runner.stats.extra["resident_frees"] == 2 + 1 + 2 + 1  # A's w, C's b, base w and b
+    assert rig.cudart.live_device == 0 and live > 0
+    assert not runner._resident_sets and not runner._resident_base and rig.group.budget.used_bytes == 0
+
+
+def test_a_resident_refit_refuses_to_leave_residue_and_base_onnx(async_rig, monkeypatch):
+    import sys
+
+    from trt_diffusion.errors import RefitError
+    from trt_diffusion.targets.tensorrt import engine as trt_engine
+
+    rig = async_rig
+    rig.refits = 0
+    stored = {"w": np.zeros(8, np.float32)}
+    module = _refit_tensorrt(rig, stored)
+    monkeypatch.setitem(sys.modules, "tensorrt", module)
+    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: module)
+    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
+    plan = _plan(rig.tmp_path, "unet", STATIC, flags={"refit": True})
+    runner = TensorRTRunner(plan, name="unet", group=rig.group, trt_module=rig.trt, loader=lambda path: (
+        trt_engine.TensorRTEngine(path, EngineManifest.read(manifest_path(path)),
+                                  rig.trt.engine(_description(STATIC), rig.cudart))))
+    runner.refit({"w": np.ones(8, np.float32)}, resident=True)
+    with pytest.raises(RefitError, match="pass the base weights"):
+        runner.refit(None, resident=True)  # w would keep the LoRA's values
+    with pytest.raises(RuntimeInputError, match="restores from base_weights, not base_onnx"):
+        runner.refit(None, base_onnx="x.onnx", resident=True)
 
 
 # ---------------------------------------------------------------------------------------------- engine_layout: profiles

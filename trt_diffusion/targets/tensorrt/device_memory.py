@@ -207,6 +207,83 @@ class EngineBudget:
         self._loaded.pop(key, None)
         self._pinned.pop(key, None)
 
+    def grow(self, key: str, nbytes: int) -> list[str]:
+        """`key` (loaded) holds `nbytes` more (fewer when negative: device-resident refit weights uploaded or
+        freed): the engines to unload first, least recently used, never `key` or a pinned one; MemoryBudgetError
+        when it cannot fit even then."""
+        if key not in self._loaded:
+            if nbytes <= 0:  # already unloaded (evicted): nothing of it is counted any more
+                return []
+            raise KeyError(key)
+        if nbytes <= 0:
+            self._loaded[key] = max(0, self._loaded[key] + int(nbytes))
+            return []
+        evict: list[str] = []
+        used = self.used_bytes
+        for other, size in self._loaded.items():
+            if used + nbytes <= self.bound_bytes:
+                break
+            if other == key or other in self._pinned:
+                continue
+            evict.append(other)
+            used -= size
+        if used + nbytes > self.bound_bytes:
+            raise MemoryBudgetError(
+                f"engine {key} needs {nbytes / GIB:.2f} GiB more for device-resident refit weights; the bound is "
+                f"{self.bound_bytes / GIB:.2f} GiB and {used / GIB:.2f} GiB is held in use. Raise {MEMORY_ENV}, keep "
+                "fewer LoRA sets resident (resident_lora_sets) or refit from host memory")
+        for other in evict:
+            del self._loaded[other]
+        self._loaded[key] += int(nbytes)
+        return evict
+
+
+# ----------------------------------------------------------------------------------------------
+# Device-resident refit weights (LoRA hot swap)
+# ----------------------------------------------------------------------------------------------
+
+
+class ResidentSets:
+    """Which LoRA weight sets a runner keeps uploaded on the GPU for `refit_cuda_engine_async`: least recently
+    used first out beyond `capacity`, never the set the engine was just refitted with. Pure bookkeeping: the
+    runner uploads, refits and frees; this says which digests to free."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"resident LoRA sets must be at least 1, got {capacity}")
+        self.capacity = int(capacity)
+        self._sets: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, least recently used first
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._sets
+
+    @property
+    def digests(self) -> list[str]:
+        return list(self._sets)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._sets.values())
+
+    def use(self, digest: str) -> None:
+        self._sets.move_to_end(digest)
+
+    def add(self, digest: str, nbytes: int) -> list[str]:
+        """Record an uploaded set (the most recently used); the digests to free to stay within `capacity`."""
+        self._sets[digest] = int(nbytes)
+        self._sets.move_to_end(digest)
+        evict = []
+        while len(self._sets) > self.capacity:
+            oldest = next(iter(self._sets))
+            evict.append(oldest)
+            del self._sets[oldest]
+        return evict
+
+    def clear(self) -> list[str]:
+        digests = list(self._sets)
+        self._sets.clear()
+        return digests
+
 
 # ----------------------------------------------------------------------------------------------
 # Weight streaming (engines built with WEIGHT_STREAMING)

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -672,6 +672,56 @@ def _refit_cuda_engine(engine: TensorRTEngine, refitter: trt.Refitter, written: 
         # TensorRT may have written some of them: count all as changed so a restore covers them
         engine.refitted_names |= set(written)
         raise RefitError(_with_trt_errors(f"TensorRT failed to refit engine {name}", mark))
+
+
+@dataclass(frozen=True)
+class DeviceWeights:
+    """Refit weights held in GPU memory (uploaded once, cast to the engine's dtype): `count` elements at `pointer`."""
+
+    pointer: int
+    count: int
+    nbytes: int
+
+
+def refit_prototypes(engine: TensorRTEngine, names: Iterable[str]) -> dict[str, tuple[str, int]]:
+    """(dtype name, element count) of each named weight as the engine holds it (count -1: no such weight)."""
+    return _prototypes(_refitter(engine), names)
+
+
+def refit_engine_on_device(
+    engine: TensorRTEngine,
+    weights: Mapping[str, DeviceWeights],
+    stream_handle: int,
+    changed: Iterable[str],
+    fill: Callable[[list[str]], Mapping[str, DeviceWeights]] | None = None,
+) -> None:
+    """LoRA hot swap from device-resident weights: each weight given by its device pointer
+    (`set_named_weights(..., TensorLocation.DEVICE)`), then `refit_cuda_engine_async` on the stream every run of
+    the engine is queued on — nothing is copied from the host. `fill(names)` gives device weights for weights
+    TensorRT fused with the given ones (their base values). `changed`: the names that now differ from base.
+    The device memory must stay allocated until the refit has run on the stream (free it on that stream's
+    order: after a synchronize)."""
+    import tensorrt as trt
+
+    name = engine.manifest.spec_name
+    refitter = _refitter(engine)
+
+    def put(items: Mapping[str, DeviceWeights]) -> None:
+        rejected = []
+        for weight, held in items.items():  # typed as the engine's own weights (uploaded already cast to them)
+            prototype = refitter.get_weights_prototype(weight)
+            if int(prototype.size) != held.count or not refitter.set_named_weights(
+                    weight, trt.Weights(prototype.dtype, held.pointer, held.count), trt.TensorLocation.DEVICE):
+                rejected.append(weight)
+        if rejected:
+            raise RefitError(f"TensorRT rejected device weight(s) {rejected} for engine {name}")
+
+    put(weights)
+    missing = [n for n in refitter.get_missing_weights() if n]
+    if missing and fill is not None:
+        put(fill(missing))
+    _refit_cuda_engine(engine, refitter, weights, stream_handle)
+    engine.refitted_names = set(changed)
 
 
 def refit_engine(

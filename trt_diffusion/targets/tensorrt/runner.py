@@ -34,6 +34,7 @@ from .device_memory import (
     EngineBudget,
     GraphKey,
     IOTensor,
+    ResidentSets,
     Shape,
     buffer_sizes,
     describe_feed,
@@ -57,7 +58,7 @@ from .manifest import EngineManifest, manifest_path
 if TYPE_CHECKING:
     import tensorrt as trt
 
-    from .engine import TensorRTEngine
+    from .engine import DeviceWeights, TensorRTEngine
 
 Loader = Callable[[Path], "TensorRTEngine"]
 CUDA_GRAPH_ENV = "TRT_DIFFUSION_TENSORRT_CUDA_GRAPH"  # 1: runners the target hands out replay CUDA graphs
@@ -195,6 +196,14 @@ class EngineGroup:
         for member in self._members.values():
             member.bound_generation = -1
 
+    def grow(self, runner: TensorRTRunner, nbytes: int) -> None:
+        """`runner` holds `nbytes` more GPU memory (device-resident refit weights; fewer when negative): least
+        recently used lazily loaded engines are unloaded first where the bound needs it."""
+        if self.budget is None:
+            return
+        for key in self.budget.grow(runner.key, nbytes):
+            self._members[key].deactivate()
+
     def leave(self, runner: TensorRTRunner) -> None:
         self._members.pop(runner.key, None)
         self._needs.pop(runner.key, None)
@@ -277,7 +286,7 @@ class TensorRTRunner(BaseRunner):
 
     def __init__(self, plan_path: str | Path, *, name: str | None = None, group: EngineGroup | None = None,
                  cuda_graph: bool | None = None, loader: Loader | None = None, trt_module: Any = None,
-                 weight_budget_bytes: int | None = None, device: int | None = None):
+                 weight_budget_bytes: int | None = None, device: int | None = None, resident_lora_sets: int = 4):
         self.path = Path(plan_path)
         self.name = name or self.path.name
         self.key = f"{self.name}@{self.path}"
@@ -308,6 +317,11 @@ class TensorRTRunner(BaseRunner):
         self._profile = 0  # the context's optimization profile
         self._refit_pinned = False
         self._activation_need = 0
+        # LoRA hot swap from device memory: the weight sets uploaded (by digest), LRU beyond `resident_lora_sets`,
+        # and the base values of the weights they change (to restore them); all freed when the engine unloads
+        self._resident = ResidentSets(resident_lora_sets)
+        self._resident_sets: dict[str, dict[str, DeviceWeights]] = {}
+        self._resident_base: dict[str, DeviceWeights] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -511,6 +525,7 @@ class TensorRTRunner(BaseRunner):
         if self._refit_pinned and group.budget is not None:
             group.budget.unpin(self.key)
         self._refit_pinned = False
+        self._free_resident_weights()  # the stream is synchronized above: no refit still reads them
         for buffer in self._buffers.values():
             self._free(buffer)
         self._buffers.clear()
@@ -524,7 +539,7 @@ class TensorRTRunner(BaseRunner):
     # ------------------------------------------------------------------ refit in process (LoRA hot swap)
 
     def refit(self, weights: Mapping[str, np.ndarray] | None, *, base_onnx: str | Path | None = None,
-              base_weights: Mapping[str, np.ndarray] | None = None) -> None:
+              base_weights: Mapping[str, np.ndarray] | None = None, resident: bool = False) -> None:
         """Write LoRA-fused weights (ONNX initializer names; None: back to base) into the loaded engine, in
         memory; the plan on disk is untouched (`trt-diffusion refit` rewrites that).
 
@@ -532,7 +547,15 @@ class TensorRTRunner(BaseRunner):
         before any later one: no run reads half-written weights. The captured CUDA graph is dropped (it recorded
         the old weights' kernels' parameters) and recaptured on the next runs. With `base_onnx`, every weight comes
         from the ONNX the plan was built from first (no residue of an earlier LoRA); else `base_weights` restore
-        what an earlier refit changed. The in-memory manifest records what the engine now holds."""
+        what an earlier refit changed. The in-memory manifest records what the engine now holds.
+
+        `resident=True` (per-request LoRA swaps on a serving runner): the weights are uploaded to the GPU once per
+        LoRA set (by content digest) and kept there, as are the base values of the weights they change; a swap to a
+        resident set then only points TensorRT at device memory (`TensorLocation.DEVICE`) and queues the refit —
+        no host copy, no host sync. The first use of a set syncs once, after its upload. The runner keeps
+        `resident_lora_sets` sets (least recently used freed first; each counts against the GPU memory bound) and
+        frees all of them when the engine unloads. Restoring needs `base_weights` here (the ONNX refitter reads
+        host memory)."""
         from . import engine as trt_engine
         from .manifest import RefitRecord
         from .refit_weights import weights_digest
@@ -547,7 +570,12 @@ class TensorRTRunner(BaseRunner):
             self._drop_graph()
             handle = cuda.stream_handle(group.stream)
             arrays = dict(weights or {})
-            if base_onnx is not None:
+            if resident:
+                if base_onnx is not None:
+                    raise RuntimeInputError(f"{self.name}: a device-resident refit restores from base_weights, not "
+                                            "base_onnx (the ONNX refitter reads host memory)")
+                self._refit_resident(arrays, base_weights, handle)
+            elif base_onnx is not None:
                 trt_engine.refit_from_base(self.engine, base_onnx, arrays or None, stream_handle=handle)
             elif arrays or self.engine.refitted_names:
                 if not arrays:
@@ -565,6 +593,92 @@ class TensorRTRunner(BaseRunner):
             if not self._refit_pinned and group.budget is not None:  # never unloaded behind the LoRA's back
                 group.budget.pin(self.key)
                 self._refit_pinned = True
+
+    def _refit_resident(self, arrays: dict[str, np.ndarray], base_weights: Mapping[str, np.ndarray] | None,
+                        handle: int) -> None:
+        from . import engine as trt_engine
+        from .refit_weights import weights_for_refit
+
+        assert self.engine is not None
+        stale = sorted(set(self.engine.refitted_names) - set(arrays))
+        weights_for_refit(self.name, self.engine.refitted_names, arrays, base_weights)  # refuses residue
+        if not arrays and not stale:
+            return
+        lora = self._resident_set(arrays) if arrays else {}
+        base = self._resident_base_weights(stale, base_weights)
+
+        def fill(names: list[str]) -> dict[str, DeviceWeights]:  # weights TensorRT fused with the given ones
+            return self._resident_base_weights([n for n in names if base_weights and n in base_weights],
+                                               base_weights)
+
+        trt_engine.refit_engine_on_device(self.engine, {**base, **lora}, handle, changed=list(arrays), fill=fill)
+
+    def _resident_set(self, arrays: dict[str, np.ndarray]) -> dict[str, DeviceWeights]:
+        """The device copy of one LoRA set: uploaded the first time, reused after (least recently used first out)."""
+        from .refit_weights import weights_digest
+
+        digest = weights_digest(arrays)
+        if digest in self._resident:
+            self._resident.use(digest)
+            self.stats.extra["resident_reuses"] += 1
+            return self._resident_sets[digest]
+        uploaded = self._upload(arrays)
+        self._resident_sets[digest] = uploaded
+        evicted = self._resident.add(digest, sum(w.nbytes for w in uploaded.values()))
+        if evicted:
+            self.group.cuda.synchronize(self.group.stream)  # a refit queued earlier may still read them
+        for old in evicted:
+            self._free_device_weights(self._resident_sets.pop(old))
+        return uploaded
+
+    def _resident_base_weights(self, names: list[str], base_weights: Mapping[str, np.ndarray] | None
+                               ) -> dict[str, DeviceWeights]:
+        """Device copies of the base values of `names` (uploaded once each, kept with the engine)."""
+        todo = [n for n in names if n not in self._resident_base]
+        if todo:
+            assert base_weights is not None
+            self._resident_base.update(self._upload({n: base_weights[n] for n in todo}))
+        return {n: self._resident_base[n] for n in names}
+
+    def _upload(self, arrays: Mapping[str, np.ndarray]) -> dict[str, DeviceWeights]:
+        """Cast to the engine's dtypes, copy to fresh device memory on the group's stream, synchronize once (the
+        host arrays may go then), and count the bytes against the group's memory bound."""
+        from . import engine as trt_engine
+        from .refit_weights import prepare_refit_weights
+
+        assert self.engine is not None
+        group, cuda = self.group, self.group.cuda
+        prepared = prepare_refit_weights(self.name, trt_engine.refit_prototypes(self.engine, arrays), arrays)
+        uploaded: dict[str, DeviceWeights] = {}
+        held = 0
+        try:
+            group.grow(self, sum(max(a.nbytes, 1) for a in prepared.values()))
+            held = sum(max(a.nbytes, 1) for a in prepared.values())
+            for weight, array in prepared.items():
+                pointer = cuda.malloc(max(array.nbytes, 1))
+                uploaded[weight] = trt_engine.DeviceWeights(pointer, int(array.size), max(array.nbytes, 1))
+                cuda.copy_to_device(pointer, array.ctypes.data, array.nbytes, group.stream)
+            cuda.synchronize(group.stream)  # once per upload: every copy has read its host array
+        except BaseException:
+            cuda.synchronize(group.stream)
+            self._free_device_weights(uploaded, grown=held)
+            raise
+        self.stats.extra["resident_uploads"] += 1
+        self.stats.extra["resident_upload_bytes"] += sum(w.nbytes for w in uploaded.values())
+        return uploaded
+
+    def _free_device_weights(self, weights: Mapping[str, DeviceWeights], grown: int | None = None) -> None:
+        for held in weights.values():
+            self.group.cuda.free(held.pointer)
+            self.stats.extra["resident_frees"] += 1
+        self.group.grow(self, -(sum(w.nbytes for w in weights.values()) if grown is None else grown))
+
+    def _free_resident_weights(self) -> None:
+        """Every device-resident refit weight of this runner (the engine unloads: LRU eviction, deactivate)."""
+        for digest in self._resident.clear():
+            self._free_device_weights(self._resident_sets.pop(digest))
+        self._free_device_weights(self._resident_base)
+        self._resident_base = {}
 
     def _drop_graph(self) -> None:
         if self._graph is not None:
