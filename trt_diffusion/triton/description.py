@@ -11,18 +11,12 @@ from pathlib import Path
 
 from ..engines_file.engine_spec import Bucket, Size
 from ..errors import ServeError
+from ..tensors import TensorSpec
 
 SCHEMA_VERSION = 1
 FILE_NAME = "pipeline.json"
 SKELETON_DIR = "model"  # the model folder's configs and tokenizers, beside pipeline.json
 DEFAULT_WORKFLOWS = ("txt2img",)
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    dtype: str  # numpy name, as the engine manifest writes it
-    shape: tuple[int, ...]  # -1: dynamic
 
 
 @dataclass(frozen=True)
@@ -32,8 +26,8 @@ class EngineEntry:
     bucket: dict | None  # Bucket.to_json()
     batch: int
     controlnet: str | None
-    inputs: tuple[TensorEntry, ...]
-    outputs: tuple[TensorEntry, ...]
+    inputs: tuple[TensorSpec, ...]  # named, dtype as the engine manifest writes it, -1: dynamic
+    outputs: tuple[TensorSpec, ...]
 
     @property
     def bucket_object(self) -> Bucket | None:
@@ -70,8 +64,8 @@ class PipelineDescription:
             raise ServeError(f"{path} has schema_version {raw.get('schema_version')!r}, this trt-diffusion reads "
                              f"{SCHEMA_VERSION}; package the repository again")
 
-        def tensors(items) -> tuple[TensorEntry, ...]:
-            return tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"])) for t in items)
+        def tensors(items) -> tuple[TensorSpec, ...]:
+            return tuple(TensorSpec(t["dtype"], tuple(t["shape"]), t["name"]) for t in items)
 
         engines = tuple(EngineEntry(e["model"], e["component"], e["bucket"], e["batch"], e["controlnet"],
                                     tensors(e["inputs"]), tensors(e["outputs"])) for e in raw["engines"])

@@ -28,12 +28,13 @@ from typing import Any
 from ..errors import ServeError
 from ..families import FAMILIES, Family
 from ..targets import get_target
+from ..tensors import TensorSpec
 from ..workflows import FAMILY_WORKFLOWS, Workflow, families_that_run
 from ..workspace.safe_paths import checked_name, is_link
 from . import configs, contract, naming
 from .configs import EnsembleStep, ModelConfig, QueuePolicy, WarmupSample
 from .contract import TensorDecl
-from .description import DEFAULT_WORKFLOWS, SKELETON_DIR, EngineEntry, PipelineDescription, TensorEntry
+from .description import DEFAULT_WORKFLOWS, SKELETON_DIR, EngineEntry, PipelineDescription
 from .report import FILE_NAME as REPORT_FILE
 from .report import PackagedModel, PackageReport
 from .validate import validate_repository
@@ -278,8 +279,8 @@ def _check_unique(names: list[str]) -> None:
 
 def _description(pipeline: str, family: Family, built: Sequence[Any], engines: list[_ModelPlan],
                  workflows: tuple[str, ...] = DEFAULT_WORKFLOWS) -> PipelineDescription:
-    def entries(infos) -> tuple[TensorEntry, ...]:
-        return tuple(TensorEntry(t.name, t.dtype, tuple(t.shape)) for t in infos)
+    def entries(infos) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(t.dtype, tuple(t.shape), t.name) for t in infos)
 
     # one row per shape: a multi-profile engine (engine_layout: profiles) routes each of its buckets and batches
     # to its one model, whose engine runs the request in the profile built for its shape
