@@ -89,9 +89,15 @@ def _t5_encoder(d_model: int):
     return T5EncoderModel(config)
 
 
-def _vae(latent_channels: int, **extra):
+def _vae(latent_channels: int, size: str = "tiny", **extra):
     from diffusers import AutoencoderKL
 
+    if size == "full":  # the SD1.5/SDXL VAE's architecture (84M parameters): what img2img encodes with
+        return AutoencoderKL(
+            block_out_channels=[128, 256, 512, 512], in_channels=3, out_channels=3,
+            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+            latent_channels=latent_channels, layers_per_block=2, sample_size=512, **extra,
+        )
     return AutoencoderKL(
         block_out_channels=VAE_BLOCK_OUT_CHANNELS, in_channels=3, out_channels=3,
         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
@@ -179,7 +185,7 @@ def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny",
     scheduler = _scheduler(family)
     if family is Family.sd15:
         text_hidden = 768 if size == "full" else 32
-        parts = dict(unet=_sd15_unet(size, unet_channels), vae=_vae(4), text_encoder=_clip_text_encoder(text_hidden),
+        parts = dict(unet=_sd15_unet(size, unet_channels), vae=_vae(4, size), text_encoder=_clip_text_encoder(text_hidden),
                      tokenizer=_clip_tokenizer(), scheduler=scheduler, safety_checker=None,
                      feature_extractor=None, image_encoder=None)
         pipe_cls = diffusers.StableDiffusionInpaintPipeline if inpaint else diffusers.StableDiffusionPipeline
@@ -189,7 +195,7 @@ def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny",
         hidden, hidden_2 = (768, 1280) if size == "full" else (32, 32)
         pipe_cls = diffusers.StableDiffusionXLInpaintPipeline if inpaint else diffusers.StableDiffusionXLPipeline
         pipe = pipe_cls(
-            unet=_sdxl_unet(size, unet_channels), vae=_vae(4), text_encoder=_clip_text_encoder(hidden),
+            unet=_sdxl_unet(size, unet_channels), vae=_vae(4, size), text_encoder=_clip_text_encoder(hidden),
             text_encoder_2=_clip_text_encoder(hidden_2, projection=True, projection_dim=hidden_2),
             tokenizer=_clip_tokenizer(),
             tokenizer_2=_clip_tokenizer(), scheduler=scheduler, image_encoder=None, feature_extractor=None,
