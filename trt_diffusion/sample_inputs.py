@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .workflows import Workflow
+
 
 def init_image(height: int, width: int, seed: int = 0) -> np.ndarray:
     """uint8 [H, W, 3]: a smooth colour field with a few discs, structure a VAE keeps and a denoiser can follow."""
@@ -29,3 +31,13 @@ def inpaint_mask(height: int, width: int, seed: int = 0) -> np.ndarray:
     top, left = int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1))
     mask[top:top + h, left:left + w] = 255
     return mask
+
+
+def workflow_inputs(workflow: Workflow, height: int, width: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The seeded `init_image` (and `mask`) a workflow's requests start from; none for txt2img."""
+    if not workflow.needs_image:
+        return {}
+    inputs = {"init_image": init_image(height, width, seed)}
+    if workflow.needs_mask:
+        inputs["mask"] = inpaint_mask(height, width, seed)
+    return inputs

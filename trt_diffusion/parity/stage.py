@@ -24,7 +24,7 @@ from ..runtime.engines import RunnerTable
 from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
 from ..runtime.pipeline import EnginePipeline, GenerationRequest
 from ..runtime.reference import reference_runners
-from ..sample_inputs import init_image, inpaint_mask
+from ..sample_inputs import workflow_inputs
 from ..workflows import Workflow
 from .report import ComponentDiff, ParityReport, ReportFiles, compare_image, judge_report, judge_variant, write_report
 
@@ -149,7 +149,7 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     first_request = first_candidate = None
     for p, prompt in enumerate(options.prompts):
         for seed in options.seeds:
-            inputs = _workflow_inputs(workflow, size, seed)
+            inputs = workflow_inputs(workflow, size.height, size.width, seed)
             request = GenerationRequest(
                 prompt=prompt, height=size.height, width=size.width, steps=options.steps,
                 guidance_scale=options.guidance_scale, seed=seed, controlnet=controlnet,
@@ -183,16 +183,6 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
         batch_independent=batch_independent, lora=lora, controlnet=controlnet, extra_failures=failures,
         failing_engines=failing_engines)
     return result.model_copy(update={"workflow": workflow.value, "strength": strength}), pngs
-
-
-def _workflow_inputs(workflow: Workflow, size, seed: int) -> dict[str, np.ndarray]:
-    """The seeded init image (and mask) a workflow's parity requests start from (sample_inputs.py)."""
-    if not workflow.needs_image:
-        return {}
-    inputs = {"init_image": init_image(size.height, size.width, seed)}
-    if workflow.needs_mask:
-        inputs["mask"] = inpaint_mask(size.height, size.width, seed)
-    return inputs
 
 
 def _batch_independent(pipe, request, table, denoiser) -> bool | None:

@@ -50,11 +50,16 @@ def mask_tensor(mask: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array[None, None]))
 
 
-def trim_timesteps(scheduler, steps: int, strength: float, family: Family) -> torch.Tensor:
-    """The kept tail of the schedule (`get_timesteps`), with the scheduler's begin index set to its start.
-    The UNet pipelines round the kept count down to an integer; SD3's and FLUX's keep the float product."""
+def _first_kept_step(steps: int, strength: float, family: Family) -> int:
+    """Where `get_timesteps` starts the schedule. The UNet pipelines round the kept count down to an integer;
+    SD3's and FLUX's keep the float product."""
     kept = min(steps * strength, steps) if family in FLOW_FAMILIES else min(int(steps * strength), steps)
-    start = int(max(steps - kept, 0))
+    return int(max(steps - kept, 0))
+
+
+def trim_timesteps(scheduler, steps: int, strength: float, family: Family) -> torch.Tensor:
+    """The kept tail of the schedule (`get_timesteps`), with the scheduler's begin index set to its start."""
+    start = _first_kept_step(steps, strength, family)
     timesteps = scheduler.timesteps[start * scheduler.order:]
     if hasattr(scheduler, "set_begin_index"):
         scheduler.set_begin_index(start * scheduler.order)
@@ -63,8 +68,7 @@ def trim_timesteps(scheduler, steps: int, strength: float, family: Family) -> to
 
 def kept_steps(steps: int, strength: float, family: Family) -> int:
     """How many denoiser steps a request runs (for validation: diffusers refuses fewer than one)."""
-    kept = min(steps * strength, steps) if family in FLOW_FAMILIES else min(int(steps * strength), steps)
-    return steps - int(max(steps - kept, 0))
+    return steps - _first_kept_step(steps, strength, family)
 
 
 class LatentEncoder:

@@ -11,7 +11,7 @@ import numpy as np
 
 from ...engines_file import EnginesConfig
 from ...engines_file.preflight import PreflightSettings
-from ...sample_inputs import init_image, inpaint_mask
+from ...sample_inputs import workflow_inputs
 from ...triton.client import ImageRequest
 from ...workflows import Workflow
 from ..deployment import Deployment
@@ -94,9 +94,7 @@ def workflow_fields(workflow: Workflow, height: int, width: int, seed: int) -> d
     """The request fields of a workflow: none for txt2img (its requests stay as before workflows)."""
     if workflow is Workflow.txt2img:
         return {}
-    fields = {"workflow": workflow.value, "init_image": init_image(height, width, seed)}
-    if workflow.needs_mask:
-        fields["mask"] = inpaint_mask(height, width, seed)
+    fields = {"workflow": workflow.value, **workflow_inputs(workflow, height, width, seed)}
     if workflow.takes_strength:
         fields["strength"] = STRENGTH
     return fields
