@@ -21,12 +21,13 @@ def plan(config_path: str | Path, *, count_parameters: bool = True) -> Plan:
 
 
 def make_tiny_model(out_dir: str | Path, family: str, *, seed: int = 0, size: str = "tiny",
-                    controlnet: bool = False, lora: bool = False, overwrite: bool = False) -> Path:
+                    controlnet: bool = False, lora: bool = False, overwrite: bool = False,
+                    variant: str | None = None) -> Path:
     """Write a seeded reference pipeline folder (see models/tiny.py)."""
     from .models.tiny import write_tiny_model
 
     return write_tiny_model(out_dir, family, seed=seed, size=size, controlnet=controlnet, lora=lora,
-                            overwrite=overwrite)
+                            overwrite=overwrite, variant=variant)
 
 
 def export(config_path: str | Path, model: str | None = None, component: str | None = None,

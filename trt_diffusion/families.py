@@ -16,6 +16,7 @@ class Family(str, Enum):
     sdxl = "sdxl"
     sd3 = "sd3"
     flux = "flux"
+    wan = "wan"  # Wan 2.1 / 2.2 video (text-to-video; image-to-video checkpoints)
 
 
 class Component(str, Enum):
@@ -26,13 +27,15 @@ class Component(str, Enum):
     text_encoder_3 = "text_encoder_3"
     unet = "unet"
     transformer = "transformer"
+    transformer_2 = "transformer_2"  # Wan 2.2's low-noise expert (model_index.json's boundary_ratio switches to it)
+    image_encoder = "image_encoder"  # Wan 2.1 image-to-video's CLIP vision encoder
     vae_encoder = "vae_encoder"
     vae_decoder = "vae_decoder"
     controlnet = "controlnet"
 
     @property
     def is_denoiser(self) -> bool:
-        return self in (Component.unet, Component.transformer)
+        return self in (Component.unet, Component.transformer, Component.transformer_2)
 
     @property
     def is_text_encoder(self) -> bool:
@@ -52,6 +55,12 @@ class FamilyInfo:
     latent_factor: int
     """Pixel sides must be multiples of this: the VAE's 8, times 2 where latents are patchified."""
     denoiser: Component
+    temporal_factor: int = 0
+    """Video families: the VAE's temporal factor (frames must be 4k+1 for Wan's 4); 0: images, no frame axis."""
+
+    @property
+    def is_video(self) -> bool:
+        return self.temporal_factor > 0
 
     @property
     def supports_controlnet(self) -> bool:
@@ -84,6 +93,14 @@ FAMILIES: dict[Family, FamilyInfo] = {
         latent_factor=16,
         denoiser=_T.transformer,
     ),
+    Family.wan: FamilyInfo(
+        components=(_T.text_encoder, _T.image_encoder, _T.transformer, _T.transformer_2, _T.vae_encoder,
+                    _T.vae_decoder),
+        default_components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
+        latent_factor=16,  # the 3D VAE's 8 × the transformer's 2×2 spatial patches
+        denoiser=_T.transformer,
+        temporal_factor=4,
+    ),
 }
 
 
@@ -101,6 +118,7 @@ PIPELINE_CLASSES: dict[Family, tuple[str, ...]] = {
     Family.sd3: ("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),
     Family.flux: ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline",
                   "FluxKontextPipeline", "FluxControlPipeline"),
+    Family.wan: ("WanPipeline", "WanImageToVideoPipeline"),
 }
 
 
@@ -112,6 +130,8 @@ def family_of_pipeline_class(class_name: str) -> Family | None:
     return None
 
 
+WAN_TEXT_LENGTH = 226  # WanPipeline's default max_sequence_length: every prompt is padded to it
+
 # The folder of a diffusers pipeline that holds each component (ControlNets have their own source).
 SUBFOLDER = {
     Component.text_encoder: "text_encoder",
@@ -119,6 +139,8 @@ SUBFOLDER = {
     Component.text_encoder_3: "text_encoder_3",
     Component.unet: "unet",
     Component.transformer: "transformer",
+    Component.transformer_2: "transformer_2",
+    Component.image_encoder: "image_encoder",
     Component.vae_encoder: "vae",
     Component.vae_decoder: "vae",
 }
@@ -131,4 +153,5 @@ LORA_TEXT_ENCODERS: dict[Family, tuple[Component, ...]] = {
     Family.sdxl: (Component.text_encoder, Component.text_encoder_2),
     Family.sd3: (Component.text_encoder, Component.text_encoder_2),
     Family.flux: (Component.text_encoder,),
+    Family.wan: (),  # diffusers' WanLoraLoaderMixin loads the transformer(s) only
 }

@@ -44,6 +44,7 @@ FAMILY_WORKFLOWS: dict[Family, tuple[Workflow, ...]] = {
     Family.sdxl: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
     Family.sd3: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
     Family.flux: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint, Workflow.edit),
+    Family.wan: (Workflow.txt2img,),  # text-to-video: a video family's txt2img makes a clip
 }
 
 # The checkpoint (model_index.json `_class_name`) an edit workflow needs: editing is a trained skill, not a

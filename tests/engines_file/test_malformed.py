@@ -110,7 +110,7 @@ def test_a_bad_bucket_is_one_message_in_the_files_words(tmp_path, capsys, tiny_s
     err = capsys.readouterr().err
     assert "2 problems" in err, err  # one per bucket, not one per union branch
     assert "Input should be" not in err and "RangeBucket" not in err
-    assert "expected WIDTHxHEIGHT like '512x512', got '64by64'" in err and "a bucket is 'WIDTHxHEIGHT'" in err
+    assert "expected WIDTHxHEIGHT like '512x512' (or WIDTHxHEIGHTxFRAMES for video, '832x480x81'), got '64by64'" in err and "a bucket is 'WIDTHxHEIGHT'" in err
 
 
 def test_a_missing_lora_file_is_reported_with_the_schema_errors(tmp_path, capsys, tiny_sd15_dir):

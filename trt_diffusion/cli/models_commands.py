@@ -16,7 +16,10 @@ def models_tiny(
     = None,
     family: Annotated[Family, typer.Option("--family")] = Family.sd15,
     size: Annotated[str, typer.Option(
-        "--size", help="tiny, or full (real UNet architecture, random weights; sd15, sdxl)")] = "tiny",
+        "--size", help="tiny, or full (real denoiser architecture, random weights; sd15, sdxl, wan)")] = "tiny",
+    variant: Annotated[str | None, typer.Option(
+        "--variant", help="a checkpoint variant: inpaint (sd15, sdxl), fill or kontext (flux), "
+                          "two_expert (wan: Wan 2.2's high- and low-noise transformers)")] = None,
     seed: int = 0,
     controlnet: Annotated[bool, typer.Option("--controlnet", help="also write a ControlNet in <out>/controlnet")] = False,
     lora: Annotated[bool, typer.Option("--lora", help="also write a LoRA in <out>/lora")] = False,
@@ -31,8 +34,8 @@ def models_tiny(
         console.print(f"{out} exists; left as it is")
         return
     path = api.make_tiny_model(out, family.value, seed=seed, size=size, controlnet=controlnet, lora=lora,
-                               overwrite=overwrite)
-    console.print(f"wrote {family.value} ({size}) model to {path}")
+                               overwrite=overwrite, variant=variant)
+    console.print(f"wrote {family.value} ({size}{', ' + variant if variant else ''}) model to {path}")
 
 
 COMMANDS = {"tiny": models_tiny}

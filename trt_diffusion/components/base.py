@@ -1,7 +1,8 @@
 """What every component declaration provides, and the shape arithmetic they share.
 
-A component declares its tensors with *symbolic* dims. Each symbolic dim is a multiple of one of four
-axes: the batch, the latent height, the latent width, or (FLUX) the number of packed image tokens.
+A component declares its tensors with *symbolic* dims. Each symbolic dim is a multiple of one of five
+axes: the batch, the latent height, the latent width, (FLUX) the number of packed image tokens, or (video
+families) the number of latent frames.
 From a `Geometry` (a batch and a pixel size) every dim gets its value; from a set of geometries the
 exporter derives the dynamic ranges, the engines their profiles.
 """
@@ -19,13 +20,13 @@ import numpy as np
 import torch
 
 from ..engines_file.engine_spec import EngineSpec, Size
-from ..families import Component, Family
+from ..families import Component, Family, family_info
 from .model_config import ModelConfig
 
 Shape = tuple[int, ...]
 ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]
 
-AXES = ("batch", "height", "width", "tokens")
+AXES = ("batch", "height", "width", "tokens", "frames")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def _dim_value(dim: SymbolicDim, axis_values: Mapping[str, int]) -> int:
 BATCH = SymbolicDim("batch", "batch")
 HEIGHT = SymbolicDim("height", "height")
 WIDTH = SymbolicDim("width", "width")
+LATENT_FRAMES = SymbolicDim("latent_frames", "frames")  # video: (F - 1) / temporal factor + 1
 
 
 def image_dims(vae_scale_factor: int) -> tuple[SymbolicDim, SymbolicDim]:
@@ -134,7 +136,8 @@ class ComponentDef(ABC):
         values = {"batch": geometry.batch}
         if geometry.size is not None:
             height, width = geometry.size.latent(config.vae_scale_factor)
-            values.update(height=height, width=width, tokens=self.tokens(config, height, width))
+            values.update(height=height, width=width, tokens=self.tokens(config, height, width),
+                          frames=geometry.size.latent_frames(family_info(self.family).temporal_factor))
         return values
 
     def tokens(self, config: ModelConfig, latent_height: int, latent_width: int) -> int:
@@ -213,6 +216,8 @@ class ExportWrapper(torch.nn.Module):
 def rng(seed: int, geometry: Geometry) -> np.random.Generator:
     """One generator per (seed, geometry): the same call gets the same inputs in any process."""
     size = (geometry.size.width, geometry.size.height) if geometry.size else (0, 0)
+    if geometry.size is not None and geometry.size.frames:  # images keep the seeds they always had
+        size = (*size, geometry.size.frames)
     return np.random.default_rng([seed, geometry.batch, *size])
 
 

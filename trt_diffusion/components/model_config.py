@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelError
-from ..families import Component, Family
+from ..families import WAN_TEXT_LENGTH, Component, Family
 from ..models.loading import SUBFOLDER
 
 # Tokenizers without a real limit write a huge model_max_length; use the length the pipelines use.
@@ -81,17 +81,20 @@ def load_model_config(model_dir: str | Path, family: Family | str, component: Co
     """Read the shape facts for `component` of the diffusers folder `model_dir`."""
     model_dir, family, component = Path(model_dir), Family(family), Component(component)
     vae = read_json(model_dir / "vae" / "config.json")
-    vae_scale_factor = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
+    # AutoencoderKL: one 2x per block after the first; Wan's 3D VAE says it (scale_factor_spatial)
+    vae_scale_factor = int(vae.get("scale_factor_spatial") or 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1))
     own = read_json(component_config_path(model_dir, component, Path(controlnet_dir) if controlnet_dir else None))
     return ModelConfig(
         component_config=own,
         vae_scale_factor=vae_scale_factor,
-        latent_channels=int(vae.get("latent_channels", 4)),
+        latent_channels=int(vae.get("latent_channels", vae.get("z_dim", 4))),
         sequence_length=_sequence_length(model_dir, family, component),
     )
 
 
 def _sequence_length(model_dir: Path, family: Family, component: Component) -> int | None:
+    if family is Family.wan and (component.is_text_encoder or component.is_denoiser):
+        return WAN_TEXT_LENGTH  # WanPipeline pads every prompt to its max_sequence_length default
     if component.is_text_encoder:
         return tokenizer_length(model_dir, _TOKENIZER_OF[component])
     if component in (Component.unet, Component.controlnet):

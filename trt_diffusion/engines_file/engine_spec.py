@@ -21,28 +21,39 @@ SPEC_SCHEMA_VERSION = 1
 
 @dataclass(frozen=True, order=True)
 class Size:
-    """An image size in pixels."""
+    """An image size in pixels, or a video's: width × height × frames (`frames` 0 for an image)."""
 
     width: int
     height: int
+    frames: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Size:
-        """Parse 'WxH' (e.g. '768x512' is 768 wide, 512 high)."""
+        """Parse 'WxH' (e.g. '768x512' is 768 wide, 512 high) or a video's 'WxHxF' ('832x480x81': 81 frames)."""
         parts = str(text).lower().replace(" ", "").split("x")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"expected WIDTHxHEIGHT like '512x512', got {text!r}")
-        width, height = (int(p) for p in parts)
-        if width <= 0 or height <= 0:
-            raise ValueError(f"sides must be positive, got {text!r}")
-        return cls(width, height)
+        if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
+            raise ValueError(f"expected WIDTHxHEIGHT like '512x512' (or WIDTHxHEIGHTxFRAMES for video, "
+                             f"'832x480x81'), got {text!r}")
+        values = [int(p) for p in parts]
+        if any(v <= 0 for v in values):
+            raise ValueError(f"sides and frames must be positive, got {text!r}")
+        return cls(*values)
 
     def __str__(self) -> str:
-        return f"{self.width}x{self.height}"
+        return f"{self.width}x{self.height}" + (f"x{self.frames}" if self.frames else "")
+
+    @property
+    def is_video(self) -> bool:
+        return self.frames > 0
 
     def latent(self, factor: int) -> tuple[int, int]:
         """(height, width) in latent pixels for a VAE that downsamples by `factor`."""
         return self.height // factor, self.width // factor
+
+    def latent_frames(self, temporal_factor: int) -> int:
+        """Latent frames of a causal video VAE that keeps the first frame and packs each further
+        `temporal_factor` frames into one: (F - 1) / factor + 1 (Wan: 81 frames -> 21)."""
+        return (self.frames - 1) // temporal_factor + 1 if self.frames else 0
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,8 @@ class Bucket:
         return self.min == self.opt == self.max
 
     def covers(self, size: Size) -> bool:
-        return (self.min.width <= size.width <= self.max.width) and (self.min.height <= size.height <= self.max.height)
+        return ((self.min.width <= size.width <= self.max.width) and (self.min.height <= size.height <= self.max.height)
+                and self.min.frames <= size.frames <= self.max.frames)
 
     @property
     def label(self) -> str:

@@ -218,7 +218,8 @@ def _friendly(error: dict) -> str:
     if kind == "literal_error" and error["loc"] == ("version",):
         return f"{error.get('input')!r} is not a known format version (this trt-diffusion reads version: 1)"
     if kind in ("model_type", "dict_type", "string_type") and _is_bucket(error["loc"]):
-        return f"a bucket is 'WIDTHxHEIGHT' or {{min, opt, max}}, got {error.get('input')!r}"
+        return (f"a bucket is 'WIDTHxHEIGHT' ('WIDTHxHEIGHTxFRAMES' for video) or {{min, opt, max}}, "
+                f"got {error.get('input')!r}")
     if kind == "string_type":
         return f"expected a text value, got {error.get('input')!r}"
     if kind in ("dict_type", "model_type"):
@@ -517,13 +518,26 @@ def _geometry_problems(bucket: Bucket, factor: int, family: Family) -> list[tupl
     """(sub-field or None, message) for sides off the latent grid and min > opt or opt > max."""
     found = []
     sizes = [("min", bucket.min), ("opt", bucket.opt), ("max", bucket.max)]
+    temporal = family_info(family).temporal_factor
     for label, size in sizes[:1] if bucket.is_static else sizes:
+        where = None if bucket.is_static else label
         if size.width % factor or size.height % factor:
-            found.append((None if bucket.is_static else label, f"{size} is not a multiple of {factor} on each "
-                                                               f"side (the {family.value} family's latent factor)"))
+            found.append((where, f"{size} is not a multiple of {factor} on each side (the {family.value} "
+                                 f"family's latent factor)"))
+        if size.is_video and not temporal:
+            found.append((where, f"{size} has a frame count, but {family.value} is an image family: write "
+                                 f"{size.width}x{size.height}"))
+        elif temporal and not size.is_video:
+            found.append((where, f"{size} has no frame count: {family.value} is a video family, write "
+                                 f"WIDTHxHEIGHTxFRAMES (e.g. {size}x81)"))
+        elif temporal and (size.frames - 1) % temporal:
+            below = (size.frames - 1) // temporal * temporal + 1
+            found.append((where, f"{size.frames} frames is not {temporal}k+1 (the {family.value} VAE packs "
+                                 f"{temporal} frames per latent frame after the first): use {below} or "
+                                 f"{below + temporal}"))
     if not bucket.is_static:
         for (lo_name, lo), (hi_name, hi) in zip(sizes, sizes[1:]):
-            if lo.width > hi.width or lo.height > hi.height:
+            if lo.width > hi.width or lo.height > hi.height or lo.frames > hi.frames:
                 found.append((lo_name, f"{lo_name} {lo} is larger than {hi_name} {hi}"))
     return found
 

@@ -78,7 +78,7 @@ def _static_bucket(value: str) -> str:
     return value
 
 
-BucketEntry = Annotated[str, AfterValidator(_static_bucket), Field(description="WIDTHxHEIGHT")] | RangeBucket
+BucketEntry = Annotated[str, AfterValidator(_static_bucket), Field(description="WIDTHxHEIGHT, or WIDTHxHEIGHTxFRAMES for video")] | RangeBucket
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")

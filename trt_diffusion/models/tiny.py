@@ -21,11 +21,12 @@ from ..errors import ConfigError
 from ..families import Family
 from .quiet import quiet_libraries
 
-FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl)
+FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl, Family.wan)
 # Checkpoint variants beside the text-to-image one, each saved with the pipeline class its released checkpoints
 # have: an inpainting denoiser (the mask and the masked image's latents as extra input channels: the 9-channel
 # UNets, FLUX.1 Fill's transformer) and FLUX.1 Kontext (the plain transformer's shape, an edit checkpoint).
-VARIANTS = {"inpaint": (Family.sd15, Family.sdxl), "fill": (Family.flux,), "kontext": (Family.flux,)}
+VARIANTS = {"inpaint": (Family.sd15, Family.sdxl), "fill": (Family.flux,), "kontext": (Family.flux,),
+            "two_expert": (Family.wan,)}
 FLUX_LATENT_CHANNELS = 4  # the tiny FLUX VAE's (the real one has 16)
 VAE_BLOCK_OUT_CHANNELS = [8, 8, 16, 16]  # four blocks: the real 8x spatial factor, tiny channel counts
 # Shards of at most this size: safetensors copies a shard into memory to write it, and a full-size SDXL UNet
@@ -181,6 +182,12 @@ def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny",
     if size == "full" and family not in FULL_SIZE_FAMILIES:
         raise ConfigError(f"--size full is available for {', '.join(f.value for f in FULL_SIZE_FAMILIES)} only "
                           f"(got --family {family.value})")
+    if family is Family.wan:
+        from .tiny_video import build_tiny_wan
+
+        pipe = build_tiny_wan(seed, size, variant)
+        _perturb_all_parameters(pipe, seed)
+        return pipe
     torch.manual_seed(seed)
     scheduler = _scheduler(family)
     if family is Family.sd15:
