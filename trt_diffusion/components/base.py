@@ -31,11 +31,12 @@ AXES = ("batch", "height", "width", "tokens", "frames")
 
 @dataclass(frozen=True)
 class SymbolicDim:
-    """An ONNX dim name and how it follows from an axis: size = scale × axis value."""
+    """An ONNX dim name and how it follows from an axis: size = scale × axis value + offset."""
 
     name: str
     axis: str  # one of AXES
     scale: Fraction = Fraction(1)
+    offset: int = 0  # a causal video VAE's frames: 4 × latent frames - 3
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class TensorDecl:
 
 
 def _dim_value(dim: SymbolicDim, axis_values: Mapping[str, int]) -> int:
-    value = dim.scale * axis_values[dim.axis]
+    value = dim.scale * axis_values[dim.axis] + dim.offset
     if value.denominator != 1:
         raise ValueError(f"dim {dim.name} = {dim.scale} × {dim.axis} {axis_values[dim.axis]} is not an integer")
     return int(value)

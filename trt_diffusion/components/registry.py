@@ -10,6 +10,7 @@ from .text_encoders import ClipTextEncoder, T5TextEncoder
 from .transformers import FluxTransformer, SD3Transformer
 from .unet import UNet
 from .vae import VaeDecoder, VaeEncoder
+from .video import UMT5TextEncoder, WanTransformer, WanVaeDecoder
 
 _F, _C = Family, Component
 
@@ -31,9 +32,14 @@ def _build() -> dict[tuple[Family, Component], ComponentDef]:
         ClipTextEncoder(_F.flux, _C.text_encoder, penultimate=False, with_projection=False),
         T5TextEncoder(_F.flux, _C.text_encoder_2),
         FluxTransformer(_F.flux, _C.transformer),
+        UMT5TextEncoder(_F.wan, _C.text_encoder),
+        WanTransformer(_F.wan, _C.transformer),
+        WanTransformer(_F.wan, _C.transformer_2),
+        WanVaeDecoder(_F.wan, _C.vae_decoder),
     ]
     for family in Family:
-        defs += [VaeEncoder(family, _C.vae_encoder), VaeDecoder(family, _C.vae_decoder)]
+        if not family_info(family).is_video:  # a video family declares its own VAE (above)
+            defs += [VaeEncoder(family, _C.vae_encoder), VaeDecoder(family, _C.vae_decoder)]
     return {(d.family, d.component): d for d in defs}
 
 
