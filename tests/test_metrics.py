@@ -1,7 +1,8 @@
-"""PSNR, SSIM, LPIPS (offline behaviour), tensor diffs and thresholds."""
+"""PSNR, SSIM, LPIPS (offline behaviour), video clips, tensor diffs and thresholds."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import types
@@ -15,6 +16,7 @@ from trt_diffusion.errors import ConfigError
 from trt_diffusion.metrics import (
     ALEXNET_WEIGHTS_FILE,
     DEFAULT_THRESHOLDS,
+    MAX_MOTION_ERROR,
     Thresholds,
     has_nonfinite,
     lpips_distance,
@@ -22,6 +24,7 @@ from trt_diffusion.metrics import (
     ssim,
     tensor_diff,
     thresholds_for,
+    video_metrics,
 )
 
 
@@ -104,6 +107,107 @@ def test_ssim_window_choice():
 def test_ssim_of_grayscale_images():
     reference = np.random.default_rng(2).integers(0, 256, (16, 16), dtype=np.uint8)
     assert ssim(reference, reference) == pytest.approx(1.0, abs=1e-12)
+
+
+# --- video clips -----------------------------------------------------------------------------
+
+
+def _wave_clip(frames: int = 12, amplitude: float = 40.0, step: float = 1.0) -> np.ndarray:
+    """A low-contrast wave drifting `step` pixels a frame: neighbouring frames are close, motion is small."""
+    y, x = np.mgrid[0:24, 0:32]
+    clip = [128 + amplitude * np.sin(2 * np.pi * (x + y / 2 - t * step) / 32) for t in range(frames)]
+    return np.repeat(np.rint(np.stack(clip))[..., None], 3, axis=-1).astype(np.uint8)
+
+
+def test_identical_clips_are_perfect():
+    clip = _wave_clip()
+    video = video_metrics(clip, clip.copy())
+    assert video.frames == 12 and video.psnr_db == (math.inf,) * 12
+    assert video.min_psnr_db == video.mean_psnr_db == math.inf
+    assert video.min_ssim == pytest.approx(1.0) and video.mean_ssim == pytest.approx(1.0)
+    assert video.motion_rmse == 0.0 and video.motion_error == 0.0 and video.reference_motion > 0
+
+
+def test_the_worst_frame_is_the_corrupted_one():
+    clip = _wave_clip()
+    candidate = _noisy(clip, 2)
+    candidate[7] = _noisy(clip[7], 50, seed=1)
+    video = video_metrics(clip, candidate)
+    assert video.worst_psnr_frame == video.worst_ssim_frame == 7
+    assert video.min_psnr_db == video.psnr_db[7] < video.mean_psnr_db < min(video.psnr_db[:7])
+    assert video.min_ssim == video.ssim[7] < video.mean_ssim
+
+
+def test_mean_psnr_is_the_clips_psnr_and_stays_finite_beside_an_identical_frame():
+    clip = np.zeros((2, 8, 8, 3), np.uint8)
+    candidate = clip.copy()
+    candidate[1] += 10  # frame 0 identical (inf dB), frame 1 off by 10 everywhere
+    video = video_metrics(clip, candidate)
+    assert video.psnr_db[0] == math.inf
+    assert video.mean_psnr_db == pytest.approx(psnr(clip, candidate)) == pytest.approx(20 * math.log10(255 / 10)
+                                                                                       + 10 * math.log10(2))
+
+
+def test_shuffled_frames_keep_their_frame_scores_but_not_their_motion():
+    clip = _wave_clip(frames=16, amplitude=4.0)
+    shuffled = clip[np.random.default_rng(3).permutation(16)]
+    video = video_metrics(clip, shuffled)
+    assert video.mean_psnr_db > 35 and video.mean_ssim > 0.95  # each frame looks like a frame of the clip
+    assert video.min_psnr_db > 30  # even the worst: within the fp16 bar
+    assert video.motion_error > 1  # its motion is further off than a frozen clip's would be
+
+
+def test_swapped_frames_pass_the_frame_bar_and_fail_the_motion_bar():
+    bar = thresholds_for("fp16")  # 30 dB: a frame may be 8.06 levels RMS off
+    clip = _wave_clip(frames=16, amplitude=40.0)  # ~5.5 levels RMS of motion per frame step
+    swapped = clip.reshape(8, 2, *clip.shape[1:])[:, ::-1].reshape(clip.shape)  # 1 0 3 2 5 4 ...
+    video = video_metrics(clip, swapped)
+    assert bar.image_failures(video.min_psnr_db, video.min_ssim, None) == []
+    assert bar.motion_failures(video.motion_rmse, video.reference_motion) != []
+
+
+def test_frozen_clip_scores_one():
+    clip = _wave_clip()
+    video = video_metrics(clip, np.repeat(clip[:1], len(clip), axis=0))
+    assert video.motion_error == pytest.approx(1.0)
+
+
+def test_one_frame_has_no_motion_and_shapes_are_checked():
+    frame = _wave_clip(frames=1)
+    assert video_metrics(frame, _noisy(frame, 5)).motion_error == 0.0
+    with pytest.raises(ValueError, match="a clip is"):
+        video_metrics(frame[0, 0], frame[0, 0])
+    with pytest.raises(ValueError, match="shape mismatch"):
+        video_metrics(frame, _wave_clip(frames=2))
+
+
+def test_motion_error_of_a_still_reference():
+    still = np.full((3, 8, 8, 3), 90, np.uint8)
+    moving = still.copy()
+    moving[1] += 1
+    assert video_metrics(still, still).motion_error == 0.0
+    assert video_metrics(still, moving).motion_error == math.inf
+
+
+def test_video_metrics_to_json_writes_inf_as_a_string():
+    clip = _wave_clip(frames=3)
+    candidate = clip.copy()
+    candidate[2] = _noisy(clip[2], 20)
+    video = video_metrics(clip, candidate)
+    data = json.loads(video.to_json(), parse_constant=lambda token: pytest.fail(f"bare {token} in JSON"))
+    assert data["psnr_db"][:2] == ["Infinity", "Infinity"] and data["worst_psnr_frame"] == 2
+    assert data["frames"] == 3 and data["min_psnr_db"] == pytest.approx(video.psnr_db[2])
+    assert data["motion_error"] == pytest.approx(video.motion_error)
+
+
+def test_motion_failures():
+    bar = Thresholds(min_psnr_db=40, min_ssim=0.98)  # a frame may be 2.55 levels RMS off
+    assert bar.motion_failures(0.0, 0.0) == []
+    assert bar.motion_failures(2.5, 0.0) == []  # below the error a frame may have: not judged
+    assert bar.motion_failures(MAX_MOTION_ERROR * 10, 10.0) == []
+    (failure,) = bar.motion_failures(6.0, 10.0)
+    assert failure.startswith("motion off by 6.00 RMS per frame step > 5.00 allowed")
+    assert bar.motion_failures(math.nan, 10.0) != []
 
 
 # --- LPIPS -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Image and tensor metrics for same-seed parity, and the thresholds that gate them.
+"""Image, video and tensor metrics for same-seed parity, and the thresholds that gate them.
 
 PSNR and SSIM always work offline. LPIPS is optional: it needs the `lpips` package *and* the
 AlexNet backbone weights in the torch hub cache, and this module never downloads anything, so
@@ -8,6 +8,7 @@ without them `lpips_distance` returns a value of None with the reason.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import sys
@@ -77,6 +78,114 @@ def ssim(reference: Any, candidate: Any, data_range: float = 255.0) -> float:
     channel_axis = -1 if ref.ndim == 3 else None
     value = structural_similarity(ref, cand, win_size=window, data_range=data_range, channel_axis=channel_axis)
     return float(value)
+
+
+# --- video clips -----------------------------------------------------------------------------
+
+# The temporal gate: a clip's frame-to-frame changes may be off by at most this fraction of the reference's own
+# changes (a frozen clip scores 1.0, a reversed or shuffled one more), or by what one frame at the PSNR bar may be.
+MAX_MOTION_ERROR = 0.5
+
+
+@dataclass(frozen=True)
+class VideoMetrics:
+    """How far a candidate clip [F, H, W, C] is from its reference, frame by frame and in its motion.
+
+    Per frame: PSNR and SSIM, their worst frame and their mean. `mean_psnr_db` is the PSNR of the frames' mean
+    squared error (the clip's PSNR over all its pixels), not the mean of the dB values: one identical frame
+    (inf dB) would make that mean inf whatever the other frames are.
+
+    Motion: the frame-to-frame differences D = diff(clip, axis=0) of both clips, `motion_rmse` = RMS(Dc - Dr) and
+    `reference_motion` = RMS(Dr), in pixel levels. The error is judged against the reference's own motion
+    (`motion_error` = their ratio) and not as a PSNR of Dc against Dr over a data range of 510: since
+    (a - b)^2 <= 2a^2 + 2b^2, that PSNR is never below the worst frame's PSNR, so it cannot fail a clip whose
+    frames all pass. Motion is small beside the pixel range: a clip whose frames are frozen, reversed,
+    shuffled or flickering can keep every frame within a PSNR bar while its motion is wrong by as much as the
+    motion itself, which this ratio shows (frozen: 1.0). A one-frame clip has no motion (both 0).
+    """
+
+    psnr_db: tuple[float, ...]
+    ssim: tuple[float, ...]
+    motion_rmse: float
+    reference_motion: float
+    data_range: float = 255.0
+
+    @property
+    def frames(self) -> int:
+        return len(self.psnr_db)
+
+    @property
+    def worst_psnr_frame(self) -> int:
+        return _worst_index(self.psnr_db)
+
+    @property
+    def worst_ssim_frame(self) -> int:
+        return _worst_index(self.ssim)
+
+    @property
+    def min_psnr_db(self) -> float:
+        return self.psnr_db[self.worst_psnr_frame]
+
+    @property
+    def min_ssim(self) -> float:
+        return self.ssim[self.worst_ssim_frame]
+
+    @property
+    def mean_psnr_db(self) -> float:
+        mse = float(np.mean([self.data_range**2 / 10 ** (value / 10) for value in self.psnr_db]))  # inf dB -> 0
+        return math.inf if mse == 0.0 else 10.0 * math.log10(self.data_range**2 / mse)
+
+    @property
+    def mean_ssim(self) -> float:
+        return float(np.mean(self.ssim))
+
+    @property
+    def motion_error(self) -> float:
+        """motion_rmse / reference_motion: 0 = the reference's motion exactly, 1.0 = as wrong as a frozen clip."""
+        if self.reference_motion == 0.0:
+            return 0.0 if self.motion_rmse == 0.0 else math.inf
+        return self.motion_rmse / self.reference_motion
+
+    def to_json(self) -> str:
+        """Every figure, derived ones included; inf and NaN as the strings "Infinity" and "NaN" (the reports'
+        convention: plain JSON has no such numbers)."""
+        figures = {name: getattr(self, name) for name in (
+            "frames", "psnr_db", "ssim", "worst_psnr_frame", "worst_ssim_frame", "min_psnr_db", "min_ssim",
+            "mean_psnr_db", "mean_ssim", "motion_rmse", "reference_motion", "motion_error", "data_range")}
+        return json.dumps(_finite_json(figures), sort_keys=True)
+
+
+def _worst_index(values: tuple[float, ...]) -> int:
+    """The lowest value's index; a NaN counts as worst of all (a broken frame)."""
+    nan = [i for i, value in enumerate(values) if math.isnan(value)]
+    return nan[0] if nan else int(np.argmin(values))
+
+
+def _finite_json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _finite_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(item) for item in value]
+    return value
+
+
+def video_metrics(reference: Any, candidate: Any, data_range: float = 255.0) -> VideoMetrics:
+    """Per-frame PSNR/SSIM and the motion error of two same-shaped clips [F, H, W, C] (or [F, H, W])."""
+    ref, cand = _as_float_pair(reference, candidate)
+    if ref.ndim not in (3, 4):
+        raise ValueError(f"a clip is [frames, height, width(, channels)], got shape {ref.shape}")
+    if len(ref) > 1:
+        reference_steps = np.diff(ref, axis=0)
+        motion_rmse = math.sqrt(float(np.mean((np.diff(cand, axis=0) - reference_steps) ** 2)))
+        reference_motion = math.sqrt(float(np.mean(reference_steps**2)))
+    else:
+        motion_rmse = reference_motion = 0.0
+    return VideoMetrics(
+        psnr_db=tuple(psnr(r, c, data_range) for r, c in zip(ref, cand)),
+        ssim=tuple(ssim(r, c, data_range) for r, c in zip(ref, cand)),
+        motion_rmse=motion_rmse, reference_motion=reference_motion, data_range=data_range)
 
 
 # --- LPIPS (optional) ------------------------------------------------------------------------
@@ -280,6 +389,18 @@ class Thresholds(BaseModel):
             elif not lpips <= self.max_lpips:
                 failures.append(f"LPIPS {lpips:.4f} > {self.max_lpips:g}")
         return failures
+
+    def motion_failures(self, motion_rmse: float, reference_motion: float, data_range: float = 255.0) -> list[str]:
+        """Why a clip's motion misses this bar (see VideoMetrics): its frame-to-frame changes may be off by
+        MAX_MOTION_ERROR of the reference's own, or by the RMS error a frame at min_psnr_db has, whichever is
+        larger (motion smaller than the error a frame may have is not judged). NaN fails."""
+        frame_rms = data_range * 10 ** (-self.min_psnr_db / 20)
+        allowed = max(MAX_MOTION_ERROR * reference_motion, frame_rms)
+        if motion_rmse <= allowed:
+            return []
+        return [f"motion off by {motion_rmse:.2f} RMS per frame step > {allowed:.2f} allowed (the larger of "
+                f"{MAX_MOTION_ERROR:g} x the reference's {reference_motion:.2f} and the {frame_rms:.2f} a frame at "
+                f"{self.min_psnr_db:g} dB may be off)"]
 
 
 # Same-seed image parity bars per engine precision. Quantized engines (fp8/int8) drift further
