@@ -77,6 +77,7 @@ class CheckpointKind:
     pipeline_class: str | None
     denoiser_channels: int | None  # the denoiser's input channels
     latent_channels: int | None  # the VAE's
+    second_expert: bool = False  # model_index.json names a transformer_2 (Wan 2.2's low-noise expert)
 
     @property
     def inpainting(self) -> bool:
@@ -392,6 +393,9 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         # A ControlNet follows the denoiser's precision, except fp8/int8: only denoisers are quantized.
         follows = precision[info.denoiser]
         precision[Component.controlnet] = Precision.fp16 if follows.is_quantized else follows
+    if Component.transformer_2 in info.components and all(
+            Component.transformer_2 not in (chosen or {}) for chosen in (entry.precision, defaults.precision)):
+        precision[Component.transformer_2] = precision[Component.transformer]  # Wan 2.2's experts: one architecture
     for component, chosen in (entry.precision or {}).items():
         if chosen.is_quantized and not component.is_denoiser:
             problems.add(base + ("precision", component.value),
@@ -437,6 +441,10 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         problems.add(where, f"workflows {', '.join(w.value for w in workflows if w.encodes_image)} encode the "
                             f"init image: add {', '.join(c.value for c in needed)} to components")
     components = components + tuple(needed)
+    if checkpoint is not None and checkpoint.pipeline_class is not None:
+        components = _with_second_expert(components, checkpoint, _merged(entry, defaults, "components") is not None,
+                                         base + ("components",) if entry.components is not None
+                                         else ("defaults", "components"), problems)
     parity = dict(defaults.parity or {})
     parity.update(entry.parity or {})
     return ResolvedModel(
@@ -447,6 +455,24 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         quantization=entry.quantization or defaults.quantization or QuantizationSettings(), parity=parity,
         workflows=workflows, checkpoint=checkpoint,
     )
+
+
+def _with_second_expert(components: tuple[Component, ...], checkpoint: CheckpointKind, declared: bool,
+                        where: tuple, problems: _Problems) -> tuple[Component, ...]:
+    """A two-expert checkpoint (Wan 2.2) denoises with `transformer` and then `transformer_2`: the pipeline cannot
+    run without both, so the default components take the second expert and a `components:` list must name it."""
+    expert = Component.transformer_2
+    if checkpoint.second_expert and expert not in components:
+        if declared:
+            problems.add(where, f"this checkpoint has two experts (model_index.json names a {expert.value}, which "
+                                f"denoises the low-noise steps): add {expert.value} to components")
+        else:
+            at = components.index(Component.transformer) + 1 if Component.transformer in components else len(components)
+            components = components[:at] + (expert,) + components[at:]
+    elif not checkpoint.second_expert and expert in components:
+        problems.add(where, f"this checkpoint has no {expert.value} (model_index.json names none: a one-expert "
+                            f"model): remove it from components")
+    return components
 
 
 def _resolve_workflows(entry: ModelEntry, defaults, checkpoint: CheckpointKind | None, base: tuple,
@@ -477,9 +503,12 @@ def _checkpoint_kind(folder: Path, family: Family) -> CheckpointKind:
     denoiser = family_info(family).denoiser
     channels = read(folder / SUBFOLDER[denoiser] / "config.json").get("in_channels")
     latent = read(folder / "vae" / "config.json").get("latent_channels")
-    class_name = read(folder / "model_index.json").get("_class_name")
+    index = read(folder / "model_index.json")
+    class_name = index.get("_class_name")
+    expert = index.get(Component.transformer_2.value)  # ["diffusers", "WanTransformer3DModel"]; [null, null]: none
     return CheckpointKind(class_name if isinstance(class_name, str) else None,
-                          channels if isinstance(channels, int) else None, latent if isinstance(latent, int) else None)
+                          channels if isinstance(channels, int) else None, latent if isinstance(latent, int) else None,
+                          second_expert=isinstance(expert, list) and bool(expert) and expert[0] is not None)
 
 
 def _check_bucket_geometry(data: dict, problems: _Problems) -> None:
