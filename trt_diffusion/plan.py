@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .engines_file import EnginesConfig, EngineSpec, Precision, expand
+from .engines_file.expand import fixed_frames
 from .errors import TrtDiffusionError
 from .families import Component, family_info
 from .workflows import Workflow
@@ -104,7 +105,7 @@ def workflow_notes(model, specs: list[EngineSpec]) -> dict[str, str]:
     notes = {}
     for workflow in model.workflows:
         if workflow is Workflow.txt2img:
-            notes[workflow.value] = "the text-to-image engines"
+            notes[workflow.value] = f"the text-to-{'video' if family_info(model.family).is_video else 'image'} engines"
         elif workflow is Workflow.img2img:
             notes[workflow.value] = f"{encoder}; the same {denoiser} engines over the schedule strength keeps"
         elif workflow is Workflow.inpaint:
@@ -171,6 +172,9 @@ def _formula(members: list[EngineSpec]) -> str:
         parts.append(f"{len(architectures)} GPU architecture{'s' if len(architectures) > 1 else ''} "
                      f"({', '.join(architectures)})")
     text = " × ".join(parts)
+    frames = distinct(s.bucket.min.frames for s in members if s.bucket and fixed_frames(s.family, s.component))
+    if frames:
+        text += f"; each engine at one frame count ({', '.join(map(str, frames))}: the whole-clip decode fixes it)"
     if engines < len(members):  # engine_layout: profiles
         text += f" shapes as {engines} engine{'s' if engines > 1 else ''} with a profile per shape"
     return text

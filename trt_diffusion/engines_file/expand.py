@@ -8,6 +8,7 @@ Each component depends on a different subset of the dimensions, and only those m
 | unet/transformer| yes   | denoiser batch (CFG)       | no         | yes        |
 | controlnet     | yes    | denoiser batch (CFG)       | each one   | no         |
 | vae decoder    | yes    | image batch (CFG-free)     | no         | no         |
+| (video)        | × each frame count of the bucket: the whole-clip decoder's frames are fixed (`fixed_frames`) |
 | vae encoder    | yes    | 1 (one init image per request, encoded once) | no | no |
 
 The denoiser batch is the image batch doubled when CFG runs batched (cond + uncond in one call).
@@ -22,11 +23,28 @@ from __future__ import annotations
 
 import json
 
-from ..families import LORA_TEXT_ENCODERS, Component
+from ..families import LORA_TEXT_ENCODERS, Component, Family, family_info
 from ..workflows import Workflow
-from .engine_spec import EngineSpec, LoraVariant
+from .engine_spec import Bucket, EngineSpec, LoraVariant, Size
 from .load import EnginesConfig, ResolvedModel
 from .schema import CfgMode, LoraMode
+
+
+def fixed_frames(family: Family | str, component: Component | str) -> bool:
+    """Whether this component's graph fixes the frame count: a video VAE decoder decodes the whole clip in one
+    call, and its causal cache, run frame by frame, is unrolled by the exporter over the latent frames, whose count
+    it then freezes (dynamo does so silently: FACTS.md). So it gets one ONNX and one engine per frame count, the
+    way TensorRT's Wan demo builds it, while the transformer takes a frame range."""
+    return Component(component) is Component.vae_decoder and family_info(Family(family)).is_video
+
+
+def frame_buckets(bucket: Bucket, temporal_factor: int) -> list[Bucket]:
+    """A bucket per frame count it spans (frames are 4k+1: one step is `temporal_factor`), each with the bucket's
+    width/height range; a bucket of one frame count is itself."""
+    if bucket.min.frames == bucket.max.frames:
+        return [bucket]
+    return [Bucket(*(Size(size.width, size.height, frames) for size in (bucket.min, bucket.opt, bucket.max)))
+            for frames in range(bucket.min.frames, bucket.max.frames + 1, temporal_factor)]
 
 
 def denoiser_batches(model: ResolvedModel) -> dict[int, list[str]]:
@@ -65,7 +83,10 @@ def _one_engine_per_weight_set(config: EnginesConfig, specs: list[EngineSpec]) -
         if spec.target not in merging:
             order.append(spec)
             continue
-        weight_set = json.dumps(spec.weight_set_fields(), sort_keys=True, default=str)
+        fields = spec.weight_set_fields()
+        if fixed_frames(spec.family, spec.component):  # one ONNX per frame count: never one engine over two
+            fields["frames"] = spec.bucket.min.frames
+        weight_set = json.dumps(fields, sort_keys=True, default=str)
         if weight_set not in groups:
             groups[weight_set] = []
             order.append(weight_set)
@@ -132,9 +153,15 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
                 for bucket in model.buckets:
                     yield make(component, 1, bucket, [f"bucket {bucket.label} × init image ({', '.join(uses)})"])
             elif component.is_vae:
+                temporal = family_info(model.family).temporal_factor
                 for bucket in model.buckets:
-                    for batch, why in image_batches.items():
-                        yield make(component, batch, bucket, [f"bucket {bucket.label} × {w}" for w in why])
+                    split = frame_buckets(bucket, temporal) if fixed_frames(model.family, component) else [bucket]
+                    for engine_bucket in split:
+                        where = f"bucket {bucket.label}" + (
+                            f" × {engine_bucket.min.frames} frames (the whole-clip decoder fixes its frame count)"
+                            if len(split) > 1 else "")
+                        for batch, why in image_batches.items():
+                            yield make(component, batch, engine_bucket, [f"{where} × {w}" for w in why])
         for cn_name, cn_source in sorted(model.controlnets.items()):
             for bucket in model.buckets:
                 for batch, why in cfg_batches.items():
