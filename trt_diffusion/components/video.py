@@ -130,7 +130,9 @@ class WanVaeDecoder(ComponentDef):
     latents_mean) -> `video` [B,3,F,H,W] in [-1, 1] (decode clamps), F = 4f - 3.
 
     The whole clip in one graph: decode runs its causal cache over the latent frames, which the exporter unrolls,
-    so the latent frame count is fixed per engine (a bucket's frames), the way TensorRT's Wan demo builds it.
+    so the latent frame count is fixed per engine (a bucket's frames), the way TensorRT's Wan demo builds it:
+    engines_file.expand.fixed_frames makes one ONNX and engine per frame count, and the export writes that count
+    into the graph's I/O instead of `latent_frames`/`frames`.
     """
 
     kind = "wan_vae_decoder"

@@ -1,6 +1,8 @@
 """Clean up the exporter's raw graph without touching parameter names.
 
 1. Initializers get the component's own parameter names (the wrapper's `model.` prefix is stripped).
+   First, every input dim declared dynamic must be dynamic in the raw graph: torch.onnx.export(dynamo=True)
+   can freeze a dim to the example's size without an error (FACTS.md), and the renaming would hide it.
 2. Inputs and outputs get the declared dim names (`batch`, `height`, `image_height`...) instead of the
    exporter's `s53` / `2*height_units`. Intermediate shapes are *not* stored: ONNX shape inference gives
    every element of a sequence the first element's shape (FLUX splits text and image tokens through
@@ -56,6 +58,7 @@ def finalize_graph(raw_path: Path, out_path: Path, io: ComponentIO, parameter_na
     nodes_before = len(model.graph.node)
     strip_prefix(model.graph, prefix)
     _check_io(model.graph, io, label)
+    _check_dynamic_inputs(model.graph, io, label)
     _apply_declared_dims(model.graph, io)
     del model.graph.value_info[:]  # the exporter's dim expressions; shape inference writes clean ones
 
@@ -130,6 +133,21 @@ def _check_io(graph: onnx.GraphProto, io: ComponentIO, label: str) -> None:
     if got_inputs != io.input_names or got_outputs != io.output_names:
         raise RuntimeError(f"{label}: exported I/O {got_inputs} -> {got_outputs} differs from the declaration "
                            f"{io.input_names} -> {io.output_names}")
+
+
+def _check_dynamic_inputs(graph: onnx.GraphProto, io: ComponentIO, label: str) -> None:
+    """ExportError naming every declared-dynamic input dim the exporter wrote as a fixed size."""
+    inputs = {i.name: i for i in graph.input}
+    frozen = []
+    for decl in io.inputs:
+        dims = inputs[decl.name].type.tensor_type.shape.dim
+        for index, (declared, got) in enumerate(zip(decl.dims, dims)):
+            if not isinstance(declared, int) and got.HasField("dim_value"):
+                frozen.append(f"'{decl.name}' dim {index} ({declared.name}) is fixed at {got.dim_value}")
+    if frozen:
+        raise ExportError(f"{label}: the exporter froze dims declared dynamic, so the graph would serve only the "
+                          f"example's size: {'; '.join(frozen)}. Something in the model specializes on that size "
+                          f"(a Python int or loop over it); export that axis per size, or rewrite the offending code")
 
 
 def _set_dims(value: onnx.ValueInfoProto, decl: TensorDecl) -> None:

@@ -8,6 +8,10 @@ ONNX precision: the spec's target says which graph its engines need (`Target.onn
 target declares it): the tensorrt target builds strongly typed, so its bf16 engines get a bf16 graph
 (fp32 I/O). Otherwise fp16 specs get an fp16 graph and fp32, bf16, fp8 and int8 specs share the fp32
 graph (fp8/int8 Q/DQ graphs are made by the quantize stage).
+
+Frames: a component whose graph fixes the frame count (`fixed_frames`: a video VAE decoder) gets one graph per
+frame count, so two buckets of different frames never share its ONNX; every other component's frames are one more
+dynamic axis.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engines_file.engine_spec import EngineSpec, LoraVariant
+from ..engines_file.expand import fixed_frames
 from ..precision import Precision
 from ..workspace.store import hash_inputs
 
@@ -48,6 +53,14 @@ def export_options(spec: EngineSpec) -> dict[str, Any]:
     return options
 
 
+def frame_counts(spec: EngineSpec) -> tuple[int, ...] | None:
+    """The frame counts a fixed-frames component's spec spans (one, unless a hand-made spec spans several: the
+    export refuses that); None for a component whose frames, if any, are a dynamic axis."""
+    if spec.bucket is None or not fixed_frames(spec.family, spec.component):
+        return None
+    return tuple(sorted({size.frames for member in spec.members for size in (member.bucket.min, member.bucket.max)}))
+
+
 def export_group_key(spec: EngineSpec) -> str:
     """The identity of the ONNX a spec's engine is built from (16 hex digits)."""
     lora = spec.lora_variant
@@ -57,6 +70,8 @@ def export_group_key(spec: EngineSpec) -> str:
         "lora": [list(s) for s in lora.sources] if lora else None,
         "precision": onnx_precision(spec.precision, spec.target), "options": export_options(spec),
     }
+    if (frames := frame_counts(spec)) is not None:  # left out elsewhere: image families keep their keys
+        fields["frames"] = list(frames)
     return hash_inputs(fields)[:16]
 
 
@@ -96,6 +111,11 @@ class ExportGroup:
         return onnx_precision(self.first.precision, self.first.target)
 
     @property
+    def frames(self) -> tuple[int, ...] | None:
+        """The frame count(s) the graph is fixed to (see `frame_counts`); None where frames are dynamic."""
+        return frame_counts(self.first)
+
+    @property
     def options(self) -> dict[str, Any]:
         return export_options(self.first)
 
@@ -105,7 +125,8 @@ class ExportGroup:
 
     @property
     def name(self) -> str:
-        """Readable and unique within a config: model.component[.controlnet][+residuals][.lora-x].precision"""
+        """Readable and unique within a config:
+        model.component[.controlnet][+residuals][.lora-x][.Nframes].precision"""
         parts = [self.model, self.component]
         if self.controlnet:
             parts.append(self.controlnet)
@@ -113,6 +134,8 @@ class ExportGroup:
             parts[-1] += "+residuals"
         if self.lora_variant:
             parts.append(f"lora-{self.lora_variant.name}")
+        if self.frames:
+            parts.append("-".join(map(str, self.frames)) + "frames")
         parts.append(self.precision)
         return ".".join(parts)
 

@@ -1,18 +1,22 @@
 """The shapes one export covers: its dynamic ranges, the geometry it traces, the geometries it is checked at.
 
 Ranges span min..max of every bucket and batch of the group. A range with a single value is widened by
-one step (one more batch, one more aligned latent row/column) so the graph is really dynamic, the
-exporter never sees a size-1 example (torch.export specializes those), and parity runs at two shapes.
+one step (one more batch, one more aligned latent row/column, one more latent frame) so the graph is really
+dynamic, the exporter never sees a size-1 example (torch.export specializes those), and parity runs at two shapes.
+
+A group whose graph fixes its frame count (grouping.frame_counts: a whole-clip video VAE decoder) is exported at
+that count: its frames axis is `fixed`, and the graph's I/O says the count instead of a dim name (`graph_io`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from ..components.base import AXES, ComponentDef, ComponentIO, Geometry, SymbolicDim
+from ..components.base import AXES, ComponentDef, ComponentIO, Geometry, SymbolicDim, TensorDecl
 from ..components.model_config import ModelConfig
 from ..engines_file.engine_spec import Size
 from ..errors import ExportError
+from ..families import family_info
 from .grouping import ExportGroup
 
 
@@ -23,6 +27,7 @@ class ExportShapes:
     example: Geometry  # what the exporter traces (the max corner: every dynamic dim >= 2)
     parity: tuple[Geometry, ...]  # where ONNX Runtime is checked against PyTorch: min, opt, max corners
     pixels: tuple[Size, Size] | None = None  # smallest and largest image size covered
+    fixed: dict[str, int] = field(default_factory=dict)  # axis -> its one value, where the graph cannot vary it
 
     def label(self) -> str:
         """e.g. 'batch 1-2, 64x64..128x128'"""
@@ -31,18 +36,37 @@ class ExportShapes:
         return text + (f", {self.pixels[0]}..{self.pixels[1]}" if self.pixels else "")
 
     def dim_ranges(self, io: ComponentIO) -> dict[str, tuple[int, int]]:
-        """Every symbolic dim name of the graph -> (min, max)."""
+        """Every symbolic dim name of the graph -> (min, max) (pass `graph_io`'s I/O: fixed axes are no dims)."""
         found: dict[str, tuple[int, int]] = {}
         for decl in (*io.inputs, *io.outputs):
             for dim in decl.dims:
                 if isinstance(dim, SymbolicDim):
                     low, high = self.ranges[dim.axis]
-                    found[dim.name] = (int(dim.scale * low), int(dim.scale * high))
+                    found[dim.name] = (_size(dim, low), _size(dim, high))
         return found
 
+    def graph_io(self, io: ComponentIO) -> ComponentIO:
+        """The declared I/O as this export's graph has it: every dim of a fixed axis is its size."""
+        if not self.fixed:
+            return io
+
+        def fix(decl: TensorDecl) -> TensorDecl:
+            dims = tuple(_size(d, self.fixed[d.axis]) if isinstance(d, SymbolicDim) and d.axis in self.fixed else d
+                         for d in decl.dims)
+            return replace(decl, dims=dims)
+
+        return replace(io, inputs=tuple(map(fix, io.inputs)), outputs=tuple(map(fix, io.outputs)))
+
     def to_json(self) -> dict:
-        return {"axes": {k: list(v) for k, v in self.ranges.items()}, "alignment": self.alignment,
+        data = {"axes": {k: list(v) for k, v in self.ranges.items()}, "alignment": self.alignment,
                 "example": self.example.label(), "parity": [g.label() for g in self.parity], "label": self.label()}
+        if self.fixed:  # absent for image families: their export hashes are unchanged
+            data["fixed"] = dict(self.fixed)
+        return data
+
+
+def _size(dim: SymbolicDim, axis_value: int) -> int:
+    return int(dim.scale * axis_value + dim.offset)
 
 
 def export_shapes(group: ExportGroup, definition: ComponentDef, config: ModelConfig) -> ExportShapes:
@@ -60,20 +84,39 @@ def export_shapes(group: ExportGroup, definition: ComponentDef, config: ModelCon
     step = factor * alignment  # one aligned latent row, in pixels
     widths = _widened([s.width for s in sizes], step)
     heights = _widened([s.height for s in sizes], step)
-    low = Geometry(batch_range[0], Size(widths[0], heights[0]))
-    high = Geometry(batch_range[1], Size(widths[1], heights[1]))
+    frames = _frame_range(group, [s.frames for s in sizes])
+    low = Geometry(batch_range[0], Size(widths[0], heights[0], frames[0]))
+    high = Geometry(batch_range[1], Size(widths[1], heights[1], frames[1]))
     opts = [Geometry(spec.batch, spec.bucket.opt) for spec in shapes]
     opt = next((g for g in opts if g not in (low, high)), opts[0])  # a third shape where there is one
     ranges = {"batch": batch_range}
     for axis in AXES[1:]:
         ranges[axis] = (definition.axis_values(config, low)[axis], definition.axis_values(config, high)[axis])
+    fixed = {"frames": ranges["frames"][0]} if group.frames else {}
     parity = tuple(dict.fromkeys([low, opt, high]))
-    return ExportShapes(ranges, alignment, high, parity, pixels=(low.size, high.size))
+    return ExportShapes(ranges, alignment, high, parity, pixels=(low.size, high.size), fixed=fixed)
 
 
 def _widened(values: list[int], step: int) -> tuple[int, int]:
     low, high = min(values), max(values)
     return (low, high if high > low else low + step)
+
+
+def _frame_range(group: ExportGroup, counts: list[int]) -> tuple[int, int]:
+    """Pixel frames (min, max): 0 for images; one count for a graph that fixes it; else a range, widened by one
+    latent frame (the VAE's temporal factor in frames) when the group has one count."""
+    temporal = family_info(group.family).temporal_factor
+    if not temporal:
+        return (0, 0)
+    if group.frames is None:
+        return _widened(counts, temporal)
+    if len(group.frames) > 1:
+        raise ExportError(
+            f"{group.name}: the bucket spans {group.frames[0]}..{group.frames[-1]} frames, but the {group.family} "
+            f"{group.component} decodes the whole clip in one graph whose frame count is fixed (the exporter unrolls "
+            f"its causal cache over the latent frames): give it one bucket per frame count "
+            f"({', '.join(map(str, range(group.frames[0], group.frames[-1] + 1, temporal)))})")
+    return (group.frames[0], group.frames[0])
 
 
 def _check_alignment(group: ExportGroup, sizes: list[Size], factor: int, alignment: int) -> None:

@@ -158,7 +158,7 @@ def _export_into(folder: Path, group: ExportGroup, definition, model_config, sha
     """Export into `folder`. `load_module` gives the fp32 module; this function holds its only reference,
     so the module is freed before the graph passes and the ONNX Runtime session (see the module docstring)."""
     options = group.options
-    io = definition.io(model_config, options)
+    io = shapes.graph_io(definition.io(model_config, options))  # a fixed axis (a VAE's frames) as its size
     label = group.name
     tick = time.perf_counter()
     module = load_module()

@@ -2,8 +2,9 @@
 
 `dynamo=True, optimize=False`: every parameter keeps its name as an initializer (refit maps by name),
 peak memory stays near the model's size, and one external-data file is written. Dynamic axes are
-`torch.export.Dim`s: one root per axis (batch, latent height, latent width, tokens), every symbolic
-dim a multiple of its root, so downsampled sizes (UNet residuals, pixels) stay exact expressions.
+`torch.export.Dim`s: one root per axis (batch, latent height, latent width, tokens, latent frames), every
+symbolic dim a multiple of its root (plus its offset), so downsampled sizes (UNet residuals, pixels) stay exact
+expressions.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def dynamic_shapes(io: ComponentIO, shapes: ExportShapes) -> tuple[dict[int, obj
     def root(axis: str):
         if axis not in roots:  # only axes the graph uses: an unused one may have an empty range
             low, high = shapes.ranges[axis]
-            unit = 1 if axis in ("batch", "tokens") else shapes.alignment
+            unit = shapes.alignment if axis in ("height", "width") else 1  # the alignment is spatial
             roots[axis] = (Dim(f"{axis}_units" if unit > 1 else axis, min=low // unit, max=high // unit), unit)
         return roots[axis]
 
@@ -44,7 +45,8 @@ def dynamic_shapes(io: ComponentIO, shapes: ExportShapes) -> tuple[dict[int, obj
         if multiple.denominator != 1:
             raise ExportError(f"dim {dim.name} ({dim.scale} × {dim.axis}) is not a whole multiple of the "
                               f"export's alignment {unit}")
-        return base if multiple == 1 else int(multiple) * base
+        scaled = base if multiple == 1 else int(multiple) * base
+        return scaled + dim.offset if dim.offset else scaled
 
     specs = []
     for decl in io.inputs:
