@@ -1,7 +1,8 @@
 """One pipeline over runners: tokenize → text encoders → scheduler loop (CFG, ControlNet) → VAE decode,
 from noise (txt2img) or from an init image (img2img, inpaint: runtime/conditioning.py). FLUX has its own loop
-(runtime/flux_loop.py: packed latents, Fill, Kontext edit). It follows diffusers' pipelines step for step, so the
-torch-reference runners reproduce diffusers' images exactly and engine runners can be compared to them.
+(runtime/flux_loop.py: packed latents, Fill, Kontext edit), and so has Wan video (runtime/video_loop.py). It follows
+diffusers' pipelines step for step, so the torch-reference runners reproduce diffusers' images exactly and engine
+runners can be compared to them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from . import conditioning
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
 from .flux_loop import FluxLoop
 from .schedulers import make_scheduler, scheduler_names
+from .video_loop import WanLoop, video_problems
 
 MAX_STEPS = 1000
 MAX_PROMPT_CHARS = 4096  # PROMPT and NEGATIVE_PROMPT (the Triton models also cap their bytes before decoding)
@@ -47,6 +49,8 @@ class GenerationRequest:
     init_image: np.ndarray | None = None  # uint8 [H, W, 3], the bucket's size (never resized)
     mask: np.ndarray | None = None  # uint8 [H, W]; white (>= 128) is repainted
     strength: float | None = None  # (0, 1]; None: the workflow's default (workflows.DEFAULT_STRENGTH)
+    frames: int = 0  # a video family's clip length (Wan: 4k+1); 0: an image
+    guidance_scale_2: float | None = None  # Wan 2.2 two-expert: the low-noise expert's guidance (None: guidance_scale)
 
     @property
     def resolved_workflow(self) -> Workflow:
@@ -78,7 +82,7 @@ class StageTimings:
 
 @dataclass
 class Generation:
-    images: np.ndarray  # uint8 [B, H, W, 3]
+    images: np.ndarray  # uint8 [B, H, W, 3]; a video family's [B, F, H, W, 3]
     timings: StageTimings
     cfg_mode: str  # batched | split | none
 
@@ -143,19 +147,23 @@ class EnginePipeline:
         self.index = json.loads((self.model_dir / "model_index.json").read_text())
         self.scheduler_config = json.loads((self.model_dir / "scheduler" / "scheduler_config.json").read_text())
         vae_config = json.loads((self.model_dir / "vae" / "config.json").read_text())
-        self.vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        # Wan's 3D VAE states its factor and latent channels (scale_factor_spatial, z_dim); the 2D VAEs imply them
+        self.vae_scale_factor = (vae_config.get("scale_factor_spatial")
+                                 or 2 ** (len(vae_config["block_out_channels"]) - 1))
         self.scaling_factor = vae_config.get("scaling_factor", 0.18215)
         self.shift_factor = vae_config.get("shift_factor") or 0.0
-        denoiser = "transformer" if self.family in (Family.sd3, Family.flux) else "unet"
+        denoiser = "transformer" if self.family in (Family.sd3, Family.flux, Family.wan) else "unet"
         self.denoiser = denoiser
         self.denoiser_config = json.loads((self.model_dir / denoiser / "config.json").read_text())
         self.tokenizers = {name: _tokenizer(self.model_dir, name) for name in
                            ("tokenizer", "tokenizer_2", "tokenizer_3") if self.index.get(name, [None])[0]}
-        self.latent_channels = vae_config.get("latent_channels", 4)
+        self.latent_channels = vae_config.get("latent_channels", vae_config.get("z_dim", 4))
         self.flux = None if self.family is not Family.flux else FluxLoop(
             runners, self.denoiser_config, self.scheduler_config, latent_channels=self.latent_channels,
             vae_scale_factor=self.vae_scale_factor, scaling_factor=self.scaling_factor,
             shift_factor=self.shift_factor, denoiser=denoiser)
+        self.wan = None if self.family is not Family.wan else WanLoop(
+            runners, self.index, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"])
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
 
     def _served_workflows(self) -> tuple[Workflow, ...]:
@@ -181,8 +189,8 @@ class EnginePipeline:
     # ---------------------------------------------------------------- public
 
     def validate(self, request: GenerationRequest) -> Size:
-        size = Size(request.width, request.height)
-        factor = self.vae_scale_factor * (2 if self.family in (Family.sd3, Family.flux) else 1)
+        size = Size(request.width, request.height, request.frames)  # a video's frames pick its bucket too
+        factor = self.vae_scale_factor * (2 if self.family in (Family.sd3, Family.flux, Family.wan) else 1)
         problems = []
         if not isinstance(request.prompt, str) or not request.prompt.strip():
             problems.append("PROMPT is empty")
@@ -217,6 +225,7 @@ class EnginePipeline:
                 problems.append(f"CONTROL_IMAGE is {list(request.control_image.shape)}, expected "
                                 f"[{request.height}, {request.width}, 3]")
         problems += self._image_problems(request)
+        problems += video_problems(self.family, request, self.wan)
         if problems:
             raise RuntimeInputError("; ".join(problems))
         supported = self.runners.supported_sizes(self.denoiser)
@@ -297,14 +306,14 @@ class EnginePipeline:
         workflow = request.resolved_workflow  # the same trimmed schedule and denoiser inputs
         strength = request.resolved_strength if workflow.takes_strength else None
         key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength)
-        if self.family is Family.flux:  # FLUX: one request per batch (runtime/flux_loop.py says why)
+        if self.family in (Family.flux, Family.wan):  # one request per batch (flux_loop.py, video_loop.py say why)
             key += (id(request),)
         return key
 
     def batch_rows(self, request: GenerationRequest) -> set[int] | None:
         """Row counts (sums of requests' `batch`) a batch like `request` can run with, in the CFG mode the request
         alone would use (so a batched row is computed as the unbatched one); None: any up to MAX_DYNAMIC_ROWS."""
-        size = Size(request.width, request.height)
+        size = Size(request.width, request.height, request.frames)
         batches = self.runners.batches(self.denoiser, size)
         if None in batches:
             return None
@@ -352,7 +361,7 @@ class EnginePipeline:
     def generate_together(self, requests: list[GenerationRequest], on_step: StepCallback | None = None
                           ) -> list[Generation]:
         """One batch of `plan_batches`: requests of one `batch_key` whose rows an engine batch serves."""
-        if len(requests) == 1 or self.flux is not None:
+        if len(requests) == 1 or self.flux is not None or self.wan is not None:
             return [self.generate(r, on_step) for r in requests]
         size = self.validate(requests[0])
         timings = [StageTimings(batch=len(requests)) for _ in requests]
@@ -375,6 +384,9 @@ class EnginePipeline:
 
     def encode(self, request: GenerationRequest) -> PromptEncoding:
         """Text encoders for the prompt (and the negative prompt where CFG runs)."""
+        if self.wan is not None:
+            positive, negative = self.wan.encode(request)
+            return PromptEncoding(_Conditioning(positive), None if negative is None else _Conditioning(negative))
         positive = self._encode_all([request.prompt] * request.batch)
         negative = None
         if self.family is not Family.flux and request.guidance_scale > 1.0:
@@ -387,6 +399,9 @@ class EnginePipeline:
         """The scheduler loop from seeded noise to final latents, with a fresh scheduler for this request."""
         size = Size(request.width, request.height)
         timings = timings or StageTimings()
+        if self.wan is not None:
+            negative = None if encoding.negative is None else encoding.negative.embeds
+            return self.wan.denoise(request, encoding.positive.embeds, negative, timings, on_step)
         if self.flux is not None:
             return self.flux.denoise(self.flux.item(request, encoding.positive, size), size, timings, on_step), "none"
         latents, cfg_mode = self._denoise_items([self._item(request, encoding, size)], size, timings, on_step)
@@ -596,12 +611,20 @@ class EnginePipeline:
     # ---------------------------------------------------------------- VAE
 
     def decode(self, latents: torch.Tensor, size: Size, batch: int) -> np.ndarray:
-        """Latents to uint8 images [B, H, W, 3]."""
+        """Latents to uint8 images [B, H, W, 3] (a video family's [B, F, H, W, 3])."""
+        if self.wan is not None:
+            return _uint8(self.wan.decode(latents, size, batch))
         latents = latents / self.scaling_factor + self.shift_factor
         runner = self.runners.find("vae_decoder", size=size, batch=batch)
-        image = runner.run({"latent": latents.float().numpy()})["images"]  # layout kept, as in _denoise
-        image = np.clip(image / 2 + 0.5, 0.0, 1.0)  # diffusers' postprocess: denormalize, then uint8
-        return (np.transpose(image, (0, 2, 3, 1)) * 255).round().astype(np.uint8)
+        return _uint8(runner.run({"latent": latents.float().numpy()})["images"])  # layout kept, as in _denoise
+
+
+def _uint8(pixels: np.ndarray) -> np.ndarray:
+    """A VAE's [-1, 1] pixels, channels on axis 1 ([B, 3, H, W] or a video's [B, 3, F, H, W]), as uint8 with the
+    channels last: diffusers' postprocess (denormalize x/2 + 0.5 clamped to [0, 1]; VideoProcessor per frame) and
+    its uint8 rounding, round(x * 255)."""
+    pixels = np.clip(pixels / 2 + 0.5, 0.0, 1.0)
+    return (np.moveaxis(pixels, 1, -1) * 255).round().astype(np.uint8)
 
 
 @dataclass(frozen=True)
