@@ -1,20 +1,27 @@
-"""The report's files: PNGs, |diff| heatmaps, JSON + JSON Schema and the HTML page, each written atomically."""
+"""The report's files: PNGs, |diff| heatmaps, JSON + JSON Schema and the HTML page, each written atomically.
+A clip [F, H, W, 3] is written as a frame strip PNG (every k-th frame side by side, under its .png name; its heatmap
+is the strips') and a looped GIF preview beside it."""
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
+from ...video_files import DEFAULT_FPS, encode_video
 from ...workspace.files import atomic_write_bytes
 from .heatmap import diff_heatmap, diff_png_name
 from .html_page import render_html
-from .model import ParityReport, relative_png_name
+from .model import ImageComparison, ParityReport, relative_png_name
+
+STRIP_FRAMES = 8  # a strip shows at most this many frames of a clip: every ceil(F / 8)-th
+STRIP_GAP = 2  # white pixels between a strip's frames
 
 REPORT_JSON = "parity.json"
 REPORT_SCHEMA = "parity.schema.json"
@@ -58,6 +65,61 @@ def _check_images_given(report: ParityReport, images: Mapping[str, np.ndarray]) 
         raise ValueError(f"the report refers to images that were not given: {', '.join(missing)}")
 
 
+def strip_frames(frames: int) -> list[int]:
+    """The frames a strip of a clip shows: every k-th from the first, at most STRIP_FRAMES."""
+    return list(range(0, frames, math.ceil(frames / STRIP_FRAMES)))
+
+
+def frame_strip(clip: np.ndarray) -> np.ndarray:
+    """The strip_frames of a clip [F, H, W, C] side by side, STRIP_GAP white columns apart: one [H, W', C] image."""
+    gap = np.full((clip.shape[1], STRIP_GAP, *clip.shape[3:]), 255, dtype=clip.dtype)
+    shown = [clip[index] for index in strip_frames(len(clip))]
+    return np.concatenate([part for frame in shown for part in (gap, frame)][1:], axis=1)
+
+
+def preview_name(png: str) -> str:
+    """A clip's looped preview: beside its strip, `<strip stem>.gif`."""
+    return str(PurePosixPath(png).with_suffix(".gif"))
+
+
+def _clip_pair(image: ImageComparison, images: Mapping[str, np.ndarray]) -> bool:
+    """Whether this comparison is of clips; refuses pixels of the wrong kind for it."""
+    shapes = [np.shape(images[name]) for name in (image.reference_png, image.candidate_png)]
+    clips = [len(shape) == 4 for shape in shapes]
+    if image.video is None and any(clips):
+        raise ValueError(f"{image.reference_png} / {image.candidate_png} are clips {shapes} but their comparison has "
+                         "no video figures: compare clips with compare_image")
+    if image.video is not None and not (all(clips) and all(shape[0] == image.video.frames for shape in shapes)):
+        raise ValueError(f"{image.reference_png} / {image.candidate_png}: a video comparison of "
+                         f"{image.video.frames} frames needs two clips of that many frames, got {shapes}")
+    return image.video is not None
+
+
+def _with_clip_files(
+    report: ParityReport, images: Mapping[str, np.ndarray]
+) -> tuple[ParityReport, dict[str, np.ndarray], dict[str, bytes]]:
+    """The report with each clip comparison's strip frames and previews set, the images with each clip replaced by
+    its frame strip, and the previews (GIF bytes) to write."""
+    stills, previews = dict(images), {}
+    variants = []
+    for variant in report.variants:
+        compared = []
+        for image in variant.images:
+            if not _clip_pair(image, images):
+                compared.append(image)
+                continue
+            for name in (image.reference_png, image.candidate_png):
+                stills[name] = frame_strip(np.asarray(images[name]))
+                previews[preview_name(name)] = encode_video(images[name], ".gif", DEFAULT_FPS)
+            video = image.video.model_copy(update={
+                "strip_frames": strip_frames(image.video.frames),
+                "reference_preview": preview_name(image.reference_png),
+                "candidate_preview": preview_name(image.candidate_png)})
+            compared.append(image.model_copy(update={"video": video}))
+        variants.append(variant.model_copy(update={"images": compared}))
+    return report.model_copy(update={"variants": variants}), stills, previews
+
+
 def _with_heatmaps(
     report: ParityReport, images: Mapping[str, np.ndarray]
 ) -> tuple[ParityReport, dict[str, np.ndarray]]:
@@ -85,25 +147,30 @@ class ReportFiles:
     html: Path
     images: tuple[Path, ...]
     heatmaps: tuple[Path, ...]
+    previews: tuple[Path, ...] = ()  # clips' looped GIFs
 
 
 def write_report(report: ParityReport, images: Mapping[str, np.ndarray], out_dir: str | os.PathLike) -> ReportFiles:
     """Write parity.json, parity.schema.json, parity.html, the PNGs and their diff heatmaps into out_dir.
 
     `images` maps every reference_png / candidate_png (and init_png / mask_png) name in the report to its uint8
-    pixels.
+    pixels: an image [H, W, 3], or for a video comparison a clip [F, H, W, 3] (written as its frame strip and a
+    looped GIF preview).
     Every file is written atomically, and parity.json last, so its presence means the report is complete.
     """
     out = Path(out_dir)
     _check_images_given(report, images)
+    report, images, previews = _with_clip_files(report, images)
     report, heatmaps = _with_heatmaps(report, images)
     image_paths = tuple(_write_atomically(out / name, _png_bytes(pixels)) for name, pixels in images.items())
     heatmap_paths = tuple(_write_atomically(out / name, _png_bytes(pixels)) for name, pixels in heatmaps.items())
+    preview_paths = tuple(_write_atomically(out / name, data) for name, data in previews.items())
     schema_text = json.dumps(ParityReport.model_json_schema(), indent=2)
     schema_path = _write_atomically(out / REPORT_SCHEMA, schema_text.encode())
     html_path = _write_atomically(out / REPORT_HTML, render_html(report).encode())
     json_path = _write_atomically(out / REPORT_JSON, report.model_dump_json(indent=2).encode())
-    return ReportFiles(json=json_path, schema=schema_path, html=html_path, images=image_paths, heatmaps=heatmap_paths)
+    return ReportFiles(json=json_path, schema=schema_path, html=html_path, images=image_paths, heatmaps=heatmap_paths,
+                       previews=preview_paths)
 
 
 def read_report(path: str | os.PathLike) -> ParityReport:

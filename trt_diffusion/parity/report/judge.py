@@ -1,5 +1,5 @@
-"""Judging: image metrics against a variant's thresholds, the reasons a variant fails, the verdict of a variant
-and of a report, tool versions. The models (`model`) hold results; this module makes them."""
+"""Judging: image and clip metrics against a variant's thresholds, the reasons a variant fails, the verdict of a
+variant and of a report, tool versions. The models (`model`) hold results; this module makes them."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from ...metrics import Thresholds, lpips_distance, psnr, ssim
+from ...metrics import Thresholds, lpips_distance, psnr, ssim, video_metrics
 from ...workspace.files import tool_versions
-from .model import ComponentDiff, ImageComparison, ParityReport, VariantResult
+from .model import ComponentDiff, ImageComparison, ParityReport, VariantResult, VideoComparison
 
 
 def collect_tool_versions() -> dict[str, str]:
@@ -31,29 +31,47 @@ def compare_image(
     candidate_png: str,
     compute_lpips: bool = True,
 ) -> ImageComparison:
-    """PSNR, SSIM and (when available) LPIPS of two uint8 HxWx3 images, judged against `thresholds`."""
-    psnr_db, ssim_value = psnr(reference, candidate), ssim(reference, candidate)
+    """PSNR, SSIM and (when available) LPIPS of two uint8 HxWx3 images, judged against `thresholds`.
+
+    Two clips [F, H, W, 3] (a video family's output) are compared frame by frame: the comparison holds the worst
+    frame's PSNR and SSIM, the LPIPS of the worst-PSNR frame (one frame: LPIPS of every frame costs a network pass
+    each) and the clip's figures (`video`); its motion is judged too. `reference_png` / `candidate_png` then name
+    the frame strips write_report makes of the clips.
+    """
+    video = None
+    if np.ndim(reference) == 4:
+        figures = video_metrics(reference, candidate)
+        video = VideoComparison.from_metrics(figures)
+        psnr_db, ssim_value = figures.min_psnr_db, figures.min_ssim
+        reference, candidate = reference[figures.worst_psnr_frame], candidate[figures.worst_psnr_frame]
+    else:
+        psnr_db, ssim_value = psnr(reference, candidate), ssim(reference, candidate)
     if compute_lpips:
         lpips_result = lpips_distance(reference, candidate)
         lpips_value, lpips_reason = lpips_result.value, lpips_result.reason
     else:
         lpips_value, lpips_reason = None, "LPIPS not computed: disabled for this run"
-    failures = thresholds.image_failures(psnr_db, ssim_value, lpips_value, lpips_reason)
-    return ImageComparison(
+    comparison = ImageComparison(
         prompt=prompt,
         seed=seed,
         psnr_db=psnr_db,
         ssim=ssim_value,
         lpips=lpips_value,
         lpips_reason=lpips_reason,
-        passed=not failures,
+        passed=False,  # judged below, with the clip's motion where there is one
         reference_png=reference_png,
         candidate_png=candidate_png,
+        video=video,
     )
+    return judge_image(comparison, thresholds)
 
 
 def image_failures(image: ImageComparison, thresholds: Thresholds) -> list[str]:
-    return thresholds.image_failures(image.psnr_db, image.ssim, image.lpips, image.lpips_reason)
+    """Why an image misses the bar; for a clip, its worst frames' PSNR/SSIM and its motion."""
+    failures = thresholds.image_failures(image.psnr_db, image.ssim, image.lpips, image.lpips_reason)
+    if image.video is not None:
+        failures += thresholds.motion_failures(image.video.motion_rmse, image.video.reference_motion)
+    return failures
 
 
 def judge_image(image: ImageComparison, thresholds: Thresholds) -> ImageComparison:
@@ -75,8 +93,12 @@ def variant_failures(
     reasons = [] if images else ["no images were compared"]
     for index, image in enumerate(images):
         failures = image_failures(image, thresholds)
-        if failures:
+        if failures and image.video is None:
             reasons.append(f"image {index} (seed {image.seed}, {_short(image.prompt)!r}): " + "; ".join(failures))
+        elif failures:
+            video = image.video
+            reasons.append(f"video {index} (seed {image.seed}, {_short(image.prompt)!r}; worst frames: PSNR "
+                           f"{video.worst_psnr_frame}, SSIM {video.worst_ssim_frame}): " + "; ".join(failures))
     for diff in components:
         if diff.nan_count or diff.inf_count:
             reasons.append(f"{diff.component}.{diff.output}: {diff.nan_count} NaN and {diff.inf_count} inf values")

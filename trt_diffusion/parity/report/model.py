@@ -12,24 +12,38 @@ from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
 
-from ...metrics import TensorDiff, Thresholds
+from ...metrics import TensorDiff, Thresholds, VideoMetrics
 
 REPORT_SCHEMA_VERSION = 1
 
 
-def relative_png_name(name: str) -> str:
-    """A PNG path relative to the report folder: no absolute paths, no '..', no backslashes."""
+def relative_file_name(name: str, suffix: str) -> str:
+    """A `suffix` file's path relative to the report folder: no absolute paths, no '..', no backslashes."""
     path = PurePosixPath(name)
     if not name or path.is_absolute() or ".." in path.parts or "\\" in name or str(path) != name:
         raise ValueError(f"{name!r} must be a plain relative path inside the report folder")
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"{name!r} must be a .png file")
+    if path.suffix.lower() != suffix:
+        raise ValueError(f"{name!r} must be a {suffix} file")
     return name
 
 
+def relative_png_name(name: str) -> str:
+    return relative_file_name(name, ".png")
+
+
 PngName = Annotated[str, AfterValidator(relative_png_name)]
+GifName = Annotated[str, AfterValidator(lambda name: relative_file_name(name, ".gif"))]
 
 # A float that may be inf or NaN: serialized as "Infinity"/"-Infinity"/"NaN" (see module docstring),
 # and the JSON Schema says so.
@@ -43,8 +57,47 @@ class _ReportModel(BaseModel):
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="strings")
 
 
+class VideoComparison(_ReportModel):
+    """A same-seed clip pair's figures frame by frame and in motion (metrics.VideoMetrics). Its ImageComparison
+    holds the worst frame's PSNR and SSIM (what the thresholds gate, beside the motion), the LPIPS of the worst-PSNR
+    frame, and the clips' frame strips as reference_png / candidate_png."""
+
+    frames: int = Field(ge=1)
+    psnr_db: list[MetricFloat] = Field(description="PSNR in dB of each frame")
+    ssim: list[MetricFloat] = Field(description="SSIM of each frame")
+    worst_psnr_frame: int = Field(ge=0, description="the frame with the lowest PSNR (a NaN frame first)")
+    worst_ssim_frame: int = Field(ge=0, description="the frame with the lowest SSIM (a NaN frame first)")
+    mean_psnr_db: MetricFloat = Field(description="PSNR of the frames' mean squared error (the clip's PSNR)")
+    mean_ssim: MetricFloat = Field(description="mean SSIM over the frames")
+    motion_rmse: MetricFloat = Field(description="RMS of the difference of the clips' frame-to-frame changes")
+    reference_motion: MetricFloat = Field(description="RMS of the reference's frame-to-frame changes")
+    motion_error: MetricFloat = Field(description="motion_rmse / reference_motion: 0 exact, 1 as wrong as a still")
+    strip_frames: list[int] = Field(default_factory=list, description="the frames in the strips, written by "
+                                                                      "write_report")
+    reference_preview: GifName | None = Field(default=None, description="the reference clip, looped; written by "
+                                                                        "write_report")
+    candidate_preview: GifName | None = Field(default=None, description="the engine's clip, looped; written by "
+                                                                        "write_report")
+
+    @classmethod
+    def from_metrics(cls, video: VideoMetrics) -> VideoComparison:
+        return cls(frames=video.frames, psnr_db=list(video.psnr_db), ssim=list(video.ssim),
+                   worst_psnr_frame=video.worst_psnr_frame, worst_ssim_frame=video.worst_ssim_frame,
+                   mean_psnr_db=video.mean_psnr_db, mean_ssim=video.mean_ssim, motion_rmse=video.motion_rmse,
+                   reference_motion=video.reference_motion, motion_error=video.motion_error)
+
+    @model_validator(mode="after")
+    def _one_figure_per_frame(self) -> VideoComparison:
+        if not len(self.psnr_db) == len(self.ssim) == self.frames:
+            raise ValueError(f"{self.frames} frames but {len(self.psnr_db)} PSNR and {len(self.ssim)} SSIM values")
+        if max(self.worst_psnr_frame, self.worst_ssim_frame, *self.strip_frames) >= self.frames:
+            raise ValueError(f"a frame index beyond the clip's {self.frames} frames")
+        return self
+
+
 class ImageComparison(_ReportModel):
-    """One same-seed image pair: the reference pipeline's image against the engine pipeline's."""
+    """One same-seed image pair: the reference pipeline's image against the engine pipeline's; or a clip pair
+    (`video` set: see VideoComparison)."""
 
     prompt: str
     seed: int = Field(description="the generator seed both pipelines used")
@@ -61,12 +114,21 @@ class ImageComparison(_ReportModel):
                                                                "(image-conditioned workflows)")
     mask_png: PngName | None = Field(default=None, description="the inpainting mask (white = repainted)")
     diff_png: PngName | None = Field(default=None, description="the |diff| heatmap, written by write_report")
+    video: VideoComparison | None = Field(default=None, description="a clip pair's figures; absent for images")
 
     @model_validator(mode="after")
     def _lpips_has_value_or_reason(self) -> ImageComparison:
         if self.lpips is None and not self.lpips_reason:
             raise ValueError("lpips_reason is required when lpips is null")
         return self
+
+    @model_serializer(mode="wrap")
+    def _images_as_before(self, handler: SerializerFunctionWrapHandler):
+        # an image's record stays what it was before clips existed: no "video": null
+        data = handler(self)
+        if self.video is None:
+            data.pop("video", None)
+        return data
 
 
 class ComponentDiff(_ReportModel):
