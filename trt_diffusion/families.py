@@ -130,7 +130,7 @@ def family_of_pipeline_class(class_name: str) -> Family | None:
     return None
 
 
-WAN_TEXT_LENGTH = 226  # WanPipeline's default max_sequence_length: every prompt is padded to it
+WAN_TEXT_LENGTH = 512  # WanPipeline.__call__'s max_sequence_length default (Wan's own text_len): every prompt is padded to it
 
 # The folder of a diffusers pipeline that holds each component (ControlNets have their own source).
 SUBFOLDER = {

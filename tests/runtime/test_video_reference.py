@@ -12,7 +12,6 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
 from trt_diffusion.errors import RuntimeInputError
-from trt_diffusion.families import WAN_TEXT_LENGTH
 from trt_diffusion.runtime.engines import RunnerTable
 from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
@@ -85,8 +84,7 @@ def run_theirs(loaded, *, frames, height, width, steps, guidance_scale, seed, ba
     video = pipe(PROMPT, num_frames=frames, height=height, width=width, num_inference_steps=steps,
                  guidance_scale=guidance_scale, num_videos_per_prompt=batch,
                  generator=torch.Generator().manual_seed(seed), output_type="np",
-                 # __call__'s own default is 512; the engines' text length (and _get_t5_prompt_embeds') is 226
-                 max_sequence_length=WAN_TEXT_LENGTH, **extra).frames
+                 **extra).frames  # max_sequence_length: __call__'s default, the engines' text length
     return (video * 255).round().astype(np.uint8)
 
 

@@ -45,7 +45,7 @@ class _UMT5Wrapper(ExportWrapper):
 
 
 class UMT5TextEncoder(ComponentDef):
-    """UMT5EncoderModel -> `hidden_states` [B,S,D], S = WanPipeline's max_sequence_length (226).
+    """UMT5EncoderModel -> `hidden_states` [B,S,D], S = WanPipeline's max_sequence_length default (512).
 
     `attention_mask` [B,S] is the tokenizer's (1 for the prompt's tokens, 0 for padding). The raw last hidden
     state leaves the graph: WanPipeline then zeroes every position past the prompt's length, which the runtime
