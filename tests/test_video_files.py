@@ -121,3 +121,37 @@ def test_save_videos_names_several_and_never_reuses_a_name(tmp_path):
     assert [p.name for p in save_videos(videos[:1], tmp_path / "one.gif")] == ["one.gif"]
     with pytest.raises(ValueError, match=r"\[count, frames, height, width, 3\]"):
         save_videos(videos[0], tmp_path / "x.mp4")
+
+
+@pytest.fixture
+def generated_videos(monkeypatch):
+    """`generate` answered with two synthetic videos [2, F, H, W, 3], as a video model's pipeline answers."""
+    from trt_diffusion import api
+
+    videos = np.stack([_clip(frames=5), _clip(frames=5)[:, :, ::-1]])
+    monkeypatch.setattr(api, "generate", lambda request, **options: (videos, {}, "wan-tiny"))
+    return videos
+
+
+def _generate(tmp_path, *options):
+    from trt_diffusion.cli import main
+
+    return main(["generate", "--prompt", "a boat", "--config", str(tmp_path / "engines.yaml"), "--height", "32",
+                 "--width", "48", *options])
+
+
+def test_generate_writes_a_video_models_output_as_mp4(generated_videos, tmp_path, capsys):
+    assert _generate(tmp_path, "-o", str(tmp_path / "out.png"), "--num-images", "2", "--fps", "8") == 0
+    assert "5 frames at 8 fps" in capsys.readouterr().out
+    for i in range(2):
+        assert read_video(tmp_path / f"out-{i}.mp4").shape == generated_videos[i].shape
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_generate_writes_gif_when_asked_and_refuses_other_suffixes(generated_videos, tmp_path, capsys):
+    assert _generate(tmp_path, "-o", str(tmp_path / "clip.gif"), "--num-images", "2") == 0
+    assert [len(read_video(tmp_path / f"clip-{i}.gif")) for i in range(2)] == [5, 5]
+    capsys.readouterr()
+    assert _generate(tmp_path, "-o", str(tmp_path / "clip.webm"), "--num-images", "2") == 1
+    err = capsys.readouterr().err
+    assert "clip.webm: a video file is .mp4 or .gif, not .webm" in " ".join(err.split()) and "Traceback" not in err

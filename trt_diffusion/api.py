@@ -223,7 +223,8 @@ def preflight(config_path: str | Path, *, url: str | None = None, protocol: str 
 def generate_in_process(config_path: str | Path, request, *, model: str | None = None,
                         target: str = "onnxruntime"):
     """Images for one `triton.client.ImageRequest` from the built engines, in this process (no server), as
-    TensorRT's diffusion demo runs them: (images uint8 [N, H, W, 3], the model's name). N = request.num_images."""
+    TensorRT's diffusion demo runs them: (images uint8 [N, H, W, 3], or a video model's [N, F, H, W, 3], the
+    model's name). N = request.num_images; `video_files.save_videos` writes videos."""
     import numpy as np
 
     from .errors import ConfigError
@@ -277,8 +278,8 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
 def generate(request, *, url: str = "127.0.0.1:8000", protocol: str = "http", pipeline: str | None = None,
              timeout_s: float = 300.0, config: str | Path | None = None, model: str | None = None,
              target: str = "onnxruntime", on_preview=None, preview_every: int = 5):
-    """Images for one `triton.client.ImageRequest`: (images uint8 [N, H, W, 3], the server's response parameters,
-    the pipeline's name). From the server at `url` (`pipeline`: its model, default the only one); with
+    """Images for one `triton.client.ImageRequest`: (images uint8 [N, H, W, 3] or videos [N, F, H, W, 3], the
+    server's response parameters, the pipeline's name). From the server at `url` (`pipeline`: its model, default the only one); with
     `on_preview(step, image)`, streamed over gRPC from `<pipeline>_stream`, one image, a preview every
     `preview_every` steps; with `config` (engines.yaml), from its built engines in this process (no parameters)."""
     if config is not None:

@@ -20,10 +20,12 @@ import re
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # numpy, PyAV and Pillow load when a video is written or read, not with the CLI
+    import numpy as np
 
 DEFAULT_FPS = 16  # Wan 2.x generates 16 frames per second
 MP4_CRF = 18  # x264's "visually lossless": a generated clip is the product, not a preview
@@ -35,6 +37,8 @@ _GIF_FPS = re.compile(rb"trt_diffusion fps=([0-9.]+)")
 
 
 def _check_frames(frames) -> np.ndarray:
+    import numpy as np
+
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
         raise ValueError(f"a video is uint8 [frames, height, width, 3] with at least one frame, got "
@@ -112,6 +116,8 @@ def save_video(frames, path: str | Path, fps: float = DEFAULT_FPS, *, overwrite:
 
 def read_video(path: str | Path) -> np.ndarray:
     """The frames of an .mp4 or .gif as uint8 [F, H, W, 3] (RGB)."""
+    import numpy as np
+
     path = Path(path)
     suffix = _suffix(path)
     if not path.is_file():
@@ -137,6 +143,7 @@ def _read_mp4(path: Path) -> list[np.ndarray]:
 
 
 def _read_gif(path: Path) -> list[np.ndarray]:
+    import numpy as np
     from PIL import Image, ImageSequence
 
     with Image.open(path) as image:
@@ -164,6 +171,8 @@ def video_output(output: str | Path) -> Path:
 def save_videos(videos, output: str | Path, fps: float = DEFAULT_FPS, *, overwrite: bool = False) -> list[Path]:
     """Write a generation's uint8 [N, F, H, W, 3] videos: one as OUTPUT (see `video_output`), several as
     OUTPUT-0.mp4, OUTPUT-1.mp4, …; names already taken are never reused unless `overwrite` (`output_paths`)."""
+    import numpy as np
+
     from .image_files import output_paths
 
     videos = np.asarray(videos)

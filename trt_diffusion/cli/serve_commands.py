@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from ..targets import check_target_name, target_names
+from ..video_files import DEFAULT_FPS
 from .console import console
 from .options import Transport
 
@@ -129,7 +130,8 @@ def generate_command(
     ctx: typer.Context,
     prompt: Annotated[str | None, typer.Option("--prompt", help="what to draw")] = None,
     output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write; taken names get OUTPUT-0001.png, "
-                                         "... unless --overwrite")] = Path("out.png"),
+                                         "... unless --overwrite. A video model writes .mp4 (OUTPUT.png becomes "
+                                         "OUTPUT.mp4), or .gif when OUTPUT says .gif")] = Path("out.png"),
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace OUTPUT if it exists")] = False,
     url: Annotated[str, typer.Option("--url", help="the server: HOST:PORT, http://HOST:PORT or grpc://HOST:PORT "
                                      "(the scheme chooses the protocol)")] = "127.0.0.1:8000",
@@ -173,15 +175,18 @@ def generate_command(
     preview: Annotated[Path | None, typer.Option("--preview", help="save live previews in this folder "
                                                     "(gRPC only: the streaming entry <pipeline>_stream)")] = None,
     preview_every: Annotated[int, typer.Option("--preview-every", min=1, help="a preview every N steps")] = 5,
+    fps: Annotated[int, typer.Option("--fps", min=1, help="a video model's frames per second in the file it "
+                                     "writes")] = DEFAULT_FPS,
 ):
     """Ask a running server (or, with --config, the built engines in this process) for an image; save it as PNG
-    with its request in the PNG's text (A1111 `parameters` and JSON)."""
+    with its request in the PNG's text (A1111 `parameters` and JSON); a video model's videos as .mp4 (or .gif)."""
     import time
 
     from .. import api
     from ..errors import ServeError
     from ..image_files import ImageParameters, output_paths, read_png_parameters, save_png
     from ..triton.client import ImageRequest
+    from ..video_files import save_videos
 
     given = {name for name in ctx.params if _given(ctx, name)}
     if from_png is not None:  # the PNG's request, under what this command line sets
@@ -217,7 +222,6 @@ def generate_command(
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None,
                            workflow=workflow, init_image=init_image, mask=mask_array, strength=strength)
-    paths = output_paths(output, num_images, overwrite=overwrite)
     start = time.perf_counter()
     on_preview = None
     if config is None and preview is not None:
@@ -228,13 +232,19 @@ def generate_command(
     images, parameters, pipeline = api.generate(request, url=url, protocol=transport.value, pipeline=pipeline,
                                                 timeout_s=timeout_s, config=config, model=model, target=target,
                                                 on_preview=on_preview, preview_every=preview_every)
-    for i, (path, picture) in enumerate(zip(paths, images)):
-        save_png(picture, path, ImageParameters(
-            prompt=prompt, width=width, height=height, steps=steps, guidance_scale=guidance_scale, seed=seed + i,
-            negative_prompt=negative_prompt, scheduler=scheduler, model=pipeline, controlnet=controlnet,
-            controlnet_scale=controlnet_scale, **_workflow_record(workflow, strength, image, mask)))
+    size = f"{width}x{height}"
+    if images.ndim == 5:  # a video model: [N, F, H, W, 3]
+        paths = save_videos(images, output, fps, overwrite=overwrite)
+        size += f", {images.shape[1]} frames at {fps} fps"
+    else:
+        paths = output_paths(output, num_images, overwrite=overwrite)
+        for i, (path, picture) in enumerate(zip(paths, images)):
+            save_png(picture, path, ImageParameters(
+                prompt=prompt, width=width, height=height, steps=steps, guidance_scale=guidance_scale, seed=seed + i,
+                negative_prompt=negative_prompt, scheduler=scheduler, model=pipeline, controlnet=controlnet,
+                controlnet_scale=controlnet_scale, **_workflow_record(workflow, strength, image, mask)))
     timing = parameters.get("timing") or {}
-    console.print(f"wrote {', '.join(map(str, paths))} ({width}x{height}, {steps} steps, seed {seed}) in "
+    console.print(f"wrote {', '.join(map(str, paths))} ({size}, {steps} steps, seed {seed}) in "
                   f"{time.perf_counter() - start:.2f} s"
                   + (f" (server: {timing.get('total_s', 0):.2f} s, batch {timing.get('batch')})" if timing else ""),
                   soft_wrap=True, highlight=False)
