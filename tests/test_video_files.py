@@ -8,7 +8,7 @@ import pytest
 
 from trt_diffusion.errors import ConfigError
 from trt_diffusion.metrics import psnr
-from trt_diffusion.video_files import DEFAULT_FPS, encode_video, read_video, save_video, save_videos, video_output
+from trt_diffusion.video_files import DEFAULT_FPS, read_video, save_video, save_videos, video_output
 
 
 def _clip(frames: int = 9, height: int = 32, width: int = 48) -> np.ndarray:
@@ -33,13 +33,11 @@ def test_mp4_round_trip_is_h264_yuv420p_at_the_given_rate(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # written through a temporary name
 
 
-def test_default_rate_is_wans():
-    import io
-
+def test_default_rate_is_wans(tmp_path):
     import av
 
     assert DEFAULT_FPS == 16
-    with av.open(io.BytesIO(encode_video(_clip(), ".mp4"))) as container:
+    with av.open(str(save_video(_clip(), tmp_path / "a.mp4"))) as container:
         assert container.streams.video[0].average_rate == 16
 
 
@@ -83,16 +81,17 @@ def test_unsupported_suffixes_name_the_supported_ones(tmp_path):
         read_video(tmp_path / "a.avi")
 
 
-def test_bad_frames_and_rates():
+def test_bad_frames_and_rates(tmp_path):
     with pytest.raises(ValueError, match=r"uint8 \[frames, height, width, 3\].*float32 \[2, 8, 8, 3\]"):
-        encode_video(np.zeros((2, 8, 8, 3), np.float32), ".mp4")
+        save_video(np.zeros((2, 8, 8, 3), np.float32), tmp_path / "a.mp4")
     with pytest.raises(ValueError, match=r"\[8, 8, 3\]"):
-        encode_video(np.zeros((8, 8, 3), np.uint8), ".gif")
+        save_video(np.zeros((8, 8, 3), np.uint8), tmp_path / "a.gif")
     for fps in (0, -1, float("nan"), "16"):
         with pytest.raises(ConfigError, match="fps"):
-            encode_video(_clip(), ".mp4", fps=fps)
-    with pytest.raises(ConfigError, match="at most 50 frames per second"):
-        encode_video(_clip(), ".gif", fps=60)
+            save_video(_clip(), tmp_path / "a.mp4", fps=fps)
+    with pytest.raises(ConfigError, match=r"a\.gif: a GIF plays at most 50 frames per second"):
+        save_video(_clip(), tmp_path / "a.gif", fps=60)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_unreadable_files_are_named(tmp_path):

@@ -7,7 +7,8 @@ frames would surprise whoever reads it back). .gif (Pillow, looped forever) has 
 10 ms timing steps: a preview format, not a lossless one.
 
 Both are encoded in memory and written under a temporary name beside the file, then renamed (no half-written
-file); an existing file is never replaced unless `overwrite` says so. Names for several videos come from
+file; so the .mp4's index sits at its end, as in any file FFmpeg writes without a second `faststart` pass); an
+existing file is never replaced unless `overwrite` says so. Names for several videos come from
 `image_files.output_paths` (taken names are never reused).
 """
 
@@ -46,10 +47,10 @@ def _check_frames(frames) -> np.ndarray:
     return frames
 
 
-def _check_fps(fps: float) -> Fraction:
+def _check_fps(fps: float, where: Path) -> Fraction:
     if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
-        raise ConfigError(f"fps {fps!r}: a video's frame rate is a positive number of frames per second")
-    return Fraction(fps).limit_denominator(1001)  # 23.976 -> 24000/1001, as FFmpeg spells NTSC rates
+        raise ConfigError(f"{where}: fps {fps!r}; a video's frame rate is a positive number of frames per second")
+    return Fraction(fps).limit_denominator(1001)  # FFmpeg takes a rational rate
 
 
 def _mp4_bytes(frames: np.ndarray, fps: Fraction, where: str) -> bytes:
@@ -94,12 +95,6 @@ def _suffix(path: Path) -> str:
     return suffix
 
 
-def encode_video(frames, suffix: str, fps: float = DEFAULT_FPS) -> bytes:
-    """The bytes of a .mp4 or .gif (`suffix`) of uint8 [F, H, W, 3] frames."""
-    encoder = _ENCODERS[_suffix(Path(f"video{suffix}"))]
-    return encoder(_check_frames(frames), _check_fps(fps), f"a {suffix} video")
-
-
 def save_video(frames, path: str | Path, fps: float = DEFAULT_FPS, *, overwrite: bool = False) -> Path:
     """Write uint8 [F, H, W, 3] frames as `path` (.mp4: H.264 yuv420p; .gif: looped), atomically. An existing
     `path` is an error unless `overwrite`."""
@@ -107,7 +102,7 @@ def save_video(frames, path: str | Path, fps: float = DEFAULT_FPS, *, overwrite:
 
     path = Path(path)
     encoder = _ENCODERS[_suffix(path)]
-    frames, rate = _check_frames(frames), _check_fps(fps)
+    frames, rate = _check_frames(frames), _check_fps(fps, path)
     if path.exists() and not overwrite:
         raise ConfigError(f"{path} exists; choose another name or overwrite it (generate --overwrite)")
     atomic_write_bytes(path, encoder(frames, rate, str(path)))

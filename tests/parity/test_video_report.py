@@ -16,7 +16,6 @@ from PIL import Image
 from trt_diffusion.metrics import thresholds_for
 from trt_diffusion.parity.report import compare_image, judge_report, judge_variant, read_report, write_report
 from trt_diffusion.parity.report.files import STRIP_GAP, frame_strip, strip_frames
-from trt_diffusion.video_files import read_video
 
 FRAMES, HEIGHT, WIDTH = 17, 24, 32  # 4k + 1 frames, as Wan makes them
 
@@ -98,7 +97,7 @@ def test_lpips_is_measured_on_the_worst_frame(clips, monkeypatch):
 def test_write_report_writes_strips_previews_and_heatmaps(report, clips, tmp_path):
     files = write_report(report, clips, tmp_path)
     assert sorted(p.name for p in files.images) == ["bad.png", "good.png", "ref.png"]
-    assert sorted(p.name for p in files.previews) == ["bad.gif", "good.gif", "ref.gif"]
+    assert sorted(p.name for p in files.previews) == ["bad.webp", "good.webp", "ref.webp"]
     assert sorted(p.name for p in files.heatmaps) == ["bad.diff.png", "good.diff.png"]
     shown = strip_frames(FRAMES)
     assert shown == [0, 3, 6, 9, 12, 15]  # every 3rd frame: at most 8
@@ -107,17 +106,19 @@ def test_write_report_writes_strips_previews_and_heatmaps(report, clips, tmp_pat
     np.testing.assert_array_equal(strip, frame_strip(clips["ref.png"]))
     np.testing.assert_array_equal(strip[:, WIDTH + STRIP_GAP:2 * WIDTH + STRIP_GAP], clips["ref.png"][3])
     assert np.asarray(Image.open(tmp_path / "bad.diff.png")).shape == strip.shape
-    preview = read_video(tmp_path / "bad.gif")
-    assert preview.shape == clips["bad.png"].shape
-    with Image.open(tmp_path / "bad.gif") as gif:
-        assert gif.info["loop"] == 0
+    with Image.open(tmp_path / "bad.webp") as preview:
+        assert (preview.format, preview.n_frames, preview.size) == ("WEBP", FRAMES, (WIDTH, HEIGHT))
+        assert preview.info["loop"] == 0  # loops forever
+        preview.seek(9)
+        preview.load()  # a WebP frame reads its timing as it loads
+        assert preview.info["duration"] == 62  # 16 fps
 
 
 def test_json_round_trips_the_video_figures(report, clips, tmp_path):
     files = write_report(report, clips, tmp_path)
     raw = json.loads(files.json.read_text(), parse_constant=lambda token: pytest.fail(f"bare {token} in JSON"))
     video = raw["variants"][1]["images"][0]["video"]
-    assert video["reference_preview"] == "ref.gif" and video["candidate_preview"] == "bad.gif"
+    assert video["reference_preview"] == "ref.webp" and video["candidate_preview"] == "bad.webp"
     assert video["strip_frames"] == [0, 3, 6, 9, 12, 15] and len(video["psnr_db"]) == FRAMES
     assert "VideoComparison" in json.loads(files.schema.read_text())["$defs"]
     loaded = read_report(files.json)
@@ -146,7 +147,7 @@ def test_html_shows_the_previews_side_by_side_and_the_strips_below(report, clips
     page = _Figures()
     page.feed(text)
     bad = page.figures[len(page.figures) // 2:]
-    assert bad == [("", "ref.gif"), ("", "bad.gif"), ("strip", "ref.png"), ("strip", "bad.png"),
+    assert bad == [("", "ref.webp"), ("", "bad.webp"), ("strip", "ref.png"), ("strip", "bad.png"),
                    ("strip", "bad.diff.png")]
     for _, src in page.figures:
         assert (tmp_path / src).is_file(), src

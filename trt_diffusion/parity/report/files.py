@@ -1,6 +1,6 @@
 """The report's files: PNGs, |diff| heatmaps, JSON + JSON Schema and the HTML page, each written atomically.
 A clip [F, H, W, 3] is written as a frame strip PNG (every k-th frame side by side, under its .png name; its heatmap
-is the strips') and a looped GIF preview beside it."""
+is the strips') and a looped animated WebP preview beside it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from ...video_files import DEFAULT_FPS, encode_video
+from ...video_files import DEFAULT_FPS
 from ...workspace.files import atomic_write_bytes
 from .heatmap import diff_heatmap, diff_png_name
 from .html_page import render_html
@@ -22,6 +22,9 @@ from .model import ImageComparison, ParityReport, relative_png_name
 
 STRIP_FRAMES = 8  # a strip shows at most this many frames of a clip: every ceil(F / 8)-th
 STRIP_GAP = 2  # white pixels between a strip's frames
+# Previews are lossy WebP, in true colour: a synthetic Wan-sized clip (81 frames of 832x480) took ~1 MB and ~2 s,
+# as a GIF ~10 MB and ~20 s. The strips and heatmaps keep the exact pixels.
+PREVIEW_QUALITY = 90
 
 REPORT_JSON = "parity.json"
 REPORT_SCHEMA = "parity.schema.json"
@@ -78,8 +81,19 @@ def frame_strip(clip: np.ndarray) -> np.ndarray:
 
 
 def preview_name(png: str) -> str:
-    """A clip's looped preview: beside its strip, `<strip stem>.gif`."""
-    return str(PurePosixPath(png).with_suffix(".gif"))
+    """A clip's looped preview: beside its strip, `<strip stem>.webp`."""
+    return str(PurePosixPath(png).with_suffix(".webp"))
+
+
+def animated_webp(clip: np.ndarray, fps: float = DEFAULT_FPS) -> bytes:
+    """A clip [F, H, W, 3] as a looped animated WebP at `fps`."""
+    from PIL import Image
+
+    frames = [Image.fromarray(frame) for frame in clip]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="WEBP", save_all=True, append_images=frames[1:], duration=round(1000 / fps),
+                   loop=0, quality=PREVIEW_QUALITY, method=0)  # method 0: libwebp's fastest, ample for a preview
+    return buffer.getvalue()
 
 
 def _clip_pair(image: ImageComparison, images: Mapping[str, np.ndarray]) -> bool:
@@ -99,7 +113,7 @@ def _with_clip_files(
     report: ParityReport, images: Mapping[str, np.ndarray]
 ) -> tuple[ParityReport, dict[str, np.ndarray], dict[str, bytes]]:
     """The report with each clip comparison's strip frames and previews set, the images with each clip replaced by
-    its frame strip, and the previews (GIF bytes) to write."""
+    its frame strip, and the previews (WebP bytes) to write."""
     stills, previews = dict(images), {}
     variants = []
     for variant in report.variants:
@@ -109,8 +123,9 @@ def _with_clip_files(
                 compared.append(image)
                 continue
             for name in (image.reference_png, image.candidate_png):
-                stills[name] = frame_strip(np.asarray(images[name]))
-                previews[preview_name(name)] = encode_video(images[name], ".gif", DEFAULT_FPS)
+                if preview_name(name) not in previews:  # a clip several comparisons share is written once
+                    stills[name] = frame_strip(np.asarray(images[name]))
+                    previews[preview_name(name)] = animated_webp(np.asarray(images[name]))
             video = image.video.model_copy(update={
                 "strip_frames": strip_frames(image.video.frames),
                 "reference_preview": preview_name(image.reference_png),
@@ -147,7 +162,7 @@ class ReportFiles:
     html: Path
     images: tuple[Path, ...]
     heatmaps: tuple[Path, ...]
-    previews: tuple[Path, ...] = ()  # clips' looped GIFs
+    previews: tuple[Path, ...] = ()  # clips' looped WebPs
 
 
 def write_report(report: ParityReport, images: Mapping[str, np.ndarray], out_dir: str | os.PathLike) -> ReportFiles:
@@ -155,7 +170,7 @@ def write_report(report: ParityReport, images: Mapping[str, np.ndarray], out_dir
 
     `images` maps every reference_png / candidate_png (and init_png / mask_png) name in the report to its uint8
     pixels: an image [H, W, 3], or for a video comparison a clip [F, H, W, 3] (written as its frame strip and a
-    looped GIF preview).
+    looped WebP preview).
     Every file is written atomically, and parity.json last, so its presence means the report is complete.
     """
     out = Path(out_dir)

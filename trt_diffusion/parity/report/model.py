@@ -43,7 +43,7 @@ def relative_png_name(name: str) -> str:
 
 
 PngName = Annotated[str, AfterValidator(relative_png_name)]
-GifName = Annotated[str, AfterValidator(lambda name: relative_file_name(name, ".gif"))]
+WebpName = Annotated[str, AfterValidator(lambda name: relative_file_name(name, ".webp"))]
 
 # A float that may be inf or NaN: serialized as "Infinity"/"-Infinity"/"NaN" (see module docstring),
 # and the JSON Schema says so.
@@ -74,9 +74,9 @@ class VideoComparison(_ReportModel):
     motion_error: MetricFloat = Field(description="motion_rmse / reference_motion: 0 exact, 1 as wrong as a still")
     strip_frames: list[int] = Field(default_factory=list, description="the frames in the strips, written by "
                                                                       "write_report")
-    reference_preview: GifName | None = Field(default=None, description="the reference clip, looped; written by "
+    reference_preview: WebpName | None = Field(default=None, description="the reference clip, looped; written by "
                                                                         "write_report")
-    candidate_preview: GifName | None = Field(default=None, description="the engine's clip, looped; written by "
+    candidate_preview: WebpName | None = Field(default=None, description="the engine's clip, looped; written by "
                                                                         "write_report")
 
     @classmethod
