@@ -86,9 +86,9 @@ def test_contract_stages():
     inputs, outputs = contract.stage_io("full", "sd15", has_controlnets=False)
     assert [i.name for i in inputs] == ["PROMPT", "NEGATIVE_PROMPT", "HEIGHT", "WIDTH", "STEPS", "GUIDANCE_SCALE",
                                         "SEED", "SCHEDULER", "WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH",
-                                        "NUM_IMAGES"]
+                                        "FRAMES", "GUIDANCE_SCALE_2", "NUM_IMAGES"]
     by_name = {i.name: i for i in inputs}  # the image workflows' inputs: optional, on every entry
-    assert all(by_name[n].optional for n in ("WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH"))
+    assert all(by_name[n].optional for n in ("WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH", "FRAMES", "GUIDANCE_SCALE_2"))
     assert (by_name["INIT_IMAGE"].dims, by_name["MASK"].dims) == ((-1, -1, 3), (-1, -1))
     assert outputs == (contract.IMAGE, contract.TIMING)
     assert contract.stage_io("stream", "sd15", False)[1] == (contract.IMAGE, contract.PREVIEW, contract.STEP,
@@ -98,6 +98,11 @@ def test_contract_stages():
     assert "POSITIVE_POOLED" not in [o.name for o in contract.stage_io("encode", "sd15", True)[1]]
     denoise_in = [i.name for i in contract.stage_io("denoise", "sd15", True)[0]]
     assert "PROMPT" not in denoise_in and "CONTROL_IMAGE" in denoise_in
+    # a video family answers with VIDEO [N, F, H, W, 3] and previews each latent frame; it has no ensemble
+    assert contract.stage_io("full", "wan", False)[1] == (contract.VIDEO, contract.TIMING)
+    assert contract.stage_io("stream", "wan", False)[1][1] == contract.VIDEO_PREVIEW
+    with pytest.raises(ValueError, match="no 'decode' stage"):
+        contract.stage_io("decode", "wan", False)
     assert {"WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH"} <= set(denoise_in)  # the ensemble's denoise starts there
     with pytest.raises(ValueError):
         contract.stage_io("upscale", "sd15", False)

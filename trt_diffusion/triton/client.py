@@ -47,6 +47,14 @@ class ImageRequest:
     init_image: np.ndarray | None = None  # uint8 [H, W, 3], the request's size (the server never resizes)
     mask: np.ndarray | None = None  # uint8 [H, W], white (>= 128) is repainted
     strength: float | None = None  # (0, 1]; None: the workflow's default (img2img 0.8, inpaint 1.0)
+    # Video models (FRAMES set): the answer is VIDEO uint8 [N, F, H, W, 3]
+    frames: int | None = None  # 4k+1 for Wan
+    guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert; None: guidance_scale
+
+    @property
+    def result(self) -> str:
+        """The output that carries the answer: VIDEO for a video request, IMAGE otherwise."""
+        return (contract.VIDEO if self.frames else contract.IMAGE).name
 
     def tensors(self) -> dict[str, np.ndarray]:
         """Request tensors with their batch dimension of 1; optional ones only when set."""
@@ -78,6 +86,10 @@ class ImageRequest:
             values["MASK"] = check_input_image("MASK", self.mask, None)[None]
         if self.strength is not None:
             values["STRENGTH"] = np.array([[self.strength]], np.float32)
+        if self.frames is not None:
+            values["FRAMES"] = np.array([[self.frames]], np.int32)
+        if self.guidance_scale_2 is not None:
+            values["GUIDANCE_SCALE_2"] = np.array([[self.guidance_scale_2]], np.float32)
         return values
 
 
@@ -229,12 +241,14 @@ def infer(client, module, pipeline: str, request: ImageRequest, *, protocol: str
 
 def infer_images(client, module, pipeline: str, request: ImageRequest, *, protocol: str, timeout_s: float,
                  url: str = "", timing: bool = True) -> tuple[np.ndarray, dict]:
-    """(images uint8 [N, H, W, 3] with N = NUM_IMAGES, the response parameters: `timing` decoded from JSON).
+    """(images uint8 [N, H, W, 3] with N = NUM_IMAGES — videos [N, F, H, W, 3] for a FRAMES request — the
+    response parameters: `timing` decoded from JSON).
     `timing`: also ask for the TIMING output (models without it, the ensemble, are asked again without)."""
     import time
 
     inputs = make_inputs(module, request.tensors())
-    names = ["IMAGE", "TIMING"] if timing else ["IMAGE"]
+    result_name = request.result
+    names = [result_name, "TIMING"] if timing else [result_name]
     outputs = [module.InferRequestedOutput(name) for name in names]
     parameters = {contract.SENT_NS_PARAMETER: time.time_ns()}  # the server reports queue_s from it
     try:
@@ -252,14 +266,15 @@ def infer_images(client, module, pipeline: str, request: ImageRequest, *, protoc
             raise malformed(url, f"the request to {pipeline}", err) from None
         raise server_error(err, url, pipeline) from None
     try:
-        images = result.as_numpy("IMAGE")
+        images = result.as_numpy(result_name)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise malformed(url, f"the request to {pipeline} (IMAGE)", exc) from None
+        raise malformed(url, f"the request to {pipeline} ({result_name})", exc) from None
     expected = request.num_images or 1
-    if (images is None or images.ndim != 4 or images.shape[0] != expected or images.shape[-1] != 3
+    rank, dims = (5, "F, H, W, 3") if request.frames else (4, "H, W, 3")
+    if (images is None or images.ndim != rank or images.shape[0] != expected or images.shape[-1] != 3
             or images.dtype != np.uint8):
-        raise ServeError(f"Triton at {url}, model {pipeline}: expected IMAGE uint8 [{expected}, H, W, 3], got "
-                         f"{None if images is None else (images.dtype, list(images.shape))}")
+        raise ServeError(f"Triton at {url}, model {pipeline}: expected {result_name} uint8 [{expected}, {dims}], "
+                         f"got {None if images is None else (images.dtype, list(images.shape))}")
     try:
         return images, response_parameters(result.get_response(), result)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -336,7 +351,7 @@ def generate_images(url: str, request: ImageRequest, *, pipeline: str | None = N
 def stream(url: str, request: ImageRequest, *, model: str, preview_every: int | None = None,
            timeout_s: float = 300.0, on_preview=None) -> tuple[np.ndarray, list[tuple[int, np.ndarray]], dict]:
     """Over gRPC, the streaming entry `<pipeline>_stream`: (image [H, W, 3], previews [(step, uint8 [h, w, 3])],
-    response parameters). `on_preview(step, preview)` is called as each arrives; returning False cancels."""
+    response parameters); a video request: (video [F, H, W, 3], previews [(step, uint8 [f, h, w, 3])], ...). `on_preview(step, preview)` is called as each arrives; returning False cancels."""
     import queue
     import time
 
@@ -376,7 +391,7 @@ def stream(url: str, request: ImageRequest, *, model: str, preview_every: int | 
                     client.stop_stream(cancel_requests=True)
                     raise RequestCancelled(f"Triton at {url}, model {model}: cancelled after step {step}")
                 continue
-            image = result.as_numpy("IMAGE")
+            image = result.as_numpy(request.result)
             parameters = response_parameters(response, result)
             if final:
                 break

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..families import Family
+from ..families import Family, family_info
 
 
 @dataclass(frozen=True)
@@ -44,17 +44,26 @@ WORKFLOW_INPUTS: tuple[TensorDecl, ...] = (
     TensorDecl("MASK", "TYPE_UINT8", (-1, -1), optional=True),  # [H, W], white (>= 128) is repainted
     _scalar("STRENGTH", "TYPE_FP32", optional=True),  # (0, 1]; absent: the workflow's default
 )
+# Video (issue 24): declared on every entry too, so FRAMES sent to an image model is refused in the pipeline's
+# words. FRAMES absent: an image request; a video model then names the frames it needs.
+VIDEO_INPUTS: tuple[TensorDecl, ...] = (
+    _scalar("FRAMES", "TYPE_INT32", optional=True),  # 4k+1 (Wan), a frame count the entry's engines serve
+    _scalar("GUIDANCE_SCALE_2", "TYPE_FP32", optional=True),  # Wan 2.2's low-noise expert; absent: GUIDANCE_SCALE
+)
 CONTROLNET_INPUTS: tuple[TensorDecl, ...] = (
     _scalar("CONTROLNET", "TYPE_STRING", optional=True),
     TensorDecl("CONTROL_IMAGE", "TYPE_UINT8", (-1, -1, 3), optional=True),
     _scalar("CONTROLNET_SCALE", "TYPE_FP32", optional=True),
 )
 IMAGE = TensorDecl("IMAGE", "TYPE_UINT8", (-1, -1, 3))
+# A video family's result in IMAGE's place: [N, F, H, W, 3], N = NUM_IMAGES videos
+VIDEO = TensorDecl("VIDEO", "TYPE_UINT8", (-1, -1, -1, 3))
 # The public entry only: images for this request, seeds SEED, SEED + 1, ...; IMAGE is then [N, H, W, 3]
 NUM_IMAGES = _scalar("NUM_IMAGES", "TYPE_INT32", optional=True)
 # The streaming entry: a preview every PREVIEW_EVERY steps (default below), then the image
 PREVIEW_EVERY = _scalar("PREVIEW_EVERY", "TYPE_INT32", optional=True)
 PREVIEW = TensorDecl("PREVIEW", "TYPE_UINT8", (-1, -1, 3))
+VIDEO_PREVIEW = TensorDecl("PREVIEW", "TYPE_UINT8", (-1, -1, -1, 3))  # one preview per latent frame [f, h, w, 3]
 STEP = _scalar("STEP", "TYPE_INT32")  # in a preview response: steps done so far
 DEFAULT_PREVIEW_EVERY = 5
 # Request parameter a client may set (time.time_ns() when it sent the request, same host): gives queue_s
@@ -71,7 +80,12 @@ PROMPT_ONLY = ("PROMPT", "NEGATIVE_PROMPT")  # request inputs the denoise stage 
 
 
 def request_inputs(has_controlnets: bool) -> tuple[TensorDecl, ...]:
-    return REQUEST_INPUTS + WORKFLOW_INPUTS + (CONTROLNET_INPUTS if has_controlnets else ())
+    return REQUEST_INPUTS + WORKFLOW_INPUTS + VIDEO_INPUTS + (CONTROLNET_INPUTS if has_controlnets else ())
+
+
+def result_tensor(family: Family | str) -> TensorDecl:
+    """What the entry answers with: IMAGE, or VIDEO for a video family."""
+    return VIDEO if family_info(family).is_video else IMAGE
 
 
 def has_pooled(family: Family | str) -> bool:
@@ -92,10 +106,15 @@ def stage_io(stage: str, family: Family | str, has_controlnets: bool
              ) -> tuple[tuple[TensorDecl, ...], tuple[TensorDecl, ...]]:
     """(inputs, outputs) of a pipeline python model: `full` (the public entry), `encode`, `denoise`, `decode`."""
     request = request_inputs(has_controlnets)
+    result = result_tensor(family)
     if stage == "full":
-        return request + (NUM_IMAGES,), (IMAGE, TIMING)
+        return request + (NUM_IMAGES,), (result, TIMING)
     if stage == "stream":
-        return request + (PREVIEW_EVERY,), (IMAGE, PREVIEW, STEP, TIMING)
+        preview = VIDEO_PREVIEW if result is VIDEO else PREVIEW
+        return request + (PREVIEW_EVERY,), (result, preview, STEP, TIMING)
+    if family_info(family).is_video:
+        raise ValueError(f"a {Family(family).value} pipeline has no {stage!r} stage: video is served by the entry "
+                         "and the stream (no ensemble: its LATENTS are 4-D)")
     if stage == "encode":  # gets the whole request so it can refuse a bad one before any engine runs
         return request, encoding_tensors(family)
     if stage == "denoise":
@@ -108,6 +127,7 @@ def stage_io(stage: str, family: Family | str, has_controlnets: bool
 
 
 STAGES = ("full", "stream", "encode", "denoise", "decode")
+ENSEMBLE_STAGES = ("encode", "denoise", "decode")
 
 
 # numpy dtype name (as engine manifests write it) <-> Triton data type

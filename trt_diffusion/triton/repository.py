@@ -146,7 +146,8 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
 
     report = PackageReport(
         repo=str(out_dir), pipeline=pipeline, entry=naming.entry_name(pipeline),
-        ensemble=naming.ensemble_name(pipeline) if options.ensemble else None, family=family.value, target=target,
+        ensemble=naming.ensemble_name(pipeline) if _writes_ensemble(family, options) else None, family=family.value,
+        target=target,
         sizes=sizes, request_sizes=request_sizes, controlnets=list(description.controlnets),
         workflows=list(description.workflows),
         models=[plan.record for plan in models], options=asdict(options), seconds=0.0,
@@ -303,8 +304,8 @@ def _sizes(built: Sequence[Any], family: Family, which: str) -> list[str]:
 def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, description: PipelineDescription,
                     sizes: list[str], request_sizes: list[str], options: PackageOptions) -> list[_ModelPlan]:
     queue = QueuePolicy(options.max_queue_size, options.queue_timeout_s)
-    stages = (["full"] + (["stream"] if options.stream else [])
-              + (["encode", "denoise", "decode"] if options.ensemble else []))
+    ensemble = _writes_ensemble(family, options)
+    stages = ["full"] + (["stream"] if options.stream else []) + (list(contract.ENSEMBLE_STAGES) if ensemble else [])
     per_call = _requests_per_denoiser_call(description)
     batch_requests = options.batch_requests or per_call
     # Wait for partners only where some can share a call: CFG requests on bigger engines, or, when batch_requests
@@ -329,9 +330,14 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
         record = PackagedModel(name=name, role=role, backend="python")
         plans.append(_ModelPlan(config, record, texts={"model.py": PIPELINE_MODEL_PY}, skeleton=True,
                                 description=description))
-    if options.ensemble:
+    if ensemble:
         plans.append(_ensemble_plan(pipeline, family, has_controlnets))
     return plans
+
+
+def _writes_ensemble(family: Family, options: PackageOptions) -> bool:
+    """A video family has no ensemble (its stages pass 4-D LATENTS): the entry and the stream serve it."""
+    return options.ensemble and not FAMILIES[family].is_video
 
 
 def _requests_per_denoiser_call(description: PipelineDescription) -> int:

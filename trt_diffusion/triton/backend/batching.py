@@ -156,8 +156,15 @@ def _response(answer: _Answer, request: Any, started: float, started_ns: int):
     utils = pb.utils()
     images = np.concatenate([answer.images[p] for p in sorted(answer.images)])  # [N, H, W, 3], seed order
     timing = timing_json(answer.timings, started, sent_ns(request), started_ns)
-    # One image: [1, H, W, 3] as before (the request's batch dimension); N images: [N, H, W, 3].
-    return response_with_timing([utils.Tensor("IMAGE", np.ascontiguousarray(images))], timing, int(images.shape[0]))
+    # One image: [1, H, W, 3] as before (the request's batch dimension); N images: [N, H, W, 3]; videos
+    # [N, F, H, W, 3] as VIDEO
+    name = result_name(images)
+    return response_with_timing([utils.Tensor(name, np.ascontiguousarray(images))], timing, int(images.shape[0]))
+
+
+def result_name(images: np.ndarray) -> str:
+    """The output a generation goes out as: VIDEO for clips [N, F, H, W, 3], IMAGE for images."""
+    return (contract.VIDEO if images.ndim == 5 else contract.IMAGE).name
 
 
 def response_with_timing(tensors: list, timing: str, images: int):

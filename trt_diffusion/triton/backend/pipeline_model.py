@@ -82,9 +82,10 @@ class TritonPythonModel:
         return _response({"IMAGE": generation.images[0]})
 
     def _stream(self, request: Any) -> None:
-        """Previews every PREVIEW_EVERY steps (PREVIEW [1, h, w, 3], STEP), then IMAGE, then the final flag.
+        """Previews every PREVIEW_EVERY steps (PREVIEW [1, h, w, 3], a video's [1, f, h, w, 3]: each latent frame,
+        STEP), then IMAGE (VIDEO), then the final flag.
         A cancelled stream stops at the next engine call, freeing the instance within one step."""
-        from .batching import response_with_timing, sent_ns, timing_json
+        from .batching import response_with_timing, result_name, sent_ns, timing_json
         from .previews import preview
 
         utils = pb.utils()
@@ -110,7 +111,8 @@ class TritonPythonModel:
 
             generation = self.pipeline.generate(generation_request, on_step)
             timing = timing_json([generation.timings], start, sent_ns(request), start_ns)
-            sender.send(response_with_timing([utils.Tensor("IMAGE", generation.images)], timing, 1), flags=final)
+            tensor = utils.Tensor(result_name(generation.images), generation.images)
+            sender.send(response_with_timing([tensor], timing, 1), flags=final)
         except RuntimeInputError as err:
             sender.send(pb.error_response(f"{self.name}: {err}"), flags=final)
         except RequestCancelled:

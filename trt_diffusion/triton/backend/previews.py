@@ -30,8 +30,11 @@ def latent_rgb_map(family: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def preview(latents: np.ndarray, family: str, height: int, width: int) -> np.ndarray:
-    """uint8 [h, w, 3] from the latents of one image ([C, h, w]; FLUX's packed [seq, C*4] is unpacked)."""
+    """uint8 [h, w, 3] from the latents of one image ([C, h, w]; FLUX's packed [seq, C*4] is unpacked); a video's
+    [C, f, h, w] gives [f, h, w, 3], one preview per latent frame (what the clip looks like so far)."""
     latents = np.asarray(latents, np.float32)
+    if latents.ndim == 4:
+        return np.stack([preview(latents[:, frame], family, height, width) for frame in range(latents.shape[1])])
     if latents.ndim == 2:  # FLUX packed: [(h/2)*(w/2), C*4] -> [C, h, w]
         h2, w2 = _packed_grid(latents.shape[0], height, width)
         channels = latents.shape[1] // 4

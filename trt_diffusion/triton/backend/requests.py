@@ -72,7 +72,7 @@ def read_request(request: Any, *, with_prompt: bool = True):
         return cast(_only(value, name))
 
     controlnet = _text(get("CONTROLNET"), "CONTROLNET") or None
-    strength = get("STRENGTH")
+    strength, guidance_2 = get("STRENGTH"), get("GUIDANCE_SCALE_2")
     prompt = _text(get("PROMPT"), "PROMPT", MAX_PROMPT_BYTES) if with_prompt else UPSTREAM_PROMPT
     return GenerationRequest(
         prompt=prompt if prompt is not None else "",
@@ -86,4 +86,7 @@ def read_request(request: Any, *, with_prompt: bool = True):
         workflow=_text(get("WORKFLOW"), "WORKFLOW") or None,
         init_image=_image(get("INIT_IMAGE"), "INIT_IMAGE"), mask=_image(get("MASK"), "MASK"),
         strength=None if strength is None else _decimal(_only(strength, "STRENGTH")),
+        # video: FRAMES absent is an image request (a video model says what it needs)
+        frames=number("FRAMES", int, default=0), guidance_scale_2=None if guidance_2 is None else _decimal(
+            _only(guidance_2, "GUIDANCE_SCALE_2")),
     )
