@@ -246,7 +246,7 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
         scheduler=request.scheduler or "default", controlnet=request.controlnet, control_image=request.control_image,
         controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale,
         workflow=request.workflow, init_image=request.init_image, mask=request.mask,
-        strength=request.strength)).images[0]
+        strength=request.strength, frames=request.frames or 0, guidance_scale_2=request.guidance_scale_2)).images[0]
         for i in range(request.num_images or 1)]
     return np.stack(images), model
 

@@ -18,7 +18,8 @@ REGISTERED = [(f.value, c.value) for f, c in registered_components()]
 
 
 def _tiny(tiny_model_dir, family: str, component: str):
-    folder = tiny_model_dir(family, controlnet=component == "controlnet")
+    variant = "two_expert" if component == "transformer_2" else None  # only Wan 2.2's folders have it
+    folder = tiny_model_dir(family, controlnet=component == "controlnet", variant=variant)
     controlnet_dir = folder / "controlnet" if component == "controlnet" else None
     config = load_model_config(folder, family, component, controlnet_dir)
     module = load_controlnet(controlnet_dir) if controlnet_dir else load_component(folder, Component(component))
@@ -37,7 +38,8 @@ def test_registered_component_has_a_tiny_fixture_matching_its_declaration(tiny_m
     definition = get_component(family, component)
     options = {"controlnet_residuals": component == "unet"}
     io = definition.io(config, options)
-    geometry = Geometry(2, Size(64, 32) if definition.resolution_dependent else None)
+    video = FAMILIES[definition.family].is_video
+    geometry = Geometry(2, (Size(64, 32, 9) if video else Size(64, 32)) if definition.resolution_dependent else None)
     feeds = definition.dummy_inputs(config, options, geometry)
     assert list(feeds) == io.input_names
     declared_inputs = {t.name: t.shape(definition.axis_values(config, geometry)) for t in io.inputs}

@@ -175,6 +175,10 @@ def generate_command(
     preview: Annotated[Path | None, typer.Option("--preview", help="save live previews in this folder "
                                                     "(gRPC only: the streaming entry <pipeline>_stream)")] = None,
     preview_every: Annotated[int, typer.Option("--preview-every", min=1, help="a preview every N steps")] = 5,
+    frames: Annotated[int | None, typer.Option("--frames", min=1, help="a video model's frames (4k+1 for Wan: 5, 9, "
+                                               "..., 81); the answer is written as .mp4 (or .gif)")] = None,
+    guidance_scale_2: Annotated[float | None, typer.Option("--guidance-scale-2", help="Wan 2.2: the low-noise "
+                                                           "expert's guidance (default --guidance-scale)")] = None,
     fps: Annotated[int, typer.Option("--fps", min=1, help="a video model's frames per second in the file it "
                                      "writes")] = DEFAULT_FPS,
 ):
@@ -216,12 +220,14 @@ def generate_command(
         pipeline, sizes = served_sizes(url, pipeline, transport.value)
         first = Size.parse(sizes[0])
         height, width = height or first.height, width or first.width
+        frames = frames or first.frames or None  # a video server's first bucket: its frames too
     elif config is not None and (height is None or width is None):
         ctx.fail("Missing option '--height'/'--width': give both with --config (no server to ask for its sizes)")
     control = _control_image(control_image, width, height) if control_image is not None else None
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None,
-                           workflow=workflow, init_image=init_image, mask=mask_array, strength=strength)
+                           workflow=workflow, init_image=init_image, mask=mask_array, strength=strength,
+                           frames=frames, guidance_scale_2=guidance_scale_2)
     start = time.perf_counter()
     on_preview = None
     if config is None and preview is not None:
@@ -329,11 +335,14 @@ def _control_image(path: Path, width: int, height: int):
 
 def _preview_saver(preview: Path):
     """`on_preview(step, image)` for a streamed request: each preview saved in the folder, and said."""
+    import numpy as np
     from PIL import Image
 
     preview.mkdir(parents=True, exist_ok=True)
 
     def save(step: int, picture) -> None:
+        if picture.ndim == 4:  # a video's preview, one per latent frame [f, h, w, 3]: side by side in one PNG
+            picture = np.concatenate(list(picture), axis=1)
         Image.fromarray(picture).save(preview / f"step-{step:04d}.png")
         console.print(f"preview {preview / f'step-{step:04d}.png'}", soft_wrap=True, highlight=False)
 

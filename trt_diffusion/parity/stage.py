@@ -152,7 +152,7 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
             inputs = workflow_inputs(workflow, size.height, size.width, seed)
             request = GenerationRequest(
                 prompt=prompt, height=size.height, width=size.width, steps=options.steps,
-                guidance_scale=options.guidance_scale, seed=seed, controlnet=controlnet,
+                guidance_scale=options.guidance_scale, seed=seed, frames=size.frames, controlnet=controlnet,
                 control_image=_control_image(size.height, size.width, seed) if controlnet else None,
                 workflow=workflow.value, strength=strength, **inputs)
             candidate = engine_pipe.generate(request).images

@@ -259,6 +259,9 @@ def infer_images(client, module, pipeline: str, request: ImageRequest, *, protoc
     except ServeError:
         raise
     except Exception as err:  # tritonclient raises InferenceServerException, sockets raise OS errors
+        if not request.frames and f"unexpected inference output '{contract.IMAGE.name}'" in str(err):
+            raise ServeError(f"Triton at {url}, model {pipeline} serves video: send FRAMES (generate --frames; "
+                             "4k+1 for Wan)") from None
         if timing and "unexpected inference output 'TIMING'" in str(err):
             return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url,
                                 timing=False)

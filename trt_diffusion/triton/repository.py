@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ServeError
-from ..families import FAMILIES, Family
+from ..families import FAMILIES, Component, Family
 from ..targets import get_target
 from ..tensors import TensorSpec
 from ..workflows import FAMILY_WORKFLOWS, Workflow, families_that_run
@@ -188,7 +188,7 @@ def _single_target(built: Sequence[Any]) -> str:
 def _check_components(built: Sequence[Any], family: Family) -> None:
     have = {engine.spec.component for engine in built}
     needed = {FAMILIES[family].denoiser.value, "vae_decoder", "text_encoder"}
-    if family is not Family.sd15:
+    if Component.text_encoder_2 in FAMILIES[family].default_components:  # sdxl, sd3, flux (T5 stays optional)
         needed.add("text_encoder_2")
     missing = sorted(needed - have)
     if missing:

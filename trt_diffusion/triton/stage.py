@@ -198,7 +198,8 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
         client.is_server_ready()  # opens the connection: its setup is the client's cost, not the server's
         for label in report.request_sizes:
             size = Size.parse(label)
-            request = ImageRequest("warm-up request", size.height, size.width, steps=FIRST_REQUEST_STEPS, seed=0)
+            request = ImageRequest("warm-up request", size.height, size.width, steps=FIRST_REQUEST_STEPS, seed=0,
+                                   frames=size.frames or None)
             start_time = time.perf_counter()
             infer(client, module, report.entry, request, protocol=protocol, timeout_s=600.0, url=url)
             records.append(FirstRequest(label, time.perf_counter() - start_time, protocol))

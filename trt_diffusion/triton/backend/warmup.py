@@ -48,12 +48,13 @@ def warm_up_in_process(pipeline, description: PipelineDescription) -> float:
              if e.component == pipeline.denoiser and e.bucket and _is_static(e) and e.controlnet is None]
     real_runners, pipeline.runners = pipeline.runners, stand_ins
     try:
-        requests = [GenerationRequest(prompt="warm-up", height=s.height, width=s.width, steps=2)
+        requests = [GenerationRequest(prompt="warm-up", height=s.height, width=s.width, steps=2, frames=s.frames)
                     for s in dict.fromkeys(sizes)]
         if requests:
             first = requests[0]
             requests += [GenerationRequest(prompt="warm-up", height=first.height, width=first.width, steps=2,
-                                           scheduler=name) for name in scheduler_names(description.family)[1:]]
+                                           frames=first.frames, scheduler=name)
+                         for name in scheduler_names(description.family)[1:]]
             requests += _image_requests(pipeline, stand_ins, first)
         for request in requests:
             pipeline.generate(request)
