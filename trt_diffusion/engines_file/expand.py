@@ -48,12 +48,16 @@ def frame_buckets(bucket: Bucket, temporal_factor: int) -> list[Bucket]:
 
 
 def denoiser_batches(model: ResolvedModel) -> dict[int, list[str]]:
-    """Denoiser batch -> why it exists, e.g. {2: ['batch 1 × CFG batched']}."""
+    """Denoiser batch -> why it exists, e.g. {2: ['batch 1 × CFG batched']}. `parallel` runs split's calls (two
+    instances of the same engine at once), so it wants split's batch: the same spec and key, only the reason differs."""
     batches: dict[int, list[str]] = {}
     for batch in model.batch:
         for mode in model.cfg:
             size = batch * 2 if mode is CfgMode.batched else batch
-            batches.setdefault(size, []).append(f"batch {batch} × CFG {mode.value}")
+            why = f"batch {batch} × CFG {mode.value}"
+            if mode is CfgMode.parallel:
+                why += " (split's engine, two instances at once)"
+            batches.setdefault(size, []).append(why)
     return dict(sorted(batches.items()))
 
 

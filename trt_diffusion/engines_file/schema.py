@@ -35,6 +35,9 @@ Target = Annotated[str, AfterValidator(_known_target)]
 class CfgMode(str, Enum):
     batched = "batched"  # conditional + unconditional in one call: the denoiser batch is doubled
     split = "split"  # two calls of the prompt batch per step
+    # split's two calls issued at once, on two instances of the denoiser (two sessions in process; two Triton
+    # instances, one per GPU where several are given): split's engines, none of its own. Chosen only when declared.
+    parallel = "parallel"
     none = "none"  # no classifier-free guidance (guidance-distilled models)
 
 
@@ -184,7 +187,7 @@ class ModelSettings(Strict):
     workflows: list[Workflow] | None = None
     buckets: list[BucketEntry] | None = None
     batch: list[Annotated[int, Field(ge=1)]] | None = None
-    cfg: list[CfgMode] | None = None
+    cfg: list[CfgMode] | None = None  # batched | split | parallel | none (any of them together)
     precision: PrecisionMap | None = None
     targets: list[Target] | None = None
     refittable: bool | None = None
