@@ -2,7 +2,9 @@
 
 A multi-profile engine (TensorRT's `engine_layout: profiles`) has one entry per profile: its bucket and batch,
 the one runner, and the profile's index. `route` answers (runner, profile); `find` hands out the runner bound to
-that profile (`ProfileRunner`: the engine runs the request in the profile built for its shape).
+that profile (`ProfileRunner`: the engine runs the request in the profile built for its shape). An entry may hold
+further runners over the same engine (`instances`: `cfg: parallel` runs a step's two CFG calls on two at once,
+runtime/cfg_parallel.py); `find(..., instance=i)` hands out the i-th, the one runner where there is no other.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ class RunnerEntry:
     batch: int | None = None  # None: any batch
     controlnet: str | None = None
     profile: int | None = None  # the optimization profile of a multi-profile engine built for this bucket/batch
+    instances: tuple[Runner, ...] = ()  # more runners over the same engine, for calls at once (cfg: parallel)
+
+    def instance(self, index: int) -> Runner:
+        runners = (self.runner, *self.instances)
+        return runners[index % len(runners)]
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class Route:
     runner: Runner
     profile: int | None
     batch: int | None  # the engine's batch (larger than the request's when its rows are padded)
+    entry: RunnerEntry | None = None  # where the runner came from (its other instances)
 
 
 class RunnerTable:
@@ -42,8 +50,8 @@ class RunnerTable:
         self.entries: list[RunnerEntry] = list(entries or [])
 
     def add(self, component: str, runner: Runner, *, bucket: Bucket | None = None, batch: int | None = None,
-            controlnet: str | None = None, profile: int | None = None) -> None:
-        self.entries.append(RunnerEntry(component, runner, bucket, batch, controlnet, profile))
+            controlnet: str | None = None, profile: int | None = None, instances: tuple[Runner, ...] = ()) -> None:
+        self.entries.append(RunnerEntry(component, runner, bucket, batch, controlnet, profile, tuple(instances)))
 
     def has(self, component: str, controlnet: str | None = None) -> bool:
         return any(e.component == component and e.controlnet == controlnet for e in self.entries)
@@ -51,9 +59,12 @@ class RunnerTable:
     def batches(self, component: str, size: Size | None) -> set[int | None]:
         return {e.batch for e in self._covering(component, size, None)}
 
-    def find(self, component: str, *, size: Size | None, batch: int, controlnet: str | None = None) -> Runner:
+    def find(self, component: str, *, size: Size | None, batch: int, controlnet: str | None = None,
+             instance: int = 0) -> Runner:
+        """The runner for a call of `batch` rows at `size`; `instance` picks one of the entry's runners over the same
+        engine (calls made at once on different instances run at once; an entry with one runner gives it always)."""
         route = self.route(component, size=size, batch=batch, controlnet=controlnet)
-        runner = route.runner
+        runner = route.runner if route.entry is None else route.entry.instance(instance)
         if route.batch is not None and route.batch > batch:  # e.g. a no-CFG request (guidance <= 1) on a
             runner = BatchPaddedRunner(runner, batch, route.batch)  # `cfg: batched` build's batch-2 engines
         return runner if route.profile is None else ProfileRunner(runner, route.profile)
@@ -68,10 +79,10 @@ class RunnerTable:
                 f"supported sizes: {', '.join(supported) or 'none built'}")
         for entry in candidates:
             if entry.batch in (None, batch):
-                return Route(entry.runner, entry.profile, entry.batch)
+                return Route(entry.runner, entry.profile, entry.batch, entry)
         larger = sorted((e for e in candidates if e.batch is not None and e.batch > batch), key=lambda e: e.batch)
         if larger:
-            return Route(larger[0].runner, larger[0].profile, larger[0].batch)
+            return Route(larger[0].runner, larger[0].profile, larger[0].batch, larger[0])
         have = sorted(e.batch for e in candidates if e.batch is not None)
         raise RuntimeInputError(f"no {component} engine for batch {batch} at {size}; built batches: {have}")
 

@@ -9,6 +9,7 @@ from ..errors import BuildError
 from ..families import Component, Family
 from ..targets import get_target
 from ..targets.base import BuiltEngine
+from .cfg_parallel import cfg_instances
 from .engines import RunnerTable
 
 
@@ -51,17 +52,19 @@ def runner_for(engine: BuiltEngine, *, weights=None):
     return get_target(engine.spec.target).runner(engine, weights)
 
 
-def table_from_engines(engines: list[BuiltEngine], make_runner=runner_for) -> RunnerTable:
+def table_from_engines(engines: list[BuiltEngine], make_runner=runner_for, *, cfg=()) -> RunnerTable:
     """One entry per engine shape: a multi-profile engine (engine_layout: profiles) is one runner with an entry per
-    profile, its bucket, batch and profile index (the table routes a request to (engine, profile))."""
+    profile, its bucket, batch and profile index (the table routes a request to (engine, profile)). `cfg`: the
+    model's CFG modes; with `parallel`, the engines CFG calls twice a step get a second runner (a second session:
+    runtime/cfg_parallel.py), so the two calls of a step run at once."""
     table = RunnerTable()
     for engine in engines:
         spec = engine.spec
-        runner = make_runner(engine)
+        runners = [make_runner(engine) for _ in range(cfg_instances(spec.component, cfg))]
         members = spec.members
         for index, member in enumerate(members):
-            table.add(spec.component, runner, bucket=member.bucket, batch=member.batch, controlnet=spec.controlnet,
-                      profile=index if len(members) > 1 else None)
+            table.add(spec.component, runners[0], bucket=member.bucket, batch=member.batch, controlnet=spec.controlnet,
+                      profile=index if len(members) > 1 else None, instances=tuple(runners[1:]))
     return table
 
 
@@ -74,14 +77,14 @@ def engine_runners(config: EnginesConfig, model_name: str, target: str, *, lora_
     engines = built_engines(config, model_name, target, lora_variant=lora_variant)
     model = config.models[model_name]
     if not loras:
-        return model.source.path, model.family, table_from_engines(engines)
+        return model.source.path, model.family, table_from_engines(engines, cfg=model.cfg)
     weights = refit_weights(config, model_name, loras, refittable={e.spec.component for e in engines
                                                                    if e.spec.refittable})
 
     def make(engine: BuiltEngine):
         return runner_for(engine, weights=weights.get(engine.spec.component) if engine.spec.refittable else None)
 
-    return model.source.path, model.family, table_from_engines(engines, make)
+    return model.source.path, model.family, table_from_engines(engines, make, cfg=model.cfg)
 
 
 def refit_weights(config: EnginesConfig, model_name: str, loras: list[tuple[Path, float]],

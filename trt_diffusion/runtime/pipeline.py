@@ -11,16 +11,19 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..engines_file.engine_spec import Size
+from ..engines_file.schema import CfgMode
 from ..errors import RuntimeInputError
 from ..families import Family
 from ..workflows import DEFAULT_STRENGTH, EDIT_PIPELINE_CLASSES, FAMILY_WORKFLOWS, Workflow, request_workflow
 from . import conditioning
+from .cfg_parallel import at_once, cfg_modes
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
 from .flux_loop import FluxLoop
 from .schedulers import make_scheduler, scheduler_names
@@ -84,7 +87,7 @@ class StageTimings:
 class Generation:
     images: np.ndarray  # uint8 [B, H, W, 3]; a video family's [B, F, H, W, 3]
     timings: StageTimings
-    cfg_mode: str  # batched | split | none
+    cfg_mode: str  # batched | split | parallel | none
 
 
 @dataclass
@@ -134,16 +137,23 @@ def _tokenizer(model_dir: Path, subfolder: str):
 
 
 class EnginePipeline:
-    """Runs requests over a RunnerTable. Holds no per-request state: safe to share between threads."""
+    """Runs requests over a RunnerTable. Holds no per-request state: safe to share between threads.
+
+    `cfg`: engines.yaml's CFG modes for the model (package records them for the Triton entry). They matter only
+    for `parallel`, which is never guessed: split's two calls issued at once on two instances of the denoiser
+    (runtime/cfg_parallel.py), wherever the engines at the request's rows exist. Without it the mode follows
+    from the engine batches built, as before (`_cfg_mode`)."""
 
     def __init__(self, model_dir: str | Path, family: Family | str, runners: RunnerTable,
-                 workflows: tuple[Workflow | str, ...] | None = None):
+                 workflows: tuple[Workflow | str, ...] | None = None, cfg: tuple[CfgMode | str, ...] | None = None):
         from ..models.quiet import quiet_libraries
 
         quiet_libraries()
         self.model_dir = Path(model_dir)
         self.family = Family(family)
         self.runners = runners
+        self.cfg = cfg_modes(cfg)
+        self.parallel_cfg = CfgMode.parallel in self.cfg
         self.index = json.loads((self.model_dir / "model_index.json").read_text())
         self.scheduler_config = json.loads((self.model_dir / "scheduler" / "scheduler_config.json").read_text())
         vae_config = json.loads((self.model_dir / "vae" / "config.json").read_text())
@@ -163,7 +173,8 @@ class EnginePipeline:
             vae_scale_factor=self.vae_scale_factor, scaling_factor=self.scaling_factor,
             shift_factor=self.shift_factor, denoiser=denoiser)
         self.wan = None if self.family is not Family.wan else WanLoop(
-            runners, self.index, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"])
+            runners, self.index, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
+            parallel_cfg=self.parallel_cfg)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
 
     def _served_workflows(self) -> tuple[Workflow, ...]:
@@ -320,9 +331,10 @@ class EnginePipeline:
         cfg = self.family is not Family.flux and request.guidance_scale > 1.0
         if not cfg:  # any rows up to the largest engine batch: fewer are padded (runtime/engines.py)
             return set(range(1, max(b for b in batches if b) + 1)) if any(batches) else set()
-        if 2 * request.batch in batches:  # batched CFG, as the request alone
+        parallel = self.parallel_cfg and request.batch in batches  # split's engines, as `_cfg_mode` chooses
+        if 2 * request.batch in batches and not parallel:  # batched CFG, as the request alone
             return {b // 2 for b in batches if b and b % 2 == 0}
-        return {b for b in batches if b}  # split CFG
+        return {b for b in batches if b}  # split (or parallel) CFG
 
     def plan_batches(self, requests: list[GenerationRequest]
                      ) -> tuple[dict[int, RuntimeInputError], list[list[int]]]:
@@ -513,6 +525,11 @@ class EnginePipeline:
                 model_in = torch.cat(scaled)
                 uncond = self._denoise(model_in, t, negative, extra, size, first, control)
                 cond = self._denoise(model_in, t, positive, extra, size, first, control)
+            elif cfg_mode == "parallel":  # split's two calls at once, each on its own instance: split's outputs
+                model_in = torch.cat(scaled)
+                uncond, cond = at_once(partial(self._denoise, model_in, t, negative, extra, size, first, control),
+                                       partial(self._denoise, model_in, t, positive, extra, size, first, control,
+                                               instance=1))
             else:
                 model_in = torch.cat(scaled)
                 cond = self._denoise(model_in, t, positive, extra, size, first, control)
@@ -546,6 +563,8 @@ class EnginePipeline:
 
     def _cfg_mode(self, size: Size, batch: int) -> str:
         batches = self.runners.batches(self.denoiser, size)
+        if self.parallel_cfg and (None in batches or batch in batches):  # declared: wherever split could run
+            return "parallel"
         if None in batches or 2 * batch in batches:
             return "batched"
         if batch in batches:
@@ -560,7 +579,10 @@ class EnginePipeline:
         time_ids = np.array([[size.height, size.width, 0, 0, size.height, size.width]] * batch, np.float32)
         return {"time_ids": time_ids}
 
-    def _denoise(self, model_in, t, cond: _Conditioning, extra, size, request, control) -> np.ndarray:
+    def _denoise(self, model_in, t, cond: _Conditioning, extra, size, request, control, instance: int = 0
+                 ) -> np.ndarray:
+        """One denoiser call (its ControlNet's first); `instance`: which runner over the engine (cfg parallel's
+        second call runs on the second, so the two run at once)."""
         # on the device path the sample stays a torch CUDA tensor and the runner gives one back
         sample = model_in.numpy().astype(np.float32) if not model_in.is_cuda else model_in.float().contiguous()
         batch = sample.shape[0]
@@ -573,20 +595,22 @@ class EnginePipeline:
             if self.family is Family.sdxl:
                 feeds["text_embeds"] = cond.pooled
                 feeds["time_ids"] = extra["time_ids"]
-        runner = self.runners.find(self.denoiser, size=size, batch=batch)
+        runner = self.runners.find(self.denoiser, size=size, batch=batch, instance=instance)
         needed = set(runner.inputs)
         if control is not None or "mid_block_residual" in needed:
-            feeds.update(self._residuals(feeds, runner, size, request, control))
+            feeds.update(self._residuals(feeds, runner, size, request, control, instance))
         # arrays keep their memory layout: img2img latents inherit the init image's channels-last strides, as in
         # diffusers, and the torch reference must see them so (engine runners copy to contiguous where needed)
         return runner.run(feeds)["noise_pred"]
 
-    def _residuals(self, unet_feeds, unet_runner, size, request, control) -> dict[str, np.ndarray]:
+    def _residuals(self, unet_feeds, unet_runner, size, request, control, instance: int = 0
+                   ) -> dict[str, np.ndarray]:
         names = [n for n in unet_runner.inputs if "residual" in n]
         if control is None:  # an engine with ControlNet inputs, used without one: zero residuals
             return {n: np.zeros(self._residual_shape(n, unet_runner, unet_feeds["sample"]), np.float32) for n in names}
         batch = unet_feeds["sample"].shape[0]
-        runner = self.runners.find("controlnet", size=size, batch=batch, controlnet=request.controlnet)
+        runner = self.runners.find("controlnet", size=size, batch=batch, controlnet=request.controlnet,
+                                   instance=instance)
         feeds = {k: v for k, v in unet_feeds.items() if k in runner.inputs}
         # an inpainting UNet's mask and masked-image channels are its own: the ControlNet sees the latents
         if feeds["sample"].shape[1] > self.latent_channels:

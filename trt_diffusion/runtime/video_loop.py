@@ -7,7 +7,9 @@ reference runners reproduce its videos bit for bit:
   num_videos_per_prompt rows, as diffusers does (a batch-N call need not round as batch 1 does).
 - noise: randn [rows, 16, (F - 1) / 4 + 1, H / 8, W / 8] from the request's generator, its only draw.
 - CFG (guidance_scale > 1): a conditional then an unconditional call per step over the request's rows (`split`);
-  `batched`, both halves in one call, only where the engines offer batch 2·rows alone, and then not bit-exact.
+  `batched`, both halves in one call, only where the engines offer batch 2·rows alone, and then not bit-exact;
+  `parallel` (declared in engines.yaml, never guessed): split's two calls at once on two instances of the expert,
+  so split's video bit for bit in less wall time where there are cores or devices for both (runtime/cfg_parallel.py).
 - Wan 2.2's two experts: boundary = boundary_ratio × num_train_timesteps; t >= boundary runs `transformer` with
   guidance_scale, below it `transformer_2` with guidance_scale_2 (default guidance_scale).
 - decode: latents / (1 / latents_std) + latents_mean in torch as diffusers writes it, the vae_decoder runner, then
@@ -21,6 +23,7 @@ request gets alone.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +32,7 @@ import torch
 from ..engines_file.engine_spec import Size
 from ..errors import RuntimeInputError
 from ..families import FAMILIES, WAN_TEXT_LENGTH, Family, family_info
+from .cfg_parallel import at_once
 from .schedulers import make_scheduler
 
 if TYPE_CHECKING:
@@ -69,8 +73,9 @@ class WanLoop:
     """The Wan denoising loop of an EnginePipeline: what it reads of the model folder, and its runners."""
 
     def __init__(self, runners, index: dict, denoiser_config: dict, scheduler_config: dict, vae_config: dict,
-                 tokenizer):
+                 tokenizer, *, parallel_cfg: bool = False):
         self.runners, self.tokenizer = runners, tokenizer
+        self.parallel_cfg = parallel_cfg  # engines.yaml declares cfg: parallel (EnginePipeline's `cfg`)
         self.scheduler_config = scheduler_config
         self.channels = int(denoiser_config["in_channels"])  # WanPipeline's num_channels_latents
         self.vae_scale_factor = int(vae_config.get("scale_factor_spatial", 8))
@@ -137,6 +142,9 @@ class WanLoop:
             if cfg_mode == "batched":
                 out = self._call(expert, size, np.concatenate([sample, sample]), t, both)
                 uncond, cond = np.split(out, 2)
+            elif cfg_mode == "parallel":  # split's two calls at once, each on its own instance: split's outputs
+                cond, uncond = at_once(partial(self._call, expert, size, sample, t, positive),
+                                       partial(self._call, expert, size, sample, t, negative, instance=1))
             else:  # WanPipeline's order: the conditional call, then the unconditional one
                 cond = self._call(expert, size, sample, t, positive)
                 uncond = self._call(expert, size, sample, t, negative) if cfg_mode == "split" else None
@@ -150,17 +158,18 @@ class WanLoop:
                 on_step(index, len(timesteps), [latents])
         return latents, cfg_mode
 
-    def _call(self, expert: str, size: Size, sample: np.ndarray, t, states: np.ndarray) -> np.ndarray:
-        runner = self.runners.find(expert, size=size, batch=sample.shape[0])
+    def _call(self, expert: str, size: Size, sample: np.ndarray, t, states: np.ndarray, instance: int = 0
+              ) -> np.ndarray:
+        runner = self.runners.find(expert, size=size, batch=sample.shape[0], instance=instance)
         # WanPipeline passes t.expand(rows): the integer UniPC timesteps are exact in float32
         feeds = {"hidden_states": sample, "timestep": np.full((sample.shape[0],), float(t), np.float32),
                  "encoder_hidden_states": states}
         return runner.run(feeds)["noise_pred"]
 
     def _cfg_mode(self, size: Size, rows: int) -> str:
-        """`split` wherever a runner takes the request's rows (diffusers' two calls, bit for bit); `batched` only
-        where the engines are batch 2·rows alone: one call over both halves rounds differently (~1e-7), so that
-        video is close to diffusers' but not equal."""
+        """`split` wherever a runner takes the request's rows (diffusers' two calls, bit for bit), `parallel` there
+        when declared (the same calls at once); `batched` only where the engines are batch 2·rows alone: one call
+        over both halves rounds differently (~1e-7), so that video is close to diffusers' but not equal."""
         for expert in self.experts:
             batches = self.runners.batches(expert, size)
             if None in batches or rows in batches:
@@ -169,7 +178,7 @@ class WanLoop:
                 return "batched"
             raise RuntimeInputError(f"no {expert} engine at {size} for batch {rows} with CFG (needs batch {rows} "
                                     f"or {2 * rows}); built: {sorted(b for b in batches if b)}")
-        return "split"
+        return "parallel" if self.parallel_cfg else "split"
 
     @property
     def experts(self) -> tuple[str, ...]:
