@@ -70,7 +70,10 @@ def load_baseline(folder: Path, *, model: str, engine_keys: list[str], quality, 
             with Image.open(folder / row["png"]) as image:
                 # baselines saved before workflows hold txt2img images only
                 key = (row.get("workflow", "txt2img"), row["prompt"], int(row["seed"]))
-                images[key] = np.asarray(image.convert("RGB"), dtype=np.uint8)
+                pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+                if row.get("frames"):  # a clip, saved as its frames one under another (lossless)
+                    pixels = pixels.reshape(int(row["frames"]), -1, *pixels.shape[1:])
+                images[key] = pixels
         baseline = Baseline(folder, raw["model"], raw["target"], list(raw["engine_keys"]), raw["size"],
                             int(raw["steps"]), float(raw["guidance_scale"]), images, raw.get("created_at", ""))
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -105,9 +108,14 @@ def save_baseline(baseline: Baseline) -> Path:
         rows = []
         for index, ((workflow, prompt, seed), pixels) in enumerate(baseline.images.items()):
             buffer = io.BytesIO()
-            Image.fromarray(np.asarray(pixels, dtype=np.uint8)).save(buffer, format="PNG")
+            pixels = np.asarray(pixels, dtype=np.uint8)
+            row = {"workflow": workflow, "prompt": prompt, "seed": seed, "png": _png_name(index)}
+            if pixels.ndim == 4:  # a clip [F, H, W, 3]: its frames one under another in one PNG
+                row["frames"] = pixels.shape[0]
+                pixels = pixels.reshape(-1, *pixels.shape[2:])
+            Image.fromarray(pixels).save(buffer, format="PNG")
             (staging / _png_name(index)).write_bytes(buffer.getvalue())
-            rows.append({"workflow": workflow, "prompt": prompt, "seed": seed, "png": _png_name(index)})
+            rows.append(row)
         document = {"schema_version": BASELINE_SCHEMA_VERSION, "created_at": datetime.now(UTC).isoformat(),
                     "model": baseline.model, "target": baseline.target, "engine_keys": sorted(baseline.engine_keys),
                     "size": baseline.size, "steps": baseline.steps, "guidance_scale": baseline.guidance_scale,

@@ -123,7 +123,8 @@ def time_first_requests(deployment, steps: int, timeout_s: float = 600.0) -> dic
     deployment.health()  # opens the connection: its setup is the client's cost, not the first request's
     seconds = {}
     for bucket in deployment.buckets:
-        request = ImageRequest("first request", bucket.request.height, bucket.request.width, steps=steps, seed=0)
+        request = ImageRequest("first request", bucket.request.height, bucket.request.width, steps=steps, seed=0,
+                               frames=bucket.request.frames or None)
         start = time.perf_counter()
         deployment.generate(request, timeout_s)
         seconds[bucket.label] = time.perf_counter() - start

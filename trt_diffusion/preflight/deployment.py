@@ -188,7 +188,8 @@ class InProcessDeployment(Deployment):
                 control_image=request.control_image,
                 controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale,
                 workflow=request.workflow, init_image=request.init_image, mask=request.mask,
-                strength=request.strength)).images[0]
+                strength=request.strength, frames=request.frames or 0,
+                guidance_scale_2=request.guidance_scale_2)).images[0]
         except _Cancelled:
             raise RequestCancelled(f"in process: deadline of {timeout_s:g} s passed") from None
         finally:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..parity.report.files import _write_atomically
+from ..parity.report.files import _write_atomically, frame_strip
 from .model import CheckResult, PreflightReport
 
 REPORT_JSON = "preflight.json"
@@ -62,7 +62,8 @@ def write_report(report: PreflightReport, out_dir: str | Path, images=None) -> R
     out = Path(out_dir)
     for name, pixels in (images or {}).items():
         buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format="PNG")
+        # a video model's clip [F, H, W, 3] is shown as its frame strip, as the parity report shows it
+        Image.fromarray(frame_strip(pixels) if pixels.ndim == 4 else pixels).save(buffer, format="PNG")
         _write_atomically(out / relative_png_name(name), buffer.getvalue())
     schema = _write_atomically(out / REPORT_SCHEMA, json.dumps(PreflightReport.model_json_schema(), indent=2).encode())
     html = _write_atomically(out / REPORT_HTML, render_html(report).encode())

@@ -50,7 +50,8 @@ class CheckContext:
         """An ImageRequest at `size` (the first bucket's); an image workflow's gets the seeded init image (and
         mask) of its seed and the checks' strength."""
         size = size or self.deployment.buckets[0].request
-        fields = dict(prompt=PROMPT, height=size.height, width=size.width, steps=4, guidance_scale=7.5, seed=0)
+        fields = dict(prompt=PROMPT, height=size.height, width=size.width, steps=4, guidance_scale=7.5, seed=0,
+                      frames=size.frames or None)  # a video bucket's clip length
         fields.update(values)
         fields.update(workflow_fields(workflow, size.height, size.width, fields["seed"]))
         return ImageRequest(**fields)

@@ -134,7 +134,7 @@ def _lora_in_process(ctx: CheckContext, outcome: Outcome, settings, lora_name: s
                 continue
             size = bucket.opt
             request = GenerationRequest(prompt="a portrait of a cat", height=size.height, width=size.width,
-                                        steps=settings.steps, seed=21,
+                                        steps=settings.steps, seed=21, frames=size.frames,
                                         **workflow_fields(workflow, size.height, size.width, 21))
             base = base_pipe.generate(request).images[0]
             image = lora_pipe.generate(request).images[0]

@@ -14,7 +14,7 @@ def run(ctx: CheckContext) -> Outcome:
     for workflow in ctx.workflows:  # each declared workflow: img2img's encoder sample draws from the seed too
         for bucket in ctx.deployment.buckets:
             request = ctx.request(bucket.request, workflow, steps=settings.steps, seed=settings.seed,
-                                  scheduler="euler_a", negative_prompt="blurry")
+                                  scheduler=_stochastic_scheduler(ctx), negative_prompt="blurry")
             first, second = ctx.generate(request), ctx.generate(request)
             diff = max_abs_diff(first, second)
             worst = max(worst, diff)
@@ -37,6 +37,14 @@ def run(ctx: CheckContext) -> Outcome:
                        f"bucket(s){workflows}; batch of 2: " + ("n/a" if batch.get("batch_independent") is None else
                                                      "identical" if batch["batch_independent"] else "differs"))
     return outcome
+
+
+def _stochastic_scheduler(ctx: CheckContext) -> str:
+    """euler_a where the family has it: its noise at every step is drawn from the request's seed too, which is
+    what must repeat. Flow-matching families (SD3, FLUX, Wan) have no ancestral sampler: their own."""
+    from ...runtime.schedulers import scheduler_names
+
+    return "euler_a" if "euler_a" in scheduler_names(ctx.resolved_model.family.value) else "default"
 
 
 def _batch_of_two(ctx: CheckContext, settings) -> dict:
@@ -64,7 +72,7 @@ def _batch_of_two(ctx: CheckContext, settings) -> dict:
     worst = 0
     for workflow in model.workflows:
         request = GenerationRequest(prompt="a red bicycle", height=size.height, width=size.width,
-                                    steps=settings.steps, seed=settings.seed,
+                                    steps=settings.steps, seed=settings.seed, frames=size.frames,
                                     **workflow_fields(workflow, size.height, size.width, settings.seed))
         alone = pipeline.generate(request).images[0]
         pair = pipeline.generate(replace(request, batch=2)).images[0]
