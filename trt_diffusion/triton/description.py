@@ -1,7 +1,7 @@
 """pipeline.json: what a pipeline python model needs to rebuild, inside Triton, the RunnerTable the
 in-process pipeline uses: every engine's Triton model name, routing keys (component, bucket, batch,
 ControlNet) and I/O, all taken from the BuiltEngine list the repository was generated from; and the
-workflows engines.yaml declares for the model (what the entry serves: EnginePipeline's `workflows`)."""
+workflows and CFG modes engines.yaml declares for the model (EnginePipeline's `workflows` and `cfg`)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ class PipelineDescription:
     # engines.yaml's `workflows:` (txt2img, img2img, inpaint, edit); a repository packaged before they existed
     # has none recorded and serves txt2img, as it did
     workflows: tuple[str, ...] = field(default=DEFAULT_WORKFLOWS)
+    # engines.yaml's `cfg:` (batched, split, parallel, none): `parallel` makes the entry issue a step's two CFG calls
+    # at once, to the two instances its denoiser models were given. A repository packaged before it has none
+    # recorded and picks its mode from the engine batches, as it did
+    cfg: tuple[str, ...] = field(default=())
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -70,4 +74,4 @@ class PipelineDescription:
         engines = tuple(EngineEntry(e["model"], e["component"], e["bucket"], e["batch"], e["controlnet"],
                                     tensors(e["inputs"]), tensors(e["outputs"])) for e in raw["engines"])
         return cls(raw["pipeline"], raw["family"], engines, raw["schema_version"], tuple(raw.get("controlnets", ())),
-                   tuple(raw.get("workflows") or DEFAULT_WORKFLOWS))
+                   tuple(raw.get("workflows") or DEFAULT_WORKFLOWS), tuple(raw.get("cfg") or ()))

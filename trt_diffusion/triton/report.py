@@ -42,6 +42,7 @@ class PackageReport:
     schema_version: int = SCHEMA_VERSION
     notes: list[str] = field(default_factory=list)
     workflows: list[str] = field(default_factory=lambda: ["txt2img"])  # what the entry serves (engines.yaml)
+    cfg: list[str] = field(default_factory=list)  # engines.yaml's CFG modes (parallel: two denoiser instances)
 
     def engine_models(self) -> list[PackagedModel]:
         return [m for m in self.models if m.role == "engine"]

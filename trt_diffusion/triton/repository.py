@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import ServeError
 from ..families import FAMILIES, Component, Family
+from ..runtime.cfg_parallel import cfg_instances, cfg_modes
 from ..targets import get_target
 from ..tensors import TensorSpec
 from ..workflows import FAMILY_WORKFLOWS, Workflow, families_that_run
@@ -122,9 +123,11 @@ class _ModelPlan:
 
 def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, pipeline_name: str,
             out_dir: str | Path, options: PackageOptions | None = None,
-            workflows: Sequence[Workflow | str] | None = None) -> PackageReport:
+            workflows: Sequence[Workflow | str] | None = None, cfg: Sequence[str] | None = None) -> PackageReport:
     """Write the Triton repository serving `built` (BuiltEngine list of one model) to `out_dir`. `workflows`:
-    what engines.yaml declares for the model (None: txt2img only); the entry serves those and refuses others."""
+    what engines.yaml declares for the model (None: txt2img only); the entry serves those and refuses others.
+    `cfg`: its CFG modes (None: none recorded, the entry picks from the engine batches); with `parallel` the
+    denoiser engine models get two instances and the entry calls them at once (`_instance_group`)."""
     start = time.perf_counter()
     options = options or PackageOptions()
     options.check()
@@ -135,10 +138,11 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
     target = _single_target(built)
     _check_components(built, family)
     served_workflows = _check_workflows(built, family, workflows)
+    served_cfg = tuple(mode.value for mode in cfg_modes(cfg))
 
-    engines = [_engine_plan(pipeline, engine, options) for engine in built]
+    engines = [_engine_plan(pipeline, engine, options, served_cfg) for engine in built]
     _check_unique([plan.config.name for plan in engines])
-    description = _description(pipeline, family, built, engines, served_workflows)
+    description = _description(pipeline, family, built, engines, served_workflows, served_cfg)
     has_controlnets = bool(description.controlnets)
     sizes, request_sizes = _sizes(built, family, "label"), _sizes(built, family, "opt")
     models = engines + _pipeline_plans(pipeline, family, has_controlnets, description, sizes, request_sizes,
@@ -149,7 +153,7 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
         ensemble=naming.ensemble_name(pipeline) if _writes_ensemble(family, options) else None, family=family.value,
         target=target,
         sizes=sizes, request_sizes=request_sizes, controlnets=list(description.controlnets),
-        workflows=list(description.workflows),
+        workflows=list(description.workflows), cfg=list(description.cfg),
         models=[plan.record for plan in models], options=asdict(options), seconds=0.0,
         notes=list(dict.fromkeys(note for plan in engines for note in plan.notes)))
     _check_out_dir(out_dir)
@@ -249,16 +253,31 @@ def _warmup_samples(name: str, manifest: Any, spec: Any) -> list[WarmupSample]:
     return list(samples.values())
 
 
-def _engine_plan(pipeline: str, engine: Any, options: PackageOptions) -> _ModelPlan:
+def _instance_group(spec: Any, kind: str, options: PackageOptions, cfg: Sequence[str]) -> tuple[int, tuple[int, ...]]:
+    """(instances per device, GPUs) of an engine model: `engine_instances`, on each of the GPUs given (KIND_GPU;
+    none given: every GPU Triton sees). The engines CFG calls twice a step of a `cfg: parallel` model take those
+    two calls at once, so they get two instances: on CPU two (each a stub process of its own); on GPUs one per device,
+    each half on its own GPU, where two or more GPUs are given, or none (a two-GPU host then has one on each; a
+    one-GPU host one, the halves taking turns: `--gpu 0` puts two on it) — and two on the one GPU given."""
+    gpus = tuple(options.gpus) if kind == "KIND_GPU" else ()
+    count = options.engine_instances
+    wanted = cfg_instances(spec.component, cfg)
+    if kind != "KIND_GPU" or len(gpus) == 1:
+        count = max(count, wanted)
+    return count, gpus
+
+
+def _engine_plan(pipeline: str, engine: Any, options: PackageOptions, cfg: Sequence[str] = ()) -> _ModelPlan:
     spec, manifest = engine.spec, engine.manifest
     name = naming.engine_model_name(pipeline, spec)
     served = get_target(spec.target).triton_model(engine, engine_backend=options.engine_backend)
     warmup = _warmup_samples(name, manifest, spec)
+    instances, gpus = _instance_group(spec, served.instance_kind, options, cfg)
     config = configs.engine_config(
         name, inputs=_tensor_decls(manifest.inputs, name), outputs=_tensor_decls(manifest.outputs, name),
-        backend=served.backend, model_file=served.model_file, instances=options.engine_instances,
+        backend=served.backend, model_file=served.model_file, instances=instances,
         kind=served.instance_kind, warmup=warmup, random_warmup=options.warmup_data == "random",
-        profiles=served.profiles, gpus=options.gpus if served.instance_kind == "KIND_GPU" else (),
+        profiles=served.profiles, gpus=gpus,
         parameters={**served.parameters, "engine": spec.name, "engine_key": spec.key,
                     "component": spec.component, "target": spec.target})
     record = PackagedModel(
@@ -279,7 +298,7 @@ def _check_unique(names: list[str]) -> None:
 
 
 def _description(pipeline: str, family: Family, built: Sequence[Any], engines: list[_ModelPlan],
-                 workflows: tuple[str, ...] = DEFAULT_WORKFLOWS) -> PipelineDescription:
+                 workflows: tuple[str, ...] = DEFAULT_WORKFLOWS, cfg: tuple[str, ...] = ()) -> PipelineDescription:
     def entries(infos) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec(t.dtype, tuple(t.shape), t.name) for t in infos)
 
@@ -289,7 +308,7 @@ def _description(pipeline: str, family: Family, built: Sequence[Any], engines: l
                              m.batch, e.spec.controlnet, entries(e.manifest.inputs), entries(e.manifest.outputs))
                  for plan, e in zip(engines, built) for m in e.spec.members)
     controlnets = tuple(sorted({e.spec.controlnet for e in built if e.spec.controlnet}))
-    return PipelineDescription(pipeline, family.value, rows, controlnets=controlnets, workflows=workflows)
+    return PipelineDescription(pipeline, family.value, rows, controlnets=controlnets, workflows=workflows, cfg=cfg)
 
 
 def _sizes(built: Sequence[Any], family: Family, which: str) -> list[str]:
@@ -323,7 +342,7 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
             instances=options.pipeline_instances if long_running else 1, queue=queue if long_running else None,
             parameters={"pipeline": pipeline, "family": family.value, "sizes": ";".join(sizes),
                         "request_sizes": ";".join(request_sizes), "max_images": str(options.max_images),
-                        "workflows": ";".join(description.workflows)},
+                        "workflows": ";".join(description.workflows), "cfg": ";".join(description.cfg)},
             batch_requests=batch_requests if batching else 1,
             batch_delay_us=int(options.batch_delay_ms * 1000) if batching and gathers else 0)
         role = {"full": "entry", "stream": "stream"}.get(stage, "stage")

@@ -1,6 +1,12 @@
 """BLS runners: the Runner protocol over Triton models, so `EnginePipeline` runs unchanged inside Triton
 and calls each engine's model every step; the same pipeline code in process and in the server gives the
-same images."""
+same images.
+
+`cfg: parallel` calls one BlsRunner from two threads at once (runtime/cfg_parallel.py): each `exec` is its own
+request, which Triton hands to an idle instance of the engine's model, and the denoiser models of a parallel
+repository have two (repository.py), so the two CFG halves run side by side in two stub processes (or on two GPUs).
+That is what the python backend's `async_exec` does too (Triton 2.51: `exec` on an asyncio executor thread), without
+needing an async `execute`. A BlsRunner keeps nothing per call, so concurrent calls share it safely."""
 
 from __future__ import annotations
 

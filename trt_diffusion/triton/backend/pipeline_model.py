@@ -33,10 +33,11 @@ class TritonPythonModel:
         folder = Path(args["model_repository"]) / args["model_version"]
         self.description = PipelineDescription.read(folder)
         self.context = RequestContext()
-        # the workflows engines.yaml declares (recorded at package): a request for another is refused by name
+        # the workflows engines.yaml declares (recorded at package): a request for another is refused by name;
+        # its CFG modes: `parallel` issues a step's two denoiser calls at once (bls.py: to two engine instances)
         self.pipeline = EnginePipeline(folder / SKELETON_DIR, self.description.family,
                                        bls_runner_table(self.description, self.context),
-                                       workflows=self.description.workflows)
+                                       workflows=self.description.workflows, cfg=self.description.cfg)
         # Imports, tokenizers and scheduler code warmed before the server reports ready (no engine calls:
         # BLS is not available during initialize; the engine models warm themselves with model_warmup).
         seconds = warm_up_in_process(self.pipeline, self.description)
