@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..families import Family
+from ..families import Family, family_of_pipeline_class
 from .quiet import quiet_libraries
 
 FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl, Family.wan)
@@ -278,18 +278,28 @@ def _perturb_module(module: torch.nn.Module, seed: int) -> None:
             param.add_(torch.randn(param.shape, generator=generator) * 0.02)
 
 
-def build_tiny_lora(pipe, seed: int = 0, rank: int = 4):
-    """A LoRA on the denoiser's attention projections, initialised randomly so it changes outputs.
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+# Wan trainers (musubi-tuner, diffusion-pipe, ai-toolkit) train every linear layer of the attention blocks: self-
+# (attn1) and cross-attention (attn2) projections and the feed-forward (ffn); diffusers' converter for musubi-tuner
+# files converts only LoRAs that cover all of them
+WAN_LORA_TARGETS = [*LORA_TARGETS, "ffn.net.0.proj", "ffn.net.2"]
 
-    Returns the PEFT state dict in diffusers naming (what `save_lora_weights` writes).
+
+def build_tiny_lora(pipe, seed: int = 0, rank: int = 4):
+    """A LoRA on the denoiser's attention projections (Wan: every linear layer of its attention blocks, as its
+    trainers make them), initialised randomly so it changes outputs.
+
+    Returns the PEFT state dict in diffusers naming (what `save_lora_weights` writes). A two-expert Wan model's
+    LoRA is the `transformer`'s (the high-noise expert: where diffusers' `load_lora_weights` loads it).
     """
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
     denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
     torch.manual_seed(seed + 200)
-    config = LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
-                        target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+    wan = family_of_pipeline_class(type(pipe).__name__) is Family.wan
+    targets = WAN_LORA_TARGETS if wan else LORA_TARGETS
+    config = LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=targets)
     denoiser.add_adapter(config, adapter_name="tiny")
     state = get_peft_model_state_dict(denoiser, adapter_name="tiny")
     denoiser.delete_adapters("tiny")
