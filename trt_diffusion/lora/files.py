@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
+from .wan_naming import WAN_ORIGINAL, wan_form
 
 DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
@@ -22,7 +23,8 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_
 
 class LoraNaming(str, Enum):
     diffusers = "diffusers"  # diffusers/PEFT (`unet.x.to_q.lora_A.weight`), incl. the older attn-processor forms
-    kohya = "kohya"  # kohya-ss / A1111 (`lora_unet_x_to_q.lora_down.weight` + `.alpha`)
+    kohya = "kohya"  # kohya-ss / A1111 (`lora_unet_x_to_q.lora_down.weight` + `.alpha`), musubi-tuner's Wan LoRAs
+    wan = "wan"  # the original Wan module names (`diffusion_model.blocks.0.self_attn.q.lora_A.weight`): wan_naming.py
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class LoraFile:
     naming: LoraNaming
     adapter_metadata: dict = field(default_factory=dict)
     """`lora_adapter_metadata` as written by diffusers: `unet.r`, `unet.lora_alpha`, `unet.alpha_pattern`, ..."""
+    into_transformer_2: bool = False
+    """Wan 2.2's two experts: the file's transformer part goes into `transformer_2` (the low-noise expert), as
+    diffusers' `load_lora_weights(..., load_into_transformer_2=True)`; by default it goes into `transformer`."""
 
 
 def resolve_lora_path(path: str | Path) -> Path:
@@ -56,10 +61,14 @@ def resolve_lora_path(path: str | Path) -> Path:
 def detect_naming(keys: list[str]) -> LoraNaming:
     if keys and all(key.startswith(KOHYA_PREFIXES) for key in keys):
         return LoraNaming.kohya
+    if wan_form(keys) is WAN_ORIGINAL:
+        return LoraNaming.wan
     return LoraNaming.diffusers
 
 
-def read_lora_file(path: str | Path) -> LoraFile:
+def read_lora_file(path: str | Path, *, into_transformer_2: bool = False) -> LoraFile:
+    """The file's tensors and adapter metadata. `into_transformer_2`: its transformer part is for Wan 2.2's
+    low-noise expert (diffusers' `load_into_transformer_2=True`)."""
     from safetensors import SafetensorError, safe_open
 
     file = resolve_lora_path(path)
@@ -84,7 +93,8 @@ def read_lora_file(path: str | Path) -> LoraFile:
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             raise ModelError(f"LoRA file {file}: its {ADAPTER_METADATA_KEY} metadata is not JSON ({reason})") from None
         _check_metadata(file, adapter_metadata)
-    return LoraFile(path=file, tensors=tensors, naming=detect_naming(list(tensors)), adapter_metadata=adapter_metadata)
+    return LoraFile(path=file, tensors=tensors, naming=detect_naming(list(tensors)), adapter_metadata=adapter_metadata,
+                    into_transformer_2=bool(into_transformer_2))
 
 
 _MAX_METADATA = 1 << 20

@@ -1,9 +1,14 @@
 """From LoRA file keys to (component, module) layers with their alpha.
 
 Key renaming is done by diffusers' own converters (kohya -> diffusers, old attn-processor forms ->
-PEFT), so this module only groups keys, tracks where each layer came from (for error messages) and
-works out each layer's alpha. Alphas are kept per module: kohya files carry one per module, diffusers
-files carry `lora_adapter_metadata` (lora_alpha, alpha_pattern, use_rslora) or nothing (alpha = rank).
+PEFT, Wan's original and musubi-tuner names -> diffusers: wan_naming.py), so this module only groups keys,
+tracks where each layer came from (for error messages) and works out each layer's alpha. Alphas are kept
+per module: kohya files carry one per module, diffusers files carry `lora_adapter_metadata` (lora_alpha,
+alpha_pattern, use_rslora) or nothing (alpha = rank); diffusers' Wan converters bake them into the weights.
+
+Wan 2.2's two experts: a file's `transformer.` (and unprefixed) keys are the `transformer`'s (the high-noise
+expert), `transformer_2.` keys the low-noise expert's; `LoraFile.into_transformer_2` sends the transformer part
+to `transformer_2` instead (diffusers' `load_into_transformer_2=True`).
 """
 
 from __future__ import annotations
@@ -17,10 +22,15 @@ from typing import Any
 import torch
 
 from .files import LoraFile, LoraNaming
+from .wan_naming import WAN_COMPONENT, convert_wan_lora, wan_form
 
 # Component prefixes of diffusers-named files; keys with none of them belong to the model they are applied to.
-COMPONENTS = ("unet", "transformer", "controlnet", "text_encoder", "text_encoder_2", "text_encoder_3")
+COMPONENTS = ("unet", "transformer", "transformer_2", "controlnet", "text_encoder", "text_encoder_2",
+              "text_encoder_3")
 UNPREFIXED = ""
+TRANSFORMER_2 = "transformer_2"
+# what `into_transformer_2` moves: the part diffusers' Wan loader loads into `transformer`
+_TRANSFORMER_PARTS = ("transformer", UNPREFIXED)
 KOHYA_COMPONENTS = {
     "lora_unet_": "unet",
     "lora_transformer_": "transformer",
@@ -155,35 +165,40 @@ def _pairs_to_layers(
         )
 
 
-def _diffusers_named_layers(lora: LoraFile) -> dict[str, ComponentLayers]:
+def _diffusers_named_layers(lora: LoraFile, tensors: dict[str, torch.Tensor] | None = None,
+                            origins: dict[str, tuple[str, ...]] | None = None) -> dict[str, ComponentLayers]:
+    """Layers of diffusers-named `tensors` (default: the file's); `origins` names the file keys each came from
+    when the tensors are a conversion's (messages name the file's own keys)."""
     by_component: dict[str, dict[str, _Pair]] = {}
     results: dict[str, ComponentLayers] = {}
-    for key, tensor in lora.tensors.items():
+    origins = origins or {}
+    for key, tensor in (lora.tensors if tensors is None else tensors).items():
+        file_keys = origins.get(key, (key,))
         component, rest = _split_component(key)
         result = results.setdefault(component, ComponentLayers())
         pairs = by_component.setdefault(component, {})
         kind = _unsupported_kind(key)
         if kind is not None:
-            result.problems.append(((key,), f"{kind} weights are not supported"))
+            result.problems.append((file_keys, f"{kind} weights are not supported"))
             continue
         if rest.endswith(".alpha"):
             pair = pairs.setdefault(_alpha_module(rest[: -len(".alpha")], component), _Pair())
             pair.alpha = float(tensor.item())
-            pair.keys.append(key)
+            pair.keys.extend(file_keys)
             continue
         match = _PEFT_KEY.match(_to_peft_key(rest, component))
         if match is None:
-            result.problems.append(((key,), "not a LoRA weight name this tool knows"))
+            result.problems.append((file_keys, "not a LoRA weight name this tool knows"))
             continue
         pair = pairs.setdefault(match["module"], _Pair())
-        pair.keys.append(key)
+        pair.keys.extend(k for k in file_keys if k not in pair.keys)
         slot = {("A", "weight"): "down", ("B", "weight"): "up", ("B", "bias"): "up_bias"}.get(
             (match["role"], match["kind"]))
         if slot is None:
-            result.problems.append(((key,), "a lora_A bias is not a LoRA form this tool knows"))
+            result.problems.append((file_keys, "a lora_A bias is not a LoRA form this tool knows"))
         elif getattr(pair, slot) is not None:
             reason = f"a second {slot} weight for {match['module']} (several adapters in one file?)"
-            result.problems.append(((key,), reason))
+            result.problems.append((file_keys, reason))
         else:
             setattr(pair, slot, tensor)
     for component, pairs in by_component.items():
@@ -252,21 +267,62 @@ def _kohya_named_layers(lora: LoraFile, unet_config: Any) -> dict[str, Component
     return results
 
 
+def _wan_named_layers(lora: LoraFile) -> dict[str, ComponentLayers]:
+    """A Wan file in original or musubi-tuner (kohya) naming, through diffusers' own converter: the keys it drops
+    or refuses are problems, named (never dropped)."""
+    form = wan_form(list(lora.tensors))
+    unsupported = {key: kind for key in lora.tensors if (kind := _unsupported_kind(key)) is not None}
+    conversion = convert_wan_lora({k: v for k, v in lora.tensors.items() if k not in unsupported}, form)
+    results = _diffusers_named_layers(lora, conversion.tensors, conversion.origins)
+    problems = results.setdefault(WAN_COMPONENT, ComponentLayers()).problems
+    problems.extend(((key,), f"{kind} weights are not supported") for key, kind in unsupported.items())
+    problems.extend(conversion.problems)
+    return results
+
+
+def _into_transformer_2(lora: LoraFile, parts: dict) -> dict:
+    """`into_transformer_2`: the transformer part (prefixed `transformer.` or not) becomes transformer_2's."""
+    if not lora.into_transformer_2:
+        return parts
+    moved = {c: p for c, p in parts.items() if c in _TRANSFORMER_PARTS}
+    parts = {c: p for c, p in parts.items() if c not in _TRANSFORMER_PARTS}
+    if isinstance(next(iter(moved.values()), None), ComponentLayers):
+        merged = parts.setdefault(TRANSFORMER_2, ComponentLayers())
+        if merged.layers or merged.problems:
+            keys = (tuple(k for layer in merged.layers.values() for k in layer.keys)
+                    or tuple(k for held, _ in merged.problems for k in held))[:3]
+            merged.problems.append((keys, "the file has a transformer_2 part of its own; loading its transformer part "
+                                          "into transformer_2 too (into_transformer_2) would mix the two"))
+        for part in moved.values():
+            merged.layers.update(part.layers)
+            merged.problems.extend(part.problems)
+    elif moved:
+        parts[TRANSFORMER_2] = parts.get(TRANSFORMER_2, 0) + sum(moved.values())
+    return parts
+
+
 def lora_layers(lora: LoraFile, unet_config: Any = None) -> dict[str, ComponentLayers]:
     """Every component's layers ("" holds keys with no component prefix). `unet_config` lets kohya
     SDXL (sgm) block names be mapped to diffusers names."""
-    if lora.naming is LoraNaming.kohya:
-        return _kohya_named_layers(lora, unet_config)
-    return _diffusers_named_layers(lora)
+    if wan_form(list(lora.tensors)) is not None:
+        parts = _wan_named_layers(lora)
+    elif lora.naming is LoraNaming.kohya:
+        parts = _kohya_named_layers(lora, unet_config)
+    else:
+        parts = _diffusers_named_layers(lora)
+    return _into_transformer_2(lora, parts)
 
 
 def component_key_counts(lora: LoraFile) -> Counter:
     """How many of the file's keys belong to each component: what a report of unapplied parts needs."""
     counts: Counter = Counter()
+    wan = wan_form(list(lora.tensors)) is not None
     for key in lora.tensors:
-        if lora.naming is LoraNaming.kohya:
+        if wan:  # diffusers' Wan converters give every key to the transformer
+            counts[WAN_COMPONENT] += 1
+        elif lora.naming is LoraNaming.kohya:
             found = _kohya_component(key.partition(".")[0])
             counts[found[1] if found else UNPREFIXED] += 1
         else:
             counts[_split_component(key)[0]] += 1
-    return counts
+    return Counter(_into_transformer_2(lora, dict(counts)))
