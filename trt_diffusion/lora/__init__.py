@@ -1,4 +1,4 @@
-"""LoRA for built engines: read LoRA files (diffusers/PEFT and kohya naming), compute the fused weights,
+"""LoRA for built engines: read LoRA files (diffusers/PEFT, kohya and Wan's original naming), compute the fused weights,
 map them onto ONNX initializers (refit maps) and refit the onnxruntime target; the TensorRT target
 consumes `refit_weights_for_tensorrt`.
 """

@@ -4,7 +4,7 @@ Two forms reach Wan users besides diffusers/PEFT naming (`transformer.blocks.0.a
 
 | form | example key | diffusers' converter |
 |---|---|---|
-| original Wan module names (Wan's own and most community trainers, ComfyUI, lightx2v) | `diffusion_model.blocks.0.self_attn.q.lora_A.weight` (or `lora_down`/`lora_up` + `.alpha`, `.diff_b`) | `_convert_non_diffusers_wan_lora_to_diffusers` |
+| the original Wan repository's module names (as ComfyUI and many community LoRAs store them) | `diffusion_model.blocks.0.self_attn.q.lora_A.weight` (or `lora_down`/`lora_up` + `.alpha`, `.diff_b`) | `_convert_non_diffusers_wan_lora_to_diffusers` |
 | kohya naming (kohya-ss's musubi-tuner) | `lora_unet_blocks_0_self_attn_q.lora_down.weight` + `.alpha` | `_convert_musubi_wan_lora_to_diffusers` |
 
 `WanLoraLoaderMixin.lora_state_dict` picks the converter by the same prefixes. The converters bake each module's

@@ -279,9 +279,9 @@ def _perturb_module(module: torch.nn.Module, seed: int) -> None:
 
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-# Wan trainers (musubi-tuner, diffusion-pipe, ai-toolkit) train every linear layer of the attention blocks: self-
-# (attn1) and cross-attention (attn2) projections and the feed-forward (ffn); diffusers' converter for musubi-tuner
-# files converts only LoRAs that cover all of them
+# Wan LoRAs are trained on every linear layer of the attention blocks (musubi-tuner's default: self- (attn1) and
+# cross-attention (attn2) projections and the feed-forward (ffn)); diffusers' converter for musubi-tuner files
+# converts only LoRAs that cover all of them
 WAN_LORA_TARGETS = [*LORA_TARGETS, "ffn.net.0.proj", "ffn.net.2"]
 
 
