@@ -180,3 +180,18 @@ def test_at_once_runs_both_and_leaves_nothing_running_behind_an_error():
     assert finished.is_set()  # the second half had finished before the error reached the caller
     with pytest.raises(KeyError):
         at_once(lambda: "fine", lambda: {}["missing"])
+
+
+def test_a_forked_child_makes_workers_of_its_own():
+    """A child forked after parallel steps ran (a build job, a test worker) runs its own: the parent's idle workers
+    are not in it."""
+    import os
+    import signal
+
+    assert at_once(lambda: 1, lambda: 2) == (1, 2)  # the parent's pool has a worker now
+    pid = os.fork()
+    if pid == 0:  # the child: killed by the alarm if the second half never runs
+        signal.alarm(20)
+        os._exit(0 if at_once(lambda: 3, lambda: 4) == (3, 4) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

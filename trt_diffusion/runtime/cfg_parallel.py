@@ -16,6 +16,8 @@ wait, TensorRT), and a thread reads the request's arrays without copying them.
 from __future__ import annotations
 
 import contextvars
+import os
+import threading
 from collections.abc import Callable
 from concurrent import futures
 from typing import TypeVar
@@ -28,7 +30,8 @@ PARALLEL_INSTANCES = 2  # conditional and unconditional: one instance each
 # Workers for the second half of every parallel step in this process. One per caller running a step at once
 # (a Triton python instance runs one execute at a time: one); more callers than workers only wait for a worker.
 MAX_WORKERS = 8
-_POOL = futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="cfg-parallel")
+_pool_lock = threading.Lock()
+_workers: futures.ThreadPoolExecutor | None = None  # made on first use, in each process
 
 T = TypeVar("T")
 
@@ -54,10 +57,29 @@ def at_once(first: Callable[[], T], second: Callable[[], T]) -> tuple[T, T]:
     """(first(), second()), run at the same time: `first` in this thread, `second` on a worker thread (in a copy of
     this thread's context: a routed TensorRT profile reaches it). Both have finished when this returns or raises —
     no engine call is left running behind the caller; `first`'s error wins when both fail."""
-    pending = _POOL.submit(contextvars.copy_context().run, second)
+    pending = _pool().submit(contextvars.copy_context().run, second)
     try:
         result = first()
     except BaseException:
         futures.wait([pending])
         raise
     return result, pending.result()
+
+
+
+def _pool() -> futures.ThreadPoolExecutor:
+    global _workers
+    with _pool_lock:
+        if _workers is None:
+            _workers = futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="cfg-parallel")
+        return _workers
+
+
+def _forget_pool_in_child() -> None:
+    # A forked child inherits the pool without its threads: it would count the parent's idle workers as its own
+    # and queue work no thread ever takes. The child makes its own (and a fresh lock: one held at the fork stays so).
+    global _workers, _pool_lock
+    _workers, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
