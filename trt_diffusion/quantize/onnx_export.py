@@ -2,6 +2,8 @@
 
 The legacy TorchScript exporter is the one ModelOpt's quantizer symbolics target (dynamo fails on the
 quantizers' data-dependent branches, see FACTS.md), so this is the one place that uses `dynamo=False`.
+What the legacy exporter cannot lower as the fp32 export does is handled here: `aten::rms_norm` gets an ONNX
+decomposition (FLUX, Wan), and `trace_patches` rewrites Wan's rotary embedding so the graph stays dynamic.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..precision import Precision
 from .feeds import DenoiserInterface
 from .fp8_rewrite import MIN_OPSET as FP8_MIN_OPSET
 from .fp8_rewrite import rewrite_fp8_qdq
+from .trace_patches import trace_patches
 
 LEGACY_MAX_OPSET = 21
 LEGACY_MIN_OPSET = 17
@@ -34,15 +37,23 @@ WRAPPER_PREFIX = ExportWrapper.PARAMETER_PREFIX  # "model.": stripped, as the fp
 
 
 def _rms_norm_symbolic(g, input, normalized_shape, weight, eps):
-    """aten::rms_norm as ONNX ops (<= opset 21 has no RMSNormalization); FLUX's norms need it."""
+    """aten::rms_norm as ONNX ops (<= opset 21 has no RMSNormalization); FLUX's and Wan's norms need it.
+
+    (So Wan needs no `torch.nn.RMSNorm.forward` patch.) ReduceMean takes its axes as an input from opset 18,
+    as an attribute before."""
     from torch.onnx import symbolic_helper
 
     dims = symbolic_helper._get_const(normalized_shape, "is", "normalized_shape")
     eps_value = symbolic_helper._maybe_get_const(eps, "f")
     if eps_value is None or symbolic_helper._is_value(eps_value):
         eps_value = torch.finfo(torch.float32).eps  # torch's default for float32 inputs
-    axes = g.op("Constant", value_t=torch.tensor(list(range(-len(dims), 0)), dtype=torch.int64))
-    mean_square = g.op("ReduceMean", g.op("Mul", input, input), axes, keepdims_i=1)
+    axes = list(range(-len(dims), 0))
+    square = g.op("Mul", input, input)
+    if g.opset >= 18:
+        mean_square = g.op("ReduceMean", square, g.op("Constant", value_t=torch.tensor(axes, dtype=torch.int64)),
+                           keepdims_i=1)
+    else:
+        mean_square = g.op("ReduceMean", square, axes_i=axes, keepdims_i=1)
     denominator = g.op("Sqrt", g.op("Add", mean_square, g.op("Constant", value_t=torch.tensor(float(eps_value)))))
     output = g.op("Div", input, denominator)
     if not symbolic_helper._is_none(weight):
@@ -105,7 +116,8 @@ class TracedGraph:
 @contextlib.contextmanager
 def traced_quantized(module: torch.nn.Module, interface: DenoiserInterface, example: dict[str, torch.Tensor],
                      precision: str, opset: int) -> Iterator[TracedGraph]:
-    """Trace `module` (already calibrated) at `example`'s shapes with the declared dynamic axes.
+    """Trace `module` (already calibrated) at `example`'s shapes with the declared dynamic axes (Wan: through
+    `trace_patches`, which keeps its rotary embedding from fixing the shapes).
 
     Nothing of the trace stays in memory: the caller can free the module before `finalize_quantized`
     reads the graph back (a full-size model would otherwise be held twice, or three times). The folder is
@@ -117,7 +129,8 @@ def traced_quantized(module: torch.nn.Module, interface: DenoiserInterface, exam
     _register_symbolics(opset)
     try:
         try:
-            with torch.inference_mode(), _fp8_conv_weights_off(module, precision) as conv_amax, _quiet_exporter():
+            with torch.inference_mode(), _fp8_conv_weights_off(module, precision) as conv_amax, _quiet_exporter(), \
+                    trace_patches(module, interface.family):
                 torch.onnx.export(
                     wrapper, inputs, str(tmp / "model.onnx"), input_names=interface.input_names,
                     output_names=interface.io.output_names, dynamic_axes=interface.dynamic_axes(),

@@ -1,0 +1,81 @@
+"""Rewrites that keep a quantized denoiser's legacy (TorchScript) ONNX trace dynamic, numerically identical.
+
+Wan's attention applies its rotary embedding by writing into slices of `torch.empty_like(query)`
+(`out[..., 0::2] = ...`). The legacy exporter lowers that in-place slice write to a ScatterND whose data is a
+zeros constant of the traced size: the graph then runs only at the calibration shape (batch, frames, height,
+width), which is the "static-only" FACTS.md reports for Wan. (FP8 hides it by accident: ModelOpt's custom FP8
+ops carry no shape, so the exporter keeps the shape ops.) `functional_rotary` computes the same rotation with
+`torch.stack(...).flatten(-2)` — the same products and sums in the same order, bit-identical (tested) — so the
+INT8 and FP8 graphs keep their declared dynamic axes.
+
+How, without copying diffusers' attention processor: each `WanAttention`'s processor is wrapped so that it is
+called with `rotary_emb=None` (it then skips its own rotation) while forward hooks on `norm_q` / `norm_k` (the
+processor unflattens their outputs into heads right before the rotation) rotate those outputs instead. No module
+is replaced, so the trace keeps every parameter name. Restored on leaving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ..families import Family
+
+
+def _rotate(heads: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' WanAttnProcessor rotation of [B, S, heads, d] by interleaved pairs, without an in-place write."""
+    x1, x2 = heads.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(heads)
+
+
+class _RotaryOutside:
+    """An attention processor called with rotary_emb=None; the rotation is done by the norm hooks."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        self.rotary = rotary_emb
+        try:
+            return self.processor(attn, hidden_states, encoder_hidden_states, attention_mask, None)
+        finally:
+            self.rotary = None
+
+
+@contextlib.contextmanager
+def functional_rotary(module: torch.nn.Module) -> Iterator[int]:
+    """Inside: every WanAttention of `module` rotates out of place (see the module docstring). Yields how many."""
+    from diffusers.models.transformers.transformer_wan import WanAttention
+
+    handles, swapped = [], []
+    try:
+        for attn in module.modules():
+            if not isinstance(attn, WanAttention):
+                continue
+            wrapper = _RotaryOutside(attn.processor)
+
+            def rotate(norm, args, output, wrapper=wrapper, heads=attn.heads):
+                if wrapper.rotary is None:
+                    return output
+                return _rotate(output.unflatten(2, (heads, -1)), *wrapper.rotary).flatten(2)
+
+            handles += [attn.norm_q.register_forward_hook(rotate), attn.norm_k.register_forward_hook(rotate)]
+            swapped.append((attn, attn.processor))
+            attn.processor = wrapper
+        yield len(swapped)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for attn, processor in swapped:
+            attn.processor = processor
+
+
+@contextlib.contextmanager
+def trace_patches(module: torch.nn.Module, family: Family) -> Iterator[None]:
+    """The family's rewrites for the export trace (none for the image families)."""
+    with functional_rotary(module) if family is Family.wan else contextlib.nullcontext():
+        yield
