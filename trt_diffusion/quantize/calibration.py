@@ -1,10 +1,12 @@
 """Calibration data: the denoiser's real inputs, as the diffusers pipeline generates, seeded.
 
 Each prompt runs the full pipeline (text encoders, scheduler, CFG) for `steps` steps with its own
-`torch.Generator` seeded from the settings. The same recipe therefore yields the same inputs, and the same
-inputs the same scales. ModelOpt's statistics are taken during those generations (`calibration_loop`: while
-calibrating, its quantizers pass values through unchanged, so the trajectory is the fp32 one); recording the
-calls to replay them afterwards would run every denoiser call twice.
+`torch.Generator` seeded from the settings (a video family's pipeline at the recipe's frame count: Wan's
+WanPipeline, CFG as two batch-1 calls, Wan 2.2's experts switched at its boundary as it does). The same
+recipe therefore yields the same inputs, and the same inputs the same scales. ModelOpt's statistics are taken
+during those generations (`calibration_loop`: while calibrating, its quantizers pass values through unchanged,
+so the trajectory is the fp32 one); recording the calls to replay them afterwards would run every denoiser
+call twice.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from .. import progress as live
 from ..errors import ModelError, QuantizeError
-from ..families import Family
+from ..families import WAN_TEXT_LENGTH, Component, Family
 from ..models.quiet import quiet_libraries
 from .feeds import Call
 
@@ -37,7 +39,8 @@ class CalibrationRecipe:
     algorithm: str
     width: int
     height: int
-    max_sequence_length: int | None = None  # T5 tokens (SD3, FLUX): the length the engines are declared with
+    max_sequence_length: int | None = None  # T5 tokens (SD3, FLUX; Wan's UMT5): the engines' declared length
+    frames: int | None = None  # a video family's frames (4k+1 for Wan); None for images
 
     @property
     def samples(self) -> int:
@@ -47,7 +50,10 @@ class CalibrationRecipe:
         return [self.seed + i for i in range(self.samples)]
 
     def to_json(self) -> dict:
-        return {"schema": RECIPE_SCHEMA, **asdict(self), "prompts": list(self.prompts)}
+        fields = asdict(self)
+        if fields["frames"] is None:  # an image recipe's JSON (and so its digest) is what it was before frames
+            del fields["frames"]
+        return {"schema": RECIPE_SCHEMA, **fields, "prompts": list(self.prompts)}
 
     @property
     def digest(self) -> str:
@@ -56,9 +62,13 @@ class CalibrationRecipe:
 
 
 def t5_length(model_dir: Path, family: Family) -> int | None:
-    """The T5 token count the denoiser's engine inputs are declared with (components/model_config.py)."""
+    """The T5 token count the denoiser's engine inputs are declared with (components/model_config.py): the
+    tokenizer's for SD3/FLUX, WanPipeline's max_sequence_length default for Wan (its UMT5 states are padded to
+    it, and the transformer engines take exactly that many)."""
     from ..components.model_config import tokenizer_length
 
+    if family is Family.wan:
+        return WAN_TEXT_LENGTH
     tokenizer = {Family.sd3: "tokenizer_3", Family.flux: "tokenizer_2"}.get(family)
     return tokenizer_length(model_dir, tokenizer) if tokenizer else None
 
@@ -80,17 +90,30 @@ def load_pipeline(model_dir: Path):
     return pipe
 
 
-def denoiser_of(pipe) -> torch.nn.Module:
+def denoiser_of(pipe, component: Component | None = None) -> torch.nn.Module:
+    """The pipeline's denoiser, or the one named (`transformer_2`: Wan 2.2's low-noise expert)."""
+    if component is not None:
+        module = getattr(pipe, component.value, None)
+        if module is None:
+            raise ModelError(f"{type(pipe).__name__} has no {component.value}")
+        return module
     module = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
     if module is None:
         raise ModelError(f"{type(pipe).__name__} has neither a unet nor a transformer")
     return module
 
 
-def guidance_kwargs(family: Family) -> dict[str, Any]:
-    """Pipeline defaults, written out so a diffusers upgrade cannot silently change the calibration data."""
-    return {Family.sd15: {"guidance_scale": 7.5}, Family.sdxl: {"guidance_scale": 5.0},
-            Family.sd3: {"guidance_scale": 7.0}, Family.flux: {"guidance_scale": 3.5}}[family]
+def guidance_kwargs(family: Family, pipe=None) -> dict[str, Any]:
+    """Pipeline defaults, written out so a diffusers upgrade cannot silently change the calibration data.
+
+    Wan 2.2 (a `boundary_ratio` in the pipeline's config) also gets WanPipeline's guidance_scale_2 default, the
+    high-noise scale; Wan 2.1 refuses the argument."""
+    kwargs = {Family.sd15: {"guidance_scale": 7.5}, Family.sdxl: {"guidance_scale": 5.0},
+              Family.sd3: {"guidance_scale": 7.0}, Family.flux: {"guidance_scale": 3.5},
+              Family.wan: {"guidance_scale": 5.0}}[family]
+    if family is Family.wan and getattr(getattr(pipe, "config", None), "boundary_ratio", None) is not None:
+        kwargs = {**kwargs, "guidance_scale_2": kwargs["guidance_scale"]}
+    return kwargs
 
 
 class CallRecorder:
@@ -137,65 +160,76 @@ class CallRecorder:
 
 def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], seeds: list[int], steps: int,
                  width: int, height: int, output_type: str = "latent", recorder: CallRecorder | None = None,
-                 max_sequence_length: int | None = None, progress_stage: str = "generate"):
-    """Generate each prompt with its own seeded generator; optionally record the denoiser's calls.
+                 max_sequence_length: int | None = None, progress_stage: str = "generate",
+                 frames: int | None = None, component: Component | None = None):
+    """Generate each prompt with its own seeded generator; optionally record the calls of the denoiser
+    (`component`, default the pipeline's first). `frames`: a video pipeline's num_frames; each result is then
+    a clip [F, H, W, 3] (or its latents).
 
     Each prompt is a live progress line (`progress_stage` k/n)."""
-    denoiser = denoiser_of(pipe)
+    denoiser = denoiser_of(pipe, component)
     handles = []
     if recorder is not None:
         handles.append(denoiser.register_forward_pre_hook(recorder.before, with_kwargs=True))
         handles.append(denoiser.register_forward_hook(recorder.after, with_kwargs=True))
     images = []
+    size = f"{width}x{height}" + (f"x{frames}" if frames else "")
     try:
-        with live.task(progress_stage, total=len(prompts), detail=f"{width}x{height}, {steps} steps") as lines:
+        with live.task(progress_stage, total=len(prompts), detail=f"{size}, {steps} steps") as lines:
             for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
-                lines.step(index + 1, f"seed {seed}, {steps} steps at {width}x{height}")
+                lines.step(index + 1, f"seed {seed}, {steps} steps at {size}")
                 if recorder is not None:
                     recorder.new_run()
                 generator = torch.Generator("cpu").manual_seed(seed)
-                extra = guidance_kwargs(family)
+                extra = guidance_kwargs(family, pipe)
                 if max_sequence_length is not None:
                     extra["max_sequence_length"] = max_sequence_length
+                if frames:
+                    extra["num_frames"] = frames
                 with torch.no_grad():
                     result = pipe(prompt, num_inference_steps=steps, generator=generator, width=width, height=height,
                                   output_type=output_type, **extra)
-                images.append(result.images[0] if output_type != "latent" else None)
+                if output_type == "latent":
+                    images.append(None)
+                else:  # a video pipeline's output holds `frames` (clips), an image pipeline's `images`
+                    images.append(result.frames[0] if frames else result.images[0])
     except (RuntimeError, ValueError) as exc:
         raise QuantizeError(f"the {family.value} pipeline failed while generating calibration data "
-                            f"at {width}x{height}: {str(exc).strip().splitlines()[0]}") from exc
+                            f"at {size}: {str(exc).strip().splitlines()[0]}") from exc
     finally:
         for handle in handles:
             handle.remove()
     return images
 
 
-def capture_calls(pipe, family: Family, recipe: CalibrationRecipe) -> list[Call]:
-    """The denoiser calls of the recipe (samples x steps of them), in generation order."""
+def capture_calls(pipe, family: Family, recipe: CalibrationRecipe, component: Component | None = None) -> list[Call]:
+    """The denoiser calls of the recipe (samples x steps of them; an expert's share of the steps), in order."""
     recorder = CallRecorder()
     run_pipeline(pipe, family, recipe.prompts, recipe.seeds(), recipe.steps, recipe.width, recipe.height,
-                 recorder=recorder, max_sequence_length=recipe.max_sequence_length, progress_stage="calibration data")
+                 recorder=recorder, max_sequence_length=recipe.max_sequence_length, progress_stage="calibration data",
+                 frames=recipe.frames, component=component)
     if not recorder.calls:
         raise QuantizeError("the pipeline never called the denoiser during calibration")
     return recorder.calls
 
 
-def calibration_loop(pipe, family: Family,
-                     recipe: CalibrationRecipe) -> tuple[Callable[[torch.nn.Module], None], CallRecorder]:
+def calibration_loop(pipe, family: Family, recipe: CalibrationRecipe,
+                     component: Component | None = None) -> tuple[Callable[[torch.nn.Module], None], CallRecorder]:
     """A ModelOpt forward loop that runs the recipe's generations through `pipe`, and the recorder that holds
     the first denoiser call (the export trace's example inputs) and counts the calls once the loop has run.
 
     The module ModelOpt hands the loop must be the pipeline's own denoiser (quantized in place), or the
-    statistics would be taken on a module the generations never call.
+    statistics would be taken on a module the generations never call. `component` names it where a pipeline has
+    two (Wan 2.2's `transformer_2` sees the low-noise steps only; the other expert runs in fp32 meanwhile).
     """
     recorder = CallRecorder(max_calls=1)
 
     def forward_loop(module: torch.nn.Module) -> None:
-        if module is not denoiser_of(pipe):
+        if module is not denoiser_of(pipe, component):
             raise RuntimeError("the calibration loop runs the pipeline's own denoiser, not a copy of it")
         run_pipeline(pipe, family, recipe.prompts, recipe.seeds(), recipe.steps, recipe.width, recipe.height,
                      recorder=recorder, max_sequence_length=recipe.max_sequence_length,
-                     progress_stage="calibration")
+                     progress_stage="calibration", frames=recipe.frames, component=component)
         if not recorder.calls:
             raise QuantizeError("the pipeline never called the denoiser during calibration")
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .defaults import DEFAULT_EXCLUDE
+from ..families import Family
+from .defaults import DEFAULT_EXCLUDE, FAMILY_EXCLUDE
 
 QUANTIZABLE_TYPES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
@@ -19,8 +20,10 @@ class LayerSelection:
     patterns: tuple[str, ...]  # the effective pattern list (defaults + user, "!" re-includes)
 
 
-def effective_patterns(user_patterns: list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(DEFAULT_EXCLUDE) + tuple(user_patterns)
+def effective_patterns(user_patterns: list[str] | tuple[str, ...], family: Family | None = None) -> tuple[str, ...]:
+    """The defaults, the family's own defaults (FAMILY_EXCLUDE), then engines.yaml's patterns."""
+    family_defaults = FAMILY_EXCLUDE.get(Family(family), ()) if family is not None else ()
+    return tuple(DEFAULT_EXCLUDE) + tuple(family_defaults) + tuple(user_patterns)
 
 
 def _ancestors(name: str) -> list[str]:

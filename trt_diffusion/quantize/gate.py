@@ -9,8 +9,11 @@ pipeline with the same seeds:
 Measured: the Q/DQ model's output on each recorded call against the fp32 output (PSNR with the reference's
 range as peak, max abs difference, NaN/Inf), and the decoded images of run 2 against run 1 (PSNR, SSIM;
 LPIPS when its weights are on disk). Per-call comparison isolates the denoiser; the images show what the
-error does after the sampler compounds it over all steps. Both use the artifact the engines will be built
-from, not torch fake-quantization (the two drift apart over many layers).
+error does after the sampler compounds it over all steps. A video family's outputs are clips, judged as the
+parity report judges them: by their worst frame's PSNR and SSIM (`metrics.video_metrics`) and by their motion
+against the reference's own, on the same image bar. Where a pipeline has two denoisers (Wan 2.2's experts)
+only the one being quantized is replaced; the other runs in fp32 in both runs. Both use the artifact the
+engines will be built from, not torch fake-quantization (the two drift apart over many layers).
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ import numpy as np
 import torch
 
 from ..errors import QuantizeError
-from ..families import Family
+from ..families import Component, Family
 from ..memory import release_memory
-from ..metrics import Thresholds, has_nonfinite, lpips_distance, psnr, ssim, tensor_diff, thresholds_for
+from ..metrics import Thresholds, has_nonfinite, lpips_distance, psnr, ssim, tensor_diff, thresholds_for, video_metrics
 from .calibration import CalibrationRecipe, CallRecorder, denoiser_of, run_pipeline
 from .defaults import DENOISER_MIN_PSNR_DB, HELD_OUT_SEED_OFFSET
 from .feeds import DenoiserInterface, as_numpy
@@ -64,7 +67,10 @@ class GateResult:
     output_psnr_db_mean: float
     output_max_abs: float
     output_nonfinite: int
-    images: list[dict] = field(default_factory=list)  # per image: psnr_db, ssim, lpips, lpips_reason
+    # per image: psnr_db, ssim, lpips, lpips_reason, nonfinite; per clip the same (its worst frames'), plus "video":
+    # frames, worst_psnr_frame, worst_ssim_frame, mean_psnr_db, mean_ssim, motion_rmse, reference_motion,
+    # motion_error
+    images: list[dict] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -84,7 +90,8 @@ class GateResult:
                 f"{self.output_psnr_db_min:.2f} dB (mean {self.output_psnr_db_mean:.2f}), max abs "
                 f"{self.output_max_abs:.4g}, non-finite {self.output_nonfinite}")
         if self.images:
-            text += (f"; images: worst PSNR {self.image_psnr_db_min:.2f} dB, worst SSIM "
+            what = "clips (worst frame)" if "video" in self.images[0] else "images"
+            text += (f"; {what}: worst PSNR {self.image_psnr_db_min:.2f} dB, worst SSIM "
                      f"{self.image_ssim_min:.4f}")
         return text
 
@@ -128,7 +135,7 @@ def _run_session(session, interface: DenoiserInterface, feeds: dict[str, torch.T
 @contextmanager
 def _onnx_denoiser(pipe, session, interface: DenoiserInterface):
     """Route the pipeline's denoiser calls to the ONNX Runtime session (the module only carries its config)."""
-    module = denoiser_of(pipe)
+    module = denoiser_of(pipe, interface.component)
 
     def forward(*args, **kwargs):
         output = torch.from_numpy(_run_session(session, interface, interface.feeds((args, kwargs))))
@@ -152,17 +159,22 @@ def release_weights(module: torch.nn.Module) -> None:
 
 def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path, precision: str,
              recipe: CalibrationRecipe, thresholds: GateThresholds, held_out_samples: int,
-             compare_images: bool = True) -> GateResult:
-    """Measure the artifact at `onnx_path` against `pipe`'s fp32 denoiser on held-out generations.
+             compare_images: bool = True, component: Component | None = None) -> GateResult:
+    """Measure the artifact at `onnx_path` against `pipe`'s fp32 denoiser (`component`, default the pipeline's
+    first) on held-out generations.
 
     The pipeline's denoiser is spent afterwards (its weights are released once the reference is recorded)."""
     prompts, seeds = held_out_recipe(recipe, held_out_samples)
     output_type = "np" if compare_images else "latent"
     recorder = CallRecorder(with_outputs=True)
+    generate = {"max_sequence_length": recipe.max_sequence_length, "frames": recipe.frames, "component": component}
     reference_images = run_pipeline(pipe, family, prompts, seeds, recipe.steps, recipe.width, recipe.height,
-                                     output_type=output_type, recorder=recorder,
-                                     max_sequence_length=recipe.max_sequence_length, progress_stage="gate: PyTorch")
-    release_weights(denoiser_of(pipe))
+                                     output_type=output_type, recorder=recorder, progress_stage="gate: PyTorch",
+                                     **generate)
+    if not recorder.calls:
+        raise QuantizeError(f"the held-out generations never called the {interface.component.value}: nothing to "
+                            f"gate (at {recipe.steps} steps, does it run any?)")
+    release_weights(denoiser_of(pipe, component))
     release_memory()
     session = onnxruntime_session(onnx_path)
 
@@ -182,14 +194,8 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
     if compare_images:
         with _onnx_denoiser(pipe, session, interface):
             candidate_images = run_pipeline(pipe, family, prompts, seeds, recipe.steps, recipe.width, recipe.height,
-                                            output_type="np", max_sequence_length=recipe.max_sequence_length,
-                                            progress_stage="gate: Q/DQ ONNX")
-        for ref_image, image in zip(reference_images, candidate_images):
-            lp = lpips_distance(ref_image, image, data_range=1.0)
-            images.append({"psnr_db": psnr(ref_image, image, data_range=1.0),
-                           "ssim": ssim(ref_image, image, data_range=1.0),
-                           "lpips": lp.value, "lpips_reason": lp.reason,
-                           "nonfinite": bool(has_nonfinite(image))})
+                                            output_type="np", progress_stage="gate: Q/DQ ONNX", **generate)
+        images = [_compare(ref_image, image) for ref_image, image in zip(reference_images, candidate_images)]
 
     result = GateResult(
         precision=precision, thresholds=thresholds.to_json(), calls=len(psnrs), output_psnr_db_min=_worst(psnrs),
@@ -198,6 +204,27 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
     )
     result.failures = _failures(result, thresholds)
     return result
+
+
+def _compare(reference: np.ndarray, candidate: np.ndarray) -> dict:
+    """One image's figures (pixels in [0, 1]); a clip [F, H, W, 3] as parity judges one: its worst frames' PSNR
+    and SSIM, the LPIPS of its worst-PSNR frame, and its per-frame and motion figures under "video"."""
+    nonfinite = bool(has_nonfinite(candidate))
+    video = None
+    if np.ndim(reference) == 4:
+        figures = video_metrics(reference, candidate, data_range=1.0)
+        psnr_db, ssim_value = figures.min_psnr_db, figures.min_ssim
+        video = {"frames": figures.frames, "worst_psnr_frame": figures.worst_psnr_frame,
+                 "worst_ssim_frame": figures.worst_ssim_frame, "mean_psnr_db": figures.mean_psnr_db,
+                 "mean_ssim": figures.mean_ssim, "motion_rmse": figures.motion_rmse,
+                 "reference_motion": figures.reference_motion, "motion_error": figures.motion_error}
+        reference, candidate = reference[figures.worst_psnr_frame], candidate[figures.worst_psnr_frame]
+    else:
+        psnr_db, ssim_value = psnr(reference, candidate, data_range=1.0), ssim(reference, candidate, data_range=1.0)
+    lp = lpips_distance(reference, candidate, data_range=1.0)
+    figures_json = {"psnr_db": psnr_db, "ssim": ssim_value, "lpips": lp.value, "lpips_reason": lp.reason,
+                    "nonfinite": nonfinite}
+    return {**figures_json, "video": video} if video is not None else figures_json
 
 
 def _worst(values: list[float]) -> float:
@@ -215,9 +242,13 @@ def _failures(result: GateResult, thresholds: GateThresholds) -> list[str]:
         failures.append(f"denoiser output PSNR {result.output_psnr_db_min:.2f} dB < "
                         f"{thresholds.min_output_psnr_db:g} dB (worst of {result.calls} held-out calls)")
     for index, image in enumerate(result.images):
+        video = image.get("video")
+        label = f"video {index} (worst frames: PSNR {video['worst_psnr_frame']}, SSIM {video['worst_ssim_frame']})" \
+            if video else f"image {index}"
         if image["nonfinite"]:
-            failures.append(f"image {index}: NaN/Inf pixels")
-        for why in thresholds.image.image_failures(image["psnr_db"], image["ssim"], image["lpips"],
-                                                   image["lpips_reason"]):
-            failures.append(f"image {index}: {why}")
+            failures.append(f"{label}: NaN/Inf pixels")
+        whys = thresholds.image.image_failures(image["psnr_db"], image["ssim"], image["lpips"], image["lpips_reason"])
+        if video:  # the same temporal bar the parity report applies (pixels in [0, 1] here)
+            whys += thresholds.image.motion_failures(video["motion_rmse"], video["reference_motion"], data_range=1.0)
+        failures += [f"{label}: {why}" for why in whys]
     return failures

@@ -28,7 +28,7 @@ from ..engines_file import EngineSpec, LoraMode, LoraVariant, Precision, Resolve
 from ..errors import ConfigError, QuantizeError
 from ..export.artifact_key import folder_digest
 from ..export.modules import fuse_lora
-from ..families import Component, family_info
+from ..families import Component, Family, family_info
 from ..memory import release_memory
 from ..models.loading import component_folder
 from ..precision import is_quantized
@@ -147,13 +147,22 @@ def _resolve_loras(model: ResolvedModel, variant: LoraVariant | None) -> tuple[t
     return tuple(resolved)
 
 
+def quantizable(family: Family, component: Component) -> bool:
+    """The components this stage quantizes: the family's denoiser, and Wan 2.2's second expert (transformer_2,
+    the same architecture, calibrated on the low-noise steps it runs)."""
+    info = family_info(family)
+    return component is info.denoiser or (component is Component.transformer_2 and component in info.components)
+
+
 def plan_variant(model: ResolvedModel, component: Component | str, precision: Precision | str,
                  lora_variant: LoraVariant | None = None, *, opset: int = 20, config_root: Path | None = None,
-                 size: tuple[int, int] | None = None, min_output_psnr_db: float | None = None) -> _Plan:
-    """Resolve settings, prompts and hashes for one variant (no model is loaded)."""
+                 size: tuple[int, ...] | None = None, min_output_psnr_db: float | None = None) -> _Plan:
+    """Resolve settings, prompts and hashes for one variant (no model is loaded).
+
+    `size`: (width, height), or (width, height, frames) for a video family (default: the first bucket's opt)."""
     component, precision = Component(component), Precision(precision).value
-    denoiser = family_info(model.family).denoiser
-    if component is not denoiser:
+    if not quantizable(model.family, component):
+        denoiser = family_info(model.family).denoiser
         raise QuantizeError(f"{model.name}: quantization of {component.value} is not supported yet "
                             f"(the {model.family.value} denoiser, {denoiser.value}, is)")
     if not is_quantized(precision):
@@ -163,12 +172,15 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
     prompts, prompts_source = load_prompts(calibration.prompts, config_root)
     if size is None:
         opt = model.buckets[0].opt
-        size = (opt.width, opt.height)
+        size = (opt.width, opt.height, opt.frames)
+    frames = None
+    if family_info(model.family).is_video:  # a video pipeline generates clips: at the bucket's frame count
+        frames = int(size[2]) if len(size) > 2 and size[2] else int(model.buckets[0].opt.frames)
     recipe = CalibrationRecipe(prompts=tuple(take(prompts, calibration.samples)), steps=calibration.steps,
                                seed=calibration.seed, algorithm=calibration.algorithm, width=size[0], height=size[1],
-                               max_sequence_length=t5_length(model.source.path, model.family))
+                               max_sequence_length=t5_length(model.source.path, model.family), frames=frames)
     loras = _resolve_loras(model, lora_variant)
-    exclude = effective_patterns(settings.exclude)
+    exclude = effective_patterns(settings.exclude, model.family)
     parity = model.parity.get(Precision(precision))
     thresholds = GateThresholds.for_precision(precision, parity.model_dump() if parity else None, min_output_psnr_db)
     versions = tool_versions("quantize")
@@ -194,14 +206,14 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
 def quantize_component(
     model: ResolvedModel, component: Component | str, precision: Precision | str,
     lora_variant: LoraVariant | None, workspace: str | Path, *, opset: int = 20, config_root: Path | None = None,
-    size: tuple[int, int] | None = None, held_out_samples: int = HELD_OUT_SAMPLES, force: bool = False,
+    size: tuple[int, ...] | None = None, held_out_samples: int = HELD_OUT_SAMPLES, force: bool = False,
     min_output_psnr_db: float | None = None, compare_images: bool = True,
 ) -> QuantizedArtifact:
     """Calibrate, quantize, export and gate one denoiser variant; commit it to the store at `workspace`.
 
     Artifacts: `<workspace>/quantized/<model>.<component>[.lora-<name>].<precision>.<key>/` (model.onnx,
     modelopt_state.pt, manifest.json) and the calibration state under `<workspace>/calibration/`.
-    `size` (width, height) is the calibration resolution (default: the model's first bucket). Cached when a
+    `size` (width, height[, frames]) is the calibration size (default: the model's first bucket). Cached when a
     committed artifact has the same input hash; recalibrates only when the calibration inputs changed
     (`force` redoes both). Raises QuantizeError with the measured numbers when the gate fails; nothing is
     committed then.
@@ -245,7 +257,8 @@ def quantize_component(
         with _step(plan, 4, "quality gate (held-out generations, fp32 vs Q/DQ)"):
             pipe, _ = _load_denoiser(plan)
             gate = run_gate(pipe, model.family, interface, writer.path / ONNX_FILE, plan.precision, plan.recipe,
-                            plan.thresholds, held_out_samples, compare_images=compare_images)
+                            plan.thresholds, held_out_samples, compare_images=compare_images,
+                            component=plan.component)
             del pipe
         timings["gate_s"] = time.perf_counter() - mark
         if not gate.passed:  # leaving the writer with an exception commits nothing
@@ -267,9 +280,9 @@ def _step(plan: _Plan, position: int, what: str) -> live.Task:
 
 
 def _load_denoiser(plan: _Plan):
-    """The pipeline, and its denoiser with the variant's LoRAs fused."""
+    """The pipeline, and its denoiser (the variant's component) with the variant's LoRAs fused."""
     pipe = load_pipeline(plan.model.source.path)
-    denoiser = denoiser_of(pipe)
+    denoiser = denoiser_of(pipe, plan.component)
     for name, path, scale in plan.loras:
         fuse_lora(denoiser, name, path, scale, prefix=plan.component.value)
     return pipe, denoiser.eval()
@@ -289,15 +302,17 @@ def _calibrated(pipe, denoiser: torch.nn.Module, plan: _Plan, selection: LayerSe
         try:
             ptq.restore_state(denoiser, saved.file(STATE_FILE))
             ptq.check_calibrated(denoiser)
-            # A one-step generation gives the export trace its example inputs, without the whole recipe.
-            probe = dataclasses.replace(plan.recipe, prompts=plan.recipe.prompts[:1], steps=1)
-            example = interface.feeds(capture_calls(pipe, plan.model.family, probe)[0])
+            # A one-step generation gives the export trace its example inputs, without the whole recipe (Wan 2.2's
+            # low-noise expert runs only past the first steps: one prompt at the recipe's steps).
+            steps = 1 if plan.component is family_info(plan.model.family).denoiser else plan.recipe.steps
+            probe = dataclasses.replace(plan.recipe, prompts=plan.recipe.prompts[:1], steps=steps)
+            example = interface.feeds(capture_calls(pipe, plan.model.family, probe, plan.component)[0])
             timings["restore_s"] = time.perf_counter() - mark
             return pipe, denoiser, saved, False, example
         except QuantizeError as exc:
             log.warning("%s: saved calibration unusable (%s); recalibrating", plan.name, exc)
             pipe, denoiser = _load_denoiser(plan)  # the failed restore may have half-converted the module
-    forward_loop, recorded = calibration_loop(pipe, plan.model.family, plan.recipe)
+    forward_loop, recorded = calibration_loop(pipe, plan.model.family, plan.recipe, plan.component)
     ptq.calibrate(denoiser, plan.precision, plan.recipe.algorithm, selection, forward_loop)
     ptq.check_calibrated(denoiser)
     timings["calibrate_s"] = time.perf_counter() - mark  # the generations, with ModelOpt's statistics taken
@@ -358,7 +373,7 @@ def quantize(config_path: str | Path, model: str | None = None, *, force: bool =
         controlnet = f":{spec.controlnet}" if spec.controlnet else ""
         lora = f".lora-{spec.lora_variant.name}" if spec.lora_variant else ""
         label = f"{spec.model}.{spec.component}{controlnet}{lora}.{spec.precision}"
-        if spec.component is not family_info(resolved.family).denoiser:
+        if not quantizable(resolved.family, spec.component):
             report.unsupported.append(f"{label}: only the denoiser is quantized by this stage yet")
             continue
         try:
