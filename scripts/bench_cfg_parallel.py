@@ -3,9 +3,9 @@
     .venv/bin/python scripts/bench_cfg_parallel.py                 # mid-size transformer, 128x128x9, onnxruntime
     .venv/bin/python scripts/bench_cfg_parallel.py --size tiny     # the tests' tiny model, 32x32x5 (a smoke run)
 
-The tiny Wan transformer (2 layers of width 24) costs ~2 ms a call, under a tenth of a step (the UniPC step and
-the host work around it cost more), so it can show nothing about the calls. `--size mid` (default) replaces it in
-the tiny folder with a seeded WanTransformer3DModel of width 256 (4 heads of 64), 6 layers, FFN 1024 (~6M
+The tiny Wan transformer (2 layers of width 24) costs under 1 ms a call, a few percent of a step (the UniPC step
+and the host work around it cost far more), so it can show nothing about the calls. `--size mid` (default) replaces it in
+the tiny folder with a seeded WanTransformer3DModel of width 256 (4 heads of 64), 6 layers, FFN 1024 (7.0M
 parameters; the text encoder and VAE stay tiny), run at 128x128x9: 3 latent frames of 16x16, 192 tokens.
 
 One build with `cfg: [batched, parallel]` gives the transformer at batch 1 (split's and parallel's engine) and
