@@ -4,17 +4,17 @@
     .venv/bin/python scripts/bench_cfg_parallel.py --size tiny     # the tests' tiny model, 32x32x5 (a smoke run)
 
 The tiny Wan transformer (2 layers of width 24) costs under 1 ms a call, a few percent of a step (the UniPC step
-and the host work around it cost far more), so it can show nothing about the calls. `--size mid` (default) replaces it in
-the tiny folder with a seeded WanTransformer3DModel of width 256 (4 heads of 64), 6 layers, FFN 1024 (7.0M
+and the host work around it cost far more), so it can show nothing about the calls. `--size mid` (default) replaces
+it in the tiny folder with a seeded WanTransformer3DModel of width 256 (4 heads of 64), 6 layers, FFN 1024 (7.0M
 parameters; the text encoder and VAE stay tiny), run at 128x128x9: 3 latent frames of 16x16, 192 tokens.
 
 One build with `cfg: [batched, parallel]` gives the transformer at batch 1 (split's and parallel's engine) and
 batch 2 (batched's). Pipelines over the same engines: split (one session, the two calls one after the other),
-parallel (two sessions, the calls at once: runtime/cfg_parallel.py), parallel with each session held to
-cores/2 intra-op threads (the cores shared out instead of both sessions spreading over all of them) and split at that thread count (the
-control: what the thread count alone changes), and batched (one batch-2 call). Interleaved rounds: each round runs every case once; the medians of `--runs` rounds (>= 5)
-of the denoising time per request and their ratio to split. Every video is checked equal to split's (batched:
-its PSNR against split's).
+parallel (two sessions, the calls at once: runtime/cfg_parallel.py), parallel with each session held to cores/2
+intra-op threads (the cores shared out instead of both sessions spreading over all of them) and split at that
+thread count (the control: what the thread count alone changes), and batched (one batch-2 call). Interleaved
+rounds: each round runs every case once; the medians of `--runs` rounds (>= 5) of the denoising time per request
+and their ratio to split. Every video is checked equal to split's (batched: its PSNR against split's).
 """
 
 from __future__ import annotations
