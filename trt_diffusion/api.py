@@ -239,7 +239,8 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
         (model,) = config.models
     model_dir, family, table = engine_runners(config, model, target)
     # the workflows engines.yaml declares, as the served entry gets them (package records them)
-    pipeline = EnginePipeline(model_dir, family, table, workflows=config.models[model].workflows)
+    pipeline = EnginePipeline(model_dir, family, table, workflows=config.models[model].workflows,
+                              cfg=config.models[model].cfg)  # cfg: parallel runs as declared
     images = [pipeline.generate(GenerationRequest(  # NUM_IMAGES as the server reads it: seeds SEED, SEED + 1, ...
         prompt=request.prompt, height=request.height, width=request.width, steps=request.steps,
         guidance_scale=request.guidance_scale, seed=request.seed + i, negative_prompt=request.negative_prompt,

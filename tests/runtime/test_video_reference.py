@@ -224,3 +224,13 @@ def test_an_image_family_refuses_frames(tiny_model_factory):
         pipe.validate(GenerationRequest(PROMPT, 64, 64, frames=5))
     with pytest.raises(RuntimeInputError, match="GUIDANCE_SCALE_2 is the low-noise expert's guidance"):
         pipe.validate(GenerationRequest(PROMPT, 64, 64, guidance_scale_2=2.0))
+
+
+def test_runners_swapped_reaches_the_wan_loop(ours):
+    """The Triton entry's python warm-up runs on stand-ins through runners_swapped: the Wan loop must see them
+    too (it holds its own reference to the table), and get the real ones back."""
+    pipe, _ = ours()
+    own, stand_ins = pipe.runners, RunnerTable()
+    with pipe.runners_swapped(stand_ins):
+        assert pipe.runners is stand_ins and pipe.wan.runners is stand_ins
+    assert pipe.runners is own and pipe.wan.runners is own

@@ -7,6 +7,7 @@ runners can be compared to them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -176,6 +177,22 @@ class EnginePipeline:
             runners, self.index, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
             parallel_cfg=self.parallel_cfg)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
+
+    @contextlib.contextmanager
+    def runners_swapped(self, runners: RunnerTable):
+        """Run with `runners` in place of the pipeline's own, the family loops' included (the Triton entry's
+        python warm-up runs on stand-ins this way), and put the own ones back after."""
+        loops = [loop for loop in (self.flux, self.wan) if loop is not None]
+        own = self.runners
+        self.runners = runners
+        for loop in loops:
+            loop.runners = runners
+        try:
+            yield
+        finally:
+            self.runners = own
+            for loop in loops:
+                loop.runners = own
 
     def _served_workflows(self) -> tuple[Workflow, ...]:
         """What the runners can serve when the caller does not say (engines.yaml's `workflows` does): an

@@ -46,7 +46,6 @@ def warm_up_in_process(pipeline, description: PipelineDescription) -> float:
                           controlnet=engine.controlnet)
     sizes = [e.bucket_object.opt for e in description.engines
              if e.component == pipeline.denoiser and e.bucket and _is_static(e) and e.controlnet is None]
-    real_runners, pipeline.runners = pipeline.runners, stand_ins
     try:
         requests = [GenerationRequest(prompt="warm-up", height=s.height, width=s.width, steps=2, frames=s.frames)
                     for s in dict.fromkeys(sizes)]
@@ -56,12 +55,11 @@ def warm_up_in_process(pipeline, description: PipelineDescription) -> float:
                                            frames=first.frames, scheduler=name)
                          for name in scheduler_names(description.family)[1:]]
             requests += _image_requests(pipeline, stand_ins, first)
-        for request in requests:
-            pipeline.generate(request)
+        with pipeline.runners_swapped(stand_ins):  # the family loops (FLUX, Wan) too: no BLS call here
+            for request in requests:
+                pipeline.generate(request)
     except Exception as err:  # noqa: BLE001
         pb.utils().Logger.log_warn(f"python warm-up of {description.pipeline} stopped early: {err}")
-    finally:
-        pipeline.runners = real_runners
     return time.perf_counter() - start
 
 
