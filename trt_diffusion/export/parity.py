@@ -89,6 +89,11 @@ def open_session(onnx_path: Path, label: str):
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    # A correctness check, not a speed run: no prepacked second copy of every MatMul weight and no arena keeping
+    # the largest activations after they are freed (a 1.3B Wan transformer at 7,800 tokens: weights twice plus
+    # two 2.9 GB attention score tensors held went past 24 GB)
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    options.enable_cpu_mem_arena = False
     try:
         return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # ORT raises its own exception types
