@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from trt_diffusion.workspace.provenance import cpu_name
+
 MID_TRANSFORMER = dict(num_attention_heads=4, attention_head_dim=64, ffn_dim=1024, num_layers=6, rope_max_seq_len=1024)
 BUCKETS = {"tiny": "32x32x5", "mid": "128x128x9"}
 
@@ -158,7 +160,7 @@ def main() -> None:
 
     load = (load_before, os.getloadavg()[0])
     call_ms = transformer_call_ms(table, request, folder)
-    print(f"\nCPU: {platform.processor() or platform.machine()} ({cpu_model()}), {cores} cores for this process "
+    print(f"\nCPU: {platform.processor() or platform.machine()} ({cpu_name()}), {cores} cores for this process "
           f"(1-min load average {load[0]:.1f} before the rounds, {load[1]:.1f} after); {args.target}; wan "
           f"{args.size} at {bucket}, {args.steps} steps, guidance 5; one batch-1 transformer call {call_ms:.1f} ms "
           f"alone; {args.runs} interleaved rounds")
@@ -172,7 +174,7 @@ def main() -> None:
         print(f"{name:<36}{median * 1000:>15.1f} ms{results[name]['step_ms']:>13.1f} ms{base / median:>9.2f}x")
     print(f"videos: parallel == split bit for bit; batched vs split: worst frame PSNR {batched_psnr:.1f} dB")
     if args.json:
-        args.json.write_text(json.dumps({"cpu": cpu_model(), "cores": cores, "load_average": load,
+        args.json.write_text(json.dumps({"cpu": cpu_name(), "cores": cores, "load_average": load,
                                          "target": args.target, "size": args.size,
                                          "bucket": bucket, "steps": args.steps, "runs": args.runs,
                                          "transformer_call_ms": call_ms, "batched_psnr_db": batched_psnr,
@@ -200,16 +202,6 @@ def transformer_call_ms(table, request, folder: Path) -> float:
         runner.run(feeds)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 from bench_cpu import Route, log, measure
 from tree_memory import GIB, RssSampler, fp32_weight_bytes, run_step
+
+from trt_diffusion.workspace.provenance import cpu_name
 
 EXPORT_BUCKET = "832x480x17"
 ROUTES_BUCKET = "832x480x5"
@@ -162,7 +163,7 @@ def main() -> None:
         print(json.dumps(step_routes(workdir, args.runs)))
         return
     full_model(workdir)
-    figures = {"cpu": platform.processor() or platform.machine(), "python": sys.version.split()[0]}
+    figures = {"cpu": cpu_name(), "python": sys.version.split()[0]}
     for step in [args.only] if args.only else ["export", "routes"]:
         log(f"step {step} (a fresh process)")
         figures[step] = run_step(__file__, ["--step", step, "--workdir", str(workdir), "--runs", str(args.runs)],

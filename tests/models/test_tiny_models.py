@@ -68,10 +68,18 @@ def test_existing_folder_is_not_overwritten_without_flag(tmp_path, capsys):
     assert main(["models", "tiny", "--out", str(out), "--if-missing"]) == 0
 
 
-def test_full_size_is_sd15_and_sdxl_only(tmp_path, capsys):
+def test_full_size_is_sd15_sdxl_and_wan_only(tmp_path, capsys):
     assert main(["models", "tiny", "--family", "flux", "--size", "full", "--out", str(tmp_path / "x")]) == 1
-    assert "sd15, sdxl only" in capsys.readouterr().err
+    assert "sd15, sdxl, wan only" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_full_size_wan_is_the_released_1_3b_transformer():
+    """Built on the meta device (no 5.7 GB of weights): Wan-AI/Wan2.1-T2V-1.3B-Diffusers' transformer has
+    1,418,996,800 parameters (5.68 GB of fp32 safetensors)."""
+    from trt_diffusion.models.tiny_video import meta_parameter_count
+
+    assert meta_parameter_count("full") == 1_418_996_800
 
 
 def test_full_size_sdxl_unet_is_sdxl_base_architecture():

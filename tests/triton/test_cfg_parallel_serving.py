@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from trt_diffusion.triton import client as triton_client
 from trt_diffusion.triton.client import ImageRequest
@@ -23,22 +22,12 @@ from trt_diffusion.triton.client import ImageRequest
 pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = "a red fox running through snow"
-SIZE, FRAMES = 32, 5
+SIZE, FRAMES = 32, 5  # the bucket conftest.wan_workspace_for builds
 
 
 @pytest.fixture(scope="module")
-def wan_workspace(tiny_model_factory, tmp_path_factory) -> Path:
-    from trt_diffusion import api
-
-    root = tmp_path_factory.mktemp("wan-cfg-parallel-serving")
-    model = {"source": str(tiny_model_factory("wan")), "family": "wan", "buckets": [f"{SIZE}x{SIZE}x{FRAMES}"],
-             "batch": [1], "cfg": ["parallel"], "targets": ["onnxruntime"]}
-    path = root / "engines.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": str(root / "build")},
-                                    "models": {"wan": model}}, sort_keys=False))
-    report = api.build(path, target="onnxruntime")
-    assert not report.failed, [o.error for o in report.failed]
-    return path
+def wan_workspace(wan_workspace_for) -> Path:
+    return wan_workspace_for("parallel")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,10 @@ if TYPE_CHECKING:
     from ..engines_file import EngineSpec
 
 SCHEMA_VERSION = 1
-def _cpu_name() -> str:
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), what provenance records and the bench scripts print."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -35,7 +38,7 @@ def _cpu_name() -> str:
 
 
 def host_description() -> dict[str, str]:
-    return {"host": socket.gethostname(), "cpu": _cpu_name(), "machine": platform.machine(),
+    return {"host": socket.gethostname(), "cpu": cpu_name(), "machine": platform.machine(),
             "os": platform.platform(), "python": sys.version.split()[0]}
 
 
