@@ -6,9 +6,8 @@ openvino, and judged by `parity` against the fp32 torch reference.
 Measured on the tiny random-weight Wan 2.1 (32x32x5, 2 calibration samples x 2 steps, an AMX Xeon): gate, worst
 held-out transformer call int8 64.0 dB / fp8 52.6 dB, worst clip frame int8 54.0 dB / fp8 42.2 dB (SSIM >= 0.998);
 parity at 2 steps, worst frame: int8 onnxruntime 50.8 dB (SSIM 0.9996), openvino 36.5 dB (0.993); fp8
-onnxruntime 30.0 dB (0.970), openvino 35.5 dB (0.992). The onnxruntime fp8 engine loses ~24 dB per call to
-ONNX Runtime's QDQPropagationTransformer on the bucket-fixed graph (the gate's unoptimized session does not run
-it); the verdicts pass regardless and are asserted as measured, not tuned.
+onnxruntime 30.0 dB (0.970), openvino 35.5 dB (0.992). Why the onnxruntime fp8 engine is lower is open
+(docs/quantize.md); the verdicts pass regardless and are asserted as measured, not tuned.
 """
 
 from __future__ import annotations
