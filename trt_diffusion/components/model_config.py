@@ -59,6 +59,17 @@ def read_json(path: Path) -> dict:
         raise ModelError(f"{path}: not valid JSON ({exc})") from None
 
 
+def vae_scale_factor(vae: Mapping[str, Any]) -> int:
+    """Pixels per latent pixel of a VAE config: AutoencoderKL's one 2x per block after the first; Wan's 3D VAE
+    states it (scale_factor_spatial)."""
+    return int(vae.get("scale_factor_spatial") or 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1))
+
+
+def vae_latent_channels(vae: Mapping[str, Any]) -> int:
+    """Latent channels of a VAE config (AutoencoderKL's latent_channels, Wan's z_dim)."""
+    return int(vae.get("latent_channels", vae.get("z_dim", 4)))
+
+
 def tokenizer_length(model_dir: Path, tokenizer: str) -> int:
     config = read_json(Path(model_dir) / tokenizer / "tokenizer_config.json")
     length = int(config.get("model_max_length") or _UNBOUNDED)
@@ -81,13 +92,11 @@ def load_model_config(model_dir: str | Path, family: Family | str, component: Co
     """Read the shape facts for `component` of the diffusers folder `model_dir`."""
     model_dir, family, component = Path(model_dir), Family(family), Component(component)
     vae = read_json(model_dir / "vae" / "config.json")
-    # AutoencoderKL: one 2x per block after the first; Wan's 3D VAE says it (scale_factor_spatial)
-    vae_scale_factor = int(vae.get("scale_factor_spatial") or 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1))
     own = read_json(component_config_path(model_dir, component, Path(controlnet_dir) if controlnet_dir else None))
     return ModelConfig(
         component_config=own,
-        vae_scale_factor=vae_scale_factor,
-        latent_channels=int(vae.get("latent_channels", vae.get("z_dim", 4))),
+        vae_scale_factor=vae_scale_factor(vae),
+        latent_channels=vae_latent_channels(vae),
         sequence_length=_sequence_length(model_dir, family, component),
     )
 

@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..components.model_config import vae_latent_channels, vae_scale_factor
 from ..engines_file.engine_spec import Size
 from ..engines_file.schema import CfgMode
 from ..errors import RuntimeInputError
-from ..families import Family
+from ..families import Family, family_info
 from ..workflows import DEFAULT_STRENGTH, EDIT_PIPELINE_CLASSES, FAMILY_WORKFLOWS, Workflow, request_workflow
 from . import conditioning
 from .cfg_parallel import at_once, cfg_modes
@@ -158,24 +159,22 @@ class EnginePipeline:
         self.index = json.loads((self.model_dir / "model_index.json").read_text())
         self.scheduler_config = json.loads((self.model_dir / "scheduler" / "scheduler_config.json").read_text())
         vae_config = json.loads((self.model_dir / "vae" / "config.json").read_text())
-        # Wan's 3D VAE states its factor and latent channels (scale_factor_spatial, z_dim); the 2D VAEs imply them
-        self.vae_scale_factor = (vae_config.get("scale_factor_spatial")
-                                 or 2 ** (len(vae_config["block_out_channels"]) - 1))
+        self.vae_scale_factor = vae_scale_factor(vae_config)
         self.scaling_factor = vae_config.get("scaling_factor", 0.18215)
         self.shift_factor = vae_config.get("shift_factor") or 0.0
-        denoiser = "transformer" if self.family in (Family.sd3, Family.flux, Family.wan) else "unet"
+        denoiser = family_info(self.family).denoiser.value
         self.denoiser = denoiser
         self.denoiser_config = json.loads((self.model_dir / denoiser / "config.json").read_text())
         self.tokenizers = {name: _tokenizer(self.model_dir, name) for name in
                            ("tokenizer", "tokenizer_2", "tokenizer_3") if self.index.get(name, [None])[0]}
-        self.latent_channels = vae_config.get("latent_channels", vae_config.get("z_dim", 4))
+        self.latent_channels = vae_latent_channels(vae_config)
         self.flux = None if self.family is not Family.flux else FluxLoop(
             runners, self.denoiser_config, self.scheduler_config, latent_channels=self.latent_channels,
             vae_scale_factor=self.vae_scale_factor, scaling_factor=self.scaling_factor,
             shift_factor=self.shift_factor, denoiser=denoiser)
         self.wan = None if self.family is not Family.wan else WanLoop(
             runners, self.index, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
-            parallel_cfg=self.parallel_cfg)
+            vae_scale_factor=self.vae_scale_factor, parallel_cfg=self.parallel_cfg)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
 
     @contextlib.contextmanager
@@ -218,7 +217,7 @@ class EnginePipeline:
 
     def validate(self, request: GenerationRequest) -> Size:
         size = Size(request.width, request.height, request.frames)  # a video's frames pick its bucket too
-        factor = self.vae_scale_factor * (2 if self.family in (Family.sd3, Family.flux, Family.wan) else 1)
+        factor = self.vae_scale_factor * (1 if self.denoiser == "unet" else 2)  # the DiTs patchify 2x2 latents
         problems = []
         if not isinstance(request.prompt, str) or not request.prompt.strip():
             problems.append("PROMPT is empty")

@@ -73,12 +73,12 @@ class WanLoop:
     """The Wan denoising loop of an EnginePipeline: what it reads of the model folder, and its runners."""
 
     def __init__(self, runners, index: dict, denoiser_config: dict, scheduler_config: dict, vae_config: dict,
-                 tokenizer, *, parallel_cfg: bool = False):
+                 tokenizer, *, vae_scale_factor: int, parallel_cfg: bool = False):
         self.runners, self.tokenizer = runners, tokenizer
         self.parallel_cfg = parallel_cfg  # engines.yaml declares cfg: parallel (EnginePipeline's `cfg`)
         self.scheduler_config = scheduler_config
         self.channels = int(denoiser_config["in_channels"])  # WanPipeline's num_channels_latents
-        self.vae_scale_factor = int(vae_config.get("scale_factor_spatial", 8))
+        self.vae_scale_factor = vae_scale_factor
         self.temporal_factor = int(vae_config.get("scale_factor_temporal", family_info(Family.wan).temporal_factor))
         z_dim = int(vae_config["z_dim"])
         # as WanPipeline builds them: float32 tensors, the std inverted once and divided by at decode
