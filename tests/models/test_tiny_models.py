@@ -94,3 +94,25 @@ def test_full_size_sdxl_unet_is_sdxl_base_architecture():
     assert sum(p.numel() for p in unet.parameters()) == 2_567_463_684
     assert unet.config.cross_attention_dim == 2048
     assert unet.add_embedding.linear_1.in_features == 1280 + 6 * 256
+
+
+@pytest.mark.parametrize("variant", ["i2v", "i2v_two_expert"])
+def test_tiny_wan_image_to_video_is_what_diffusers_loads(tmp_path, variant):
+    """Wan 2.1 I2V (a CLIP vision encoder the transformer cross-attends to) and Wan 2.2 I2V A14B (two experts, no
+    image encoder): WanImageToVideoPipeline loads the folder and makes a clip from an image; the transformers take
+    the 36 channels the pipeline concatenates (noise 16 + first-frame mask 4 + condition latents 16)."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    out = tmp_path / variant
+    assert main(["models", "tiny", "--family", "wan", "--variant", variant, "--out", str(out)]) == 0
+    pipe = WanImageToVideoPipeline.from_pretrained(out)
+    assert pipe.transformer.config.in_channels == 36
+    assert (pipe.image_encoder is not None) == (variant == "i2v")
+    assert (pipe.transformer_2 is not None) == (variant == "i2v_two_expert")
+    if variant == "i2v":
+        assert pipe.transformer.config.image_dim == pipe.image_encoder.config.hidden_size
+    image = Image.fromarray((np.random.RandomState(0).rand(32, 48, 3) * 255).astype(np.uint8))
+    frames = pipe(image=image, prompt="a cat", height=32, width=48, num_frames=5, num_inference_steps=2,
+                  generator=torch.Generator().manual_seed(1), output_type="np").frames
+    assert frames.shape == (1, 5, 32, 48, 3) and np.isfinite(frames).all()
