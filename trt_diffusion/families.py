@@ -94,8 +94,9 @@ FAMILIES: dict[Family, FamilyInfo] = {
         denoiser=_T.transformer,
     ),
     Family.wan: FamilyInfo(
-        # image-to-video (image_encoder, vae_encoder) is not declared yet: text-to-video only
-        components=(_T.text_encoder, _T.transformer, _T.transformer_2, _T.vae_decoder),
+        # image_encoder (Wan 2.1 I2V's CLIP vision tower) and vae_encoder serve image-to-video (workflows.img2vid)
+        components=(_T.text_encoder, _T.image_encoder, _T.transformer, _T.transformer_2, _T.vae_encoder,
+                    _T.vae_decoder),
         default_components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
         latent_factor=16,  # the 3D VAE's 8 × the transformer's 2×2 spatial patches
         denoiser=_T.transformer,

@@ -116,6 +116,12 @@ def workflow_notes(model, specs: list[EngineSpec]) -> dict[str, str]:
                 channels = f"{checkpoint.denoiser_channels}-channel " if checkpoint and checkpoint.denoiser_channels else ""
                 how = f"mask blending on the {channels}{denoiser}, as diffusers does for non-inpainting checkpoints"
             notes[workflow.value] = f"{encoder}; {how}"
+        elif workflow is Workflow.img2vid:
+            image = ("the CLIP image encoder (1 engine, batch 1) whose embeddings the transformer attends to; "
+                     if checkpoint is not None and checkpoint.image_encoder else "")
+            notes[workflow.value] = (f"{image}{encoder.replace('bucket', 'bucket frame count')} over the image "
+                                     f"followed by black frames; the {denoiser}'s {checkpoint.denoiser_channels if checkpoint else 36}"
+                                     " input channels carry the noise, the first-frame mask and those latents")
         else:
             notes[workflow.value] = (f"{encoder}; the {denoiser} over the init image's tokens beside the noise "
                                      "tokens (twice the image-token sequence)")
@@ -174,7 +180,7 @@ def _formula(members: list[EngineSpec]) -> str:
     text = " × ".join(parts)
     frames = distinct(s.bucket.min.frames for s in members if s.bucket and fixed_frames(s.family, s.component))
     if frames:
-        text += f"; each engine at one frame count ({', '.join(map(str, frames))}: the whole-clip decode fixes it)"
+        text += f"; each engine at one frame count ({', '.join(map(str, frames))}: the whole-clip VAE fixes it)"
     if engines < len(members):  # engine_layout: profiles
         text += f" shapes as {engines} engine{'s' if engines > 1 else ''} with a profile per shape"
     return text

@@ -1,4 +1,5 @@
-"""What a request asks a model to do: text-to-image, image-to-image, inpainting or instruction editing.
+"""What a request asks a model to do: text-to-image, image-to-image, inpainting, instruction editing, or (video
+families) a clip from an image.
 
 Pure vocabulary (no torch): engines.yaml declares the workflows a model serves, the runtime and the Triton entry
 route each request by its workflow, and requests batch only with requests of the same workflow and options.
@@ -18,6 +19,7 @@ class Workflow(str, Enum):
     img2img = "img2img"  # INIT_IMAGE, STRENGTH: start from the noised image instead of pure noise
     inpaint = "inpaint"  # INIT_IMAGE, MASK (white = repaint), STRENGTH
     edit = "edit"  # INIT_IMAGE as the instruction's context (FLUX.1 Kontext): its tokens beside the image's
+    img2vid = "img2vid"  # INIT_IMAGE as the clip's first frame (Wan image-to-video checkpoints)
 
     @property
     def needs_image(self) -> bool:
@@ -44,12 +46,14 @@ FAMILY_WORKFLOWS: dict[Family, tuple[Workflow, ...]] = {
     Family.sdxl: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
     Family.sd3: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
     Family.flux: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint, Workflow.edit),
-    Family.wan: (Workflow.txt2img,),  # text-to-video: a video family's txt2img makes a clip
+    Family.wan: (Workflow.txt2img, Workflow.img2vid),  # a video family's txt2img makes a clip (text-to-video)
 }
 
 # The checkpoint (model_index.json `_class_name`) an edit workflow needs: editing is a trained skill, not a
 # sampling mode, so a plain FLUX.1 checkpoint is refused for it.
 EDIT_PIPELINE_CLASSES = ("FluxKontextPipeline",)
+# Image-to-video is a checkpoint of its own too: its transformer takes the conditioning clip's channels.
+IMAGE_TO_VIDEO_PIPELINE_CLASSES = ("WanImageToVideoPipeline",)
 
 DEFAULT_STRENGTH = {Workflow.img2img: 0.8, Workflow.inpaint: 1.0}  # diffusers' SD img2img / inpaint defaults
 
@@ -58,14 +62,20 @@ def families_that_run(workflow: Workflow) -> list[str]:
     return [family.value for family, workflows in FAMILY_WORKFLOWS.items() if workflow in workflows]
 
 
-def workflow_components(workflows) -> tuple[Component, ...]:
-    """The components the workflows add to a text-to-image release."""
-    return (Component.vae_encoder,) if any(Workflow(w).encodes_image for w in workflows) else ()
+def workflow_components(workflows, image_encoder: bool = False) -> tuple[Component, ...]:
+    """The components the workflows add to a text-to-image release; `image_encoder`: the checkpoint has one
+    (Wan 2.1 I2V), which img2vid then runs beside the VAE encoder."""
+    workflows = [Workflow(w) for w in workflows]
+    added = (Component.vae_encoder,) if any(w.encodes_image for w in workflows) else ()
+    if image_encoder and Workflow.img2vid in workflows:
+        added = (Component.image_encoder, *added)
+    return added
 
 
-def request_workflow(workflow: str | None, has_image: bool, has_mask: bool) -> Workflow:
+def request_workflow(workflow: str | None, has_image: bool, has_mask: bool, video: bool = False) -> Workflow:
     """The workflow a request asks for: WORKFLOW when given, else what its inputs imply (an INIT_IMAGE means
-    img2img, an INIT_IMAGE with a MASK inpaint). Raises ValueError for a name that is not a workflow."""
+    img2img — img2vid for a video request —, an INIT_IMAGE with a MASK inpaint). Raises ValueError for a name that
+    is not a workflow."""
     if workflow:
         try:
             return Workflow(workflow)
@@ -73,5 +83,7 @@ def request_workflow(workflow: str | None, has_image: bool, has_mask: bool) -> W
             raise ValueError(f"unknown WORKFLOW {workflow!r}; choose one of "
                              f"{', '.join(w.value for w in Workflow)}") from None
     if has_image:
-        return Workflow.inpaint if has_mask else Workflow.img2img
+        if has_mask:
+            return Workflow.inpaint
+        return Workflow.img2vid if video else Workflow.img2img
     return Workflow.txt2img

@@ -48,7 +48,7 @@ def test_wan21_plan_counts_the_video_engines(tmp_path, wan21):
     assert [s.name for s in transformers] == ["wan.transformer.32x32x5.b2.fp32", "wan.transformer.48x32x9.b2.fp32"]
     vae = next(r for r in plan.rows if r.component == "vae_decoder" and r.target == "onnxruntime")
     assert vae.formula == ("2 buckets (32x32x5, 48x32x9) × 1 batch shape (1); each engine at one frame count "
-                           "(5, 9: the whole-clip decode fixes it)")
+                           "(5, 9: the whole-clip VAE fixes it)")
     for row in plan.rows:  # the weights once per engine: unrolling the clip's frames copies no weight
         assert row.parameters and row.disk_bytes == row.engines * row.parameters * 4, row
     assert plan.workflows["wan"] == {"txt2img": "the text-to-video engines"}
@@ -72,7 +72,7 @@ def test_a_frame_range_gives_one_transformer_and_a_vae_decoder_per_frame_count(t
     vae = [s for s in plan.specs if s.component == "vae_decoder"]
     assert [(s.bucket.min, s.bucket.opt, s.bucket.max) for s in vae] == [
         tuple(Size.parse(f"{side}x{frames}") for side in ("32x32", "32x32", "48x32")) for frames in (5, 9, 13, 17)]
-    assert vae[1].reasons == ("bucket 32x32x5..48x32x17 × 9 frames (the whole-clip decoder fixes its frame count) "
+    assert vae[1].reasons == ("bucket 32x32x5..48x32x17 × 9 frames (the whole-clip VAE fixes its frame count) "
                               "× batch 1",)
     assert len({s.key for s in vae}) == 4
 

@@ -18,7 +18,8 @@ REGISTERED = [(f.value, c.value) for f, c in registered_components()]
 
 
 def _tiny(tiny_model_dir, family: str, component: str):
-    variant = "two_expert" if component == "transformer_2" else None  # only Wan 2.2's folders have it
+    # only Wan 2.2's folders have a second expert; only Wan 2.1 I2V's an image encoder
+    variant = {"transformer_2": "two_expert", "image_encoder": "i2v"}.get(component) if family == "wan" else None
     folder = tiny_model_dir(family, controlnet=component == "controlnet", variant=variant)
     controlnet_dir = folder / "controlnet" if component == "controlnet" else None
     config = load_model_config(folder, family, component, controlnet_dir)

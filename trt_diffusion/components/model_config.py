@@ -37,6 +37,7 @@ class ModelConfig:
     vae_scale_factor: int  # pixels per latent pixel
     latent_channels: int
     sequence_length: int | None  # text tokens the component takes or attends to; None for VAEs
+    image_tokens: int | None = None  # Wan 2.1 I2V's transformer: the image encoder's tokens it attends to
 
     def __getitem__(self, key: str) -> Any:
         return self.component_config[key]
@@ -46,8 +47,11 @@ class ModelConfig:
         return default if value is None else value
 
     def to_json(self) -> dict:
-        return {"component_config": dict(self.component_config), "vae_scale_factor": self.vae_scale_factor,
+        data = {"component_config": dict(self.component_config), "vae_scale_factor": self.vae_scale_factor,
                 "latent_channels": self.latent_channels, "sequence_length": self.sequence_length}
+        if self.image_tokens is not None:  # absent elsewhere: every other export's hash is unchanged
+            data["image_tokens"] = self.image_tokens
+        return data
 
 
 def read_json(path: Path) -> dict:
@@ -98,7 +102,19 @@ def load_model_config(model_dir: str | Path, family: Family | str, component: Co
         vae_scale_factor=vae_scale_factor(vae),
         latent_channels=vae_latent_channels(vae),
         sequence_length=_sequence_length(model_dir, family, component),
+        image_tokens=_image_tokens(model_dir, family, component, own),
     )
+
+
+def _image_tokens(model_dir: Path, family: Family, component: Component, own: Mapping[str, Any]) -> int | None:
+    if family is not Family.wan or not component.is_denoiser or own.get("image_dim") is None:
+        return None
+    path = model_dir / SUBFOLDER[Component.image_encoder] / "config.json"
+    if not path.is_file():
+        return None  # WanTransformer.io says what is missing
+    from .video import clip_image_tokens
+
+    return clip_image_tokens(read_json(path))
 
 
 def _sequence_length(model_dir: Path, family: Family, component: Component) -> int | None:

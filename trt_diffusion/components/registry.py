@@ -10,7 +10,7 @@ from .text_encoders import ClipTextEncoder, T5TextEncoder
 from .transformers import FluxTransformer, SD3Transformer
 from .unet import UNet
 from .vae import VaeDecoder, VaeEncoder
-from .video import UMT5TextEncoder, WanTransformer, WanVaeDecoder
+from .video import ClipImageEncoder, UMT5TextEncoder, WanTransformer, WanVaeDecoder, WanVaeEncoder
 
 _F, _C = Family, Component
 
@@ -36,6 +36,8 @@ def _build() -> dict[tuple[Family, Component], ComponentDef]:
         WanTransformer(_F.wan, _C.transformer),
         WanTransformer(_F.wan, _C.transformer_2),
         WanVaeDecoder(_F.wan, _C.vae_decoder),
+        WanVaeEncoder(_F.wan, _C.vae_encoder),
+        ClipImageEncoder(_F.wan, _C.image_encoder),
     ]
     for family in Family:
         if not family_info(family).is_video:  # a video family declares its own VAE (above)

@@ -1,5 +1,5 @@
-"""Wan 2.x video components: the UMT5 text encoder, the 3D transformer (both experts of Wan 2.2) and the
-causal 3D VAE decoder.
+"""Wan 2.x video components: the UMT5 text encoder, the 3D transformer (both experts of Wan 2.2), the causal 3D
+VAE decoder and, for image-to-video, the VAE encoder and Wan 2.1 I2V's CLIP vision encoder.
 
 Video tensors are [B, C, frames, height, width]; the latent frame axis is `LATENT_FRAMES` ((F - 1) / 4 + 1 for
 Wan's temporal factor 4), the decoder's pixel frames follow from it (4 × latent frames - 3).
@@ -30,6 +30,7 @@ from .base import (
     rng,
     timesteps,
 )
+from ..errors import ModelError
 from .model_config import ModelConfig
 
 
@@ -79,9 +80,11 @@ class UMT5TextEncoder(ComponentDef):
 
 
 class _WanTransformerWrapper(ExportWrapper):
-    def compute(self, hidden_states, timestep, encoder_hidden_states):
+    def compute(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image=None):
+        image = None if encoder_hidden_states_image is None else self.cast(encoder_hidden_states_image)
         return self.model(hidden_states=self.cast(hidden_states), timestep=timestep,
-                          encoder_hidden_states=self.cast(encoder_hidden_states), return_dict=False)[0]
+                          encoder_hidden_states=self.cast(encoder_hidden_states),
+                          encoder_hidden_states_image=image, return_dict=False)[0]
 
 
 class WanTransformer(ComponentDef):
@@ -90,6 +93,11 @@ class WanTransformer(ComponentDef):
     Inputs: `hidden_states` [B,C,f,h,w] latents, `timestep` [B] (the scheduler's timestep, 0..1000, as
     WanPipeline passes it), `encoder_hidden_states` [B,S,D] (UMT5 states, zero past each prompt's length).
     Wan 2.2's `transformer_2` (the low-noise expert) has the same declaration.
+
+    Image-to-video checkpoints take 36 channels (WanImageToVideoPipeline concatenates the noise, the first-frame
+    mask and the conditioning clip's latents); Wan 2.1 I2V's (config `image_dim`) also takes
+    `encoder_hidden_states_image` [B,T,image_dim], the CLIP image encoder's output, T from the model folder's
+    image_encoder (ModelConfig.image_tokens).
     """
 
     kind = "wan_transformer"
@@ -99,14 +107,20 @@ class WanTransformer(ComponentDef):
 
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
         channels = int(config["in_channels"])
-        out_channels = int(config.get("out_channels", channels))
+        out_channels = int(config.get("out_channels", 16))
+        inputs = (
+            TensorDecl("hidden_states", "float32", (BATCH, channels, LATENT_FRAMES, HEIGHT, WIDTH)),
+            TensorDecl("timestep", "float32", (BATCH,)),
+            TensorDecl("encoder_hidden_states", "float32", (BATCH, config.sequence_length, int(config["text_dim"]))),
+        )
+        if config.get("image_dim") is not None:
+            if not config.image_tokens:
+                raise ModelError("this Wan transformer attends to image embeddings (image_dim in its config.json), "
+                                 "but the model folder has no image_encoder/config.json to size them")
+            inputs += (TensorDecl("encoder_hidden_states_image", "float32",
+                                  (BATCH, config.image_tokens, int(config["image_dim"]))),)
         return ComponentIO(
-            inputs=(
-                TensorDecl("hidden_states", "float32", (BATCH, channels, LATENT_FRAMES, HEIGHT, WIDTH)),
-                TensorDecl("timestep", "float32", (BATCH,)),
-                TensorDecl("encoder_hidden_states", "float32",
-                           (BATCH, config.sequence_length, int(config["text_dim"]))),
-            ),
+            inputs=inputs,
             outputs=(TensorDecl("noise_pred", "float32", (BATCH, out_channels, LATENT_FRAMES, HEIGHT, WIDTH)),),
         )
 
@@ -116,8 +130,11 @@ class WanTransformer(ComponentDef):
     def dummy_inputs(self, config, options, geometry, seed=0):
         gen = rng(seed, geometry)
         shapes = self.shapes(config, options, geometry)
-        return {"hidden_states": normal(gen, shapes["hidden_states"]), "timestep": timesteps(gen, geometry.batch),
-                "encoder_hidden_states": normal(gen, shapes["encoder_hidden_states"])}
+        feeds = {"hidden_states": normal(gen, shapes["hidden_states"]), "timestep": timesteps(gen, geometry.batch),
+                 "encoder_hidden_states": normal(gen, shapes["encoder_hidden_states"])}
+        if "encoder_hidden_states_image" in shapes:
+            feeds["encoder_hidden_states_image"] = normal(gen, shapes["encoder_hidden_states_image"])
+        return feeds
 
 
 class _WanDecoderWrapper(ExportWrapper):
@@ -152,3 +169,71 @@ class WanVaeDecoder(ComponentDef):
 
     def dummy_inputs(self, config, options, geometry, seed=0):
         return {"latent": normal(rng(seed, geometry), self.shapes(config, options, geometry)["latent"])}
+
+
+class _WanEncoderWrapper(ExportWrapper):
+    def compute(self, video):
+        return self.model.encode(self.cast(video), return_dict=False)[0].mode()
+
+
+class WanVaeEncoder(ComponentDef):
+    """AutoencoderKLWan.encode: `video` [B,3,F,H,W] in [-1, 1] -> `latent` [B,16,f,h,w], the latent distribution's
+    mode (WanImageToVideoPipeline's `retrieve_latents(..., sample_mode="argmax")`), before latents_mean/std.
+
+    Image-to-video encodes the whole conditioning clip (the image, then F - 1 black frames), so like the decoder
+    its causal cache is unrolled over the frames and the frame count is fixed per engine (expand.fixed_frames).
+    """
+
+    kind = "wan_vae_encoder"
+
+    def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
+        image_height, image_width = image_dims(config.vae_scale_factor)
+        return ComponentIO(
+            inputs=(TensorDecl("video", "float32", (BATCH, 3, pixel_frames(self.family), image_height, image_width)),),
+            outputs=(TensorDecl("latent", "float32", (BATCH, config.latent_channels, LATENT_FRAMES, HEIGHT, WIDTH)),),
+        )
+
+    def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
+        return _WanEncoderWrapper(module, ["video"], compute_dtype).eval()
+
+    def dummy_inputs(self, config, options, geometry, seed=0):
+        shape = self.shapes(config, options, geometry)["video"]
+        return {"video": rng(seed, geometry).uniform(-1.0, 1.0, size=shape).astype("float32")}
+
+
+class _ClipVisionWrapper(ExportWrapper):
+    def compute(self, pixel_values):
+        return self.model(pixel_values=self.cast(pixel_values), output_hidden_states=True).hidden_states[-2]
+
+
+class ClipImageEncoder(ComponentDef):
+    """CLIPVisionModel -> `image_embeds` [B,T,D]: the penultimate layer's hidden states, as
+    WanImageToVideoPipeline.encode_image takes them (`hidden_states[-2]`), T = (side / patch)^2 + 1.
+
+    `pixel_values` [B,3,S,S] is the folder's CLIPImageProcessor output (resized, centre-cropped to the tower's
+    side S, normalized), computed on the host by the runtime with that same processor.
+    """
+
+    kind = "clip_image_encoder"
+
+    @property
+    def resolution_dependent(self) -> bool:
+        return False
+
+    def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
+        side, hidden = int(config["image_size"]), int(config["hidden_size"])
+        return ComponentIO(
+            inputs=(TensorDecl("pixel_values", "float32", (BATCH, int(config.get("num_channels", 3)), side, side)),),
+            outputs=(TensorDecl("image_embeds", "float32", (BATCH, clip_image_tokens(config), hidden)),),
+        )
+
+    def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
+        return _ClipVisionWrapper(module, ["pixel_values"], compute_dtype).eval()
+
+    def dummy_inputs(self, config, options, geometry, seed=0):
+        return {"pixel_values": normal(rng(seed, geometry), self.shapes(config, options, geometry)["pixel_values"])}
+
+
+def clip_image_tokens(vision_config: Mapping[str, Any]) -> int:
+    """A CLIP vision tower's tokens: one per patch, plus the class token."""
+    return (int(vision_config["image_size"]) // int(vision_config["patch_size"])) ** 2 + 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 
+from ..errors import ConfigError
 from ..families import LORA_TEXT_ENCODERS, Component, Family, family_info
 from ..workflows import Workflow
 from .engine_spec import Bucket, EngineSpec, LoraVariant, Size
@@ -31,11 +32,11 @@ from .schema import CfgMode, LoraMode
 
 
 def fixed_frames(family: Family | str, component: Component | str) -> bool:
-    """Whether this component's graph fixes the frame count: a video VAE decoder decodes the whole clip in one
+    """Whether this component's graph fixes the frame count: a video VAE decoder (and encoder) runs the whole clip in one
     call, and its causal cache, run frame by frame, is unrolled by the exporter over the latent frames, whose count
     it then freezes (dynamo does so silently: FACTS.md). So it gets one ONNX and one engine per frame count, the
     way TensorRT's Wan demo builds it, while the transformer takes a frame range."""
-    return Component(component) is Component.vae_decoder and family_info(Family(family)).is_video
+    return Component(component).is_vae and family_info(Family(family)).is_video
 
 
 def frame_buckets(bucket: Bucket, temporal_factor: int) -> list[Bucket]:
@@ -152,20 +153,24 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
                             yield make(component, batch, bucket,
                                        [f"bucket {bucket.label} × {w}{lora_why}" for w in why],
                                        lora_variant=variant, refittable=model.refittable and variant is None)
-            elif component is Component.vae_encoder:  # the init image, once per request (its rows repeat it)
+            elif component is Component.image_encoder:  # the conditioning image, once per request
                 uses = [w.value for w in model.workflows if w.encodes_image] or ["listed in components"]
-                for bucket in model.buckets:
-                    yield make(component, 1, bucket, [f"bucket {bucket.label} × init image ({', '.join(uses)})"])
+                yield make(component, 1, None, [f"init image ({', '.join(uses)})"])
             elif component.is_vae:
                 temporal = family_info(model.family).temporal_factor
+                encoder = component is Component.vae_encoder  # the init image, once per request (rows repeat it)
+                uses = [w.value for w in model.workflows if w.encodes_image] or ["listed in components"]
+                batches = {1: [f"init image ({', '.join(uses)})"]} if encoder else image_batches
                 for bucket in model.buckets:
                     split = frame_buckets(bucket, temporal) if fixed_frames(model.family, component) else [bucket]
                     for engine_bucket in split:
                         where = f"bucket {bucket.label}" + (
-                            f" × {engine_bucket.min.frames} frames (the whole-clip decoder fixes its frame count)"
+                            f" × {engine_bucket.min.frames} frames (the whole-clip VAE fixes its frame count)"
                             if len(split) > 1 else "")
-                        for batch, why in image_batches.items():
+                        for batch, why in batches.items():
                             yield make(component, batch, engine_bucket, [f"{where} × {w}" for w in why])
+            else:  # a component added to families.py without an engine rule here
+                raise ConfigError(f"{model.name}: no engine rule for the {model.family.value} {component.value}")
         for cn_name, cn_source in sorted(model.controlnets.items()):
             for bucket in model.buckets:
                 for batch, why in cfg_batches.items():

@@ -12,7 +12,14 @@ from pydantic import ValidationError
 
 from ..errors import ConfigError
 from ..families import SUBFOLDER, Component, Family, family_info, family_of_pipeline_class
-from ..workflows import EDIT_PIPELINE_CLASSES, FAMILY_WORKFLOWS, Workflow, families_that_run, workflow_components
+from ..workflows import (
+    EDIT_PIPELINE_CLASSES,
+    FAMILY_WORKFLOWS,
+    IMAGE_TO_VIDEO_PIPELINE_CLASSES,
+    Workflow,
+    families_that_run,
+    workflow_components,
+)
 from ..workspace.urls import check_workspace_url, local_workspace
 from .engine_spec import Bucket, Size
 from .preflight import PreflightSettings
@@ -78,6 +85,7 @@ class CheckpointKind:
     denoiser_channels: int | None  # the denoiser's input channels
     latent_channels: int | None  # the VAE's
     second_expert: bool = False  # model_index.json names a transformer_2 (Wan 2.2's low-noise expert)
+    image_encoder: bool = False  # model_index.json names an image_encoder (Wan 2.1 I2V's CLIP vision tower)
 
     @property
     def inpainting(self) -> bool:
@@ -93,13 +101,25 @@ class CheckpointKind:
         return self.pipeline_class in EDIT_PIPELINE_CLASSES
 
     @property
+    def image_to_video(self) -> bool:
+        return self.pipeline_class in IMAGE_TO_VIDEO_PIPELINE_CLASSES
+
+    @property
     def natural_workflows(self) -> tuple[Workflow, ...]:
         """The workflows the checkpoint serves when engines.yaml does not say."""
+        if self.image_to_video:
+            return (Workflow.img2vid,)
         if self.inpainting:
             return (Workflow.inpaint,)
         return (Workflow.edit,) if self.editing else (Workflow.txt2img,)
 
     def refusal(self, workflow: Workflow) -> str | None:
+        if workflow is Workflow.img2vid and not self.image_to_video:
+            return (f"img2vid needs an image-to-video checkpoint ({', '.join(IMAGE_TO_VIDEO_PIPELINE_CLASSES)} in "
+                    f"model_index.json; this folder names {self.pipeline_class}, whose transformer takes no image)")
+        if self.image_to_video and workflow is not Workflow.img2vid:
+            return (f"a {self.pipeline_class} checkpoint's transformer takes the conditioning image's latents "
+                    f"({self.denoiser_channels} input channels): it runs img2vid only")
         if self.inpainting and workflow is not Workflow.inpaint:
             return (f"this checkpoint's denoiser takes {self.denoiser_channels} input channels (an inpainting "
                     f"checkpoint): it runs inpaint only")
@@ -435,7 +455,8 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     }
     checkpoint = _checkpoint_kind(source.path, entry.family) if check_sources and source.path.is_dir() else None
     workflows = _resolve_workflows(entry, defaults, checkpoint, base, problems)
-    needed = [c for c in workflow_components(workflows) if c not in components]
+    added = workflow_components(workflows, image_encoder=checkpoint is not None and checkpoint.image_encoder)
+    needed = [c for c in added if c not in components]
     if needed and _merged(entry, defaults, "components") is not None:
         where = base + ("components",) if entry.components is not None else ("defaults", "components")
         problems.add(where, f"workflows {', '.join(w.value for w in workflows if w.encodes_image)} encode the "
@@ -505,10 +526,13 @@ def _checkpoint_kind(folder: Path, family: Family) -> CheckpointKind:
     latent = read(folder / "vae" / "config.json").get("latent_channels")
     index = read(folder / "model_index.json")
     class_name = index.get("_class_name")
-    expert = index.get(Component.transformer_2.value)  # ["diffusers", "WanTransformer3DModel"]; [null, null]: none
+    def named(component: Component) -> bool:  # ["diffusers", "WanTransformer3DModel"]; [null, null]: none
+        entry = index.get(component.value)
+        return isinstance(entry, list) and bool(entry) and entry[0] is not None
+
     return CheckpointKind(class_name if isinstance(class_name, str) else None,
                           channels if isinstance(channels, int) else None, latent if isinstance(latent, int) else None,
-                          second_expert=isinstance(expert, list) and bool(expert) and expert[0] is not None)
+                          second_expert=named(Component.transformer_2), image_encoder=named(Component.image_encoder))
 
 
 def _check_bucket_geometry(data: dict, problems: _Problems) -> None:

@@ -10,7 +10,10 @@
 3. onnx-graphsurgeon folds constants, removes dead nodes and sorts — with the parameters hidden from it
    as graph inputs, so no weight is folded into a new, unnamed constant (a Linear weight's Transpose, say):
    refit finds every weight under its torch name. The result must pass ONNX's type-checked, strict
-   shape inference, or folding is retried more conservatively.
+   shape inference, or folding is retried more conservatively. graphsurgeon folds a `Shape` node to its
+   input's whole shape, ignoring opset 15's `start`/`end` (a bias-free Conv's zero bias is
+   `Expand(0, Shape(weight, end=1))`: CLIP's patch embedding got a [32, 3, 14, 14] bias), so such nodes are
+   first rewritten as a whole `Shape` and a `Slice`, which it folds right.
 4. Weights are streamed into one `<name>.onnx.data` file beside the graph, without loading them all.
 
 Only the graph skeleton (small constants included) is ever held in memory.
@@ -67,6 +70,7 @@ def finalize_graph(raw_path: Path, out_path: Path, io: ComponentIO, parameter_na
     weights = _detach_parameters(model.graph, exported_parameters)
     _load_small_tensors(model.graph, raw_path.parent)
     _typed_constants(model.graph)
+    _explicit_shape_slices(model.graph)
     _fold_and_clean(model, label)
     model = onnx.load_from_string(model.SerializeToString())  # fresh proto after graphsurgeon
     _attach_parameters(model.graph, weights)
@@ -244,6 +248,26 @@ def _typed_constants(graph: onnx.GraphProto) -> None:
             tensor = helper.make_tensor(node.output[0], dtype, [len(values)] if is_list else [], values)
             del node.attribute[:]
             node.attribute.append(helper.make_attribute("value", tensor))
+
+
+def _explicit_shape_slices(graph: onnx.GraphProto) -> None:
+    """Shape(x, start=a, end=b) -> Slice(Shape(x), [a], [b], [0]): the same values, in a form graphsurgeon's
+    shape folding does not get wrong (see the module docstring)."""
+    nodes = []
+    for node in graph.node:
+        bounds = {a.name: a.i for a in node.attribute if a.name in ("start", "end")}
+        if node.op_type != "Shape" or not bounds:
+            nodes.append(node)
+            continue
+        whole = f"{node.output[0]}__whole_shape"
+        starts, ends, axes = (f"{node.output[0]}__{name}" for name in ("starts", "ends", "axes"))
+        nodes.append(helper.make_node("Shape", [node.input[0]], [whole], name=f"{node.name}__whole"))
+        for name, value in ((starts, bounds.get("start", 0)), (ends, bounds.get("end", 2**62)), (axes, 0)):
+            nodes.append(helper.make_node("Constant", [], [name], name=f"{name}__const",
+                                          value=helper.make_tensor(name, TensorProto.INT64, [1], [value])))
+        nodes.append(helper.make_node("Slice", [whole, starts, ends, axes], list(node.output), name=node.name))
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 def _fold_and_clean(model: onnx.ModelProto, label: str) -> None:
