@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ModelError
 from ..families import Family, family_info
 from .base import (
     BATCH,
@@ -30,7 +31,6 @@ from .base import (
     rng,
     timesteps,
 )
-from ..errors import ModelError
 from .model_config import ModelConfig
 
 
