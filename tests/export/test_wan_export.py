@@ -142,3 +142,29 @@ def test_a_frames_axis_the_exporter_freezes_is_refused(wan22, tmp_path):
     names = {name for name, _ in module.named_parameters()}
     with pytest.raises(ExportError, match=r"froze dims declared dynamic.*'latent' dim 2 \(latent_frames\) is fixed at 3"):
         finalize_graph(raw, tmp_path / "model.onnx", io, names, "model.", "vae")
+
+
+def test_a_transformer_too_large_to_check_at_its_bucket_is_checked_smaller():
+    """The 1.3B Wan transformer at 832x480x17 (config only, no weights): one attention score tensor at the widened
+    corner would be 8.7 GiB, so the same dynamic graph is traced and checked at smaller shapes whose scores fit the
+    budget; its dims still span the bucket."""
+    from trt_diffusion.components.model_config import ModelConfig
+    from trt_diffusion.export.shapes import CHECK_SCORE_BYTES
+    from trt_diffusion.models.tiny_video import WAN_1_3B_TRANSFORMER
+
+    config = ModelConfig(dict(WAN_1_3B_TRANSFORMER), vae_scale_factor=8, latent_channels=16, sequence_length=512)
+    definition = get_component("wan", "transformer")
+    (group,) = group_specs([_spec("transformer", _static("832x480x17"))])
+    shapes = export_shapes(group, definition, config)
+    assert [g.label() for g in shapes.parity] == ["batch 1, 416x240x5", "batch 2, 432x256x9"]
+    assert shapes.example == shapes.parity[1]
+    assert all(definition.attention_score_bytes(config, g) <= CHECK_SCORE_BYTES for g in shapes.parity)
+    assert shapes.ranges["frames"] == (2, 6) and shapes.ranges["height"] == (30, 62)  # the bucket and the checks
+    assert "at batch 2, 848x496x21 one attention score tensor is 8.7 GiB" in shapes.to_json()["smaller_check"]
+
+
+def test_the_tiny_transformer_is_checked_at_its_bucket(wan22):
+    config = load_model_config(wan22, "wan", "transformer")
+    (group,) = group_specs([_spec("transformer", _static("32x32x5"), batch=2)])
+    shapes = export_shapes(group, get_component("wan", "transformer"), config)
+    assert shapes.smaller_check is None and "smaller_check" not in shapes.to_json()

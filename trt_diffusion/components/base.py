@@ -145,6 +145,13 @@ class ComponentDef(ABC):
         """The packed-token axis (only FLUX uses it)."""
         return 0
 
+    def attention_score_bytes(self, config: ModelConfig, geometry: Geometry) -> int | None:
+        """Bytes of one fp32 self-attention score tensor at `geometry` (batch × heads × tokens²), the largest
+        activation an unfused runtime (the export check's ONNX Runtime session) materializes; None where the
+        component does not say. The export checks a component whose scores would pass a budget at smaller
+        shapes of the same dynamic graph (export/shapes.py)."""
+        return None
+
     # --- torch side --------------------------------------------------------------------------
 
     @abstractmethod

@@ -124,6 +124,12 @@ class WanTransformer(ComponentDef):
             outputs=(TensorDecl("noise_pred", "float32", (BATCH, out_channels, LATENT_FRAMES, HEIGHT, WIDTH)),),
         )
 
+    def attention_score_bytes(self, config: ModelConfig, geometry: Geometry) -> int | None:
+        axes = self.axis_values(config, geometry)
+        _, patch_h, patch_w = config.get("patch_size", (1, 2, 2))
+        tokens = axes["frames"] * (axes["height"] // patch_h) * (axes["width"] // patch_w)
+        return 4 * geometry.batch * int(config["num_attention_heads"]) * tokens * tokens
+
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
         return _WanTransformerWrapper(module, self.io(config, options).input_names, compute_dtype).eval()
 

@@ -6,6 +6,14 @@ dynamic, the exporter never sees a size-1 example (torch.export specializes thos
 
 A group whose graph fixes its frame count (grouping.frame_counts: a whole-clip video VAE decoder) is exported at
 that count: its frames axis is `fixed`, and the graph's I/O says the count instead of a dim name (`graph_io`).
+
+Where checking at the bucket's corners would not fit in memory — a component whose one attention score tensor
+(`ComponentDef.attention_score_bytes`) passes CHECK_SCORE_BYTES there: a 1.3B Wan transformer at 480p × 17 frames,
+2 × 9,858 tokens, has 9.3 GB scores per tensor — the export traces and checks the same dynamic graph at smaller
+shapes instead (`_checkable`): the fewest latent frames that stay dynamic and sides halved until the scores fit,
+each corner widened by one step as above. Every dim is symbolic (and checked so by graph_passes), so the
+arithmetic checked there is the bucket's; the engines are still built for the bucket, and `parity` judges them
+there, in images.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ class ExportShapes:
     parity: tuple[Geometry, ...]  # where ONNX Runtime is checked against PyTorch: min, opt, max corners
     pixels: tuple[Size, Size] | None = None  # smallest and largest image size covered
     fixed: dict[str, int] = field(default_factory=dict)  # axis -> its one value, where the graph cannot vary it
+    smaller_check: str | None = None  # why the trace and check run below the bucket's shapes (see the docstring)
 
     def label(self) -> str:
         """e.g. 'batch 1-2, 64x64..128x128'"""
@@ -62,6 +71,8 @@ class ExportShapes:
                 "example": self.example.label(), "parity": [g.label() for g in self.parity], "label": self.label()}
         if self.fixed:  # absent for image families: their export hashes are unchanged
             data["fixed"] = dict(self.fixed)
+        if self.smaller_check:  # absent where the check runs at the bucket's corners
+            data["smaller_check"] = self.smaller_check
         return data
 
 
@@ -94,7 +105,44 @@ def export_shapes(group: ExportGroup, definition: ComponentDef, config: ModelCon
         ranges[axis] = (definition.axis_values(config, low)[axis], definition.axis_values(config, high)[axis])
     fixed = {"frames": ranges["frames"][0]} if group.frames else {}
     parity = tuple(dict.fromkeys([low, opt, high]))
-    return ExportShapes(ranges, alignment, high, parity, pixels=(low.size, high.size), fixed=fixed)
+    shapes = ExportShapes(ranges, alignment, high, parity, pixels=(low.size, high.size), fixed=fixed)
+    return _checkable(shapes, definition, config, step, 0 if group.frames else family_info(group.family).temporal_factor)
+
+
+CHECK_SCORE_BYTES = 512 << 20
+"""The largest attention score tensor the export check may materialize. ONNX Runtime holds a couple of them at a
+time beside its copy of the weights: at 512 MiB the check stays near 1.5× the weights of any model large enough to
+need this (the 1.3B Wan transformer: 5.68 GB of fp32 weights)."""
+
+
+def _checkable(shapes: ExportShapes, definition: ComponentDef, config: ModelConfig, step: int,
+               temporal: int) -> ExportShapes:
+    """`shapes`, or the same export traced and checked at smaller shapes where the bucket's scores pass the budget."""
+    def scores(geometry: Geometry) -> int:
+        return definition.attention_score_bytes(config, geometry) or 0
+
+    worst = max(shapes.parity, key=scores)
+    if scores(worst) <= CHECK_SCORE_BYTES:
+        return shapes
+    low_corner = shapes.parity[0]
+    frames = min(low_corner.size.frames, 1 + temporal) if temporal else low_corner.size.frames  # 2 latent frames
+    width, height = low_corner.size.width, low_corner.size.height
+
+    def corners(width: int, height: int) -> tuple[Geometry, Geometry]:
+        low = Geometry(low_corner.batch, Size(width, height, frames))
+        return low, Geometry(shapes.example.batch, Size(width + step, height + step, frames + temporal))
+
+    low, high = corners(width, height)
+    while scores(high) > CHECK_SCORE_BYTES and (width > 2 * step or height > 2 * step):
+        width, height = (max(2 * step, side // 2 // step * step) for side in (width, height))
+        low, high = corners(width, height)
+    ranges = dict(shapes.ranges)
+    for axis in AXES[1:]:  # the export's dims span the bucket and the checked shapes
+        low_value, high_value = definition.axis_values(config, low)[axis], definition.axis_values(config, high)[axis]
+        ranges[axis] = (min(ranges[axis][0], low_value), max(ranges[axis][1], high_value))
+    why = (f"checked at {low.label()} and {high.label()}: at {worst.label()} one attention score tensor is "
+           f"{scores(worst) / 2**30:.1f} GiB (budget {CHECK_SCORE_BYTES / 2**30:.1f} GiB)")
+    return replace(shapes, ranges=ranges, example=high, parity=(low, high), smaller_check=why)
 
 
 def _widened(values: list[int], step: int) -> tuple[int, int]:
