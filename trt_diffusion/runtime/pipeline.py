@@ -23,7 +23,14 @@ from ..engines_file.engine_spec import Size
 from ..engines_file.schema import CfgMode
 from ..errors import RuntimeInputError
 from ..families import Family, family_info
-from ..workflows import DEFAULT_STRENGTH, EDIT_PIPELINE_CLASSES, FAMILY_WORKFLOWS, Workflow, request_workflow
+from ..workflows import (
+    DEFAULT_STRENGTH,
+    EDIT_PIPELINE_CLASSES,
+    FAMILY_WORKFLOWS,
+    IMAGE_TO_VIDEO_PIPELINE_CLASSES,
+    Workflow,
+    request_workflow,
+)
 from . import conditioning
 from .cfg_parallel import at_once, cfg_modes
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
@@ -50,8 +57,8 @@ class GenerationRequest:
     controlnet: str | None = None
     control_image: np.ndarray | None = None  # uint8 [H, W, 3]
     controlnet_scale: float = 1.0
-    workflow: str | None = None  # None: what init_image/mask imply (workflows.request_workflow)
-    init_image: np.ndarray | None = None  # uint8 [H, W, 3], the bucket's size (never resized)
+    workflow: str | None = None  # None: what init_image/mask/frames imply (workflows.request_workflow)
+    init_image: np.ndarray | None = None  # uint8 [H, W, 3], the bucket's size (never resized); img2vid: frame 1
     mask: np.ndarray | None = None  # uint8 [H, W]; white (>= 128) is repainted
     strength: float | None = None  # (0, 1]; None: the workflow's default (workflows.DEFAULT_STRENGTH)
     frames: int = 0  # a video family's clip length (Wan: 4k+1); 0: an image
@@ -59,7 +66,8 @@ class GenerationRequest:
 
     @property
     def resolved_workflow(self) -> Workflow:
-        return request_workflow(self.workflow, self.init_image is not None, self.mask is not None)
+        video = isinstance(self.frames, (int, float, np.number)) and self.frames > 0  # a bad FRAMES is named apart
+        return request_workflow(self.workflow, self.init_image is not None, self.mask is not None, video=video)
 
     @property
     def resolved_strength(self) -> float:
@@ -71,6 +79,7 @@ class GenerationRequest:
 @dataclass
 class StageTimings:
     text_encode_s: float = 0.0
+    image_encode_s: float = 0.0  # img2vid: the CLIP image embeds and the conditioning clip's VAE encode
     step_s: list[float] = field(default_factory=list)
     vae_decode_s: float = 0.0
     batch: int = 1  # requests whose rows shared the denoiser calls (generate_batch)
@@ -78,11 +87,12 @@ class StageTimings:
 
     @property
     def total_s(self) -> float:
-        return self.text_encode_s + sum(self.step_s) + self.vae_decode_s
+        return self.text_encode_s + self.image_encode_s + sum(self.step_s) + self.vae_decode_s
 
     def to_json(self) -> dict:
-        return {"text_encode_s": self.text_encode_s, "steps_s": self.step_s, "vae_decode_s": self.vae_decode_s,
-                "total_s": self.total_s, "batch": self.batch, "wait_s": self.wait_s}
+        return {"text_encode_s": self.text_encode_s, "image_encode_s": self.image_encode_s, "steps_s": self.step_s,
+                "vae_decode_s": self.vae_decode_s, "total_s": self.total_s, "batch": self.batch,
+                "wait_s": self.wait_s}
 
 
 @dataclass
@@ -174,7 +184,7 @@ class EnginePipeline:
             shift_factor=self.shift_factor, denoiser=denoiser)
         self.wan = None if self.family is not Family.wan else WanLoop(
             runners, self.index, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
-            vae_scale_factor=self.vae_scale_factor, parallel_cfg=self.parallel_cfg)
+            vae_scale_factor=self.vae_scale_factor, parallel_cfg=self.parallel_cfg, model_dir=self.model_dir)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
 
     @contextlib.contextmanager
@@ -196,18 +206,25 @@ class EnginePipeline:
     def _served_workflows(self) -> tuple[Workflow, ...]:
         """What the runners can serve when the caller does not say (engines.yaml's `workflows` does): an
         inpainting denoiser (mask and masked-image channels) serves inpaint only; image workflows need the VAE
-        encoder; edit needs an edit checkpoint."""
+        encoder; edit needs an edit checkpoint, img2vid an image-to-video one (which serves img2vid alone) and,
+        for Wan 2.1 I2V, the CLIP image encoder too."""
         possible = FAMILY_WORKFLOWS[self.family]
         if self._inpainting_denoiser:
             possible = (Workflow.inpaint,)
-        edit_checkpoint = self.index.get("_class_name") in EDIT_PIPELINE_CLASSES
-        possible = tuple(w for w in possible if (w is Workflow.edit) == edit_checkpoint)
+        checkpoint = self.index.get("_class_name")
+        for workflow, classes in ((Workflow.edit, EDIT_PIPELINE_CLASSES),
+                                  (Workflow.img2vid, IMAGE_TO_VIDEO_PIPELINE_CLASSES)):
+            possible = tuple(w for w in possible if (w is workflow) == (checkpoint in classes))
         if not self.runners.has("vae_encoder"):
             possible = tuple(w for w in possible if not w.needs_image)
+        if self._img2vid_runners_missing():
+            possible = tuple(w for w in possible if w is not Workflow.img2vid)
         return possible
 
     @property
     def _inpainting_denoiser(self) -> bool:
+        if self.index.get("_class_name") in IMAGE_TO_VIDEO_PIPELINE_CLASSES:
+            return False  # its extra channels are the first-frame mask and the image's clip latents
         channels = self.denoiser_config["in_channels"]
         if self.family is Family.flux:
             channels //= 4  # packed 2x2 patches
@@ -269,16 +286,27 @@ class EnginePipeline:
             return [str(err)]
         problems = []
         served = ", ".join(w.value for w in self.workflows)
+        missing = self._img2vid_runners_missing() if workflow is Workflow.img2vid else None
         if workflow not in self.workflows:
             checkpoint = self.index.get("_class_name")
             if workflow not in FAMILY_WORKFLOWS[self.family]:
                 why = f"the {self.family.value} family has no {workflow.value} workflow"
             elif workflow is Workflow.edit and checkpoint not in EDIT_PIPELINE_CLASSES:
                 why = f"edit needs an edit checkpoint ({', '.join(EDIT_PIPELINE_CLASSES)}), this one is {checkpoint}"
+            elif workflow is Workflow.img2vid and checkpoint not in IMAGE_TO_VIDEO_PIPELINE_CLASSES:
+                why = (f"img2vid needs an image-to-video checkpoint ({', '.join(IMAGE_TO_VIDEO_PIPELINE_CLASSES)}), "
+                       f"this one is {checkpoint}, whose transformer takes no image")
+            elif checkpoint in IMAGE_TO_VIDEO_PIPELINE_CLASSES and workflow is not Workflow.img2vid:
+                why = (f"this {checkpoint} checkpoint makes a clip from its first frame (its transformer takes the "
+                       f"image's latents beside the noise): give INIT_IMAGE")
+            elif missing:
+                why = missing
             else:
                 why = "it is not in this model's workflows"
             given = " (a MASK asks for inpaint)" if request.mask is not None and not request.workflow else ""
             problems.append(f"WORKFLOW {workflow.value}{given} is not served: {why} (served: {served})")
+        elif missing:  # declared in engines.yaml, without the encoders it runs
+            problems.append(f"WORKFLOW img2vid is not served: {missing}")
         if request.mask is not None and request.init_image is None:
             problems.append("a MASK needs the INIT_IMAGE it masks")
         if workflow.needs_image and request.init_image is None:
@@ -288,7 +316,8 @@ class EnginePipeline:
         if workflow.needs_mask and request.mask is None and request.init_image is not None:
             problems.append("WORKFLOW inpaint needs MASK")
         if not workflow.needs_mask and request.mask is not None:
-            problems.append(f"WORKFLOW {workflow.value} takes no MASK (inpaint does)")
+            hint = " (inpaint does)" if Workflow.inpaint in FAMILY_WORKFLOWS[self.family] else ""
+            problems.append(f"WORKFLOW {workflow.value} takes no MASK{hint}")
         expected = (request.height, request.width)
         for name, value, shape in (("INIT_IMAGE", request.init_image, expected + (3,)),
                                    ("MASK", request.mask, expected)):
@@ -309,6 +338,14 @@ class EnginePipeline:
                 problems.append(f"STRENGTH {request.strength} keeps no step of {request.steps}: raise STEPS "
                                 "or STRENGTH")
         return problems
+
+    def _img2vid_runners_missing(self) -> str | None:
+        """Why an image-to-video checkpoint's img2vid cannot run here, where an encoder it needs is not served."""
+        image = self.wan.image if self.wan is not None else None
+        missing = [] if image is None else [c for c in image.components if not self.runners.has(c)]
+        if not missing:
+            return None
+        return f"it runs {' and '.join(image.components)} on INIT_IMAGE, but no {' or '.join(missing)} runner is served"
 
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
         size = self.validate(request)

@@ -12,6 +12,9 @@ reference runners reproduce its videos bit for bit:
   so split's video bit for bit in less wall time where there are cores or devices for both (runtime/cfg_parallel.py).
 - Wan 2.2's two experts: boundary = boundary_ratio × num_train_timesteps; t >= boundary runs `transformer` with
   guidance_scale, below it `transformer_2` with guidance_scale_2 (default guidance_scale).
+- image-to-video (img2vid, an I2V checkpoint: WanImageToVideoPipeline): the noise has the VAE's z_dim channels,
+  the first-frame mask and the image's clip latents are concatenated to it at every call, and Wan 2.1 I2V's
+  transformer also gets the CLIP image embeds (runtime/video_conditioning.py says how each is made).
 - decode: latents / (1 / latents_std) + latents_mean in torch as diffusers writes it, the vae_decoder runner, then
   the image families' uint8 conversion (VideoProcessor's, per frame; pipeline.py) → [rows, F, H, W, 3].
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,8 +36,10 @@ import torch
 from ..engines_file.engine_spec import Size
 from ..errors import RuntimeInputError
 from ..families import FAMILIES, WAN_TEXT_LENGTH, Family, family_info
+from ..workflows import IMAGE_TO_VIDEO_PIPELINE_CLASSES
 from .cfg_parallel import at_once
 from .schedulers import make_scheduler
+from .video_conditioning import ImageConditioner
 
 if TYPE_CHECKING:
     from .pipeline import GenerationRequest, StageTimings, StepCallback
@@ -73,11 +79,14 @@ class WanLoop:
     """The Wan denoising loop of an EnginePipeline: what it reads of the model folder, and its runners."""
 
     def __init__(self, runners, index: dict, denoiser_config: dict, scheduler_config: dict, vae_config: dict,
-                 tokenizer, *, vae_scale_factor: int, parallel_cfg: bool = False):
+                 tokenizer, *, vae_scale_factor: int, parallel_cfg: bool = False, model_dir: Path | None = None):
         self.runners, self.tokenizer = runners, tokenizer
         self.parallel_cfg = parallel_cfg  # engines.yaml declares cfg: parallel (EnginePipeline's `cfg`)
         self.scheduler_config = scheduler_config
-        self.channels = int(denoiser_config["in_channels"])  # WanPipeline's num_channels_latents
+        self.image_to_video = index.get("_class_name") in IMAGE_TO_VIDEO_PIPELINE_CLASSES
+        # num_channels_latents: WanPipeline's is the transformer's in_channels, WanImageToVideoPipeline's the VAE's
+        # z_dim (the transformer's other 20 channels are the condition)
+        self.channels = int(vae_config["z_dim"] if self.image_to_video else denoiser_config["in_channels"])
         self.vae_scale_factor = vae_scale_factor
         self.temporal_factor = int(vae_config.get("scale_factor_temporal", family_info(Family.wan).temporal_factor))
         z_dim = int(vae_config["z_dim"])
@@ -87,6 +96,9 @@ class WanLoop:
         self.boundary_ratio = index.get("boundary_ratio")  # None: Wan 2.1, one transformer
         self.boundary_timestep = (None if self.boundary_ratio is None else
                                   self.boundary_ratio * scheduler_config.get("num_train_timesteps", 1000))
+        self.image = None if not self.image_to_video else ImageConditioner(
+            model_dir, index, denoiser_config, vae_config, latents_mean=self.latents_mean,
+            latents_std=self.latents_std, temporal_factor=self.temporal_factor)
 
     # ---------------------------------------------------------------- text
 
@@ -124,12 +136,22 @@ class WanLoop:
         generator = torch.Generator().manual_seed(int(request.seed))
         scheduler = make_scheduler(request.scheduler, self.scheduler_config, Family.wan.value)
         scheduler.set_timesteps(request.steps)
-        scheduler.set_begin_index(0)  # as WanPipeline does before its loop
+        # as WanPipeline does before its loop. WanImageToVideoPipeline does not: its first step looks its index up
+        # from t, the same 0 unless the first timestep repeats, and then UniPC takes the second and overruns the
+        # schedule on the last step (diffusers fails there: from 334 steps at flow_shift 3, `this_order > 0`)
+        scheduler.set_begin_index(0)
         shape = (rows, self.channels, size.latent_frames(self.temporal_factor), *size.latent(self.vae_scale_factor))
         latents = torch.randn(shape, generator=generator, dtype=torch.float32)  # prepare_latents' one draw
+        condition = None
+        if self.image is not None:  # after the draw, as prepare_latents; neither encoder draws from the generator
+            start = time.perf_counter()
+            condition = self.image.condition(self.runners, request.init_image, size, rows)
+            timings.image_encode_s = time.perf_counter() - start
+        embeds = None if condition is None else condition.embeds
         cfg_mode = self._cfg_mode(size, rows) if negative is not None else "none"
         if cfg_mode == "batched":
             both = np.concatenate([negative, positive])
+            embeds_both = None if embeds is None else np.concatenate([embeds, embeds])
         guidance_2 = request.guidance_scale if request.guidance_scale_2 is None else request.guidance_scale_2
         timesteps = scheduler.timesteps
         for index, t in enumerate(timesteps):
@@ -138,16 +160,17 @@ class WanLoop:
                 expert, guidance = EXPERTS[0], request.guidance_scale
             else:
                 expert, guidance = EXPERTS[1], guidance_2
-            sample = latents.numpy()
+            # img2vid: torch.cat([latents, condition], dim=1), as WanImageToVideoPipeline feeds every call
+            sample = (latents if condition is None else torch.cat([latents, condition.channels], dim=1)).numpy()
             if cfg_mode == "batched":
-                out = self._call(expert, size, np.concatenate([sample, sample]), t, both)
+                out = self._call(expert, size, np.concatenate([sample, sample]), t, both, embeds_both)
                 uncond, cond = np.split(out, 2)
             elif cfg_mode == "parallel":  # split's two calls at once, each on its own instance: split's outputs
-                cond, uncond = at_once(partial(self._call, expert, size, sample, t, positive),
-                                       partial(self._call, expert, size, sample, t, negative, instance=1))
+                cond, uncond = at_once(partial(self._call, expert, size, sample, t, positive, embeds),
+                                       partial(self._call, expert, size, sample, t, negative, embeds, instance=1))
             else:  # WanPipeline's order: the conditional call, then the unconditional one
-                cond = self._call(expert, size, sample, t, positive)
-                uncond = self._call(expert, size, sample, t, negative) if cfg_mode == "split" else None
+                cond = self._call(expert, size, sample, t, positive, embeds)
+                uncond = self._call(expert, size, sample, t, negative, embeds) if cfg_mode == "split" else None
             noise_pred = torch.from_numpy(cond)
             if uncond is not None:
                 noise_uncond = torch.from_numpy(uncond)
@@ -158,12 +181,14 @@ class WanLoop:
                 on_step(index, len(timesteps), [latents])
         return latents, cfg_mode
 
-    def _call(self, expert: str, size: Size, sample: np.ndarray, t, states: np.ndarray, instance: int = 0
-              ) -> np.ndarray:
+    def _call(self, expert: str, size: Size, sample: np.ndarray, t, states: np.ndarray,
+              image_embeds: np.ndarray | None = None, instance: int = 0) -> np.ndarray:
         runner = self.runners.find(expert, size=size, batch=sample.shape[0], instance=instance)
         # WanPipeline passes t.expand(rows): the integer UniPC timesteps are exact in float32
         feeds = {"hidden_states": sample, "timestep": np.full((sample.shape[0],), float(t), np.float32),
                  "encoder_hidden_states": states}
+        if image_embeds is not None and "encoder_hidden_states_image" in runner.inputs:
+            feeds["encoder_hidden_states_image"] = image_embeds
         return runner.run(feeds)["noise_pred"]
 
     def _cfg_mode(self, size: Size, rows: int) -> str:
