@@ -67,7 +67,7 @@ def finalize_graph(raw_path: Path, out_path: Path, io: ComponentIO, parameter_na
 
     names = {init.name for init in model.graph.initializer}
     exported_parameters = names & parameter_names
-    weights = _detach_parameters(model.graph, exported_parameters)
+    weights = _detach_parameters(model.graph, exported_parameters | _split_buffers(model.graph, names))
     _load_small_tensors(model.graph, raw_path.parent)
     _typed_constants(model.graph)
     _explicit_shape_slices(model.graph)
@@ -188,6 +188,13 @@ def _detach_parameters(graph: onnx.GraphProto, names: set[str]) -> list[TensorPr
     graph.initializer.extend(keep)
     graph.input.extend(helper.make_tensor_value_info(w.name, w.data_type, list(w.dims)) for w in detached)
     return detached
+
+
+def _split_buffers(graph: onnx.GraphProto, initializers: set[str]) -> set[str]:
+    """Constants a SplitToSequence splits (Wan's RoPE tables): folded, they become a sequence, a list that
+    graphsurgeon cannot store ('list' object has no attribute 'nbytes'), and the whole graph would stay unfolded.
+    They are hidden from folding like the parameters."""
+    return {node.input[0] for node in graph.node if node.op_type == "SplitToSequence" and node.input[0] in initializers}
 
 
 def _attach_parameters(graph: onnx.GraphProto, weights: list[TensorProto]) -> None:

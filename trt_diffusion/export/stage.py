@@ -21,7 +21,7 @@ from .. import progress as live
 from ..components import ExportWrapper, get_component, load_model_config
 from ..engines_file.engine_spec import EngineSpec
 from ..engines_file.load import EnginesConfig
-from ..memory import release_memory
+from ..memory import release_memory, return_large_blocks_to_os
 from ..precision import Precision
 from ..workspace.files import tool_versions
 from ..workspace.store import Artifact, ArtifactStore, hash_inputs
@@ -159,6 +159,7 @@ def _export_into(folder: Path, group: ExportGroup, definition, model_config, sha
     so the module is freed before the graph passes and the ONNX Runtime session (see the module docstring)."""
     options = group.options
     io = shapes.graph_io(definition.io(model_config, options))  # a fixed axis (a VAE's frames) as its size
+    return_large_blocks_to_os()  # the check session's per-call weight temporaries (memory.py says why)
     label = group.name
     tick = time.perf_counter()
     module = load_module()

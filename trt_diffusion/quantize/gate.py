@@ -32,7 +32,7 @@ import torch
 
 from ..errors import QuantizeError
 from ..families import Component, Family
-from ..memory import release_memory
+from ..memory import release_memory, return_large_blocks_to_os
 from ..metrics import Thresholds, has_nonfinite, lpips_distance, psnr, ssim, tensor_diff, thresholds_for, video_metrics
 from .calibration import CalibrationRecipe, CallRecorder, denoiser_of, run_pipeline
 from .defaults import DENOISER_MIN_PSNR_DB, HELD_OUT_SEED_OFFSET
@@ -176,6 +176,7 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
                             f"gate (at {recipe.steps} steps, does it run any?)")
     release_weights(denoiser_of(pipe, component))
     release_memory()
+    return_large_blocks_to_os()  # the session's per-call weight temporaries (memory.py says why)
     session = onnxruntime_session(onnx_path)
 
     psnrs, max_abs, nonfinite = [], 0.0, 0
