@@ -17,6 +17,7 @@ class Family(str, Enum):
     sd3 = "sd3"
     flux = "flux"
     wan = "wan"  # Wan 2.1 / 2.2 video (text-to-video; image-to-video checkpoints)
+    qwen_image = "qwen_image"  # Qwen-Image: a Qwen2.5-VL language-model encoder, an MMDiT, a Wan-style 3D VAE
 
 
 class Component(str, Enum):
@@ -102,6 +103,13 @@ FAMILIES: dict[Family, FamilyInfo] = {
         denoiser=_T.transformer,
         temporal_factor=4,
     ),
+    Family.qwen_image: FamilyInfo(
+        # vae_encoder serves img2img / inpaint (QwenImageImg2ImgPipeline, QwenImageInpaintPipeline)
+        components=(_T.text_encoder, _T.transformer, _T.vae_encoder, _T.vae_decoder),
+        default_components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
+        latent_factor=16,  # the VAE's 8 × the transformer's 2×2 patches
+        denoiser=_T.transformer,
+    ),
 }
 
 
@@ -120,6 +128,7 @@ PIPELINE_CLASSES: dict[Family, tuple[str, ...]] = {
     Family.flux: ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline",
                   "FluxKontextPipeline", "FluxControlPipeline"),
     Family.wan: ("WanPipeline", "WanImageToVideoPipeline"),
+    Family.qwen_image: ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
 }
 
 
@@ -130,6 +139,12 @@ def family_of_pipeline_class(class_name: str) -> Family | None:
             return family
     return None
 
+
+# QwenImagePipeline's prompt handling: its template's system part tokenizes to the first 34 positions
+# (prompt_template_encode_start_idx), dropped from the encoder's hidden states; what is left (the prompt and the
+# template's 5-token tail) is cut to max_sequence_length, 512 by default
+QWEN_TEMPLATE_TOKENS = 34
+QWEN_TEXT_LENGTH = 512
 
 WAN_TEXT_LENGTH = 512  # WanPipeline.__call__'s max_sequence_length default (Wan's own text_len): every prompt is padded to it
 
@@ -155,4 +170,5 @@ LORA_TEXT_ENCODERS: dict[Family, tuple[Component, ...]] = {
     Family.sd3: (Component.text_encoder, Component.text_encoder_2),
     Family.flux: (Component.text_encoder,),
     Family.wan: (),  # diffusers' WanLoraLoaderMixin loads the transformer(s) only
+    Family.qwen_image: (),  # diffusers' QwenImageLoraLoaderMixin: _lora_loadable_modules = ["transformer"]
 }
