@@ -3,6 +3,9 @@
 A component declares its tensors with *symbolic* dims. Each symbolic dim is a multiple of one of five
 axes: the batch, the latent height, the latent width, (FLUX) the number of packed image tokens, or (video
 families) the number of latent frames.
+A component whose text length is a profile dimension (Qwen-Image's language-model encoder and the transformer
+that attends to its states) also has a `text` axis (`TEXT_AXIS`): its prompt tokens, ranged by
+`ComponentDef.text_lengths`; it is kept out of AXES so every other export's shapes (and hash) stay as they were.
 From a `Geometry` (a batch and a pixel size) every dim gets its value; from a set of geometries the
 exporter derives the dynamic ranges, the engines their profiles.
 """
@@ -27,6 +30,7 @@ Shape = tuple[int, ...]
 ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]
 
 AXES = ("batch", "height", "width", "tokens", "frames")
+TEXT_AXIS = "text"  # prompt tokens, where a component's text length is dynamic (ComponentDef.text_lengths)
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,11 @@ class Geometry:
 
     batch: int
     size: Size | None = None
+    text: int = 0  # prompt tokens (the `text` axis), for a component with dynamic text length; 0: none
 
     def label(self) -> str:
-        return f"batch {self.batch}" + (f", {self.size}" if self.size else "")
+        return f"batch {self.batch}" + (f", {self.size}" if self.size else "") + (
+            f", {self.text} text tokens" if self.text else "")
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,15 @@ class ComponentDef(ABC):
             height, width = geometry.size.latent(config.vae_scale_factor)
             values.update(height=height, width=width, tokens=self.tokens(config, height, width),
                           frames=geometry.size.latent_frames(family_info(self.family).temporal_factor))
+        lengths = self.text_lengths(config)
+        if lengths is not None:  # a geometry that does not say takes the profile's opt
+            values[TEXT_AXIS] = geometry.text or lengths[1]
         return values
+
+    def text_lengths(self, config: ModelConfig) -> tuple[int, int, int] | None:
+        """(min, opt, max) prompt tokens where the text length is a profile dimension (the `text` axis); None where
+        it is fixed (`config.sequence_length`: every other family pads prompts to one length)."""
+        return None
 
     def tokens(self, config: ModelConfig, latent_height: int, latent_width: int) -> int:
         """The packed-token axis (only FLUX uses it)."""
@@ -178,11 +192,15 @@ class ComponentDef(ABC):
     def profile(self, spec: EngineSpec, model_config: ModelConfig) -> ProfileShapes:
         """Input name -> (min, opt, max) shape of the engine `spec` describes (its batch is fixed)."""
         options = dict(spec.build_options)
+        texts = self.text_lengths(model_config) or (0, 0, 0)
         if spec.bucket is None or not self.resolution_dependent:
+            if texts[0]:  # the text length is the one dimension of this profile
+                low, opt, high = (self.shapes(model_config, options, Geometry(spec.batch, text=t)) for t in texts)
+                return {name: (low[name], opt[name], high[name]) for name in low}
             one = self.shapes(model_config, options, Geometry(spec.batch))
             return {name: (shape, shape, shape) for name, shape in one.items()}
-        low, opt, high = (self.shapes(model_config, options, Geometry(spec.batch, size))
-                          for size in (spec.bucket.min, spec.bucket.opt, spec.bucket.max))
+        low, opt, high = (self.shapes(model_config, options, Geometry(spec.batch, size, text))
+                          for size, text in zip((spec.bucket.min, spec.bucket.opt, spec.bucket.max), texts))
         return {name: (low[name], opt[name], high[name]) for name in low}
 
 
@@ -226,6 +244,8 @@ def rng(seed: int, geometry: Geometry) -> np.random.Generator:
     size = (geometry.size.width, geometry.size.height) if geometry.size else (0, 0)
     if geometry.size is not None and geometry.size.frames:  # images keep the seeds they always had
         size = (*size, geometry.size.frames)
+    if geometry.text:  # likewise: only dynamic-text geometries seed with their length
+        size = (*size, geometry.text)
     return np.random.default_rng([seed, geometry.batch, *size])
 
 

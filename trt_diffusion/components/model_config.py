@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelError
-from ..families import WAN_TEXT_LENGTH, Component, Family
+from ..families import QWEN_TEXT_LENGTH, WAN_TEXT_LENGTH, Component, Family
 from ..models.loading import SUBFOLDER
 
 # Tokenizers without a real limit write a huge model_max_length; use the length the pipelines use.
@@ -65,7 +65,10 @@ def read_json(path: Path) -> dict:
 
 def vae_scale_factor(vae: Mapping[str, Any]) -> int:
     """Pixels per latent pixel of a VAE config: AutoencoderKL's one 2x per block after the first; Wan's 3D VAE
-    states it (scale_factor_spatial)."""
+    states it (scale_factor_spatial); Qwen-Image's does not, and its pipeline takes 2 per temporal stage
+    (`2 ** len(temperal_downsample)`, QwenImagePipeline.vae_scale_factor)."""
+    if not vae.get("scale_factor_spatial") and vae.get("temperal_downsample") is not None:
+        return 2 ** len(vae["temperal_downsample"])
     return int(vae.get("scale_factor_spatial") or 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1))
 
 
@@ -120,6 +123,10 @@ def _image_tokens(model_dir: Path, family: Family, component: Component, own: Ma
 def _sequence_length(model_dir: Path, family: Family, component: Component) -> int | None:
     if family is Family.wan and (component.is_text_encoder or component.is_denoiser):
         return WAN_TEXT_LENGTH  # WanPipeline pads every prompt to its max_sequence_length default
+    if family is Family.qwen_image and (component.is_text_encoder or component.is_denoiser):
+        # the most prompt tokens (after the template's 34): QwenImagePipeline's max_sequence_length default. The text
+        # length is a profile dimension up to it (components/qwen_image.py: text_lengths)
+        return QWEN_TEXT_LENGTH
     if component.is_text_encoder:
         return tokenizer_length(model_dir, _TOKENIZER_OF[component])
     if component in (Component.unet, Component.controlnet):

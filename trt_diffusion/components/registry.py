@@ -6,6 +6,7 @@ from ..errors import ConfigError
 from ..families import Component, Family, family_info
 from .base import ComponentDef
 from .controlnet import ControlNet
+from .qwen_image import QwenImageTransformer, QwenTextEncoder, QwenVaeDecoder, QwenVaeEncoder
 from .text_encoders import ClipTextEncoder, T5TextEncoder
 from .transformers import FluxTransformer, SD3Transformer
 from .unet import UNet
@@ -38,9 +39,14 @@ def _build() -> dict[tuple[Family, Component], ComponentDef]:
         WanVaeDecoder(_F.wan, _C.vae_decoder),
         WanVaeEncoder(_F.wan, _C.vae_encoder),
         ClipImageEncoder(_F.wan, _C.image_encoder),
+        QwenTextEncoder(_F.qwen_image, _C.text_encoder),
+        QwenImageTransformer(_F.qwen_image, _C.transformer),
+        QwenVaeDecoder(_F.qwen_image, _C.vae_decoder),  # the Wan-style 3D VAE on one frame
+        QwenVaeEncoder(_F.qwen_image, _C.vae_encoder),
     ]
+    own_vae = {d.family for d in defs if d.component.is_vae}  # video families and Qwen-Image declare theirs (above)
     for family in Family:
-        if not family_info(family).is_video:  # a video family declares its own VAE (above)
+        if family not in own_vae:
             defs += [VaeEncoder(family, _C.vae_encoder), VaeDecoder(family, _C.vae_decoder)]
     return {(d.family, d.component): d for d in defs}
 

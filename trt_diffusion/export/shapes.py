@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..components.base import AXES, ComponentDef, ComponentIO, Geometry, SymbolicDim, TensorDecl
+from ..components.base import AXES, TEXT_AXIS, ComponentDef, ComponentIO, Geometry, SymbolicDim, TensorDecl
 from ..components.model_config import ModelConfig
 from ..engines_file.engine_spec import Size
 from ..errors import ExportError
@@ -39,9 +39,11 @@ class ExportShapes:
     smaller_check: str | None = None  # why the trace and check run below the bucket's shapes (see the docstring)
 
     def label(self) -> str:
-        """e.g. 'batch 1-2, 64x64..128x128'"""
+        """e.g. 'batch 1-2, 64x64..128x128' (', text 2-512' where the text length is dynamic)"""
         low, high = self.ranges["batch"]
         text = f"batch {low}-{high}" if high > low else f"batch {low}"
+        if TEXT_AXIS in self.ranges:
+            text += ", text {}-{}".format(*self.ranges[TEXT_AXIS])
         return text + (f", {self.pixels[0]}..{self.pixels[1]}" if self.pixels else "")
 
     def dim_ranges(self, io: ComponentIO) -> dict[str, tuple[int, int]]:
@@ -81,6 +83,25 @@ def _size(dim: SymbolicDim, axis_value: int) -> int:
 
 
 def export_shapes(group: ExportGroup, definition: ComponentDef, config: ModelConfig) -> ExportShapes:
+    shapes = _fixed_text_shapes(group, definition, config)
+    lengths = definition.text_lengths(config)
+    return shapes if lengths is None else _with_text(shapes, lengths)
+
+
+def _with_text(shapes: ExportShapes, lengths: tuple[int, int, int]) -> ExportShapes:
+    """A dynamic text length (Qwen-Image's encoder and transformer): its range beside the others, traced at its max,
+    checked at min with the low corner, opt with the middle one and max with the high corner."""
+    low, opt, high = lengths
+    if high <= low:
+        high = low + 1  # one more token: really dynamic, as the other widened ranges
+    corners = shapes.parity  # low, (opt,) high: each text length is checked, opt with the middle (or high) one
+    parity = [replace(corners[0], text=low), replace(corners[len(corners) // 2], text=min(max(opt, low), high)),
+              replace(corners[-1], text=high)]
+    return replace(shapes, ranges={**shapes.ranges, TEXT_AXIS: (low, high)}, example=replace(shapes.example, text=high),
+                   parity=tuple(dict.fromkeys(parity)))
+
+
+def _fixed_text_shapes(group: ExportGroup, definition: ComponentDef, config: ModelConfig) -> ExportShapes:
     shapes = [member for spec in group.specs for member in spec.members]  # every profile of a multi-profile spec
     batches = sorted({spec.batch for spec in shapes})
     batch_range = (batches[0], max(batches[-1], batches[0] + 1))
