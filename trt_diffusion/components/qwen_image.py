@@ -316,8 +316,9 @@ def _real_rope_forward(self, video_fhw, device=None, max_txt_seq_len=None):
 
 def _video_table(self, pos_table, neg_table, frame, height, width, idx):
     """QwenEmbedRope._compute_video_freqs on one real table (the cos or the sin part)."""
-    split = [x // 2 for x in self.axes_dim]
-    freqs_pos, freqs_neg = pos_table.split(split, dim=1), neg_table.split(split, dim=1)
+    # the axes' columns by slicing, not split(): a folded SplitToSequence is a list graphsurgeon cannot store
+    first, second = self.axes_dim[0] // 2, self.axes_dim[0] // 2 + self.axes_dim[1] // 2
+    freqs_pos, freqs_neg = ((t[:, :first], t[:, first:second], t[:, second:]) for t in (pos_table, neg_table))
     freqs_frame = freqs_pos[0][idx:idx + frame].view(frame, 1, 1, -1).expand(frame, height, width, -1)
     if self.scale_rope:
         freqs_height = torch.cat([freqs_neg[1][-(height - height // 2):], freqs_pos[1][:height // 2]], dim=0)
