@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ..families import QWEN_TEMPLATE_TOKENS
+from ..families import QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH
 from .base import (
     BATCH,
     HEIGHT,
@@ -113,6 +113,20 @@ class QwenTextEncoder(ComponentDef):
 
 
 _VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def prompt_embeds(hidden_states: np.ndarray, attention_mask: np.ndarray,
+                  max_sequence_length: int = QWEN_TEXT_LENGTH) -> tuple[np.ndarray, np.ndarray]:
+    """The encoder engine's output as QwenImagePipeline.encode_prompt returns it: per row the masked positions, the
+    template's first 34 dropped, rows zero-padded to the longest, cut to `max_sequence_length`; with the 1/0 mask
+    (int64) the transformer takes. Host-side arithmetic only (selection and zeros): the values are the engine's."""
+    rows = [states[mask.astype(bool)][QWEN_TEMPLATE_TOKENS:] for states, mask in zip(hidden_states, attention_mask)]
+    longest = max(len(row) for row in rows)
+    embeds = np.zeros((len(rows), longest, hidden_states.shape[-1]), dtype=hidden_states.dtype)
+    mask = np.zeros((len(rows), longest), dtype=np.int64)
+    for i, row in enumerate(rows):
+        embeds[i, :len(row)], mask[i, :len(row)] = row, 1
+    return embeds[:, :max_sequence_length], mask[:, :max_sequence_length]
 
 
 def _text_config(config: ModelConfig) -> Mapping[str, Any]:
