@@ -70,7 +70,7 @@ def test_existing_folder_is_not_overwritten_without_flag(tmp_path, capsys):
 
 def test_full_size_is_sd15_sdxl_and_wan_only(tmp_path, capsys):
     assert main(["models", "tiny", "--family", "flux", "--size", "full", "--out", str(tmp_path / "x")]) == 1
-    assert "sd15, sdxl, wan only" in capsys.readouterr().err
+    assert "sd15, sdxl, wan, qwen_image only" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
