@@ -82,6 +82,7 @@ def test_the_real_rotary_embedding_is_identical_to_the_complex_one(pipe):
     from diffusers.models.transformers import transformer_qwenimage as qwen
 
     from trt_diffusion.components.qwen_image import real_rotary_embeddings
+    from trt_diffusion.quantize.trace_patches import trace_patches
 
     generator = torch.Generator().manual_seed(0)
     latents = torch.randn(2, 3 * 5, 64, generator=generator)
@@ -97,6 +98,9 @@ def test_the_real_rotary_embedding_is_identical_to_the_complex_one(pipe):
             patched = pipe.transformer(**kwargs)[0]
     assert torch.equal(patched, expected)
     assert (qwen.QwenEmbedRope.forward, qwen.apply_rotary_emb_qwen, qwen.compute_text_seq_len_from_mask) == originals
+    with trace_patches(pipe.transformer, Family.qwen_image):  # the quantized (legacy) trace gets the same rewrite
+        assert qwen.apply_rotary_emb_qwen is not originals[1]
+    assert qwen.apply_rotary_emb_qwen is originals[1]
 
 
 def test_the_hosts_prompt_embeds_equal_diffusers_encode_prompt(pipe):

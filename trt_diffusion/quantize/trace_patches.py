@@ -76,6 +76,16 @@ def functional_rotary(module: torch.nn.Module) -> Iterator[int]:
 
 @contextlib.contextmanager
 def trace_patches(module: torch.nn.Module, family: Family) -> Iterator[None]:
-    """The family's rewrites for the export trace (none for the image families)."""
-    with functional_rotary(module) if family is Family.wan else contextlib.nullcontext():
+    """The family's rewrites for the export trace: Wan's out-of-place rotation; Qwen-Image's rotary embedding in
+    real cos/sin (components/qwen_image.py: the legacy exporter cannot trace its complex tensors either, output
+    bit-identical); none for the other image families."""
+    if family is Family.wan:
+        patches = functional_rotary(module)
+    elif family is Family.qwen_image:
+        from ..components.qwen_image import real_rotary_embeddings
+
+        patches = real_rotary_embeddings()
+    else:
+        patches = contextlib.nullcontext()
+    with patches:
         yield
