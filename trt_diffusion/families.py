@@ -58,6 +58,9 @@ class FamilyInfo:
     denoiser: Component
     temporal_factor: int = 0
     """Video families: the VAE's temporal factor (frames must be 4k+1 for Wan's 4); 0: images, no frame axis."""
+    text_lengths: tuple[int, int, int] | None = None
+    """(min, opt, max) prompt tokens where the text length is a profile dimension (Qwen-Image: its pipeline pads a
+    batch to its longest prompt), engines.yaml's `text_length` overriding; None: prompts padded to one length."""
 
     @property
     def is_video(self) -> bool:
@@ -109,6 +112,8 @@ FAMILIES: dict[Family, FamilyInfo] = {
         default_components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
         latent_factor=16,  # the VAE's 8 × the transformer's 2×2 patches
         denoiser=_T.transformer,
+        # up to max_sequence_length's default; 2 at least (torch.export specializes 0 and 1), tuned for 128
+        text_lengths=(2, 128, 512),
     ),
 }
 
@@ -145,6 +150,7 @@ def family_of_pipeline_class(class_name: str) -> Family | None:
 # template's 5-token tail) is cut to max_sequence_length, 512 by default
 QWEN_TEMPLATE_TOKENS = 34
 QWEN_TEXT_LENGTH = 512
+QWEN_MAX_TEXT_LENGTH = 1024  # QwenImagePipeline refuses a max_sequence_length above it
 
 WAN_TEXT_LENGTH = 512  # WanPipeline.__call__'s max_sequence_length default (Wan's own text_len): every prompt is padded to it
 

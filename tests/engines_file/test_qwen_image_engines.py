@@ -51,3 +51,46 @@ def test_the_plan_command_lists_them(manifest, capsys):
     assert main(["plan", str(manifest)]) == 0
     out = capsys.readouterr().out
     assert out.count("qwen ") >= 8 and "text_encoder" in out and "vae_encoder" in out
+
+
+def _with(manifest: Path, tmp_path: Path, model: str, **fields) -> Path:
+    document = yaml.safe_load(manifest.read_text())
+    document["models"][model].update(fields)
+    path = tmp_path / "engines.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def test_text_length_sets_the_text_axis_profile(manifest, tmp_path, tiny_model_factory):
+    """engines.yaml's text_length is the encoder's and the transformer's text range (their keys change with it);
+    the VAE's engines and a file that leaves it out (or gives the default) keep their keys."""
+    from trt_diffusion.components import get_component, load_model_config
+
+    default = {s.key: s for s in api.plan(manifest).specs}
+    plan = api.plan(_with(manifest, tmp_path, "qwen", text_length={"min": 8, "opt": 64, "max": 256}))
+    changed = {s.component.value for s in plan.specs if s.key not in default}
+    assert changed == {"text_encoder", "transformer"}
+    same = api.plan(_with(manifest, tmp_path, "qwen", text_length={"min": 2, "opt": 128, "max": 512}))
+    assert {s.key for s in same.specs} == set(default)
+    folder = tiny_model_factory("qwen_image")
+    encoder = next(s for s in plan.specs if s.component == "text_encoder" and s.target == "onnxruntime")
+    profile = get_component("qwen_image", "text_encoder").profile(
+        encoder, load_model_config(folder, "qwen_image", "text_encoder"))
+    assert profile["input_ids"] == ((1, 42), (1, 98), (1, 290))  # the template's 34 + 8 / 64 / 256
+    transformer = next(s for s in plan.specs if s.component == "transformer" and s.target == "onnxruntime")
+    profile = get_component("qwen_image", "transformer").profile(
+        transformer, load_model_config(folder, "qwen_image", "transformer"))
+    assert profile["encoder_hidden_states_mask"] == ((2, 8), (2, 64), (2, 256))
+
+
+@pytest.mark.parametrize("model,text_length,message", [
+    ("flux", {"min": 8, "opt": 64, "max": 256}, "the flux family pads every prompt to one length"),
+    ("qwen", {"min": 64, "opt": 8, "max": 256}, "needs min <= opt <= max, got 64, 8, 256"),
+    ("qwen", {"min": 8, "opt": 64, "max": 2048}, "more than QwenImagePipeline's max_sequence_length limit (1024)"),
+    ("qwen", {"min": 1, "opt": 64, "max": 256}, "greater than or equal to 2"),
+])
+def test_a_wrong_text_length_is_refused_at_its_line(manifest, tmp_path, capsys, model, text_length, message):
+    path = _with(manifest, tmp_path, model, text_length=text_length)
+    assert main(["plan", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert message in err and f"{path}:" in err and "text_length" in err and "Traceback" not in err

@@ -150,9 +150,10 @@ class ComponentDef(ABC):
             values[TEXT_AXIS] = geometry.text or lengths[1]
         return values
 
-    def text_lengths(self, config: ModelConfig) -> tuple[int, int, int] | None:
-        """(min, opt, max) prompt tokens where the text length is a profile dimension (the `text` axis); None where
-        it is fixed (`config.sequence_length`: every other family pads prompts to one length)."""
+    def text_lengths(self, config: ModelConfig, options: Mapping[str, Any] | None = None) -> tuple[int, int, int] | None:
+        """(min, opt, max) prompt tokens where the text length is a profile dimension (the `text` axis: the spec's
+        `text_length` build option, else the family's); None where it is fixed (`config.sequence_length`: every other
+        family pads prompts to one length)."""
         return None
 
     def tokens(self, config: ModelConfig, latent_height: int, latent_width: int) -> int:
@@ -192,7 +193,7 @@ class ComponentDef(ABC):
     def profile(self, spec: EngineSpec, model_config: ModelConfig) -> ProfileShapes:
         """Input name -> (min, opt, max) shape of the engine `spec` describes (its batch is fixed)."""
         options = dict(spec.build_options)
-        texts = self.text_lengths(model_config) or (0, 0, 0)
+        texts = self.text_lengths(model_config, options) or (0, 0, 0)
         if spec.bucket is None or not self.resolution_dependent:
             if texts[0]:  # the text length is the one dimension of this profile
                 low, opt, high = (self.shapes(model_config, options, Geometry(spec.batch, text=t)) for t in texts)

@@ -3,8 +3,8 @@ one frame.
 
 The text length is a profile dimension (the `text` axis: prompt tokens after the template's 34), for the encoder
 and for the transformer that attends to its states: QwenImagePipeline pads a batch's prompts to the longest, not
-to a fixed length. engines.yaml has no field for the range yet, so it is diffusers' (`text_lengths`): up to
-max_sequence_length 512 tokens, the encoder's input 34 longer (the template's system part).
+to a fixed length. The range is engines.yaml's `text_length` (min/opt/max), by default diffusers': up to
+max_sequence_length 512 tokens (families.py); the encoder's input is 34 longer (the template's system part).
 
 What stays on the host (the runtime's part, as QwenImagePipeline._get_qwen_prompt_embeds does it):
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ..families import QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH
+from ..families import QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH, Family, family_info
 from .base import (
     BATCH,
     HEIGHT,
@@ -55,14 +55,16 @@ ROWS = SymbolicDim("patch_rows", "height", Fraction(1, 2))
 COLS = SymbolicDim("patch_cols", "width", Fraction(1, 2))
 PATCH = 2
 
-MIN_TEXT = 2  # torch.export specializes sizes 0 and 1 (an empty prompt still leaves the template's 5-token tail)
-OPT_TEXT = 128  # a typical prompt: TensorRT tunes its kernels for the profile's opt
 
 
-def qwen_text_lengths(config: ModelConfig) -> tuple[int, int, int]:
-    """(min, opt, max) prompt tokens: diffusers' max_sequence_length (512) at most."""
-    high = int(config.sequence_length)
-    return (min(MIN_TEXT, high), min(OPT_TEXT, high), high)
+def qwen_text_lengths(options: Mapping[str, Any] | None = None) -> tuple[int, int, int]:
+    """(min, opt, max) prompt tokens: engines.yaml's text_length (the spec's build option), else the family's
+    (2, 128, 512: up to diffusers' max_sequence_length default)."""
+    chosen = (options or {}).get("text_length")
+    if chosen:
+        low, opt, high = (int(v) for v in str(chosen).split(","))
+        return low, opt, high
+    return family_info(Family.qwen_image).text_lengths
 
 
 class _QwenTextWrapper(ExportWrapper):
@@ -87,8 +89,8 @@ class QwenTextEncoder(ComponentDef):
     def resolution_dependent(self) -> bool:
         return False
 
-    def text_lengths(self, config: ModelConfig) -> tuple[int, int, int]:
-        return qwen_text_lengths(config)
+    def text_lengths(self, config: ModelConfig, options: Mapping[str, Any] | None = None) -> tuple[int, int, int]:
+        return qwen_text_lengths(options)
 
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
         return ComponentIO(
@@ -170,8 +172,8 @@ class QwenImageTransformer(ComponentDef):
     def export_context(self) -> contextlib.AbstractContextManager:
         return real_rotary_embeddings()
 
-    def text_lengths(self, config: ModelConfig) -> tuple[int, int, int]:
-        return qwen_text_lengths(config)
+    def text_lengths(self, config: ModelConfig, options: Mapping[str, Any] | None = None) -> tuple[int, int, int]:
+        return qwen_text_lengths(options)
 
     def spatial_alignment(self, config: ModelConfig) -> int:
         return int(config.get("patch_size", PATCH))

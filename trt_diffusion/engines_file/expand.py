@@ -117,6 +117,8 @@ def _build_options(config: EnginesConfig, model: ResolvedModel, variant: dict, c
         options["controlnet_residuals"] = True  # the UNet takes the ControlNet's residuals as extra inputs
     if component is Component.transformer and Workflow.edit in model.workflows:
         options["context_image"] = True  # Kontext: the init image's tokens beside the noise tokens
+    if model.text_lengths is not None and (component.is_text_encoder or component.is_denoiser):
+        options["text_length"] = ",".join(map(str, model.text_lengths))  # the text axis's profile (qwen_image)
     if model.precision[component].is_quantized:
         options["quantization"] = json.dumps(model.quantization.model_dump(mode="json"), sort_keys=True)
     return tuple(sorted(options.items()))

@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..errors import ConfigError
-from ..families import SUBFOLDER, Component, Family, family_info, family_of_pipeline_class
+from ..families import QWEN_MAX_TEXT_LENGTH, SUBFOLDER, Component, Family, family_info, family_of_pipeline_class
 from ..workflows import (
     EDIT_PIPELINE_CLASSES,
     FAMILY_WORKFLOWS,
@@ -72,6 +72,7 @@ class ResolvedModel:
     parity: dict[Precision, ParityThresholds]
     workflows: tuple[Workflow, ...] = (Workflow.txt2img,)
     checkpoint: CheckpointKind | None = None  # what the folder's denoiser is for (None: not read)
+    text_lengths: tuple[int, int, int] | None = None  # engines.yaml's text_length (min, opt, max); None: the family's
 
     def precision_of(self, component: Component) -> Precision:
         return self.precision[component]
@@ -468,14 +469,36 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
                                          else ("defaults", "components"), problems)
     parity = dict(defaults.parity or {})
     parity.update(entry.parity or {})
+    text_lengths = _resolve_text_length(entry, defaults, base, problems)
     return ResolvedModel(
         name=name, family=entry.family, source=source, components=components, buckets=tuple(buckets),
         batch=tuple(sorted(set(_merged(entry, defaults, "batch")))), cfg=tuple(dict.fromkeys(_merged(entry, defaults, "cfg"))),
         precision=precision, targets=tuple(dict.fromkeys(_merged(entry, defaults, "targets"))), refittable=bool(refittable),
         controlnets=controlnets, loras=loras,
         quantization=entry.quantization or defaults.quantization or QuantizationSettings(), parity=parity,
-        workflows=workflows, checkpoint=checkpoint,
+        workflows=workflows, checkpoint=checkpoint, text_lengths=text_lengths,
     )
+
+
+def _resolve_text_length(entry: ModelEntry, defaults, base: tuple, problems: _Problems) -> tuple[int, int, int] | None:
+    """engines.yaml's `text_length`, for a family whose text length is a profile dimension (Qwen-Image); None where
+    it is the family's default (so the engines' keys are those of a file that leaves it out)."""
+    chosen = entry.text_length or defaults.text_length
+    if chosen is None:
+        return None
+    where = base + ("text_length",) if entry.text_length is not None else ("defaults", "text_length")
+    if family_info(entry.family).text_lengths is None:
+        if entry.text_length is not None:  # `defaults` may serve several families: only a model's own is wrong
+            problems.add(where, f"the {entry.family.value} family pads every prompt to one length; text_length is "
+                                f"for families whose text length is a profile dimension (qwen_image)")
+        return None
+    lengths = (chosen.min, chosen.opt, chosen.max)
+    if not chosen.min <= chosen.opt <= chosen.max:
+        problems.add(where, f"needs min <= opt <= max, got {chosen.min}, {chosen.opt}, {chosen.max}")
+    elif chosen.max > QWEN_MAX_TEXT_LENGTH:
+        problems.add(where + ("max",), f"{chosen.max} is more than QwenImagePipeline's max_sequence_length limit "
+                                       f"({QWEN_MAX_TEXT_LENGTH})")
+    return None if lengths == family_info(entry.family).text_lengths else lengths
 
 
 def _with_second_expert(components: tuple[Component, ...], checkpoint: CheckpointKind, declared: bool,

@@ -99,6 +99,15 @@ def _safe_name(value: str) -> str:
 Name = Annotated[str, AfterValidator(_safe_name)]
 
 
+class TextLength(Strict):
+    """Prompt tokens the engines of a family with a dynamic text length take (Qwen-Image): the text axis's profile,
+    after the prompt template's fixed prefix. Default: the family's (families.py)."""
+
+    min: int = Field(ge=2, description="torch.export specializes sizes 0 and 1")
+    opt: int = Field(ge=2)
+    max: int = Field(ge=2)
+
+
 class ControlNetEntry(Strict):
     source: Source
 
@@ -193,6 +202,7 @@ class ModelSettings(Strict):
     refittable: bool | None = None
     quantization: QuantizationSettings | None = None
     parity: dict[Precision, ParityThresholds] | None = None
+    text_length: TextLength | None = None  # qwen_image only: the text encoder's and transformer's token range
 
     @field_validator("cfg", "targets", "batch", "components", "buckets", "workflows", mode="before")
     @classmethod

@@ -84,7 +84,7 @@ def _size(dim: SymbolicDim, axis_value: int) -> int:
 
 def export_shapes(group: ExportGroup, definition: ComponentDef, config: ModelConfig) -> ExportShapes:
     shapes = _fixed_text_shapes(group, definition, config)
-    lengths = definition.text_lengths(config)
+    lengths = definition.text_lengths(config, group.options)
     return shapes if lengths is None else _with_text(shapes, lengths)
 
 
