@@ -101,5 +101,46 @@ def built_sd15_workflows(tmp_path_factory, tiny_sd15_dir, write_engines_yaml) ->
     return config
 
 
+# built_wan_i2v's bucket per variant (width x height x frames): Wan 2.2's is not square, so a first frame read
+# with its sides swapped cannot pass
+WAN_I2V_BUCKETS = {"i2v": "32x32x5", "i2v_two_expert": "48x32x5"}
+WAN_I2V_FP32 = {"text_encoder": "fp32", "image_encoder": "fp32", "transformer": "fp32", "transformer_2": "fp32",
+                "vae_encoder": "fp32", "vae_decoder": "fp32"}
+
+
+@pytest.fixture(scope="session")
+def built_wan_i2v(tiny_model_factory, tmp_path_factory):
+    """`built_wan_i2v(variant="i2v", target="onnxruntime") -> engines.yaml`: a tiny Wan image-to-video checkpoint
+    (`i2v`: Wan 2.1 I2V with its CLIP image encoder, at 32x32x5; `i2v_two_expert`: Wan 2.2 I2V A14B, at 48x32x5),
+    batch 1, CFG split, fp32, serving img2vid. One workspace per variant listing onnxruntime and openvino; each
+    target is built on first use (about a minute on 2 cores; the second reuses the exports). Read-only, like
+    `built_sd15`."""
+    from trt_diffusion import api
+
+    workspaces: dict[str, Path] = {}
+    built: set[tuple[str, str]] = set()
+
+    def build(variant: str = "i2v", target: str = "onnxruntime") -> Path:
+        if variant not in workspaces:
+            root = tmp_path_factory.mktemp(f"built-wan-{variant}")
+            model = {"source": str(tiny_model_factory("wan", variant=variant)), "family": "wan",
+                     "buckets": [WAN_I2V_BUCKETS[variant]], "batch": [1], "cfg": ["split"], "workflows": ["img2vid"],
+                     "targets": ["onnxruntime", "openvino"],
+                     "precision": {c: p for c, p in WAN_I2V_FP32.items()  # the components the checkpoint has
+                                   if c != {"i2v": "transformer_2", "i2v_two_expert": "image_encoder"}[variant]}}
+            path = root / "engines.yaml"
+            path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": str(root / "build")},
+                                            "models": {"wan": model}}, sort_keys=False))
+            workspaces[variant] = path
+        if (variant, target) not in built:
+            report = api.build(workspaces[variant], target=target)
+            if report.failed:
+                raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
+            built.add((variant, target))
+        return workspaces[variant]
+
+    return build
+
+
 # Helpers shared by several test folders (the target conformance suite) live in tests/shared/.
 sys.path.insert(0, str(Path(__file__).parent / "shared"))

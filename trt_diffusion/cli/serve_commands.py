@@ -160,15 +160,17 @@ def generate_command(
     control_image: Annotated[Path | None, typer.Option("--control-image", help="image for the ControlNet")]
     = None,
     controlnet_scale: Annotated[float | None, typer.Option("--controlnet-scale")] = None,
-    image: Annotated[Path | None, typer.Option("--image", help="init image (PNG): img2img, or inpaint with --mask. "
-                                               "Never resized: its size is the request's, so --width/--height "
-                                               "default to it and, if given, must equal it")] = None,
+    image: Annotated[Path | None, typer.Option("--image", help="init image (PNG): img2img, or inpaint with --mask; "
+                                               "a video model's first frame (img2vid, with --frames). Never "
+                                               "resized: its size is the request's, so --width/--height default "
+                                               "to it and, if given, must equal it")] = None,
     mask: Annotated[Path | None, typer.Option("--mask", help="inpaint mask (PNG, converted to grayscale; white = "
                                               "repaint), the size of --image")] = None,
     strength: Annotated[float | None, typer.Option("--strength", help="(0, 1]: how far the image is re-noised "
                                                    "(default: img2img 0.8, inpaint 1.0)")] = None,
-    workflow: Annotated[str | None, typer.Option("--workflow", help="txt2img | img2img | inpaint | edit "
-                                                 "(default: what --image and --mask imply)")] = None,
+    workflow: Annotated[str | None, typer.Option("--workflow", help="txt2img | img2img | inpaint | edit | img2vid "
+                                                 "(default: what --image and --mask imply; --image with --frames: "
+                                                 "img2vid)")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout", help="seconds to wait for the image")] = 300.0,
     num_images: Annotated[int, typer.Option("--num-images", min=1, help="images for this prompt, seeds SEED, "
                                             "SEED+1, ...; written as OUTPUT-0.png, OUTPUT-1.png, ... when > 1")] = 1,
@@ -187,7 +189,7 @@ def generate_command(
     import time
 
     from .. import api
-    from ..errors import ServeError
+    from ..errors import ServeError, TrtDiffusionError
     from ..image_files import ImageParameters, output_paths, read_png_parameters, save_png
     from ..triton.client import ImageRequest
     from ..video_files import save_videos
@@ -235,9 +237,12 @@ def generate_command(
             raise ServeError("--preview streams over gRPC, one image at a time: use --url grpc://HOST:8001 and no "
                              "--num-images (HTTP has no streaming in Triton)")
         on_preview = _preview_saver(preview)
-    images, parameters, pipeline = api.generate(request, url=url, protocol=transport.value, pipeline=pipeline,
-                                                timeout_s=timeout_s, config=config, model=model, target=target,
-                                                on_preview=on_preview, preview_every=preview_every)
+    try:
+        images, parameters, pipeline = api.generate(request, url=url, protocol=transport.value, pipeline=pipeline,
+                                                    timeout_s=timeout_s, config=config, model=model, target=target,
+                                                    on_preview=on_preview, preview_every=preview_every)
+    except TrtDiffusionError as err:
+        raise _image_size_hint(err, image, init_image) from None
     size = f"{width}x{height}"
     if images.ndim == 5:  # a video model: [N, F, H, W, 3]
         paths = save_videos(images, output, fps, overwrite=overwrite)
@@ -302,6 +307,21 @@ def _input_images(image: Path | None, mask: Path | None, width: int | None, heig
         raise ConfigError(f"--mask {mask} is {mask_array.shape[1]}x{mask_array.shape[0]}, --image {image} is "
                           f"{image_w}x{image_h}: the mask must be the image's size")
     return init_image, mask_array
+
+
+def _image_size_hint(err, image: Path | None, init_image):
+    """`err`, saying why an --image request's size is not served when it is not: the image's size is the
+    request's (never resized), so the image itself must be a served size (a video model's first frame too)."""
+    text = str(err)
+    if init_image is None or "is not served; supported sizes" not in text:
+        return err
+    height, width = init_image.shape[:2]
+    hinted = (f"{text}; --image {image} is {width}x{height} and sets the request's size (images are not resized): "
+              "resize it to a served width x height")
+    try:
+        return type(err)(hinted)
+    except TypeError:  # an error kind with other arguments: the message as it was
+        return err
 
 
 def _workflow_record(workflow: str | None, strength: float | None, image: Path | None, mask: Path | None) -> dict:
