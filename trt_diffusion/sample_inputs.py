@@ -1,5 +1,6 @@
-"""Seeded input images and masks for the image-conditioned workflows: what parity, preflight and the tests feed
-img2img, inpaint and edit requests. Generated, never downloaded, the same on every machine (numpy's PCG64)."""
+"""Seeded input images and masks for the image-conditioned workflows: what parity, preflight, the server's
+warm-up and the tests feed img2img, inpaint, edit and img2vid requests (img2vid's init image is the clip's first
+frame). Generated, never downloaded, the same on every machine (numpy's PCG64)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,28 @@ def inpaint_mask(height: int, width: int, seed: int = 0) -> np.ndarray:
 
 
 def workflow_inputs(workflow: Workflow, height: int, width: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """The seeded `init_image` (and `mask`) a workflow's requests start from; none for txt2img."""
+    """The seeded `init_image` (and `mask`) a workflow's requests start from, at the request's height x width
+    (images are never resized: a video's is one frame of the bucket); none for txt2img."""
     if not workflow.needs_image:
         return {}
     inputs = {"init_image": init_image(height, width, seed)}
     if workflow.needs_mask:
         inputs["mask"] = inpaint_mask(height, width, seed)
     return inputs
+
+
+def natural_workflow(workflows) -> Workflow:
+    """What a request that is not about workflows asks a model for (a first request, a warm-up, the checks that
+    time or load a server): txt2img where the model serves it, else the first workflow it declares. An
+    image-to-video checkpoint serves img2vid alone, so a txt2img request to it would be refused."""
+    served = [Workflow(w) for w in workflows] or [Workflow.txt2img]
+    return Workflow.txt2img if Workflow.txt2img in served else served[0]
+
+
+def request_fields(workflow: Workflow, height: int, width: int, seed: int = 0) -> dict:
+    """`workflow` and its seeded inputs as request fields (GenerationRequest's and ImageRequest's names); none for
+    txt2img, whose requests stay as they were before workflows."""
+    workflow = Workflow(workflow)
+    if workflow is Workflow.txt2img:
+        return {}
+    return {"workflow": workflow.value, **workflow_inputs(workflow, height, width, seed)}

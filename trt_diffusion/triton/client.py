@@ -43,7 +43,8 @@ class ImageRequest:
     controlnet_scale: float | None = None
     num_images: int | None = None  # None: one image, NUM_IMAGES not sent (servers before NUM_IMAGES accept it)
     # Image-conditioned workflows (docs/triton.md): None leaves the input out (servers before them accept it)
-    workflow: str | None = None  # txt2img | img2img | inpaint | edit; None: what init_image / mask imply
+    workflow: str | None = None  # txt2img | img2img | inpaint | edit | img2vid; None: what init_image / mask /
+    # frames imply (an init_image with frames: img2vid, the image as the clip's first frame)
     init_image: np.ndarray | None = None  # uint8 [H, W, 3], the request's size (the server never resizes)
     mask: np.ndarray | None = None  # uint8 [H, W], white (>= 128) is repainted
     strength: float | None = None  # (0, 1]; None: the workflow's default (img2img 0.8, inpaint 1.0)

@@ -36,11 +36,12 @@ REQUEST_INPUTS: tuple[TensorDecl, ...] = (
 )
 # Image-conditioned workflows (issue 25): declared on every entry, whatever it serves, so a request for a workflow
 # the model lacks is answered in the pipeline's words ("WORKFLOW inpaint is not served ..."), not Triton's
-# "unexpected inference input". WORKFLOW absent: what the other inputs imply (INIT_IMAGE: img2img, + MASK:
-# inpaint, neither: txt2img; workflows.request_workflow). Images are the request's size: never resized.
+# "unexpected inference input". WORKFLOW absent: what the other inputs imply (INIT_IMAGE: img2img — img2vid on
+# a video request, one with FRAMES —, + MASK: inpaint, neither: txt2img; workflows.request_workflow). Images are
+# the request's size: never resized.
 WORKFLOW_INPUTS: tuple[TensorDecl, ...] = (
-    _scalar("WORKFLOW", "TYPE_STRING", optional=True),  # txt2img | img2img | inpaint | edit
-    TensorDecl("INIT_IMAGE", "TYPE_UINT8", (-1, -1, 3), optional=True),  # [H, W, 3] RGB
+    _scalar("WORKFLOW", "TYPE_STRING", optional=True),  # txt2img | img2img | inpaint | edit | img2vid
+    TensorDecl("INIT_IMAGE", "TYPE_UINT8", (-1, -1, 3), optional=True),  # [H, W, 3] RGB; img2vid: the first frame
     TensorDecl("MASK", "TYPE_UINT8", (-1, -1), optional=True),  # [H, W], white (>= 128) is repainted
     _scalar("STRENGTH", "TYPE_FP32", optional=True),  # (0, 1]; absent: the workflow's default
 )

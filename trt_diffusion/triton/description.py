@@ -43,7 +43,7 @@ class PipelineDescription:
     engines: tuple[EngineEntry, ...]
     schema_version: int = SCHEMA_VERSION
     controlnets: tuple[str, ...] = field(default=())
-    # engines.yaml's `workflows:` (txt2img, img2img, inpaint, edit); a repository packaged before they existed
+    # engines.yaml's `workflows:` (txt2img, img2img, inpaint, edit, img2vid); a repository packaged before they existed
     # has none recorded and serves txt2img, as it did
     workflows: tuple[str, ...] = field(default=DEFAULT_WORKFLOWS)
     # engines.yaml's `cfg:` (batched, split, parallel, none): `parallel` makes the entry issue a step's two CFG calls

@@ -44,7 +44,9 @@ VERSION = "1"
 ENGINE_BACKENDS = ("python", "native")
 WARMUP_DATA = ("zero", "random")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".onnx", ".msgpack", ".h5", ".gguf")
-_SKELETON_DIRS = ("scheduler", "vae", "unet", "transformer", "tokenizer", "tokenizer_2", "tokenizer_3")
+# what EnginePipeline reads of a model folder; image_processor: Wan 2.1 I2V's CLIP preprocessing of the first frame
+_SKELETON_DIRS = ("scheduler", "vae", "unet", "transformer", "tokenizer", "tokenizer_2", "tokenizer_3",
+                  "image_processor")
 
 
 def _model_py(module: str) -> str:
@@ -137,7 +139,7 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
     pipeline = naming.sanitize(pipeline_name)
     target = _single_target(built)
     _check_components(built, family)
-    served_workflows = _check_workflows(built, family, workflows)
+    served_workflows = _check_workflows(built, family, workflows, model_dir)
     served_cfg = tuple(mode.value for mode in cfg_modes(cfg))
 
     engines = [_engine_plan(pipeline, engine, options, served_cfg) for engine in built]
@@ -200,10 +202,12 @@ def _check_components(built: Sequence[Any], family: Family) -> None:
                          f"{sorted(have)} (add them to engines.yaml's components and build)")
 
 
-def _check_workflows(built: Sequence[Any], family: Family, workflows: Sequence[Workflow | str] | None
-                     ) -> tuple[str, ...]:
+def _check_workflows(built: Sequence[Any], family: Family, workflows: Sequence[Workflow | str] | None,
+                     model_dir: Path | None = None) -> tuple[str, ...]:
     """The workflows the entry serves, as names: each one the family runs, and the VAE encoder engines built
-    where one needs an image (engines.yaml's checks say the same at load; this guards direct callers)."""
+    where one needs an image, the image encoder's too where img2vid's checkpoint has one (Wan 2.1 I2V: its
+    transformer attends to the first frame's CLIP embeds). engines.yaml's checks say the same at load; this guards
+    direct callers."""
     if not workflows:
         return DEFAULT_WORKFLOWS
     try:
@@ -217,9 +221,19 @@ def _check_workflows(built: Sequence[Any], family: Family, workflows: Sequence[W
     if encoding and not any(e.spec.component == "vae_encoder" for e in built):
         problems.append(f"workflow(s) {', '.join(encoding)} encode the INIT_IMAGE: the engine list has no "
                         "vae_encoder engine (build it: engines.yaml's workflows add it)")
+    if Workflow.img2vid in chosen and model_dir is not None and _has_image_encoder(model_dir) \
+            and not any(e.spec.component == Component.image_encoder.value for e in built):
+        problems.append("img2vid on this checkpoint runs its CLIP image encoder on the INIT_IMAGE: the engine list "
+                        "has no image_encoder engine (build it: engines.yaml's img2vid adds it)")
     if problems:
         raise ServeError("cannot package these workflows: " + "; ".join(problems))
     return tuple(w.value for w in chosen)
+
+
+def _has_image_encoder(model_dir: Path) -> bool:
+    from ..models.loading import SUBFOLDER, read_model_index
+
+    return bool((read_model_index(model_dir).get(SUBFOLDER[Component.image_encoder]) or [None])[0])
 
 
 def _tensor_decls(infos, where: str) -> list[TensorDecl]:

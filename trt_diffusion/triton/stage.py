@@ -187,9 +187,13 @@ def models_ready(server: TritonServer, report: PackageReport) -> dict[str, bool]
 
 
 def first_requests(server: TritonServer, report: PackageReport, protocol: str = "grpc") -> list[FirstRequest]:
-    """One small request per bucket through the public entry, timed: the latency of a first request."""
+    """One small request per bucket through the public entry, timed: the latency of a first request. It asks for
+    the model's natural workflow (an image-to-video model serves img2vid alone: its request carries a seeded first
+    frame at the bucket's size)."""
+    from ..sample_inputs import natural_workflow, request_fields
     from .client import ImageRequest, client_module, connect, infer
 
+    workflow = natural_workflow(report.workflows)
     module = client_module(protocol)
     url = server.grpc_url if protocol == "grpc" else server.http_url
     client = connect(url, protocol)
@@ -199,7 +203,7 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
         for label in report.request_sizes:
             size = Size.parse(label)
             request = ImageRequest("warm-up request", size.height, size.width, steps=FIRST_REQUEST_STEPS, seed=0,
-                                   frames=size.frames or None)
+                                   frames=size.frames or None, **request_fields(workflow, size.height, size.width))
             start_time = time.perf_counter()
             infer(client, module, report.entry, request, protocol=protocol, timeout_s=600.0, url=url)
             records.append(FirstRequest(label, time.perf_counter() - start_time, protocol))

@@ -128,11 +128,13 @@ def _error(name: str, err: BaseException):
 
 def timing_json(timings: list, started: float, sent: int | None, started_ns: int) -> str:
     """The request's timings: Triton queue (when the client sent its send time), the wait behind other batches
-    of the same execute, text encoding, each step of each denoising batch its images ran in, VAE decode."""
+    of the same execute, text encoding, image encoding (img2vid: the first frame's CLIP embeds and the
+    conditioning clip's VAE encode), each step of each denoising batch its images ran in, VAE decode."""
     return json.dumps({
         "queue_s": None if sent is None else max(0.0, (started_ns - sent) / 1e9),
         "wait_s": min(t.wait_s for t in timings),
         "text_encode_s": sum(t.text_encode_s for t in timings),
+        "image_encode_s": sum(t.image_encode_s for t in timings),
         "steps_s": _unique_batches(timings),
         "vae_decode_s": sum(t.vae_decode_s for t in timings),
         "batch": [t.batch for t in timings],  # requests' images sharing the denoiser calls, per image

@@ -3,7 +3,8 @@
 Triton's `model_warmup` warms the engine models; the pipeline models' first request would still pay for
 lazy imports (diffusers' schedulers), first tokenizer calls and first torch ops. Here the real pipeline code
 runs once per bucket and scheduler over stand-in runners that return zeros of each engine's output shape
-(BLS calls are not possible during `initialize`).
+(BLS calls are not possible during `initialize`), in the model's natural workflow: an image-to-video model
+serves img2vid alone, so its warm-up requests carry a seeded first frame.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from . import pb
 
 
 class ZeroRunner:
-    def __init__(self, engine: EngineEntry):
+    def __init__(self, engine: EngineEntry, outputs: dict[str, tuple[int, ...]] | None = None):
         self.name = f"{engine.model} (warm-up stand-in)"
         self.inputs = {t.name: TensorSpec(np.dtype(t.dtype), tuple(t.shape)) for t in engine.inputs}
-        self.outputs = {t.name: (np.dtype(t.dtype), tuple(t.shape)) for t in engine.outputs}
+        self.outputs = {t.name: (np.dtype(t.dtype), tuple((outputs or {}).get(t.name, t.shape)))
+                        for t in engine.outputs}
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {name: np.zeros(shape, dtype) for name, (dtype, shape) in self.outputs.items()}
@@ -33,26 +35,52 @@ def _is_static(engine: EngineEntry) -> bool:
     return all(d >= 0 for t in (*engine.inputs, *engine.outputs) for d in t.shape)
 
 
+def _stand_in(engine: EngineEntry, vae_scale_factor: int) -> ZeroRunner | None:
+    """A stand-in where the engine's output shapes are known: a static engine's, and a VAE encoder's at a static
+    bucket, whose latent sides are its image's over the VAE factor (its export names them apart from the image's
+    sides, so the manifest keeps them dynamic: img2vid runs one on every request). None: warmed on first use."""
+    if _is_static(engine):
+        return ZeroRunner(engine)
+    bucket = engine.bucket_object
+    if engine.component != "vae_encoder" or bucket is None or bucket.min != bucket.max \
+            or any(d < 0 for t in engine.inputs for d in t.shape):
+        return None
+    latent = (bucket.opt.height // vae_scale_factor, bucket.opt.width // vae_scale_factor)
+    outputs = {}
+    for tensor in engine.outputs:
+        *leading, height, width = tensor.shape
+        if any(d < 0 for d in leading):
+            return None
+        outputs[tensor.name] = (*leading, latent[0] if height < 0 else height, latent[1] if width < 0 else width)
+    return ZeroRunner(engine, outputs)
+
+
 def warm_up_in_process(pipeline, description: PipelineDescription) -> float:
     """Seconds spent. Best effort: a failure is logged and never stops the model from loading."""
     from ...runtime.pipeline import GenerationRequest
     from ...runtime.schedulers import scheduler_names
+    from ...sample_inputs import natural_workflow, request_fields
 
     start = time.perf_counter()
     stand_ins = RunnerTable()
     for engine in description.engines:
-        if _is_static(engine):  # dynamic engines' output shapes are unknown here: warmed on first use
-            stand_ins.add(engine.component, ZeroRunner(engine), bucket=engine.bucket_object, batch=engine.batch,
+        stand_in = _stand_in(engine, pipeline.vae_scale_factor)  # none for a dynamic engine: warmed on first use
+        if stand_in is not None:
+            stand_ins.add(engine.component, stand_in, bucket=engine.bucket_object, batch=engine.batch,
                           controlnet=engine.controlnet)
     sizes = [e.bucket_object.opt for e in description.engines
              if e.component == pipeline.denoiser and e.bucket and _is_static(e) and e.controlnet is None]
+    # the model's natural workflow: an image-to-video model serves img2vid alone (its requests carry a first frame)
+    workflow = natural_workflow(pipeline.workflows)
     try:
-        requests = [GenerationRequest(prompt="warm-up", height=s.height, width=s.width, steps=2, frames=s.frames)
+        requests = [GenerationRequest(prompt="warm-up", height=s.height, width=s.width, steps=2, frames=s.frames,
+                                      **request_fields(workflow, s.height, s.width))
                     for s in dict.fromkeys(sizes)]
         if requests:
             first = requests[0]
             requests += [GenerationRequest(prompt="warm-up", height=first.height, width=first.width, steps=2,
-                                           frames=first.frames, scheduler=name)
+                                           frames=first.frames, scheduler=name,
+                                           **request_fields(workflow, first.height, first.width))
                          for name in scheduler_names(description.family)[1:]]
             requests += _image_requests(pipeline, stand_ins, first)
         with pipeline.runners_swapped(stand_ins):  # the family loops (FLUX, Wan) too: no BLS call here
