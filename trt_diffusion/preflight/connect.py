@@ -10,8 +10,10 @@ from pathlib import Path
 from ..engines_file import EnginesConfig, EngineSpec, expand
 from ..errors import BuildError, ServeError
 from ..families import Component, family_info
+from ..sample_inputs import natural_workflow, request_fields
 from ..triton import naming
 from ..triton.client import ImageRequest
+from ..workflows import Workflow
 from .deployment import DENOISERS, InProcessDeployment, ServedBucket, ServedDeployment
 
 
@@ -101,7 +103,7 @@ def start_served(config: EnginesConfig, engines: Engines, *, protocol: str, work
     # package's defaults (instances, queue) without the ensemble: preflight checks the entry clients use, and
     # four fewer python processes start faster.
     report = package(usable, model.source.path, model.family, engines.model, work_dir / "triton_repo",
-                     PackageOptions(ensemble=False))
+                     PackageOptions(ensemble=False), workflows=model.workflows, cfg=model.cfg)  # as `package` does
     server, _ = start(work_dir / "triton_repo", work_dir=work_dir / "server", ready_timeout_s=ready_timeout_s,
                       first_request=False, protocol=protocol)
     url = server.grpc_url if protocol == "grpc" else server.http_url
@@ -112,19 +114,24 @@ def start_served(config: EnginesConfig, engines: Engines, *, protocol: str, work
             denoiser_models=[m.name for m in report.engine_models() if m.component in DENOISERS],
             instances=report.options["pipeline_instances"], max_queue_size=report.options["max_queue_size"],
             entry=report.entry, server=server, metrics_url=f"127.0.0.1:{server.ports.metrics}")
-        deployment.first_requests = time_first_requests(deployment, first_request_steps)
+        deployment.first_requests = time_first_requests(deployment, first_request_steps,
+                                                        workflow=natural_workflow(model.workflows))
     except BaseException:
         server.stop()
         raise
     return deployment
 
 
-def time_first_requests(deployment, steps: int, timeout_s: float = 600.0) -> dict[str, float]:
+def time_first_requests(deployment, steps: int, timeout_s: float = 600.0,
+                        workflow: Workflow = Workflow.txt2img) -> dict[str, float]:
+    """Seconds of each bucket's first request, in `workflow` (the model's natural one: an image-to-video model's
+    first request carries its seeded first frame)."""
     deployment.health()  # opens the connection: its setup is the client's cost, not the first request's
     seconds = {}
     for bucket in deployment.buckets:
-        request = ImageRequest("first request", bucket.request.height, bucket.request.width, steps=steps, seed=0,
-                               frames=bucket.request.frames or None)
+        size = bucket.request
+        request = ImageRequest("first request", size.height, size.width, steps=steps, seed=0,
+                               frames=size.frames or None, **request_fields(workflow, size.height, size.width))
         start = time.perf_counter()
         deployment.generate(request, timeout_s)
         seconds[bucket.label] = time.perf_counter() - start

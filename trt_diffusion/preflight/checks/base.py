@@ -11,7 +11,7 @@ import numpy as np
 
 from ...engines_file import EnginesConfig
 from ...engines_file.preflight import PreflightSettings
-from ...sample_inputs import workflow_inputs
+from ...sample_inputs import natural_workflow, workflow_inputs
 from ...triton.client import ImageRequest
 from ...workflows import Workflow
 from ..deployment import Deployment
@@ -42,14 +42,21 @@ class CheckContext:
         """The workflows engines.yaml declares for the model: the checks that run per workflow loop over them."""
         return self.resolved_model.workflows
 
+    @property
+    def natural_workflow(self) -> Workflow:
+        """What the checks that are not about workflows send: txt2img where the model serves it, else the first
+        one it declares (an image-to-video checkpoint serves img2vid alone: a txt2img request would be refused)."""
+        return natural_workflow(self.workflows)
+
     def remaining(self, floor: float = 1.0) -> float:
         """Seconds left before the check's timeout (at least `floor`): the bound for a request's own timeout."""
         return max(floor, self.deadline - time.monotonic())
 
-    def request(self, size=None, workflow: Workflow = Workflow.txt2img, **values) -> ImageRequest:
-        """An ImageRequest at `size` (the first bucket's); an image workflow's gets the seeded init image (and
-        mask) of its seed and the checks' strength."""
+    def request(self, size=None, workflow: Workflow | None = None, **values) -> ImageRequest:
+        """An ImageRequest at `size` (the first bucket's) for `workflow` (default: the model's natural one); an
+        image workflow's gets the seeded init image (and mask) of its seed, at the size, and the checks' strength."""
         size = size or self.deployment.buckets[0].request
+        workflow = workflow or self.natural_workflow
         fields = dict(prompt=PROMPT, height=size.height, width=size.width, steps=4, guidance_scale=7.5, seed=0,
                       frames=size.frames or None)  # a video bucket's clip length
         fields.update(values)
