@@ -111,7 +111,8 @@ class ImageComparison(_ReportModel):
     reference_png: PngName = Field(description="the reference image, relative to the report folder")
     candidate_png: PngName = Field(description="the engine's image, relative to the report folder")
     init_png: PngName | None = Field(default=None, description="the init image both pipelines started from "
-                                                               "(image-conditioned workflows)")
+                                                               "(image-conditioned workflows; img2vid: the clip's "
+                                                               "first frame)")
     mask_png: PngName | None = Field(default=None, description="the inpainting mask (white = repainted)")
     diff_png: PngName | None = Field(default=None, description="the |diff| heatmap, written by write_report")
     video: VideoComparison | None = Field(default=None, description="a clip pair's figures; absent for images")
@@ -167,7 +168,7 @@ class VariantResult(_ReportModel):
     bucket: str = Field(description="the resolution bucket label, e.g. 512x512 or 512x512..1024x1024")
     lora: str | None = None
     controlnet: str | None = None
-    workflow: str = Field(default="txt2img", description="txt2img, img2img, inpaint or edit")
+    workflow: str = Field(default="txt2img", description="txt2img, img2img, inpaint, edit or img2vid")
     strength: float | None = Field(default=None, description="the img2img/inpaint strength the requests used")
     thresholds: Thresholds = Field(description="the bar the images were judged against")
     images: list[ImageComparison] = Field(default_factory=list)
