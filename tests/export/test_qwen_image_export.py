@@ -159,3 +159,16 @@ def test_the_encoder_engine_matches_pytorch_hidden_states_at_min_opt_max(qwen_bu
         expected, expected_mask = pipe.encode_prompt(prompts, device="cpu")
     np.testing.assert_allclose(embeds, expected.numpy(), rtol=0, atol=1e-4 * np.abs(expected.numpy()).max())
     assert (mask == expected_mask.numpy()).all()
+
+
+@pytest.mark.slow  # two dynamo exports in fp16 (about 35 s)
+def test_the_encoder_and_transformer_export_in_fp16(qwen_dir, tmp_path, write_engines_yaml):
+    """fp16 graphs of the language model and the MMDiT (the RoPE rewrite and the dynamic text axis included), checked
+    against the fp32 module within the fp16 bar at the three text lengths."""
+    config = write_engines_yaml(tmp_path, qwen_dir, "qwen_image", components=["text_encoder", "transformer"],
+                                precision={"text_encoder": "fp16", "transformer": "fp16", "vae_decoder": "fp32"})
+    results = {r.group.name: r for r in api.export(config, component="text_encoder").results
+               + api.export(config, component="transformer").results}
+    assert set(results) == {"qwen_image-tiny.text_encoder.fp16", "qwen_image-tiny.transformer.fp16"}
+    for result in results.values():
+        assert len(result.parity) == 3 and all(c["passed"] for c in result.parity), result.parity
