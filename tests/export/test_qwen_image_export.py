@@ -148,7 +148,7 @@ def test_the_encoder_engine_matches_pytorch_hidden_states_at_min_opt_max(qwen_bu
                                          output_hidden_states=True).hidden_states[-1].numpy()
             got = runner.run({"input_ids": ids, "attention_mask": mask})["hidden_states"]
             assert got.shape == expected.shape
-            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())  # seen: 3e-7
         prompts = ["a red cat on a mat", "sky"]
         tokens = pipe.tokenizer([pipe.prompt_template_encode.format(p) for p in prompts], padding=True,
                                 max_length=1024 + QWEN_TEMPLATE_TOKENS, truncation=True, return_tensors="np")
@@ -157,7 +157,7 @@ def test_the_encoder_engine_matches_pytorch_hidden_states_at_min_opt_max(qwen_bu
                 for i in range(2)]  # a batch-1 engine: one call per prompt, as the pipeline's negative prompt
         embeds, mask = prompt_embeds(np.concatenate(rows), tokens["attention_mask"])
         expected, expected_mask = pipe.encode_prompt(prompts, device="cpu")
-    np.testing.assert_allclose(embeds, expected.numpy(), rtol=0, atol=1e-4 * np.abs(expected.numpy()).max())
+    np.testing.assert_allclose(embeds, expected.numpy(), rtol=0, atol=1e-5 * np.abs(expected.numpy()).max())
     assert (mask == expected_mask.numpy()).all()
 
 
