@@ -156,10 +156,10 @@ def test_a_transformer_too_large_to_check_at_its_bucket_is_checked_smaller():
     definition = get_component("wan", "transformer")
     (group,) = group_specs([_spec("transformer", _static("832x480x17"))])
     shapes = export_shapes(group, definition, config)
-    assert [g.label() for g in shapes.parity] == ["batch 1, 416x240x5", "batch 2, 432x256x9"]
+    assert [g.label() for g in shapes.parity] == ["batch 1, 208x112x5", "batch 2, 224x128x9"]
     assert shapes.example == shapes.parity[1]
     assert all(definition.attention_score_bytes(config, g) <= CHECK_SCORE_BYTES for g in shapes.parity)
-    assert shapes.ranges["frames"] == (2, 6) and shapes.ranges["height"] == (30, 62)  # the bucket and the checks
+    assert shapes.ranges["frames"] == (2, 6) and shapes.ranges["height"] == (14, 62)  # the bucket and the checks
     assert "at batch 2, 848x496x21 one attention score tensor is 8.7 GiB" in shapes.to_json()["smaller_check"]
 
 
