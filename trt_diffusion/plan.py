@@ -9,7 +9,7 @@ from pathlib import Path
 from .engines_file import EnginesConfig, EngineSpec, Precision, expand
 from .engines_file.expand import fixed_frames
 from .errors import TrtDiffusionError
-from .families import Component, family_info
+from .families import Component, Family, family_info
 from .workflows import Workflow
 
 
@@ -188,6 +188,10 @@ def _formula(members: list[EngineSpec]) -> str:
 
 # The modules of the VAE each part exports (as models.loading.count_parameters counts them).
 _VAE_PARTS = {Component.vae_encoder: ("encoder.", "quant_conv."), Component.vae_decoder: ("decoder.", "post_quant_conv.")}
+# A checkpoint folder that holds more than its engine: Qwen-Image's text encoder folder is the whole Qwen2.5-VL
+# (vision tower, LM head), its engine the language model (both key layouts transformers has saved).
+_ENGINE_PARTS = {(Family.qwen_image, Component.text_encoder): (
+    "model.embed_tokens.", "model.layers.", "model.norm.", "model.language_model.")}
 
 
 def _parameters(config: EnginesConfig, model_name: str, component: Component, controlnet: str | None) -> int | None:
@@ -200,7 +204,7 @@ def _parameters(config: EnginesConfig, model_name: str, component: Component, co
     if not Path(model.source.path).is_dir():
         return None
     folder = model.controlnets[controlnet].path if controlnet else Path(model.source.path) / SUBFOLDER[component]
-    count = stored_parameter_count(folder, _VAE_PARTS.get(component))
+    count = stored_parameter_count(folder, _ENGINE_PARTS.get((model.family, component), _VAE_PARTS.get(component)))
     if count is not None:
         return count
     from .models.loading import parameter_count

@@ -94,3 +94,15 @@ def test_a_wrong_text_length_is_refused_at_its_line(manifest, tmp_path, capsys, 
     assert main(["plan", str(path)]) == 1
     err = capsys.readouterr().err
     assert message in err and f"{path}:" in err and "text_length" in err and "Traceback" not in err
+
+
+def test_the_text_encoder_counts_its_language_model_only(manifest, tiny_model_factory):
+    """The text_encoder folder is the whole Qwen2.5-VL; its engine is the language model (no vision tower, no LM
+    head), which is what plan counts and sizes."""
+    from trt_diffusion.models.loading import load_component
+
+    module = load_component(tiny_model_factory("qwen_image"), "text_encoder")
+    language = sum(p.numel() for name, p in module.named_parameters()
+                   if not name.startswith(("lm_head.", "model.visual.", "visual.")))
+    row = next(r for r in api.plan(manifest).rows if r.model == "qwen" and r.component == "text_encoder")
+    assert row.parameters == language < sum(p.numel() for p in module.parameters())
