@@ -1,6 +1,7 @@
 """One pipeline over runners: tokenize → text encoders → scheduler loop (CFG, ControlNet) → VAE decode,
 from noise (txt2img) or from an init image (img2img, inpaint: runtime/conditioning.py). FLUX has its own loop
-(runtime/flux_loop.py: packed latents, Fill, Kontext edit), and so has Wan video (runtime/video_loop.py). It follows
+(runtime/flux_loop.py: packed latents, Fill, Kontext edit), and so have Wan video (runtime/video_loop.py) and
+Qwen-Image (runtime/qwen_image_loop.py: true CFG, variable text lengths). It follows
 diffusers' pipelines step for step, so the torch-reference runners reproduce diffusers' images exactly and engine
 runners can be compared to them.
 """
@@ -35,6 +36,7 @@ from . import conditioning
 from .cfg_parallel import at_once, cfg_modes
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
 from .flux_loop import FluxLoop
+from .qwen_image_loop import QwenImageLoop, qwen_problems
 from .schedulers import make_scheduler, scheduler_names
 from .video_loop import WanLoop, video_problems
 
@@ -63,6 +65,9 @@ class GenerationRequest:
     strength: float | None = None  # (0, 1]; None: the workflow's default (workflows.DEFAULT_STRENGTH)
     frames: int = 0  # a video family's clip length (Wan: 4k+1); 0: an image
     guidance_scale_2: float | None = None  # Wan 2.2 two-expert: the low-noise expert's guidance (None: guidance_scale)
+    # qwen_image: prompt tokens kept after the template (diffusers' max_sequence_length); None: 512, or the engines'
+    # text_length max where lower. Longer prompts are truncated to it, as diffusers does; above the engines' max refused
+    max_sequence_length: int | None = None
 
     @property
     def resolved_workflow(self) -> Workflow:
@@ -106,6 +111,7 @@ class Generation:
 class _Conditioning:
     embeds: np.ndarray  # [B, S, C]
     pooled: np.ndarray | None = None
+    mask: np.ndarray | None = None  # qwen_image: [B, S] int64, 1 for the prompt's tokens (rows have their own S)
 
 
 Conditioning = _Conditioning
@@ -154,10 +160,14 @@ class EnginePipeline:
     `cfg`: engines.yaml's CFG modes for the model (package records them for the Triton entry). They matter only
     for `parallel`, which is never guessed: split's two calls issued at once on two instances of the denoiser
     (runtime/cfg_parallel.py), wherever the engines at the request's rows exist. Without it the mode follows
-    from the engine batches built, as before (`_cfg_mode`)."""
+    from the engine batches built, as before (`_cfg_mode`).
+
+    `text_lengths`: Qwen-Image's engines' (min, opt, max) prompt tokens (engines.yaml's `text_length`); None: the
+    family's default range."""
 
     def __init__(self, model_dir: str | Path, family: Family | str, runners: RunnerTable,
-                 workflows: tuple[Workflow | str, ...] | None = None, cfg: tuple[CfgMode | str, ...] | None = None):
+                 workflows: tuple[Workflow | str, ...] | None = None, cfg: tuple[CfgMode | str, ...] | None = None,
+                 text_lengths: tuple[int, int, int] | None = None):
         from ..models.quiet import quiet_libraries
 
         quiet_libraries()
@@ -185,13 +195,16 @@ class EnginePipeline:
         self.wan = None if self.family is not Family.wan else WanLoop(
             runners, self.index, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
             vae_scale_factor=self.vae_scale_factor, parallel_cfg=self.parallel_cfg, model_dir=self.model_dir)
+        self.qwen = None if self.family is not Family.qwen_image else QwenImageLoop(
+            runners, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
+            vae_scale_factor=self.vae_scale_factor, text_lengths=text_lengths)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
 
     @contextlib.contextmanager
     def runners_swapped(self, runners: RunnerTable):
         """Run with `runners` in place of the pipeline's own, the family loops' included (the Triton entry's
         python warm-up runs on stand-ins this way), and put the own ones back after."""
-        loops = [loop for loop in (self.flux, self.wan) if loop is not None]
+        loops = [loop for loop in (self.flux, self.wan, self.qwen) if loop is not None]
         own = self.runners
         self.runners = runners
         for loop in loops:
@@ -209,6 +222,8 @@ class EnginePipeline:
         encoder; edit needs an edit checkpoint, img2vid an image-to-video one (which serves img2vid alone) and,
         for Wan 2.1 I2V, the CLIP image encoder too."""
         possible = FAMILY_WORKFLOWS[self.family]
+        if self.family is Family.qwen_image:  # its img2img / inpaint loops are still to come
+            possible = (Workflow.txt2img,)
         if self._inpainting_denoiser:
             possible = (Workflow.inpaint,)
         checkpoint = self.index.get("_class_name")
@@ -226,7 +241,7 @@ class EnginePipeline:
         if self.index.get("_class_name") in IMAGE_TO_VIDEO_PIPELINE_CLASSES:
             return False  # its extra channels are the first-frame mask and the image's clip latents
         channels = self.denoiser_config["in_channels"]
-        if self.family is Family.flux:
+        if self.family in (Family.flux, Family.qwen_image):
             channels //= 4  # packed 2x2 patches
         return channels > self.latent_channels
 
@@ -270,6 +285,7 @@ class EnginePipeline:
                                 f"[{request.height}, {request.width}, 3]")
         problems += self._image_problems(request)
         problems += video_problems(self.family, request, self.wan)
+        problems += qwen_problems(request, self.qwen)
         if problems:
             raise RuntimeInputError("; ".join(problems))
         supported = self.runners.supported_sizes(self.denoiser)
@@ -370,7 +386,7 @@ class EnginePipeline:
         workflow = request.resolved_workflow  # the same trimmed schedule and denoiser inputs
         strength = request.resolved_strength if workflow.takes_strength else None
         key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength)
-        if self.family in (Family.flux, Family.wan):  # one request per batch (flux_loop.py, video_loop.py say why)
+        if self.family in (Family.flux, Family.wan, Family.qwen_image):  # one request per batch (their loops say why)
             key += (id(request),)
         return key
 
@@ -426,7 +442,7 @@ class EnginePipeline:
     def generate_together(self, requests: list[GenerationRequest], on_step: StepCallback | None = None
                           ) -> list[Generation]:
         """One batch of `plan_batches`: requests of one `batch_key` whose rows an engine batch serves."""
-        if len(requests) == 1 or self.flux is not None or self.wan is not None:
+        if len(requests) == 1 or self.flux is not None or self.wan is not None or self.qwen is not None:
             return [self.generate(r, on_step) for r in requests]
         size = self.validate(requests[0])
         timings = [StageTimings(batch=len(requests)) for _ in requests]
@@ -452,6 +468,10 @@ class EnginePipeline:
         if self.wan is not None:
             positive, negative = self.wan.encode(request)
             return PromptEncoding(_Conditioning(positive), None if negative is None else _Conditioning(negative))
+        if self.qwen is not None:
+            positive, negative = self.qwen.encode(request)
+            return PromptEncoding(_Conditioning(positive.embeds, mask=positive.mask),
+                                  None if negative is None else _Conditioning(negative.embeds, mask=negative.mask))
         positive = self._encode_all([request.prompt] * request.batch)
         negative = None
         if self.family is not Family.flux and request.guidance_scale > 1.0:
@@ -467,6 +487,9 @@ class EnginePipeline:
         if self.wan is not None:
             negative = None if encoding.negative is None else encoding.negative.embeds
             return self.wan.denoise(request, encoding.positive.embeds, negative, timings, on_step)
+        if self.qwen is not None:
+            negative = None if encoding.negative is None else _qwen_text(encoding.negative)
+            return self.qwen.denoise(request, _qwen_text(encoding.positive), negative, timings, on_step)
         if self.flux is not None:
             return self.flux.denoise(self.flux.item(request, encoding.positive, size), size, timings, on_step), "none"
         latents, cfg_mode = self._denoise_items([self._item(request, encoding, size)], size, timings, on_step)
@@ -691,6 +714,8 @@ class EnginePipeline:
         """Latents to uint8 images [B, H, W, 3] (a video family's [B, F, H, W, 3])."""
         if self.wan is not None:
             return _uint8(self.wan.decode(latents, size, batch))
+        if self.qwen is not None:
+            return _uint8(self.qwen.decode(latents, size, batch))
         latents = latents / self.scaling_factor + self.shift_factor
         runner = self.runners.find("vae_decoder", size=size, batch=batch)
         return _uint8(runner.run({"latent": latents.float().numpy()})["images"])  # layout kept, as in _denoise
@@ -712,6 +737,12 @@ class _StartRequest:
     strength: float
     init_image: np.ndarray
     mask: np.ndarray | None
+
+
+def _qwen_text(conditioning: _Conditioning):
+    from .qwen_image_loop import QwenText
+
+    return QwenText(conditioning.embeds, conditioning.mask)
 
 
 def _denoiser_input(item: _Item, scaled: torch.Tensor) -> torch.Tensor:

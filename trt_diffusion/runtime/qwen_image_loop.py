@@ -1,0 +1,203 @@
+"""The Qwen-Image text-to-image loop over runners, step for step as diffusers' `QwenImagePipeline` runs it, so the
+torch reference runners reproduce its images bit for bit:
+
+- prompt: `prompt_template_encode.format(prompt)`, tokenized as `_get_qwen_prompt_embeds` does (one prompt: no
+  padding, `max_length` 1024 + 34, truncated), cut to the encoder engine's 34 + text max where longer (the encoder is
+  causal: the states kept do not depend on the ids cut), run; then `components.qwen_image.prompt_embeds` (the
+  template's 34 positions dropped, cut to max_sequence_length), repeated to the request's rows as `encode_prompt`
+  repeats them. One encoder call for the prompt, one for the negative prompt, each with its own length.
+- true CFG: only with `guidance_scale` (= diffusers' `true_cfg_scale`) > 1 *and* a negative prompt (`""` counts;
+  None does not), as `do_true_cfg`. Per step the conditional call, then the negative one (each its own text length
+  and mask: `split`), combined `neg + s·(cond − neg)` and rescaled to the conditional prediction's norm over the 64
+  packed channels, in torch as diffusers writes it.
+- noise: randn [rows, 1, 16, h, w] from the request's generator (its only draw), packed 2×2; the transformer sees
+  the packed tokens viewed as [rows, h/2, w/2, 64] (the same memory) and answers in that view.
+- schedule: sigmas linspace(1, 1/steps, steps), `mu` from the image's token count (`calculate_shift` with the
+  scheduler config's bounds), `set_begin_index(0)`; the transformer's timestep is `t / 1000` in float32.
+- decode: unpacked [rows, 16, 1, h, w], `latents / (1 / latents_std) + latents_mean`, the vae_decoder runner on the
+  frame (its graph adds the frame axis back), then the image families' uint8 conversion (pipeline.py).
+
+The mask: diffusers passes `None` for an all-ones prompt mask, the engines always take the mask (all ones there).
+The transformer's attention gives the same bits either way on the reference (tests/runtime/test_qwen_image_reference.py).
+
+Requests are not batched with each other (EnginePipeline.batch_key): diffusers runs the transformer over one
+request's rows with that prompt's text length; another request's prompt has its own length (padding it would be
+another computation), and linear layers round differently over more rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..components.qwen_image import prompt_embeds
+from ..engines_file.engine_spec import Size
+from ..errors import RuntimeInputError
+from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH, Family, family_info
+from .schedulers import make_scheduler
+
+if TYPE_CHECKING:
+    from .pipeline import GenerationRequest, StageTimings, StepCallback
+
+PATCH = 2  # 2x2 latent pixels per token
+# diffusers' QwenImagePipeline.prompt_template_encode (its system part tokenizes to the 34 positions dropped)
+PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+                   "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@dataclass
+class QwenText:
+    """One prompt's states as encode_prompt returns them, repeated to the request's rows: [rows, S, D] and [rows, S]."""
+
+    embeds: np.ndarray
+    mask: np.ndarray
+
+
+def qwen_problems(request: GenerationRequest, loop: QwenImageLoop | None) -> list[str]:
+    """What is wrong with a request's Qwen-Image fields (MAX_SEQUENCE_LENGTH, the workflow) for this pipeline."""
+    length = request.max_sequence_length
+    if loop is None:
+        return [] if length is None else [
+            "MAX_SEQUENCE_LENGTH is the qwen_image family's (its prompts keep a variable number of tokens); this "
+            "family's prompts are padded to its text encoders' length"]
+    problems = []
+    if length is not None:
+        low, high = loop.text_lengths[0], loop.text_lengths[2]
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+            problems.append(f"MAX_SEQUENCE_LENGTH must be a whole number, got {length!r}")
+        elif not low <= length <= high:
+            why = (f"the engines' text_length max is {high}: rebuild with a larger text_length in engines.yaml "
+                   f"(at most {QWEN_MAX_TEXT_LENGTH}, diffusers' limit)" if length > high
+                   else f"the engines take at least {low} text tokens")
+            problems.append(f"MAX_SEQUENCE_LENGTH must be between {low} and {high}, got {length} ({why})")
+    return problems
+
+
+class QwenImageLoop:
+    """The Qwen-Image denoising loop of an EnginePipeline: what it reads of the model folder, and its runners.
+
+    `text_lengths`: the engines' (min, opt, max) prompt tokens (engines.yaml's `text_length`); None: the family's
+    (2, 128, 512). A prompt longer than the max is truncated there, as diffusers truncates at max_sequence_length."""
+
+    def __init__(self, runners, denoiser_config: dict, scheduler_config: dict, vae_config: dict, tokenizer, *,
+                 vae_scale_factor: int, text_lengths: tuple[int, int, int] | None = None):
+        self.runners, self.tokenizer = runners, tokenizer
+        self.scheduler_config = scheduler_config
+        self.vae_scale_factor = vae_scale_factor
+        self.text_lengths = tuple(text_lengths or family_info(Family.qwen_image).text_lengths)
+        self.channels = int(denoiser_config["in_channels"]) // (PATCH * PATCH)  # num_channels_latents
+        z_dim = int(vae_config["z_dim"])
+        # as QwenImagePipeline builds them: float32 tensors, the std inverted once and divided by at decode
+        self.latents_mean = torch.tensor(vae_config["latents_mean"]).view(1, z_dim, 1, 1, 1)
+        self.latents_std = 1.0 / torch.tensor(vae_config["latents_std"]).view(1, z_dim, 1, 1, 1)
+
+    def max_sequence_length(self, request: GenerationRequest) -> int:
+        """The request's, else diffusers' default 512 where the engines take it (their max otherwise)."""
+        if request.max_sequence_length is not None:
+            return int(request.max_sequence_length)
+        return min(QWEN_TEXT_LENGTH, self.text_lengths[2])
+
+    # ---------------------------------------------------------------- text
+
+    def encode(self, request: GenerationRequest) -> tuple[QwenText, QwenText | None]:
+        """(positive, negative); negative None where true CFG does not run (diffusers' do_true_cfg)."""
+        length = self.max_sequence_length(request)
+        positive = self._text(request.prompt, length, request.batch)
+        negative = None
+        if self.true_cfg(request):
+            negative = self._text(request.negative_prompt, length, request.batch)
+        return positive, negative
+
+    @staticmethod
+    def true_cfg(request: GenerationRequest) -> bool:
+        return request.guidance_scale > 1.0 and request.negative_prompt is not None
+
+    def _text(self, prompt: str, max_sequence_length: int, rows: int) -> QwenText:
+        tokens = self.tokenizer([PROMPT_TEMPLATE.format(prompt)], max_length=QWEN_MAX_TEXT_LENGTH + QWEN_TEMPLATE_TOKENS,
+                                padding=True, truncation=True, return_tensors="np")
+        keep = QWEN_TEMPLATE_TOKENS + self.text_lengths[2]  # the encoder engine's longest sequence
+        ids = tokens.input_ids.astype(np.int64)[:, :keep]
+        mask = tokens.attention_mask.astype(np.int64)[:, :keep]
+        runner = self.runners.find("text_encoder", size=None, batch=1)
+        states = runner.run({"input_ids": ids, "attention_mask": mask})["hidden_states"]
+        embeds, embeds_mask = prompt_embeds(states, mask, max_sequence_length)
+        # encode_prompt's repeat(1, n, 1).view(n, S, D): the prompt's row n times
+        return QwenText(np.repeat(embeds, rows, axis=0), np.repeat(embeds_mask, rows, axis=0))
+
+    # ---------------------------------------------------------------- the loop
+
+    def latent_size(self, size: Size) -> tuple[int, int]:
+        factor = self.vae_scale_factor * PATCH
+        return PATCH * (size.height // factor), PATCH * (size.width // factor)
+
+    def denoise(self, request: GenerationRequest, positive: QwenText, negative: QwenText | None,
+                timings: StageTimings, on_step: StepCallback | None = None) -> tuple[torch.Tensor, str]:
+        """(final packed latents [rows, tokens, 64], cfg mode) from the request's seeded noise."""
+        from diffusers import QwenImagePipeline
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        size = Size(request.width, request.height)
+        rows, steps = request.batch, request.steps
+        generator = torch.Generator().manual_seed(int(request.seed))
+        h, w = self.latent_size(size)
+        noise = torch.randn((rows, 1, self.channels, h, w), generator=generator, dtype=torch.float32)
+        latents = QwenImagePipeline._pack_latents(noise, rows, self.channels, h, w)
+        scheduler = make_scheduler(request.scheduler, self.scheduler_config, Family.qwen_image.value)
+        config = scheduler.config
+        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        scheduler.set_begin_index(0)
+        cfg_mode = self._cfg_mode(size, rows) if negative is not None else "none"
+        scale = request.guidance_scale
+        timesteps = scheduler.timesteps
+        for index, t in enumerate(timesteps):
+            start = time.perf_counter()
+            timestep = (t.expand(rows).to(latents.dtype) / 1000).numpy()  # as diffusers divides, in float32
+            sample = latents.view(rows, h // PATCH, w // PATCH, -1).numpy()
+            noise_pred = self._call(size, sample, timestep, positive, latents.shape)
+            if negative is not None:
+                neg_noise_pred = self._call(size, sample, timestep, negative, latents.shape)
+                comb_pred = neg_noise_pred + scale * (noise_pred - neg_noise_pred)
+                cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
+                noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
+                noise_pred = comb_pred * (cond_norm / noise_norm)
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            timings.step_s.append(time.perf_counter() - start)
+            if on_step is not None:  # a preview, or a cancellation raised between steps
+                on_step(index, len(timesteps), [latents])
+        return latents, cfg_mode
+
+    def _call(self, size: Size, sample: np.ndarray, timestep: np.ndarray, text: QwenText, shape) -> torch.Tensor:
+        runner = self.runners.find("transformer", size=size, batch=sample.shape[0])
+        out = runner.run({"hidden_states": sample, "timestep": timestep, "encoder_hidden_states": text.embeds,
+                          "encoder_hidden_states_mask": text.mask})["noise_pred"]
+        return torch.from_numpy(out).reshape(shape)  # the packed [rows, tokens, 64] view again
+
+    def _cfg_mode(self, size: Size, rows: int) -> str:
+        """`split` (diffusers' two calls, each over the request's rows with its own text length): the only mode
+        that is diffusers' computation, so the only one run; `cfg: batched` engines alone are refused."""
+        batches = self.runners.batches("transformer", size)
+        if None in batches or rows in batches:
+            return "split"
+        raise RuntimeInputError(
+            f"no transformer engine at {size} for batch {rows}: Qwen-Image's true CFG runs the prompt and the negative "
+            f"prompt as two calls of {rows} row(s), each with its own text length (build `cfg: [split]`); built: "
+            f"{sorted(b for b in batches if b)}")
+
+    # ---------------------------------------------------------------- VAE
+
+    def decode(self, latents: torch.Tensor, size: Size, rows: int) -> np.ndarray:
+        """Packed latents to the VAE's images [rows, 3, H, W] in [-1, 1]."""
+        from diffusers import QwenImagePipeline
+
+        latents = QwenImagePipeline._unpack_latents(latents, size.height, size.width, self.vae_scale_factor)
+        latents = latents / self.latents_std + self.latents_mean
+        runner = self.runners.find("vae_decoder", size=size, batch=rows)
+        return runner.run({"latent": latents[:, :, 0].numpy()})["images"]
