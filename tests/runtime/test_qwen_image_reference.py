@@ -1,0 +1,140 @@
+"""Qwen-Image's loop over the torch-reference runners equals diffusers' QwenImagePipeline of the same tiny folder,
+bit for bit (issue #26): square and non-square, true CFG on and off, several images per prompt, prompts near and
+past the text limit, a request's max_sequence_length."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+
+from trt_diffusion.errors import RuntimeInputError
+from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
+from trt_diffusion.runtime.reference import reference_runners
+
+PROMPT = "a lighthouse on a cliff at dusk"
+NEGATIVE = "blurry, low quality"
+# the tiny tokenizer is byte-level outside the template's words: one token per character, and the template's
+# 5-token tail after the prompt
+NEAR_LIMIT = ("fox " * 127)[:507]  # 507 + 5 = 512 text tokens: diffusers' max_sequence_length, the engines' max
+PAST_LIMIT = "fox " * 200  # 805 text tokens: diffusers truncates the states to 512, the runtime the ids to 34 + 512
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_factory):
+    return tiny_model_factory("qwen_image")
+
+
+@pytest.fixture(scope="module")
+def runners(folder):
+    return reference_runners(folder, "qwen_image")
+
+
+@pytest.fixture(scope="module")
+def ours(folder, runners):
+    return EnginePipeline(folder, "qwen_image", runners)
+
+
+@pytest.fixture(scope="module")
+def theirs(folder):
+    pipe = QwenImagePipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def diffusers_images(pipe, *, prompt=PROMPT, negative_prompt=None, guidance=4.0, height=64, width=64, steps=3,
+                     seed=0, batch=1, **extra):
+    images = pipe(prompt, negative_prompt=negative_prompt, true_cfg_scale=guidance, height=height, width=width,
+                  num_inference_steps=steps, num_images_per_prompt=batch,
+                  generator=torch.Generator().manual_seed(seed), output_type="np", **extra).images
+    return (images * 255).round().astype(np.uint8)  # as the FLUX test converts diffusers' floats
+
+
+def request(*, prompt=PROMPT, negative_prompt=None, guidance=4.0, height=64, width=64, steps=3, seed=0, batch=1,
+            **extra) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, negative_prompt=negative_prompt, guidance_scale=guidance, height=height,
+                             width=width, steps=steps, seed=seed, batch=batch, **extra)
+
+
+@pytest.mark.parametrize("case", [
+    dict(),  # no negative prompt: true CFG off whatever the scale (diffusers' do_true_cfg)
+    dict(negative_prompt=NEGATIVE, guidance=1.0),  # a negative prompt at scale 1: off too
+    dict(negative_prompt=NEGATIVE, guidance=4.0, seed=3),  # true CFG: two calls, their own text lengths
+    dict(negative_prompt="", guidance=2.5, height=64, width=96, batch=2, seed=11),  # non-square, 2 per prompt
+    dict(negative_prompt=NEGATIVE, guidance=5.0, height=96, width=64, steps=4, seed=2),
+], ids=["cfg-off", "cfg-off-scale-1", "cfg-on", "nonsquare-wide-2-images", "nonsquare-tall"])
+def test_equals_diffusers(ours, theirs, case):
+    generation = ours.generate(request(**case))
+    assert generation.cfg_mode == ("split" if case.get("negative_prompt") is not None
+                                   and case.get("guidance", 4.0) > 1 else "none")
+    expected = diffusers_images(theirs, **case)
+    assert generation.images.shape == expected.shape
+    np.testing.assert_array_equal(generation.images, expected)
+
+
+@pytest.mark.parametrize("prompt", [NEAR_LIMIT, PAST_LIMIT], ids=["near-limit", "past-limit"])
+def test_long_prompts_equal_diffusers(ours, theirs, prompt):
+    """512 text tokens (the limit, fed whole) and 805 (diffusers encodes them all and keeps 512 states; the runtime
+    encodes the first 34 + 512 ids only, which the causal encoder gives the same states for)."""
+    case = dict(prompt=prompt, negative_prompt=NEGATIVE, guidance=4.0, seed=4)
+    np.testing.assert_array_equal(ours.generate(request(**case)).images, diffusers_images(theirs, **case))
+
+
+def test_max_sequence_length_equals_diffusers(ours, theirs):
+    case = dict(prompt=NEAR_LIMIT, negative_prompt=NEGATIVE, guidance=3.0, seed=9)
+    np.testing.assert_array_equal(ours.generate(request(**case, max_sequence_length=40)).images,
+                                  diffusers_images(theirs, **case, max_sequence_length=40))
+
+
+def test_engines_with_a_shorter_text_range_truncate_there(folder, runners, theirs):
+    """engines.yaml's text_length max 256: a request's default keeps 256 tokens (diffusers' 512 cannot be served),
+    the same image as diffusers' max_sequence_length=256."""
+    short = EnginePipeline(folder, "qwen_image", runners, text_lengths=(2, 64, 256))
+    case = dict(prompt=PAST_LIMIT, negative_prompt=NEGATIVE, guidance=4.0, seed=6)
+    np.testing.assert_array_equal(short.generate(request(**case)).images,
+                                  diffusers_images(theirs, **case, max_sequence_length=256))
+    with pytest.raises(RuntimeInputError, match="MAX_SEQUENCE_LENGTH must be between 2 and 256, got 512 .*max is 256"):
+        short.generate(request(max_sequence_length=512))
+
+
+@pytest.mark.parametrize("value,fragment", [
+    (513, "between 2 and 512, got 513 \\(the engines' text_length max is 512"),
+    (1, "between 2 and 512, got 1"),
+    (12.5, "must be a whole number"),
+])
+def test_bad_max_sequence_length_is_a_clear_error(ours, value, fragment):
+    with pytest.raises(RuntimeInputError, match=fragment):
+        ours.validate(request(max_sequence_length=value))
+
+
+def test_only_txt2img_is_served_and_requests_run_alone(ours):
+    assert ours.workflows == (ours.workflows[0],) and ours.workflows[0].value == "txt2img"
+    _, batches = ours.plan_batches([request(seed=1), request(seed=2)])
+    assert batches == [[0], [1]]  # each request's rows and text length are its own transformer calls
+
+
+def test_the_encoder_sees_diffusers_ids_cut_to_the_engines_longest(folder, runners, ours):
+    """What the long-prompt tests rest on: the near-limit prompt is fed whole (34 + 512 ids, as diffusers feeds it),
+    the past-limit one (34 + 805 ids in diffusers) cut to 34 + 512; the negative prompt has its own length."""
+    from trt_diffusion.runtime.engines import RunnerTable
+
+    seen = []
+    encoder = runners.find("text_encoder", size=None, batch=1)
+
+    class Recording:
+        inputs, name = encoder.inputs, "recording"
+
+        def run(self, feeds):
+            seen.append(feeds["input_ids"].shape)
+            return encoder.run(feeds)
+
+    table = RunnerTable([e for e in runners.entries if e.component != "text_encoder"])
+    table.add("text_encoder", Recording())
+    with ours.runners_swapped(table):
+        for prompt in (NEAR_LIMIT, PAST_LIMIT):
+            ours.encode(request(prompt=prompt, negative_prompt=NEGATIVE))
+    tokenizer = ours.tokenizers["tokenizer"]
+    negative = 34 + len(tokenizer([NEGATIVE]).input_ids[0]) + 5  # the template's 34 and its 5-token tail
+    assert seen == [(1, 546), (1, negative), (1, 546), (1, negative)]
+    assert len(tokenizer([PAST_LIMIT]).input_ids[0]) == 800  # so diffusers' sequence is 34 + 805 ids
