@@ -138,3 +138,56 @@ def test_the_encoder_sees_diffusers_ids_cut_to_the_engines_longest(folder, runne
     negative = 34 + len(tokenizer([NEGATIVE]).input_ids[0]) + 5  # the template's 34 and its 5-token tail
     assert seen == [(1, 546), (1, negative), (1, 546), (1, negative)]
     assert len(tokenizer([PAST_LIMIT]).input_ids[0]) == 800  # so diffusers' sequence is 34 + 805 ids
+
+
+# --- the built engines (slow) -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built_qwen(folder, tmp_path_factory, write_engines_yaml):
+    """engines.yaml of the tiny Qwen-Image's default components on onnxruntime (64x64, batch 1, `cfg: [split]`),
+    exported and built (about 30 s on 2 cores)."""
+    from trt_diffusion import api
+
+    components = ["text_encoder", "transformer", "vae_decoder"]
+    config = write_engines_yaml(tmp_path_factory.mktemp("qwen-engines"), folder, "qwen_image", name="qwen",
+                                components=components, cfg=["split"], precision={c: "fp32" for c in components})
+    report = api.build(config, target="onnxruntime")
+    assert not report.failed, [o.error for o in report.failed]
+    return config
+
+
+@pytest.mark.slow
+def test_generate_runs_the_qwen_image_engines_end_to_end(built_qwen, ours, tmp_path):
+    """`trt-diffusion generate --config` over the onnxruntime engines with true CFG: the PNG is the EnginePipeline's
+    image over the same engines, and within a level of the torch reference's (fp32 ONNX Runtime rounds its own
+    way: not bit for bit, by design)."""
+    from PIL import Image
+
+    from trt_diffusion.cli import main
+    from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.runtime.loader import built_engines, table_from_engines
+
+    out = tmp_path / "qwen.png"
+    assert main(["generate", "--config", str(built_qwen), "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
+                 "--guidance-scale", "4", "--height", "64", "--width", "64", "--steps", "3", "--seed", "5",
+                 "-o", str(out)]) == 0
+    config = load_engines_file(built_qwen)
+    engines = EnginePipeline(config.models["qwen"].source.path, "qwen_image",
+                             table_from_engines(built_engines(config, "qwen", "onnxruntime")))
+    case = request(negative_prompt=NEGATIVE, guidance=4.0, seed=5)
+    generation = engines.generate(case)
+    assert generation.cfg_mode == "split"
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), generation.images[0])
+    difference = np.abs(generation.images.astype(int) - ours.generate(case).images)
+    assert difference.max() <= 1, difference.max()  # seen: 1 level, in 0.008% of the values
+
+
+@pytest.mark.slow
+def test_parity_passes_on_onnxruntime(built_qwen, tmp_path):
+    """`trt-diffusion parity`: every image of the engines against the torch reference, true CFG on (parity gives
+    Qwen-Image an empty negative prompt)."""
+    from trt_diffusion import api
+
+    run = api.parity(built_qwen, out_dir=tmp_path / "parity", targets=["onnxruntime"])
+    assert run.report.passed, run.report

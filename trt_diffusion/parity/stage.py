@@ -17,7 +17,7 @@ import numpy as np
 from ..components import Geometry, get_component, load_model_config
 from ..engines_file import EnginesConfig, expand
 from ..errors import TrtDiffusionError
-from ..families import family_info
+from ..families import Family, family_info
 from ..metrics import tensor_diff, thresholds_for
 from ..precision import Precision
 from ..runtime.engines import RunnerTable
@@ -154,7 +154,7 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
                 prompt=prompt, height=size.height, width=size.width, steps=options.steps,
                 guidance_scale=options.guidance_scale, seed=seed, frames=size.frames, controlnet=controlnet,
                 control_image=_control_image(size.height, size.width, seed) if controlnet else None,
-                workflow=workflow.value, strength=strength, **inputs)
+                workflow=workflow.value, strength=strength, negative_prompt=_negative_prompt(family), **inputs)
             candidate = engine_pipe.generate(request).images
             if first_request is None:
                 first_request, first_candidate = request, candidate
@@ -242,3 +242,9 @@ def _nothing_to_compare(config: EnginesConfig, targets: list[str] | None) -> str
     return (f"no built engines to compare in {config.workspace}; run "
             f"`trt-diffusion build {config.path}" + (f" --target {buildable[0]}" if len(buildable) == 1 else "")
             + "` first")
+
+
+def _negative_prompt(family: Family) -> str | None:
+    """None (each family's default) except for Qwen-Image, whose true CFG runs only with a negative prompt (diffusers'
+    do_true_cfg): an empty one, so parity compares the engines' second, unconditional transformer call too."""
+    return "" if family is Family.qwen_image else None
