@@ -142,8 +142,10 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     overrides = model.parity.get(model.precision[denoiser])
     thresholds = thresholds_for(precision, overrides.model_dump(exclude_none=True) if overrides else None)
     size = bucket.opt
-    engine_pipe = EnginePipeline(model.source.path, family, table, model.workflows)
-    reference_pipe = EnginePipeline(model.source.path, family, reference, model.workflows)
+    # text_lengths: a Qwen-Image model's engines.yaml range, where prompts are truncated (None elsewhere)
+    engine_pipe = EnginePipeline(model.source.path, family, table, model.workflows, text_lengths=model.text_lengths)
+    reference_pipe = EnginePipeline(model.source.path, family, reference, model.workflows,
+                                    text_lengths=model.text_lengths)
     strength = options.strength if workflow.takes_strength else None
     comparisons, pngs = [], {}
     first_request = first_candidate = None
