@@ -19,7 +19,7 @@ COMPONENTS = ["text_encoder", "transformer", "vae_decoder"]
 @pytest.fixture(scope="module")
 def manifest(tiny_model_factory, tmp_path_factory) -> Path:
     qwen = {"source": str(tiny_model_factory("qwen_image")), "family": "qwen_image", "buckets": ["64x64", "128x96"],
-            "batch": [1], "workflows": ["txt2img", "img2img"], "targets": TARGETS,
+            "batch": [1], "components": [*COMPONENTS, "vae_encoder"], "targets": TARGETS,
             "precision": {c: "fp32" for c in (*COMPONENTS, "vae_encoder")}}
     flux = {"source": str(tiny_model_factory("flux")), "family": "flux", "buckets": ["64x64"], "batch": [1],
             "targets": ["onnxruntime"]}
@@ -34,7 +34,7 @@ def test_plan_counts_the_qwen_image_engines_with_disk(manifest):
         assert plan.count("qwen", "text_encoder", target) == 1  # no bucket; its text length is a profile dim
         assert plan.count("qwen", "transformer", target) == 2  # one per bucket (the CFG batch: batch 2)
         assert plan.count("qwen", "vae_decoder", target) == 2
-        assert plan.count("qwen", "vae_encoder", target) == 2  # img2img's init image, batch 1
+        assert plan.count("qwen", "vae_encoder", target) == 2  # listed: batch 1 (img2img's, once its loop is built)
     assert plan.count("flux", "transformer") == 1
     qwen_rows = [r for r in plan.rows if r.model == "qwen"]
     assert len(qwen_rows) == 8 and sum(r.engines for r in qwen_rows) == 14

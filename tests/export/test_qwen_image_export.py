@@ -82,7 +82,7 @@ def test_other_families_have_no_text_axis(tiny_model_factory):
 @pytest.fixture(scope="module")
 def qwen_build(qwen_dir, tmp_path_factory, write_engines_yaml):
     config = write_engines_yaml(tmp_path_factory.mktemp("qwen-export"), qwen_dir, "qwen_image",
-                                components=COMPONENTS, workflows=["txt2img", "img2img"], targets=TARGETS,
+                                components=COMPONENTS, targets=TARGETS,
                                 precision={c: "fp32" for c in COMPONENTS})
     return api.export(config), api.build(config)
 
