@@ -357,7 +357,9 @@ def sd15_server(sd15_engines, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.triton
 @pytest.mark.timeout(900)
-def test_max_sequence_length_to_an_sd15_model_is_refused_and_the_server_stays_up(sd15_server):
+def test_max_sequence_length_to_an_sd15_model_is_refused_and_the_server_stays_up(sd15_server, sd15_engines, tmp_path,
+                                                                               capsys):
+    from trt_diffusion.cli import main
     from trt_diffusion.triton import client as triton_client
 
     request = ImageRequest(PROMPT, 64, 64, steps=2, seed=1)
@@ -366,3 +368,9 @@ def test_max_sequence_length_to_an_sd15_model_is_refused_and_the_server_stays_up
             triton_client.generate_images(url, ImageRequest(PROMPT, 64, 64, steps=2, seed=1, max_sequence_length=64),
                                           protocol=protocol)
     assert triton_client.generate_images(sd15_server.grpc_url, request, protocol="grpc")[0].shape == (1, 64, 64, 3)
+    # in process, the same words (exit 1, no traceback)
+    code = main(["generate", "--config", str(sd15_engines.config_path), "--prompt", PROMPT, "--steps", "2",
+                 "--height", "64", "--width", "64", "--max-sequence-length", "64", "-o", str(tmp_path / "x.png")])
+    captured = capsys.readouterr()
+    assert code == 1 and "MAX_SEQUENCE_LENGTH is the qwen_image family's" in captured.err
+    assert "Traceback" not in captured.err + captured.out
