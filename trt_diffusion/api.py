@@ -239,15 +239,18 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
         (model,) = config.models
     model_dir, family, table = engine_runners(config, model, target)
     # the workflows engines.yaml declares, as the served entry gets them (package records them)
+    # cfg: parallel runs as declared; text_lengths: a Qwen-Image model's engines.yaml range, where its engines end
+    # (prompts are truncated there, as the served entry truncates them)
     pipeline = EnginePipeline(model_dir, family, table, workflows=config.models[model].workflows,
-                              cfg=config.models[model].cfg)  # cfg: parallel runs as declared
+                              cfg=config.models[model].cfg, text_lengths=config.models[model].text_lengths)
     images = [pipeline.generate(GenerationRequest(  # NUM_IMAGES as the server reads it: seeds SEED, SEED + 1, ...
         prompt=request.prompt, height=request.height, width=request.width, steps=request.steps,
         guidance_scale=request.guidance_scale, seed=request.seed + i, negative_prompt=request.negative_prompt,
         scheduler=request.scheduler or "default", controlnet=request.controlnet, control_image=request.control_image,
         controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale,
         workflow=request.workflow, init_image=request.init_image, mask=request.mask,
-        strength=request.strength, frames=request.frames or 0, guidance_scale_2=request.guidance_scale_2)).images[0]
+        strength=request.strength, frames=request.frames or 0, guidance_scale_2=request.guidance_scale_2,
+        max_sequence_length=request.max_sequence_length)).images[0]
         for i in range(request.num_images or 1)]
     return np.stack(images), model
 

@@ -53,6 +53,14 @@ def natural_workflow(workflows) -> Workflow:
     return Workflow.txt2img if Workflow.txt2img in served else served[0]
 
 
+def cfg_fields(family) -> dict:
+    """Request fields that make a sample request run the family's CFG the way users' requests do: Qwen-Image's true
+    CFG runs only with a negative prompt (diffusers' do_true_cfg), so its sample requests carry an empty one (its
+    second transformer call and the norm rescale are then warmed and timed too); none elsewhere, where CFG runs on
+    GUIDANCE_SCALE alone."""
+    return {"negative_prompt": ""} if str(getattr(family, "value", family)) == "qwen_image" else {}
+
+
 def request_fields(workflow: Workflow, height: int, width: int, seed: int = 0) -> dict:
     """`workflow` and its seeded inputs as request fields (GenerationRequest's and ImageRequest's names); none for
     txt2img, whose requests stay as they were before workflows."""

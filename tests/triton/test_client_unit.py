@@ -15,7 +15,8 @@ def test_request_tensors_follow_the_contract():
     tensors = client.ImageRequest("a cat", 64, 64, steps=3, seed=2**40, negative_prompt="dog", scheduler="ddim",
                                   controlnet="canny", control_image=control, controlnet_scale=0.5,
                                   workflow="inpaint", init_image=control, mask=np.zeros((64, 64), np.uint8),
-                                  strength=0.6, frames=9, guidance_scale_2=3.0).tensors()
+                                  strength=0.6, frames=9, guidance_scale_2=3.0,
+                                  max_sequence_length=64).tensors()
     declared = {t.name: t for t in contract.request_inputs(True)}
     assert set(tensors) == set(declared)
     for name, value in tensors.items():
@@ -27,7 +28,7 @@ def test_request_tensors_follow_the_contract():
     assert tensors["WORKFLOW"][0, 0] == b"inpaint" and tensors["STRENGTH"].dtype == np.float32
     assert tensors["FRAMES"][0, 0] == 9 and tensors["GUIDANCE_SCALE_2"].dtype == np.float32
     optional = {"NEGATIVE_PROMPT", "SCHEDULER", "CONTROLNET", "CONTROL_IMAGE", "CONTROLNET_SCALE", "WORKFLOW",
-                "INIT_IMAGE", "MASK", "STRENGTH", "FRAMES", "GUIDANCE_SCALE_2"}
+                "INIT_IMAGE", "MASK", "STRENGTH", "FRAMES", "GUIDANCE_SCALE_2", "MAX_SEQUENCE_LENGTH"}
     assert set(client.ImageRequest("a cat", 64, 64).tensors()) == set(declared) - optional
 
 

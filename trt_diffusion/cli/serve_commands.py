@@ -181,6 +181,10 @@ def generate_command(
                                                "..., 81); the answer is written as .mp4 (or .gif)")] = None,
     guidance_scale_2: Annotated[float | None, typer.Option("--guidance-scale-2", help="Wan 2.2: the low-noise "
                                                            "expert's guidance (default --guidance-scale)")] = None,
+    max_sequence_length: Annotated[int | None, typer.Option(
+        "--max-sequence-length", help="Qwen-Image: prompt tokens kept after its template (diffusers' "
+        "max_sequence_length; default 512, or the engines' text_length max where lower); longer prompts are "
+        "truncated. Other families refuse it")] = None,
     fps: Annotated[int, typer.Option("--fps", min=1, help="a video model's frames per second in the file it "
                                      "writes")] = DEFAULT_FPS,
 ):
@@ -229,7 +233,7 @@ def generate_command(
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None,
                            workflow=workflow, init_image=init_image, mask=mask_array, strength=strength,
-                           frames=frames, guidance_scale_2=guidance_scale_2)
+                           frames=frames, guidance_scale_2=guidance_scale_2, max_sequence_length=max_sequence_length)
     start = time.perf_counter()
     on_preview = None
     if config is None and preview is not None:

@@ -158,7 +158,7 @@ class InProcessDeployment(Deployment):
     """EnginePipeline over a RunnerTable, in this process. No queue and no server: the overload check is n/a."""
 
     def __init__(self, pipeline: str, family: str, model_dir, table, engine_keys: list[str], buckets: list[Bucket],
-                 *, honour_deadline: bool = True, instances: int = 2, workflows=None):
+                 *, honour_deadline: bool = True, instances: int = 2, workflows=None, text_lengths=None):
         from ..runtime.engines import RunnerTable
         from ..runtime.pipeline import EnginePipeline
 
@@ -169,7 +169,8 @@ class InProcessDeployment(Deployment):
                                                          and entry.controlnet is None, honour_deadline),
                         bucket=entry.bucket, batch=entry.batch, controlnet=entry.controlnet)
         self.table = wrapped
-        self.engine_pipeline = EnginePipeline(model_dir, family, wrapped, workflows)
+        # text_lengths: a Qwen-Image model's engines.yaml range, so prompts are truncated where its engines end
+        self.engine_pipeline = EnginePipeline(model_dir, family, wrapped, workflows, text_lengths=text_lengths)
         controlnets = sorted({e.controlnet for e in table.entries if e.controlnet})
         served = [ServedBucket(b.label, b.opt, b.max) for b in buckets]
         super().__init__("in-process", pipeline, str(family), served, controlnets, sorted(engine_keys),

@@ -51,6 +51,8 @@ class ImageRequest:
     # Video models (FRAMES set): the answer is VIDEO uint8 [N, F, H, W, 3]
     frames: int | None = None  # 4k+1 for Wan
     guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert; None: guidance_scale
+    # Qwen-Image: prompt tokens kept after the template (MAX_SEQUENCE_LENGTH); None: left out, the server's default
+    max_sequence_length: int | None = None
 
     @property
     def result(self) -> str:
@@ -91,6 +93,8 @@ class ImageRequest:
             values["FRAMES"] = np.array([[self.frames]], np.int32)
         if self.guidance_scale_2 is not None:
             values["GUIDANCE_SCALE_2"] = np.array([[self.guidance_scale_2]], np.float32)
+        if self.max_sequence_length is not None:
+            values["MAX_SEQUENCE_LENGTH"] = np.array([[self.max_sequence_length]], np.int32)
         return values
 
 

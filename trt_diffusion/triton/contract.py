@@ -51,6 +51,12 @@ VIDEO_INPUTS: tuple[TensorDecl, ...] = (
     _scalar("FRAMES", "TYPE_INT32", optional=True),  # 4k+1 (Wan), a frame count the entry's engines serve
     _scalar("GUIDANCE_SCALE_2", "TYPE_FP32", optional=True),  # Wan 2.2's low-noise expert; absent: GUIDANCE_SCALE
 )
+# Text length (issue 26): declared on every entry too, so MAX_SEQUENCE_LENGTH sent to a family whose prompts are
+# padded to one length is refused in the pipeline's words. Qwen-Image: prompt tokens kept after its template
+# (diffusers' max_sequence_length), within the engines' text_length range; absent: 512, or that range's max if lower.
+TEXT_INPUTS: tuple[TensorDecl, ...] = (
+    _scalar("MAX_SEQUENCE_LENGTH", "TYPE_INT32", optional=True),
+)
 CONTROLNET_INPUTS: tuple[TensorDecl, ...] = (
     _scalar("CONTROLNET", "TYPE_STRING", optional=True),
     TensorDecl("CONTROL_IMAGE", "TYPE_UINT8", (-1, -1, 3), optional=True),
@@ -81,7 +87,8 @@ PROMPT_ONLY = ("PROMPT", "NEGATIVE_PROMPT")  # request inputs the denoise stage 
 
 
 def request_inputs(has_controlnets: bool) -> tuple[TensorDecl, ...]:
-    return REQUEST_INPUTS + WORKFLOW_INPUTS + VIDEO_INPUTS + (CONTROLNET_INPUTS if has_controlnets else ())
+    return (REQUEST_INPUTS + WORKFLOW_INPUTS + VIDEO_INPUTS + TEXT_INPUTS
+            + (CONTROLNET_INPUTS if has_controlnets else ()))
 
 
 def result_tensor(family: Family | str) -> TensorDecl:
@@ -116,6 +123,9 @@ def stage_io(stage: str, family: Family | str, has_controlnets: bool
     if family_info(family).is_video:
         raise ValueError(f"a {Family(family).value} pipeline has no {stage!r} stage: video is served by the entry "
                          "and the stream (no ensemble: its LATENTS are 4-D)")
+    if Family(family) is Family.qwen_image:
+        raise ValueError(f"a qwen_image pipeline has no {stage!r} stage: it is served by the entry and the stream "
+                         "(no ensemble: its prompt states carry a mask and a text length per prompt)")
     if stage == "encode":  # gets the whole request so it can refuse a bad one before any engine runs
         return request, encoding_tensors(family)
     if stage == "denoise":

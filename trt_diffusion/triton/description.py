@@ -1,7 +1,8 @@
 """pipeline.json: what a pipeline python model needs to rebuild, inside Triton, the RunnerTable the
 in-process pipeline uses: every engine's Triton model name, routing keys (component, bucket, batch,
 ControlNet) and I/O, all taken from the BuiltEngine list the repository was generated from; and the
-workflows and CFG modes engines.yaml declares for the model (EnginePipeline's `workflows` and `cfg`)."""
+workflows and CFG modes engines.yaml declares for the model (EnginePipeline's `workflows` and `cfg`), and a
+Qwen-Image model's text_length range (`text_lengths`)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ class PipelineDescription:
     # at once, to the two instances its denoiser models were given. A repository packaged before it has none
     # recorded and picks its mode from the engine batches, as it did
     cfg: tuple[str, ...] = field(default=())
+    # Qwen-Image: its engines' text_length (min, opt, max prompt tokens, engines.yaml's range), so the entry
+    # truncates prompts where its encoder engine ends, as the in-process pipeline does; None: the family's default
+    # range (and every other family, whose prompts are padded to one length)
+    text_lengths: tuple[int, int, int] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -74,4 +79,5 @@ class PipelineDescription:
         engines = tuple(EngineEntry(e["model"], e["component"], e["bucket"], e["batch"], e["controlnet"],
                                     tensors(e["inputs"]), tensors(e["outputs"])) for e in raw["engines"])
         return cls(raw["pipeline"], raw["family"], engines, raw["schema_version"], tuple(raw.get("controlnets", ())),
-                   tuple(raw.get("workflows") or DEFAULT_WORKFLOWS), tuple(raw.get("cfg") or ()))
+                   tuple(raw.get("workflows") or DEFAULT_WORKFLOWS), tuple(raw.get("cfg") or ()),
+                   tuple(raw["text_lengths"]) if raw.get("text_lengths") else None)

@@ -322,7 +322,23 @@ def _description(pipeline: str, family: Family, built: Sequence[Any], engines: l
                              m.batch, e.spec.controlnet, entries(e.manifest.inputs), entries(e.manifest.outputs))
                  for plan, e in zip(engines, built) for m in e.spec.members)
     controlnets = tuple(sorted({e.spec.controlnet for e in built if e.spec.controlnet}))
-    return PipelineDescription(pipeline, family.value, rows, controlnets=controlnets, workflows=workflows, cfg=cfg)
+    return PipelineDescription(pipeline, family.value, rows, controlnets=controlnets, workflows=workflows, cfg=cfg,
+                               text_lengths=_text_lengths(built))
+
+
+def _text_lengths(built: Sequence[Any]) -> tuple[int, int, int] | None:
+    """The text_length range the engines were built with (their `text_length` build option: engines.yaml's, on a
+    Qwen-Image model's text encoder and transformer), read from the engines themselves so the entry truncates
+    where they end whoever called package; None: built with the family's default range (or a padded family)."""
+    from ..components.qwen_image import qwen_text_lengths
+
+    chosen = {e.spec.option("text_length") for e in built if e.spec.option("text_length")}
+    if not chosen:
+        return None
+    if len(chosen) > 1:
+        raise ServeError(f"the engines were built with different text_length ranges {sorted(chosen)}: build the "
+                         "model's text encoder and transformer with one engines.yaml text_length")
+    return qwen_text_lengths({"text_length": chosen.pop()})
 
 
 def _sizes(built: Sequence[Any], family: Family, which: str) -> list[str]:
@@ -369,8 +385,10 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
 
 
 def _writes_ensemble(family: Family, options: PackageOptions) -> bool:
-    """A video family has no ensemble (its stages pass 4-D LATENTS): the entry and the stream serve it."""
-    return options.ensemble and not FAMILIES[family].is_video
+    """A video family has no ensemble (its stages pass 4-D LATENTS): the entry and the stream serve it. Nor has
+    Qwen-Image: its prompt states come with a per-prompt mask and text length, which the stages' tensors
+    (POSITIVE_EMBEDS / POOLED) do not carry."""
+    return options.ensemble and not FAMILIES[family].is_video and family is not Family.qwen_image
 
 
 def _requests_per_denoiser_call(description: PipelineDescription) -> int:

@@ -190,7 +190,7 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
     """One small request per bucket through the public entry, timed: the latency of a first request. It asks for
     the model's natural workflow (an image-to-video model serves img2vid alone: its request carries a seeded first
     frame at the bucket's size)."""
-    from ..sample_inputs import natural_workflow, request_fields
+    from ..sample_inputs import cfg_fields, natural_workflow, request_fields
     from .client import ImageRequest, client_module, connect, infer
 
     workflow = natural_workflow(report.workflows)
@@ -202,8 +202,10 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
         client.is_server_ready()  # opens the connection: its setup is the client's cost, not the server's
         for label in report.request_sizes:
             size = Size.parse(label)
+            # with the family's CFG as users run it (Qwen-Image: an empty negative prompt, or its true CFG is off)
             request = ImageRequest("warm-up request", size.height, size.width, steps=FIRST_REQUEST_STEPS, seed=0,
-                                   frames=size.frames or None, **request_fields(workflow, size.height, size.width))
+                                   frames=size.frames or None, **cfg_fields(report.family),
+                                   **request_fields(workflow, size.height, size.width))
             start_time = time.perf_counter()
             infer(client, module, report.entry, request, protocol=protocol, timeout_s=600.0, url=url)
             records.append(FirstRequest(label, time.perf_counter() - start_time, protocol))

@@ -87,7 +87,8 @@ def _pipeline(model, engines, make_runner, flags):
 
     make = make_runner or runner_for
     return EnginePipeline(model.source.path, model.family,
-                          table_from_engines(engines, lambda e: _FiniteProbe(make(e), flags)), model.workflows)
+                          table_from_engines(engines, lambda e: _FiniteProbe(make(e), flags)), model.workflows,
+                          text_lengths=model.text_lengths)  # Qwen-Image's engines.yaml range
 
 
 def _lora_in_process(ctx: CheckContext, outcome: Outcome, settings, lora_name: str, lora, target: str) -> None:

@@ -37,7 +37,8 @@ class TritonPythonModel:
         # its CFG modes: `parallel` issues a step's two denoiser calls at once (bls.py: to two engine instances)
         self.pipeline = EnginePipeline(folder / SKELETON_DIR, self.description.family,
                                        bls_runner_table(self.description, self.context),
-                                       workflows=self.description.workflows, cfg=self.description.cfg)
+                                       workflows=self.description.workflows, cfg=self.description.cfg,
+                                       text_lengths=self.description.text_lengths)  # Qwen-Image's text_length
         # Imports, tokenizers and scheduler code warmed before the server reports ready (no engine calls:
         # BLS is not available during initialize; the engine models warm themselves with model_warmup).
         seconds = warm_up_in_process(self.pipeline, self.description)

@@ -72,7 +72,7 @@ def read_request(request: Any, *, with_prompt: bool = True):
         return cast(_only(value, name))
 
     controlnet = _text(get("CONTROLNET"), "CONTROLNET") or None
-    strength, guidance_2 = get("STRENGTH"), get("GUIDANCE_SCALE_2")
+    strength, guidance_2, length = get("STRENGTH"), get("GUIDANCE_SCALE_2"), get("MAX_SEQUENCE_LENGTH")
     prompt = _text(get("PROMPT"), "PROMPT", MAX_PROMPT_BYTES) if with_prompt else UPSTREAM_PROMPT
     return GenerationRequest(
         prompt=prompt if prompt is not None else "",
@@ -89,4 +89,6 @@ def read_request(request: Any, *, with_prompt: bool = True):
         # video: FRAMES absent is an image request (a video model says what it needs)
         frames=number("FRAMES", int, default=0), guidance_scale_2=None if guidance_2 is None else _decimal(
             _only(guidance_2, "GUIDANCE_SCALE_2")),
+        # Qwen-Image's; absent: the family's default. Its range (and other families' refusal) is the pipeline's
+        max_sequence_length=None if length is None else int(_only(length, "MAX_SEQUENCE_LENGTH")),
     )

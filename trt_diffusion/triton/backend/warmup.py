@@ -5,6 +5,11 @@ lazy imports (diffusers' schedulers), first tokenizer calls and first torch ops.
 runs once per bucket and scheduler over stand-in runners that return zeros of each engine's output shape
 (BLS calls are not possible during `initialize`), in the model's natural workflow: an image-to-video model
 serves img2vid alone, so its warm-up requests carry a seeded first frame.
+
+Qwen-Image's text encoder and transformer are dynamic on every axis but their widths (the text length varies per
+prompt, the batch and patch grid follow the request): their stand-ins answer zeros shaped after the call's first
+input (`FollowingRunner`), so its bucket is warmed as a static one is; with an empty negative prompt, so true CFG's
+second call runs too (sample_inputs.cfg_fields).
 """
 
 from __future__ import annotations
@@ -31,16 +36,42 @@ class ZeroRunner:
         return {name: np.zeros(shape, dtype) for name, (dtype, shape) in self.outputs.items()}
 
 
+class FollowingRunner(ZeroRunner):
+    """Zeros whose dynamic dimensions are the first input's leading ones: Qwen-Image's text encoder (hidden_states
+    [B, L, D] from input_ids [B, L]) and transformer (noise_pred [B, h/2, w/2, 64] from hidden_states, the same
+    shape)."""
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        first = np.shape(feeds[next(iter(self.inputs))])
+        return {name: np.zeros(tuple(first[i] if d < 0 else d for i, d in enumerate(shape)), dtype)
+                for name, (dtype, shape) in self.outputs.items()}
+
+
+# the engines FollowingRunner stands in for: (family, component)
+_FOLLOWING = {("qwen_image", "text_encoder"), ("qwen_image", "transformer")}
+
+
+def _follows(engine: EngineEntry, family: str) -> bool:
+    """Whether the engine's outputs are shaped after its first input where dynamic (see `FollowingRunner`)."""
+    if (family, engine.component) not in _FOLLOWING or not engine.inputs:
+        return False
+    rank = len(engine.inputs[0].shape)  # every dynamic output dimension must have one there to follow
+    return all(i < rank for t in engine.outputs for i, d in enumerate(t.shape) if d < 0)
+
+
 def _is_static(engine: EngineEntry) -> bool:
     return all(d >= 0 for t in (*engine.inputs, *engine.outputs) for d in t.shape)
 
 
-def _stand_in(engine: EngineEntry, vae_scale_factor: int) -> ZeroRunner | None:
-    """A stand-in where the engine's output shapes are known: a static engine's, and a VAE encoder's at a static
+def _stand_in(engine: EngineEntry, vae_scale_factor: int, family: str = "") -> ZeroRunner | None:
+    """A stand-in where the engine's output shapes are known: a static engine's, a VAE encoder's at a static
     bucket, whose latent sides are its image's over the VAE factor (its export names them apart from the image's
-    sides, so the manifest keeps them dynamic: img2vid runs one on every request). None: warmed on first use."""
+    sides, so the manifest keeps them dynamic: img2vid runs one on every request), and Qwen-Image's text encoder
+    and transformer, shaped after their first input. None: warmed on first use."""
     if _is_static(engine):
         return ZeroRunner(engine)
+    if _follows(engine, family):
+        return FollowingRunner(engine)
     bucket = engine.bucket_object
     if engine.component != "vae_encoder" or bucket is None or bucket.min != bucket.max \
             or any(d < 0 for t in engine.inputs for d in t.shape):
@@ -59,27 +90,31 @@ def warm_up_in_process(pipeline, description: PipelineDescription) -> float:
     """Seconds spent. Best effort: a failure is logged and never stops the model from loading."""
     from ...runtime.pipeline import GenerationRequest
     from ...runtime.schedulers import scheduler_names
-    from ...sample_inputs import natural_workflow, request_fields
+    from ...sample_inputs import cfg_fields, natural_workflow, request_fields
 
     start = time.perf_counter()
     stand_ins = RunnerTable()
     for engine in description.engines:
-        stand_in = _stand_in(engine, pipeline.vae_scale_factor)  # none for a dynamic engine: warmed on first use
+        # none for a dynamic engine: warmed on first use
+        stand_in = _stand_in(engine, pipeline.vae_scale_factor, description.family)
         if stand_in is not None:
             stand_ins.add(engine.component, stand_in, bucket=engine.bucket_object, batch=engine.batch,
                           controlnet=engine.controlnet)
+    # the buckets whose denoiser has a stand-in: a static engine's (or Qwen-Image's, shaped after its input)
     sizes = [e.bucket_object.opt for e in description.engines
-             if e.component == pipeline.denoiser and e.bucket and _is_static(e) and e.controlnet is None]
+             if e.component == pipeline.denoiser and e.bucket and e.controlnet is None
+             and (_is_static(e) or _follows(e, description.family))]
     # the model's natural workflow: an image-to-video model serves img2vid alone (its requests carry a first frame)
     workflow = natural_workflow(pipeline.workflows)
     try:
+        cfg = cfg_fields(description.family)  # Qwen-Image: an empty negative prompt, so its true CFG runs
         requests = [GenerationRequest(prompt="warm-up", height=s.height, width=s.width, steps=2, frames=s.frames,
-                                      **request_fields(workflow, s.height, s.width))
+                                      **cfg, **request_fields(workflow, s.height, s.width))
                     for s in dict.fromkeys(sizes)]
         if requests:
             first = requests[0]
             requests += [GenerationRequest(prompt="warm-up", height=first.height, width=first.width, steps=2,
-                                           frames=first.frames, scheduler=name,
+                                           frames=first.frames, scheduler=name, **cfg,
                                            **request_fields(workflow, first.height, first.width))
                          for name in scheduler_names(description.family)[1:]]
             requests += _image_requests(pipeline, stand_ins, first)
