@@ -31,21 +31,19 @@ from ..errors import ModelError
 from ..families import QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH, Family, family_info
 from .base import (
     BATCH,
-    HEIGHT,
     TEXT_AXIS,
-    WIDTH,
     ComponentDef,
     ComponentIO,
     ExportWrapper,
     Geometry,
     SymbolicDim,
     TensorDecl,
-    image_dims,
     normal,
     rng,
     timesteps,
 )
 from .model_config import ModelConfig
+from .vae import VaeDecoder, VaeEncoder
 
 TEXT = SymbolicDim("text_tokens", TEXT_AXIS)  # prompt tokens after the template's system part
 SEQUENCE = SymbolicDim("sequence", TEXT_AXIS, offset=QWEN_TEMPLATE_TOKENS)  # what the encoder sees: 34 more
@@ -227,7 +225,7 @@ class _QwenDecoderWrapper(ExportWrapper):
         return self.model.decode(self.cast(latent).unsqueeze(2), return_dict=False)[0][:, :, 0]
 
 
-class QwenVaeDecoder(ComponentDef):
+class QwenVaeDecoder(VaeDecoder):
     """AutoencoderKLQwenImage.decode on one frame: `latent` [B, 16, h, w] -> `images` [B, 3, H, W] in [-1, 1].
 
     The latent is unscaled (the host has applied `latents / (1 / latents_std) + latents_mean` to the unpacked
@@ -236,19 +234,8 @@ class QwenVaeDecoder(ComponentDef):
 
     kind = "qwen_vae_decoder"
 
-    def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
-        image_height, image_width = image_dims(config.vae_scale_factor)
-        return ComponentIO(
-            inputs=(TensorDecl("latent", "float32", (BATCH, config.latent_channels, HEIGHT, WIDTH)),),
-            outputs=(TensorDecl("images", "float32", (BATCH, 3, image_height, image_width)),),
-            image_outputs=("images",),
-        )
-
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
         return _QwenDecoderWrapper(module, ["latent"], compute_dtype).eval()
-
-    def dummy_inputs(self, config, options, geometry, seed=0):
-        return {"latent": normal(rng(seed, geometry), self.shapes(config, options, geometry)["latent"])}
 
 
 class _QwenEncoderWrapper(ExportWrapper):
@@ -257,7 +244,7 @@ class _QwenEncoderWrapper(ExportWrapper):
         return dist.mean[:, :, 0], dist.std[:, :, 0]
 
 
-class QwenVaeEncoder(ComponentDef):
+class QwenVaeEncoder(VaeEncoder):
     """AutoencoderKLQwenImage.encode on one frame: `images` [B, 3, H, W] in [-1, 1] -> `latent` (latent_dist.mean)
     and `latent_std` [B, 16, h, w], before latents_mean/std.
 
@@ -267,20 +254,8 @@ class QwenVaeEncoder(ComponentDef):
 
     kind = "qwen_vae_encoder"
 
-    def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
-        image_height, image_width = image_dims(config.vae_scale_factor)
-        latent = (BATCH, config.latent_channels, HEIGHT, WIDTH)
-        return ComponentIO(
-            inputs=(TensorDecl("images", "float32", (BATCH, 3, image_height, image_width)),),
-            outputs=(TensorDecl("latent", "float32", latent), TensorDecl("latent_std", "float32", latent)),
-        )
-
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
         return _QwenEncoderWrapper(module, ["images"], compute_dtype).eval()
-
-    def dummy_inputs(self, config, options, geometry, seed=0):
-        shape = self.shapes(config, options, geometry)["images"]
-        return {"images": rng(seed, geometry).uniform(-1.0, 1.0, size=shape).astype("float32")}
 
 
 # --- the rotary embedding in real arithmetic ---------------------------------------------------
