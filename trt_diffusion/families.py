@@ -18,6 +18,8 @@ class Family(str, Enum):
     flux = "flux"
     wan = "wan"  # Wan 2.1 / 2.2 video (text-to-video; image-to-video checkpoints)
     qwen_image = "qwen_image"  # Qwen-Image: a Qwen2.5-VL language-model encoder, an MMDiT, a Wan-style 3D VAE
+    flux2 = "flux2"  # FLUX.2 dev: a Mistral-3 language-model encoder, embedded guidance (one call per step)
+    flux2_klein = "flux2_klein"  # FLUX.2 Klein: a Qwen3 encoder, true CFG (two calls per step)
 
 
 class Component(str, Enum):
@@ -61,6 +63,10 @@ class FamilyInfo:
     text_lengths: tuple[int, int, int] | None = None
     """(min, opt, max) prompt tokens where the text length is a profile dimension (Qwen-Image: its pipeline pads a
     batch to its longest prompt), engines.yaml's `text_length` overriding; None: prompts padded to one length."""
+    default_cfg: tuple[str, ...] | None = None
+    """engines.yaml's `cfg` where the file leaves it out and the family's pipeline runs guidance one way only (FLUX.2
+    dev's embedded guidance: "none", one call per step; Klein's true CFG: "split", two batch-1 calls as diffusers
+    makes them); None: the file-wide default (batched)."""
 
     @property
     def is_video(self) -> bool:
@@ -115,6 +121,20 @@ FAMILIES: dict[Family, FamilyInfo] = {
         # up to max_sequence_length's default; 2 at least (torch.export specializes 0 and 1), tuned for 128
         text_lengths=(2, 128, 512),
     ),
+    Family.flux2: FamilyInfo(
+        components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
+        default_components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
+        latent_factor=16,  # the VAE's 8 × the 2×2 patchified latents
+        denoiser=_T.transformer,
+        default_cfg=("none",),  # guidance is an input of the transformer: one call per step
+    ),
+    Family.flux2_klein: FamilyInfo(
+        components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
+        default_components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
+        latent_factor=16,
+        denoiser=_T.transformer,
+        default_cfg=("split",),  # Flux2KleinPipeline's true CFG: the prompt's call, then the negative prompt's
+    ),
 }
 
 
@@ -134,6 +154,8 @@ PIPELINE_CLASSES: dict[Family, tuple[str, ...]] = {
                   "FluxKontextPipeline", "FluxControlPipeline"),
     Family.wan: ("WanPipeline", "WanImageToVideoPipeline"),
     Family.qwen_image: ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
+    Family.flux2: ("Flux2Pipeline",),
+    Family.flux2_klein: ("Flux2KleinPipeline",),
 }
 
 
@@ -151,6 +173,13 @@ def family_of_pipeline_class(class_name: str) -> Family | None:
 QWEN_TEMPLATE_TOKENS = 34
 QWEN_TEXT_LENGTH = 512
 QWEN_MAX_TEXT_LENGTH = 1024  # QwenImagePipeline refuses a max_sequence_length above it
+
+# Flux2Pipeline and Flux2KleinPipeline pad every prompt (after the chat template) to max_sequence_length, 512 by
+# default, and stack the encoder's hidden states at these layers (their text_encoder_out_layers defaults)
+FLUX2_TEXT_LENGTH = 512
+FLUX2_TEXT_LAYERS = {Family.flux2: (10, 20, 30), Family.flux2_klein: (9, 18, 27)}
+# The families whose text encoder engine stacks a language model's hidden states at fixed layers (FLUX.2's two)
+EMBEDDED_STACK_FAMILIES = tuple(FLUX2_TEXT_LAYERS)
 
 WAN_TEXT_LENGTH = 512  # WanPipeline.__call__'s max_sequence_length default (Wan's own text_len): every prompt is padded to it
 
@@ -177,4 +206,6 @@ LORA_TEXT_ENCODERS: dict[Family, tuple[Component, ...]] = {
     Family.flux: (Component.text_encoder,),
     Family.wan: (),  # diffusers' WanLoraLoaderMixin loads the transformer(s) only
     Family.qwen_image: (),  # diffusers' QwenImageLoraLoaderMixin: _lora_loadable_modules = ["transformer"]
+    Family.flux2: (),  # Flux2LoraLoaderMixin: the transformer only
+    Family.flux2_klein: (),
 }

@@ -190,8 +190,13 @@ def _formula(members: list[EngineSpec]) -> str:
 _VAE_PARTS = {Component.vae_encoder: ("encoder.", "quant_conv."), Component.vae_decoder: ("decoder.", "post_quant_conv.")}
 # A checkpoint folder that holds more than its engine: Qwen-Image's text encoder folder is the whole Qwen2.5-VL
 # (vision tower, LM head), its engine the language model (both key layouts transformers has saved).
-_ENGINE_PARTS = {(Family.qwen_image, Component.text_encoder): (
-    "model.embed_tokens.", "model.layers.", "model.norm.", "model.language_model.")}
+# FLUX.2's folder is the whole Mistral-3 (Pixtral vision tower, projector, LM head), Klein's a Qwen3 with its LM
+# head: their engines are the decoder stack.
+_DECODER_STACK = ("model.embed_tokens.", "model.layers.", "model.norm.", "model.language_model.")
+_ENGINE_PARTS = {(Family.qwen_image, Component.text_encoder): _DECODER_STACK,
+                 (Family.flux2, Component.text_encoder): (
+                     *_DECODER_STACK, "language_model.model."),  # transformers 4's Mistral3 layout
+                 (Family.flux2_klein, Component.text_encoder): _DECODER_STACK}
 
 
 def _parameters(config: EnginesConfig, model_name: str, component: Component, controlnet: str | None) -> int | None:

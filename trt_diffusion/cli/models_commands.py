@@ -16,8 +16,9 @@ def models_tiny(
     = None,
     family: Annotated[Family, typer.Option("--family")] = Family.sd15,
     size: Annotated[str, typer.Option(
-        "--size", help="tiny, or full (real denoiser architecture, random weights; sd15, sdxl, wan; qwen_image's "
-                       "20B transformer: refused where its 82 GB of fp32 weights do not fit)")] = "tiny",
+        "--size", help="tiny, or full (real denoiser architecture, random weights; sd15, sdxl, wan, flux2_klein; "
+                       "qwen_image's 20B and flux2's 32B transformers: refused where their fp32 weights do not fit)")]
+    = "tiny",
     variant: Annotated[str | None, typer.Option(
         "--variant", help="a checkpoint variant: inpaint (sd15, sdxl), fill or kontext (flux), "
                           "two_expert (wan: Wan 2.2's high- and low-noise transformers), i2v (wan: "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelError
-from ..families import QWEN_TEXT_LENGTH, WAN_TEXT_LENGTH, Component, Family
+from ..families import FLUX2_TEXT_LENGTH, QWEN_TEXT_LENGTH, WAN_TEXT_LENGTH, Component, Family
 from ..models.loading import SUBFOLDER
 
 # Tokenizers without a real limit write a huge model_max_length; use the length the pipelines use.
@@ -127,6 +127,8 @@ def _sequence_length(model_dir: Path, family: Family, component: Component) -> i
         # the most prompt tokens (after the template's 34): QwenImagePipeline's max_sequence_length default. The text
         # length is a profile dimension up to it (components/qwen_image.py: text_lengths)
         return QWEN_TEXT_LENGTH
+    if family in (Family.flux2, Family.flux2_klein) and (component.is_text_encoder or component.is_denoiser):
+        return FLUX2_TEXT_LENGTH  # Flux2(Klein)Pipeline pads every prompt to its max_sequence_length default
     if component.is_text_encoder:
         return tokenizer_length(model_dir, _TOKENIZER_OF[component])
     if component in (Component.unet, Component.controlnet):

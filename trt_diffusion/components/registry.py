@@ -6,6 +6,7 @@ from ..errors import ConfigError
 from ..families import Component, Family, family_info
 from .base import ComponentDef
 from .controlnet import ControlNet
+from .flux2 import Flux2TextEncoder, Flux2Transformer
 from .qwen_image import QwenImageTransformer, QwenTextEncoder, QwenVaeDecoder, QwenVaeEncoder
 from .text_encoders import ClipTextEncoder, T5TextEncoder
 from .transformers import FluxTransformer, SD3Transformer
@@ -43,6 +44,10 @@ def _build() -> dict[tuple[Family, Component], ComponentDef]:
         QwenImageTransformer(_F.qwen_image, _C.transformer),
         QwenVaeDecoder(_F.qwen_image, _C.vae_decoder),  # the Wan-style 3D VAE on one frame
         QwenVaeEncoder(_F.qwen_image, _C.vae_encoder),
+        Flux2TextEncoder(_F.flux2, _C.text_encoder),
+        Flux2Transformer(_F.flux2, _C.transformer),
+        Flux2TextEncoder(_F.flux2_klein, _C.text_encoder),
+        Flux2Transformer(_F.flux2_klein, _C.transformer),
     ]
     own_vae = {d.family for d in defs if d.component.is_vae}  # video families and Qwen-Image declare theirs (above)
     for family in Family:

@@ -369,6 +369,8 @@ def _merged(entry: ModelEntry, defaults, name: str):
     value = getattr(entry, name)
     if value is None:
         value = getattr(defaults, name)
+    if value is None and name == "cfg" and family_info(entry.family).default_cfg:
+        value = [CfgMode(mode) for mode in family_info(entry.family).default_cfg]
     if value is None:
         value = BUILTIN_DEFAULTS.get(name)
     if value is None and name == "targets":

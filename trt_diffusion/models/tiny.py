@@ -5,7 +5,8 @@ denoiser, VAE) that `DiffusionPipeline.from_pretrained` loads. Weights come from
 processes write identical files. `size="full"` keeps the real architecture (random weights) for honest
 benchmarks of real shapes: sd15 and sdxl have full configs (their UNets; text encoders and VAE stay tiny,
 with the real hidden sizes the UNet reads); sd3 and flux would be tens of GB; qwen_image's (the released 20B
-transformer) is checked on the meta device and refused where the machine cannot hold its weights.
+transformer), flux2's (32B) and flux2_klein's (3.9B) are checked on the meta device and refused where the machine
+cannot hold their weights.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..errors import ConfigError
 from ..families import Family, family_of_pipeline_class
 from .quiet import quiet_libraries
 
-FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl, Family.wan, Family.qwen_image)
+FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl, Family.wan, Family.qwen_image, Family.flux2, Family.flux2_klein)
 # Checkpoint variants beside the text-to-image one, each saved with the pipeline class its released checkpoints
 # have: an inpainting denoiser (the mask and the masked image's latents as extra input channels: the 9-channel
 # UNets, FLUX.1 Fill's transformer) and FLUX.1 Kontext (the plain transformer's shape, an edit checkpoint).
@@ -187,6 +188,12 @@ def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny",
         from .tiny_video import build_tiny_wan
 
         pipe = build_tiny_wan(seed, size, variant)
+        _perturb_all_parameters(pipe, seed)
+        return pipe
+    if family in (Family.flux2, Family.flux2_klein):
+        from .tiny_flux2 import build_tiny_flux2
+
+        pipe = build_tiny_flux2(seed, size, variant, klein=family is Family.flux2_klein)  # size full: refused
         _perturb_all_parameters(pipe, seed)
         return pipe
     if family is Family.qwen_image:

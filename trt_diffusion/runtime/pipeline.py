@@ -23,7 +23,7 @@ from ..components.model_config import vae_latent_channels, vae_scale_factor
 from ..engines_file.engine_spec import Size
 from ..engines_file.schema import CfgMode
 from ..errors import RuntimeInputError
-from ..families import Family, family_info
+from ..families import EMBEDDED_STACK_FAMILIES, Family, family_info
 from ..workflows import (
     DEFAULT_STRENGTH,
     EDIT_PIPELINE_CLASSES,
@@ -36,6 +36,7 @@ from . import conditioning
 from .cfg_parallel import at_once, cfg_modes
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
 from .flux_loop import FluxLoop
+from .flux2_loop import Flux2Loop
 from .qwen_image_loop import QwenImageLoop, qwen_problems
 from .schedulers import make_scheduler, scheduler_names
 from .video_loop import WanLoop, video_problems
@@ -198,13 +199,16 @@ class EnginePipeline:
         self.qwen = None if self.family is not Family.qwen_image else QwenImageLoop(
             runners, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
             vae_scale_factor=self.vae_scale_factor, text_lengths=text_lengths)
+        self.flux2 = None if self.family not in EMBEDDED_STACK_FAMILIES else Flux2Loop(
+            runners, self.family, self.model_dir, self.index, self.denoiser_config, self.scheduler_config, vae_config,
+            self.tokenizers["tokenizer"], vae_scale_factor=self.vae_scale_factor)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
 
     @contextlib.contextmanager
     def runners_swapped(self, runners: RunnerTable):
         """Run with `runners` in place of the pipeline's own, the family loops' included (the Triton entry's
         python warm-up runs on stand-ins this way), and put the own ones back after."""
-        loops = [loop for loop in (self.flux, self.wan, self.qwen) if loop is not None]
+        loops = [loop for loop in (self.flux, self.wan, self.qwen, self.flux2) if loop is not None]
         own = self.runners
         self.runners = runners
         for loop in loops:
@@ -241,7 +245,7 @@ class EnginePipeline:
         if self.index.get("_class_name") in IMAGE_TO_VIDEO_PIPELINE_CLASSES:
             return False  # its extra channels are the first-frame mask and the image's clip latents
         channels = self.denoiser_config["in_channels"]
-        if self.family in (Family.flux, Family.qwen_image):
+        if self.family in (Family.flux, Family.qwen_image, *EMBEDDED_STACK_FAMILIES):
             channels //= 4  # packed 2x2 patches
         return channels > self.latent_channels
 
@@ -381,14 +385,21 @@ class EnginePipeline:
         """Requests with equal keys can share denoiser calls: same latent shape, step count and scheduler
         (so the same timesteps), CFG on or off, same ControlNet and scale (one conditioning_scale per call).
         Prompts, negative prompts, seeds and guidance scales are each request's own."""
-        cfg = self.family is not Family.flux and request.guidance_scale > 1.0
+        cfg = self._runs_cfg(request)
         controlnet = (request.controlnet, request.controlnet_scale) if request.controlnet else None
         workflow = request.resolved_workflow  # the same trimmed schedule and denoiser inputs
         strength = request.resolved_strength if workflow.takes_strength else None
         key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength)
-        if self.family in (Family.flux, Family.wan, Family.qwen_image):  # one request per batch (their loops say why)
+        if self.family in (Family.flux, Family.wan, Family.qwen_image, *EMBEDDED_STACK_FAMILIES):
+            # one request per batch (their loops say why)
             key += (id(request),)
         return key
+
+    def _runs_cfg(self, request: GenerationRequest) -> bool:
+        """Whether the request's denoiser runs twice per step: FLUX.1 and FLUX.2 dev embed guidance (never)."""
+        if self.flux2 is not None:
+            return self.flux2.true_cfg(request)
+        return self.family is not Family.flux and request.guidance_scale > 1.0
 
     def batch_rows(self, request: GenerationRequest) -> set[int] | None:
         """Row counts (sums of requests' `batch`) a batch like `request` can run with, in the CFG mode the request
@@ -397,7 +408,7 @@ class EnginePipeline:
         batches = self.runners.batches(self.denoiser, size)
         if None in batches:
             return None
-        cfg = self.family is not Family.flux and request.guidance_scale > 1.0
+        cfg = self._runs_cfg(request)
         if not cfg:  # any rows up to the largest engine batch: fewer are padded (runtime/engines.py)
             return set(range(1, max(b for b in batches if b) + 1)) if any(batches) else set()
         parallel = self.parallel_cfg and request.batch in batches  # split's engines, as `_cfg_mode` chooses
@@ -442,7 +453,7 @@ class EnginePipeline:
     def generate_together(self, requests: list[GenerationRequest], on_step: StepCallback | None = None
                           ) -> list[Generation]:
         """One batch of `plan_batches`: requests of one `batch_key` whose rows an engine batch serves."""
-        if len(requests) == 1 or self.flux is not None or self.wan is not None or self.qwen is not None:
+        if len(requests) == 1 or any(loop is not None for loop in (self.flux, self.wan, self.qwen, self.flux2)):
             return [self.generate(r, on_step) for r in requests]
         size = self.validate(requests[0])
         timings = [StageTimings(batch=len(requests)) for _ in requests]
@@ -472,6 +483,9 @@ class EnginePipeline:
             positive, negative = self.qwen.encode(request)
             return PromptEncoding(_Conditioning(positive.embeds, mask=positive.mask),
                                   None if negative is None else _Conditioning(negative.embeds, mask=negative.mask))
+        if self.flux2 is not None:
+            positive, negative = self.flux2.encode(request)
+            return PromptEncoding(_Conditioning(positive), None if negative is None else _Conditioning(negative))
         positive = self._encode_all([request.prompt] * request.batch)
         negative = None
         if self.family is not Family.flux and request.guidance_scale > 1.0:
@@ -487,6 +501,9 @@ class EnginePipeline:
         if self.wan is not None:
             negative = None if encoding.negative is None else encoding.negative.embeds
             return self.wan.denoise(request, encoding.positive.embeds, negative, timings, on_step)
+        if self.flux2 is not None:
+            negative = None if encoding.negative is None else encoding.negative.embeds
+            return self.flux2.denoise(request, encoding.positive.embeds, negative, timings, on_step)
         if self.qwen is not None:
             negative = None if encoding.negative is None else _qwen_text(encoding.negative)
             return self.qwen.denoise(request, _qwen_text(encoding.positive), negative, timings, on_step)
@@ -716,6 +733,8 @@ class EnginePipeline:
             return _uint8(self.wan.decode(latents, size, batch))
         if self.qwen is not None:
             return _uint8(self.qwen.decode(latents, size, batch))
+        if self.flux2 is not None:
+            return _uint8(self.flux2.decode(latents, size, batch))
         latents = latents / self.scaling_factor + self.shift_factor
         runner = self.runners.find("vae_decoder", size=size, batch=batch)
         return _uint8(runner.run({"latent": latents.float().numpy()})["images"])  # layout kept, as in _denoise
