@@ -35,8 +35,8 @@ from ..workflows import (
 from . import conditioning
 from .cfg_parallel import at_once, cfg_modes
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
-from .flux_loop import FluxLoop
 from .flux2_loop import Flux2Loop
+from .flux_loop import FluxLoop
 from .qwen_image_loop import QwenImageLoop, qwen_problems
 from .schedulers import make_scheduler, scheduler_names
 from .video_loop import WanLoop, video_problems
