@@ -68,9 +68,9 @@ def test_existing_folder_is_not_overwritten_without_flag(tmp_path, capsys):
     assert main(["models", "tiny", "--out", str(out), "--if-missing"]) == 0
 
 
-def test_full_size_is_sd15_sdxl_and_wan_only(tmp_path, capsys):
+def test_full_size_is_refused_for_the_families_without_one(tmp_path, capsys):
     assert main(["models", "tiny", "--family", "flux", "--size", "full", "--out", str(tmp_path / "x")]) == 1
-    assert "sd15, sdxl, wan, qwen_image only" in capsys.readouterr().err
+    assert "sd15, sdxl, wan, qwen_image, flux2, flux2_klein only" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

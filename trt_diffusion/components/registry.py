@@ -52,7 +52,8 @@ def _build() -> dict[tuple[Family, Component], ComponentDef]:
     own_vae = {d.family for d in defs if d.component.is_vae}  # video families and Qwen-Image declare theirs (above)
     for family in Family:
         if family not in own_vae:
-            defs += [VaeEncoder(family, _C.vae_encoder), VaeDecoder(family, _C.vae_decoder)]
+            halves = (VaeEncoder(family, _C.vae_encoder), VaeDecoder(family, _C.vae_decoder))
+            defs += [d for d in halves if d.component in family_info(family).components]  # FLUX.2: no encoder yet
     return {(d.family, d.component): d for d in defs}
 
 

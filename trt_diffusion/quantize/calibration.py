@@ -22,7 +22,7 @@ import torch
 
 from .. import progress as live
 from ..errors import ModelError, QuantizeError
-from ..families import WAN_TEXT_LENGTH, Component, Family
+from ..families import EMBEDDED_STACK_FAMILIES, FLUX2_TEXT_LENGTH, WAN_TEXT_LENGTH, Component, Family
 from ..models.quiet import quiet_libraries
 from .feeds import Call
 
@@ -69,6 +69,8 @@ def t5_length(model_dir: Path, family: Family) -> int | None:
 
     if family is Family.wan:
         return WAN_TEXT_LENGTH
+    if family in EMBEDDED_STACK_FAMILIES:
+        return FLUX2_TEXT_LENGTH  # padded to it, as the engines declare
     tokenizer = {Family.sd3: "tokenizer_3", Family.flux: "tokenizer_2"}.get(family)
     return tokenizer_length(model_dir, tokenizer) if tokenizer else None
 
@@ -110,7 +112,10 @@ def guidance_kwargs(family: Family, pipe=None) -> dict[str, Any]:
     high-noise scale; Wan 2.1 refuses the argument."""
     kwargs = {Family.sd15: {"guidance_scale": 7.5}, Family.sdxl: {"guidance_scale": 5.0},
               Family.sd3: {"guidance_scale": 7.0}, Family.flux: {"guidance_scale": 3.5},
-              Family.wan: {"guidance_scale": 5.0}}[family]
+              Family.wan: {"guidance_scale": 5.0},
+              # true CFG runs only with a negative prompt (do_true_cfg): an empty one, as parity sends
+              Family.qwen_image: {"true_cfg_scale": 4.0, "negative_prompt": ""},
+              Family.flux2: {"guidance_scale": 4.0}, Family.flux2_klein: {"guidance_scale": 4.0}}[family]
     if family is Family.wan and getattr(getattr(pipe, "config", None), "boundary_ratio", None) is not None:
         kwargs = {**kwargs, "guidance_scale_2": kwargs["guidance_scale"]}
     return kwargs

@@ -33,6 +33,10 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
 # keeps the first and last three of 40 blocks: `exclude: ["blocks.0", "blocks.1", ...]` does that per model.)
 FAMILY_EXCLUDE: Mapping[Family, tuple[str, ...]] = MappingProxyType({
     Family.wan: ("patch_embedding", "condition_embedder"),
+    # the DiTs' input projections and their adaptive-norm modulation linears (per-sample vectors, as above)
+    Family.qwen_image: ("img_in", "txt_in", "*img_mod*", "*txt_mod*"),
+    Family.flux2: ("time_guidance_embed", "*modulation*"),
+    Family.flux2_klein: ("time_guidance_embed", "*modulation*"),
 })
 
 # SmoothQuant's migration strength (0: all on weights, 1: all on activations); TensorRT's diffusion demo

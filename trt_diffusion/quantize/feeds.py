@@ -26,7 +26,7 @@ from ..components import (
 )
 from ..engines_file import ResolvedModel
 from ..errors import QuantizeError
-from ..families import Component, Family
+from ..families import EMBEDDED_STACK_FAMILIES, Component, Family
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one denoiser call
 
@@ -87,6 +87,7 @@ class DenoiserInterface:
                 found[name] = args[_UNET_POSITIONS[name]]
             elif name in added:
                 found[name] = added[name]
+        _adapt_to_declaration(self.family, found, kwargs)
         batch = int(found["sample" if "sample" in found else "hidden_states"].shape[0])
         feeds = {}
         for decl in self.io.inputs:
@@ -97,11 +98,20 @@ class DenoiserInterface:
                 else:
                     raise QuantizeError(f"the pipeline's {self.component.value} call has no {decl.name!r}; "
                                         "cannot map it onto the engine inputs")
-            value = torch.as_tensor(value).to(torch.float32)
+            value = torch.as_tensor(value).to(torch.int64 if decl.dtype == "int64" else torch.float32)
             if decl.name in _PER_SAMPLE_SCALARS and value.dim() == 0:
                 value = value.reshape(1).expand(batch).clone()
             feeds[decl.name] = value
         return feeds
+
+    def pipeline_output(self, output: torch.Tensor, call: Call) -> torch.Tensor:
+        """An engine's output in the layout the pipeline expects back: Qwen-Image's noise_pred [B, h/2, w/2, 64]
+        (the patch-grid view of its tokens) as the packed [B, T, 64] the call's hidden_states have; others as is."""
+        args, kwargs = call
+        hidden = kwargs.get("hidden_states")
+        if self.family is Family.qwen_image and hidden is not None and output.dim() != hidden.dim():
+            return output.reshape(*hidden.shape[:-1], -1)
+        return output
 
     def _residual_names(self) -> set[str]:
         if not self.options.get("controlnet_residuals"):
@@ -114,6 +124,27 @@ class DenoiserInterface:
         return torch.zeros(decl.shape(axes), dtype=torch.float32)
 
 
+def _adapt_to_declaration(family: Family, found: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """A recorded call's values in the engine's declared layout, where a family's export differs from the pipeline's
+    call (components/flux2.py, components/qwen_image.py):
+
+    - FLUX.2: `img_ids` / `txt_ids` arrive batched [B, N, 4]; the transformer reads the first row, the engine takes
+      [N, 4];
+    - Qwen-Image: the packed tokens [B, T, 64] as their patch grid [B, h/2, w/2, 64] (`img_shapes` gives it), and
+      an absent text mask (diffusers' None for an all-ones mask) as the ones it stands for."""
+    if family in EMBEDDED_STACK_FAMILIES:
+        for name in ("img_ids", "txt_ids"):
+            if found.get(name) is not None and found[name].dim() == 3:
+                found[name] = found[name][0]
+    elif family is Family.qwen_image:
+        hidden = found["hidden_states"]
+        _, rows, cols = kwargs["img_shapes"][0][0]
+        found["hidden_states"] = hidden.reshape(hidden.shape[0], rows, cols, hidden.shape[-1])
+        if found.get("encoder_hidden_states_mask") is None:
+            states = found["encoder_hidden_states"]
+            found["encoder_hidden_states_mask"] = torch.ones(states.shape[:2], dtype=torch.int64)
+
+
 def denoiser_interface(model: ResolvedModel, component: Component | str) -> DenoiserInterface:
     component = Component(component)
     definition = get_component(model.family, component)
@@ -124,4 +155,5 @@ def denoiser_interface(model: ResolvedModel, component: Component | str) -> Deno
 
 
 def as_numpy(feeds: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {name: value.detach().cpu().numpy().astype(np.float32, copy=False) for name, value in feeds.items()}
+    return {name: value.detach().cpu().numpy().astype(np.int64 if value.dtype == torch.int64 else np.float32,
+                                                       copy=False) for name, value in feeds.items()}

@@ -128,8 +128,10 @@ def onnxruntime_session(onnx_path: Path):
         raise QuantizeError(f"ONNX Runtime cannot load {onnx_path}: {str(exc).strip().splitlines()[0]}") from None
 
 
-def _run_session(session, interface: DenoiserInterface, feeds: dict[str, torch.Tensor]) -> np.ndarray:
-    return session.run([interface.output_name], as_numpy(feeds))[0]
+def _run_session(session, interface: DenoiserInterface, call) -> np.ndarray:
+    """The session's answer to one recorded call, in the layout the pipeline's denoiser returns."""
+    output = session.run([interface.output_name], as_numpy(interface.feeds(call)))[0]
+    return interface.pipeline_output(torch.from_numpy(output), call).numpy()
 
 
 @contextmanager
@@ -138,7 +140,7 @@ def _onnx_denoiser(pipe, session, interface: DenoiserInterface):
     module = denoiser_of(pipe, interface.component)
 
     def forward(*args, **kwargs):
-        output = torch.from_numpy(_run_session(session, interface, interface.feeds((args, kwargs))))
+        output = torch.from_numpy(_run_session(session, interface, (args, kwargs)))
         return (output,) if not kwargs.get("return_dict", True) else SimpleNamespace(sample=output)
 
     module.forward = forward
@@ -181,7 +183,7 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
 
     psnrs, max_abs, nonfinite = [], 0.0, 0
     for call, expected in zip(recorder.calls, recorder.outputs):
-        actual = _run_session(session, interface, interface.feeds(call))
+        actual = _run_session(session, interface, call)
         expected = expected.numpy()
         if has_nonfinite(actual):
             nonfinite += int((~np.isfinite(actual)).sum())

@@ -67,26 +67,10 @@ class Flux2Loop:
         return positive, negative
 
     def _embeds(self, prompt: str, rows: int) -> np.ndarray:
-        ids, mask = self._tokens(prompt)
+        ids, mask = prompt_tokens(self.family, self.tokenizer, prompt)
         runner = self.runners.find("text_encoder", size=None, batch=1)
         embeds = runner.run({"input_ids": ids, "attention_mask": mask})["prompt_embeds"]
         return np.repeat(embeds, rows, axis=0)  # encode_prompt's repeat(1, n, 1).view(n, L, J)
-
-    def _tokens(self, prompt: str) -> tuple[np.ndarray, np.ndarray]:
-        padding = dict(padding="max_length", truncation=True, max_length=FLUX2_TEXT_LENGTH)
-        if self.family is Family.flux2:
-            from diffusers.pipelines.flux2.pipeline_flux2 import format_input
-            from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-            tokens = self.tokenizer.apply_chat_template(
-                format_input(prompts=[prompt], system_message=SYSTEM_MESSAGE), add_generation_prompt=False,
-                tokenize=True, return_dict=True, return_tensors="np", **padding)
-        else:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True, enable_thinking=False)
-            tokens = self.tokenizer(text, return_tensors="np", **padding)
-        return (np.asarray(tokens["input_ids"], dtype=np.int64).reshape(1, -1),
-                np.asarray(tokens["attention_mask"], dtype=np.int64).reshape(1, -1))
 
     # ---------------------------------------------------------------- the loop
 
@@ -164,6 +148,25 @@ class Flux2Loop:
         latents = Flux2Pipeline._unpatchify_latents(latents)
         runner = self.runners.find("vae_decoder", size=size, batch=rows)
         return runner.run({"latent": latents.float().numpy()})["images"]
+
+
+def prompt_tokens(family: Family, tokenizer, prompt: str) -> tuple[np.ndarray, np.ndarray]:
+    """The encoder engine's `input_ids` and `attention_mask` [1, 512] for one prompt, tokenized as the family's
+    pipeline tokenizes it (its chat template, padded and truncated to max_sequence_length)."""
+    padding = dict(padding="max_length", truncation=True, max_length=FLUX2_TEXT_LENGTH)
+    if family is Family.flux2:
+        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        tokens = tokenizer.apply_chat_template(
+            format_input(prompts=[prompt], system_message=SYSTEM_MESSAGE), add_generation_prompt=False,
+            tokenize=True, return_dict=True, return_tensors="np", **padding)
+    else:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=False)
+        tokens = tokenizer(text, return_tensors="np", **padding)
+    return (np.asarray(tokens["input_ids"], dtype=np.int64).reshape(1, -1),
+            np.asarray(tokens["attention_mask"], dtype=np.int64).reshape(1, -1))
 
 
 def _batch_norm_statistics(vae_dir: Path, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ServeError
-from ..families import FAMILIES, Component, Family
+from ..families import EMBEDDED_STACK_FAMILIES, FAMILIES, Component, Family
 from ..runtime.cfg_parallel import cfg_instances, cfg_modes
 from ..targets import get_target
 from ..tensors import TensorSpec
@@ -387,8 +387,10 @@ def _pipeline_plans(pipeline: str, family: Family, has_controlnets: bool, descri
 def _writes_ensemble(family: Family, options: PackageOptions) -> bool:
     """A video family has no ensemble (its stages pass 4-D LATENTS): the entry and the stream serve it. Nor has
     Qwen-Image: its prompt states come with a per-prompt mask and text length, which the stages' tensors
-    (POSITIVE_EMBEDS / POOLED) do not carry."""
-    return options.ensemble and not FAMILIES[family].is_video and family is not Family.qwen_image
+    (POSITIVE_EMBEDS / POOLED) do not carry; nor FLUX.2, whose stages would need their own encode and denoise code
+    (its guidance embedded or true CFG, its position ids) for no gain over the entry."""
+    return (options.ensemble and not FAMILIES[family].is_video and family is not Family.qwen_image
+            and family not in EMBEDDED_STACK_FAMILIES)
 
 
 def _requests_per_denoiser_call(description: PipelineDescription) -> int:

@@ -48,7 +48,10 @@ class FollowingRunner(ZeroRunner):
 
 
 # the engines FollowingRunner stands in for: (family, component)
-_FOLLOWING = {("qwen_image", "text_encoder"), ("qwen_image", "transformer")}
+_FOLLOWING = {("qwen_image", "text_encoder"), ("qwen_image", "transformer"),
+              # FLUX.2: prompt_embeds [B, 512, J] from input_ids [B, 512]; noise_pred [B, T, 128] from hidden_states
+              ("flux2", "text_encoder"), ("flux2", "transformer"),
+              ("flux2_klein", "text_encoder"), ("flux2_klein", "transformer")}
 
 
 def _follows(engine: EngineEntry, family: str) -> bool:
