@@ -27,7 +27,7 @@ def built(tiny_model_factory, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("flux2-engines")
     models = {f"{family}-tiny": {"source": str(tiny_model_factory(family)), "family": family, "buckets": ["64x48"],
-                                 "batch": [1], "targets": list(TARGETS), "precision": FP32} for family in FAMILIES}
+                                 "batch": [1], "targets": list(TARGETS), "precision": dict(FP32)} for family in FAMILIES}
     path = root / "engines.yaml"
     path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": "build"}, "models": models}))
     report = api.build(path)
