@@ -24,6 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 FAMILIES = ("qwen_image", "flux2", "flux2_klein")
 TOLERANCE = 1e-4  # engine outputs against torch (tests/lora/test_onnxruntime_refit.py)
+# what a LoRA must move the output by for the equality checks to mean something (the tiny FLUX.2's one double
+# block carries A's projections: about 0.008 at scale 0.8, 80x the tolerance)
+EFFECT = 20 * TOLERANCE
 B_TARGETS = {"qwen_image": ["to_q", "to_v", "img_mlp.net.2"], "flux2": ["to_k", "ff.linear_out"],
              "flux2_klein": ["to_k", "ff.linear_out"]}
 
@@ -127,9 +130,9 @@ def test_refitted_engine_equals_torch_fused_and_a_b_a_is_bit_exact(family, setup
     a = engine.output([(setup["a"], 0.8)])
     expected = engine.torch(fused_with_diffusers(family, setup["base"], [(setup["a"], 0.8)]))
     np.testing.assert_allclose(a, expected, rtol=0, atol=TOLERANCE)
-    assert np.abs(expected - base_out).max() > 100 * TOLERANCE  # so the check can fail
+    assert np.abs(expected - base_out).max() > EFFECT  # so the check can fail
     b = engine.output([(setup["b"], 1.0)])
-    assert np.abs(b - a).max() > 100 * TOLERANCE
+    assert np.abs(b - a).max() > EFFECT
     np.testing.assert_allclose(b, engine.torch(fused_with_diffusers(family, setup["base"], [(setup["b"], 1.0)])),
                                rtol=0, atol=TOLERANCE)
     assert np.array_equal(engine.output([(setup["a"], 0.8)]), a)
