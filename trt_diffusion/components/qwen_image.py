@@ -166,6 +166,7 @@ class QwenImageTransformer(ComponentDef):
     """
 
     kind = "qwen_image_transformer"
+    version = 2  # the rotation by strided slices (a legacy trace kept the text length dynamic)
 
     def export_context(self) -> contextlib.AbstractContextManager:
         return real_rotary_embeddings()
@@ -325,7 +326,9 @@ def _rotate_real(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
     """apply_rotary_emb_qwen(use_real=False)'s complex product on interleaved pairs, in reals: x [B, S, H, D],
     freqs_cis (cos, sin) [S, D/2]."""
     cos, sin = (f.unsqueeze(1) for f in freqs_cis)
-    real, imag = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    # the pairs by strided slices, not a reshape over x.shape: the legacy (quantized) trace bakes that shape's
+    # text length into the graph (the same values either way)
+    real, imag = x.float()[..., 0::2], x.float()[..., 1::2]
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(3).type_as(x)
 

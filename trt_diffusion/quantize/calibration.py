@@ -192,7 +192,8 @@ def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], see
                 if frames:
                     extra["num_frames"] = frames
                 with torch.no_grad():
-                    result = pipe(prompt, num_inference_steps=steps, generator=generator, width=width, height=height,
+                    # by name: Flux2Pipeline's first parameter is the reference image
+                    result = pipe(prompt=prompt, num_inference_steps=steps, generator=generator, width=width, height=height,
                                   output_type=output_type, **extra)
                 if output_type == "latent":
                     images.append(None)
