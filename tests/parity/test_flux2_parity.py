@@ -81,3 +81,38 @@ def test_the_encoder_engine_matches_the_pipelines_stacked_states(built, tiny_mod
                 assert got.shape == expected.shape == (1, 512, 48)
                 np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_quantized_transformers_pass_their_gate_and_parity(built, precision):
+    """Acceptance 2: the transformers of both families quantized through ModelOpt (the legacy trace, FLUX.2's
+    batched ids taken as the engine's [N, 4]), gated on the pipelines' own generations, built in the same workspace
+    (the fp32 encoders and VAEs reused) and judged by parity on the precision's bar."""
+    import yaml
+
+    from trt_diffusion.quantize.stage import quantize_component
+
+    path, _ = built
+    document = yaml.safe_load(path.read_text())
+    for model in document["models"].values():
+        model["precision"]["transformer"] = precision
+        model["targets"] = ["onnxruntime"]
+        model["quantization"] = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
+    quantized = path.parent / f"engines-{precision}.yaml"
+    quantized.write_text(yaml.safe_dump(document))
+    report = api.build(quantized)
+    assert not report.failed, [o.error for o in report.failed]
+    config = load_engines_file(quantized, check_sources=True)
+    for family in FAMILIES:
+        artifact = quantize_component(config.models[f"{family}-tiny"], "transformer", precision, None,
+                                      config.workspace, opset=config.build.opset, config_root=config.root)
+        assert artifact.cached and artifact.gate["passed"], artifact.gate
+        assert artifact.gate["calls"] == 2 * 2 * (2 if family == "flux2_klein" else 1)  # Klein: two calls a step
+        assert artifact.manifest["quantized_layers"], "nothing was quantized"
+    run = run_parity(config, path.parent / f"parity-{precision}",
+                     ParityOptions(prompts=("a red fox running through snow",), seeds=(0,), steps=3,
+                                   compute_lpips=False))
+    variants = {v.model: v for v in run.report.variants}
+    assert set(variants) == {f"{f}-tiny" for f in FAMILIES}
+    for name, variant in variants.items():
+        assert variant.precision == precision and variant.passed, (name, variant.failure_reasons)

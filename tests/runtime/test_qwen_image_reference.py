@@ -191,3 +191,46 @@ def test_parity_passes_on_onnxruntime(built_qwen, tmp_path):
 
     run = api.parity(built_qwen, out_dir=tmp_path / "parity", targets=["onnxruntime"])
     assert run.report.passed, run.report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_quantized_transformer_passes_its_gate_and_parity(built_qwen, tmp_path, precision):
+    """Acceptance 2 of #26: the MMDiT quantized through ModelOpt (the legacy trace with the real rotation, the packed
+    tokens fed as their patch grid), gated on QwenImagePipeline's own generations with true CFG, built beside the
+    fp32 engines (encoder and VAE reused) and judged by parity on the precision's bar."""
+    import yaml
+
+    from trt_diffusion import api
+    from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.quantize.stage import quantize_component
+
+    document = yaml.safe_load(built_qwen.read_text())
+    model = document["models"]["qwen"]
+    model["precision"]["transformer"] = precision
+    model["quantization"] = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
+    quantized = built_qwen.parent / f"engines-{precision}.yaml"
+    quantized.write_text(yaml.safe_dump(document))
+    report = api.build(quantized, target="onnxruntime")
+    assert not report.failed, [o.error for o in report.failed]
+    config = load_engines_file(quantized, check_sources=True)
+    artifact = quantize_component(config.models["qwen"], "transformer", precision, None, config.workspace,
+                                  opset=config.build.opset, config_root=config.root)
+    assert artifact.cached and artifact.gate["passed"], artifact.gate
+    assert artifact.gate["calls"] == 2 * 2 * 2  # true CFG: two calls a step
+    assert artifact.manifest["quantized_layers"] and not artifact.manifest["static_shapes"]
+    # the Q/DQ graph takes any text length (a legacy trace once baked the calibration prompt's): 20 and 300 tokens
+    import onnxruntime as ort
+
+    from trt_diffusion.components import Geometry
+    from trt_diffusion.engines_file import Size
+    from trt_diffusion.quantize.feeds import denoiser_interface
+
+    interface = denoiser_interface(config.models["qwen"], "transformer")
+    session = ort.InferenceSession(str(artifact.onnx_path), providers=["CPUExecutionProvider"])
+    for text in (20, 300):
+        feeds = interface.definition.dummy_inputs(interface.config, {}, Geometry(1, Size(64, 64), text=text))
+        assert session.run(None, feeds)[0].shape == (1, 4, 4, 64)
+    run = api.parity(quantized, out_dir=tmp_path / "parity", targets=["onnxruntime"])
+    (variant,) = run.report.variants
+    assert variant.precision == precision and variant.passed, variant.failure_reasons
