@@ -116,3 +116,58 @@ def test_quantized_transformers_pass_their_gate_and_parity(built, precision):
     assert set(variants) == {f"{f}-tiny" for f in FAMILIES}
     for name, variant in variants.items():
         assert variant.precision == precision and variant.passed, (name, variant.failure_reasons)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, built, tmp_path_factory):
+    """A family's onnxruntime engines packaged as a Triton repository (its entry and stream), served."""
+    from types import SimpleNamespace
+
+    from trt_diffusion.triton import stage
+    from trt_diffusion.triton.repository import PackageOptions
+
+    path, _ = built
+    family = request.param
+    root = tmp_path_factory.mktemp(f"{family}-repo")
+    report = stage.package_stage(path, root / "repo", model=f"{family}-tiny", options=PackageOptions(ensemble=True))
+    assert report.ensemble is None  # the entry and the stream only
+    server, _ = stage.start(root / "repo", work_dir=root / "work", first_request=False)
+    try:
+        yield SimpleNamespace(family=family, server=server, report=report,
+                              config=load_engines_file(path, check_sources=True))
+    finally:
+        server.stop()
+
+
+@pytest.mark.triton
+def test_served_images_equal_the_in_process_pipeline(served):
+    """Acceptance 4: over gRPC and HTTP, NUM_IMAGES 2 (seeds SEED and SEED + 1), the entry's images equal the
+    in-process EnginePipeline's over the same engines bit for bit (Klein with its true CFG); a request the family
+    refuses (MAX_SEQUENCE_LENGTH) is one clear error and the server answers the next."""
+    from trt_diffusion.errors import ServeError
+    from trt_diffusion.runtime.loader import built_engines, table_from_engines
+    from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
+    from trt_diffusion.triton import client
+    from trt_diffusion.triton.client import ImageRequest
+
+    family, name = served.family, f"{served.family}-tiny"
+    local = EnginePipeline(served.config.models[name].source.path, family,
+                           table_from_engines(built_engines(served.config, name, "onnxruntime")))
+    request = ImageRequest(prompt="a red fox running through snow", height=48, width=64, steps=3,
+                           guidance_scale=3.5, seed=5, num_images=2)
+    pipeline = served.report.entry
+    for protocol, url in (("grpc", served.server.grpc_url), ("http", served.server.http_url)):
+        images, _ = client.generate_images(url, request, pipeline=pipeline, protocol=protocol)
+        assert images.shape == (2, 48, 64, 3)
+        for k in range(2):
+            expected = local.generate(GenerationRequest(prompt=request.prompt, height=48, width=64, steps=3,
+                                                        guidance_scale=3.5, seed=5 + k)).images[0]
+            np.testing.assert_array_equal(images[k], expected)
+    with pytest.raises(ServeError, match="MAX_SEQUENCE_LENGTH is the qwen_image family's"):
+        client.generate_images(served.server.grpc_url, ImageRequest(prompt="a fox", height=48, width=64, steps=2,
+                                                                    max_sequence_length=64), pipeline=pipeline,
+                                protocol="grpc")
+    one, _ = client.generate_images(served.server.grpc_url, ImageRequest(prompt="a fox", height=48, width=64,
+                                                                         steps=2), pipeline=pipeline,
+                                     protocol="grpc")
+    assert one.shape == (1, 48, 64, 3)

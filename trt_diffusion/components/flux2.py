@@ -1,6 +1,6 @@
 """FLUX.2 (dev and Klein): a language-model text encoder whose hidden states at three layers are stacked, the
 Flux2 transformer on 2×2-patchified latents, and the VAE (diffusers' own VaeDecoder declaration: the host applies
-the batch-norm statistics and the unpatchify before it).
+the batch-norm statistics and the unpatchify inside its graph).
 
 The text length is fixed: Flux2Pipeline and Flux2KleinPipeline pad every prompt, after the chat template, to
 max_sequence_length (512) and the transformer attends to all 512 positions, padding included (no mask), so the
@@ -8,12 +8,18 @@ encoder engine takes [B, 512] ids and mask and returns what `_get_mistral_3_smal
 `_get_qwen3_prompt_embeds` return: `hidden_states` at the family's layers — (10, 20, 30) for FLUX.2 dev, (9, 18, 27)
 for Klein — stacked and laid out as [B, 512, 3·D]. The template and the tokenizer stay on the host
 (runtime/flux2_loop.py).
+
+The VAE decoder engine takes the latents as the transformer leaves them (normalized, 2×2-patchified: [B, 128,
+h/2, w/2]) and applies what the pipelines do before `vae.decode` in its graph: `latents · sqrt(bn.running_var +
+eps) + bn.running_mean`, then the unpatchify. The statistics are the VAE's own buffers, so they travel with its
+weights (a served model's folder holds configs only).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -27,13 +33,20 @@ from .base import (
     ComponentIO,
     ExportWrapper,
     Geometry,
+    SymbolicDim,
     TensorDecl,
+    image_dims,
     normal,
     rng,
     timesteps,
 )
 from .model_config import ModelConfig
 from .transformers import FLUX_PACKING, IMAGE_TOKENS
+from .vae import VaeDecoder
+
+# The patchified latents' grid: 2×2 latent pixels per position
+PATCH_ROWS = SymbolicDim("patch_rows", "height", Fraction(1, 2))
+PATCH_COLS = SymbolicDim("patch_cols", "width", Fraction(1, 2))
 
 ID_AXES = 4  # FLUX.2's position ids: (time, row, column, text position)
 
@@ -181,6 +194,42 @@ class Flux2Transformer(ComponentDef):
             "txt_ids": text_ids(config.sequence_length),
         }
         return {name: values[name] for name in shapes}
+
+
+class _Flux2DecoderWrapper(ExportWrapper):
+    def compute(self, latent):
+        from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+
+        vae = self.model
+        # as Flux2Pipeline.__call__ before vae.decode, in the VAE's dtype
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latent.device, latent.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latent.device,
+                                                                                               latent.dtype)
+        latents = Flux2Pipeline._unpatchify_latents(self.cast(latent) * std + mean)
+        return vae.decode(latents, return_dict=False)[0]
+
+
+class Flux2VaeDecoder(VaeDecoder):
+    """AutoencoderKLFlux2 with the pipeline's latent denormalization: `latent` [B, 4·C, h/2, w/2] (the transformer's
+    normalized, patchified latents on their grid) -> `images` [B, 3, H, W] in [-1, 1]."""
+
+    kind = "flux2_vae_decoder"
+
+    def spatial_alignment(self, config: ModelConfig) -> int:
+        return FLUX_PACKING
+
+    def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
+        image_height, image_width = image_dims(config.vae_scale_factor)
+        channels = config.latent_channels * FLUX_PACKING * FLUX_PACKING
+        return ComponentIO(
+            inputs=(TensorDecl("latent", "float32", (BATCH, channels, PATCH_ROWS, PATCH_COLS)),),
+            outputs=(TensorDecl("images", "float32", (BATCH, int(config.get("out_channels", 3)), image_height,
+                                                      image_width)),),
+            image_outputs=("images",),
+        )
+
+    def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
+        return _Flux2DecoderWrapper(module, ["latent"], compute_dtype).eval()
 
 
 def image_ids(latent_height: int, latent_width: int) -> np.ndarray:

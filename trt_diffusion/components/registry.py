@@ -6,7 +6,7 @@ from ..errors import ConfigError
 from ..families import Component, Family, family_info
 from .base import ComponentDef
 from .controlnet import ControlNet
-from .flux2 import Flux2TextEncoder, Flux2Transformer
+from .flux2 import Flux2TextEncoder, Flux2Transformer, Flux2VaeDecoder
 from .qwen_image import QwenImageTransformer, QwenTextEncoder, QwenVaeDecoder, QwenVaeEncoder
 from .text_encoders import ClipTextEncoder, T5TextEncoder
 from .transformers import FluxTransformer, SD3Transformer
@@ -48,12 +48,14 @@ def _build() -> dict[tuple[Family, Component], ComponentDef]:
         Flux2Transformer(_F.flux2, _C.transformer),
         Flux2TextEncoder(_F.flux2_klein, _C.text_encoder),
         Flux2Transformer(_F.flux2_klein, _C.transformer),
+        Flux2VaeDecoder(_F.flux2, _C.vae_decoder),  # the pipelines' batch-norm denormalization in its graph
+        Flux2VaeDecoder(_F.flux2_klein, _C.vae_decoder),
     ]
     own_vae = {d.family for d in defs if d.component.is_vae}  # video families and Qwen-Image declare theirs (above)
     for family in Family:
         if family not in own_vae:
             halves = (VaeEncoder(family, _C.vae_encoder), VaeDecoder(family, _C.vae_decoder))
-            defs += [d for d in halves if d.component in family_info(family).components]  # FLUX.2: no encoder yet
+            defs += [d for d in halves if d.component in family_info(family).components]
     return {(d.family, d.component): d for d in defs}
 
 

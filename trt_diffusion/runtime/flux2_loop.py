@@ -13,17 +13,15 @@
   to [rows, T, 128]; ids (0, row, col, 0) per token and (0, 0, 0, position) per text token.
 - schedule: sigmas linspace(1, 1/steps, steps), `mu = compute_empirical_mu(T, steps)`, `set_begin_index(0)`; the
   transformer's timestep is `t / 1000` in float32.
-- decode: the tokens scattered back to their grid, `latents · sqrt(bn.running_var + eps) + bn.running_mean` (the
-  VAE's batch-norm statistics, read from its weights once), unpatchified to [rows, 32, h, w], the vae_decoder runner.
+- decode: the tokens scattered back to their grid [rows, 128, h/2, w/2]; the vae_decoder engine applies the VAE's
+  batch-norm statistics and the unpatchify before decoding, as the pipelines do (components/flux2.py).
 
 Requests are not batched with each other (EnginePipeline.batch_key): each runs over its own rows, as diffusers does.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +29,7 @@ import torch
 
 from ..components.flux2 import image_ids, text_ids
 from ..engines_file.engine_spec import Size
-from ..errors import ModelError, RuntimeInputError
+from ..errors import RuntimeInputError
 from ..families import FLUX2_TEXT_LENGTH, Family
 from .schedulers import make_scheduler
 
@@ -45,14 +43,13 @@ class Flux2Loop:
     """The FLUX.2 (dev or Klein) denoising loop of an EnginePipeline: what it reads of the model folder, and its
     runners."""
 
-    def __init__(self, runners, family: Family, model_dir: Path, index: dict, denoiser_config: dict,
-                 scheduler_config: dict, vae_config: dict, tokenizer, *, vae_scale_factor: int):
+    def __init__(self, runners, family: Family, index: dict, denoiser_config: dict, scheduler_config: dict,
+                 tokenizer, *, vae_scale_factor: int):
         self.runners, self.family, self.tokenizer = runners, family, tokenizer
         self.scheduler_config, self.vae_scale_factor = scheduler_config, vae_scale_factor
         self.channels = int(denoiser_config["in_channels"])  # packed: 4 × the VAE's latent channels
         self.embedded_guidance = bool(denoiser_config.get("guidance_embeds", True))
         self.distilled = bool(index.get("is_distilled", False))
-        self.bn_mean, self.bn_std = _batch_norm_statistics(model_dir / "vae", float(vae_config["batch_norm_eps"]))
 
     # ---------------------------------------------------------------- text
 
@@ -138,14 +135,13 @@ class Flux2Loop:
     # ---------------------------------------------------------------- VAE
 
     def decode(self, latents: torch.Tensor, size: Size, rows: int) -> np.ndarray:
-        """Packed latents to the VAE's images [rows, 3, H, W] in [-1, 1]."""
+        """Packed latents to the VAE's images [rows, 3, H, W] in [-1, 1]: the tokens scattered back to their grid
+        [rows, 128, h/2, w/2]; the engine denormalizes and unpatchifies (components/flux2.py)."""
         from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
 
         h, w = self.latent_size(size)
         grid = torch.from_numpy(image_ids(h, w))[None].expand(rows, -1, -1)
         latents = Flux2Pipeline._unpack_latents_with_ids(latents, grid)
-        latents = latents * self.bn_std + self.bn_mean
-        latents = Flux2Pipeline._unpatchify_latents(latents)
         runner = self.runners.find("vae_decoder", size=size, batch=rows)
         return runner.run({"latent": latents.float().numpy()})["images"]
 
@@ -167,28 +163,3 @@ def prompt_tokens(family: Family, tokenizer, prompt: str) -> tuple[np.ndarray, n
         tokens = tokenizer(text, return_tensors="np", **padding)
     return (np.asarray(tokens["input_ids"], dtype=np.int64).reshape(1, -1),
             np.asarray(tokens["attention_mask"], dtype=np.int64).reshape(1, -1))
-
-
-def _batch_norm_statistics(vae_dir: Path, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE's `bn.running_mean` and `sqrt(bn.running_var + eps)` as [1, C·4, 1, 1] float32 tensors, read from its
-    safetensors (two small tensors: the VAE itself is not loaded), as the pipelines compute them."""
-    from safetensors import safe_open
-
-    files = sorted(vae_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{vae_dir}: no safetensors weights (FLUX.2's VAE holds the latents' batch-norm statistics)")
-    index_file = vae_dir / "diffusion_pytorch_model.safetensors.index.json"
-    if index_file.is_file():  # sharded: the shard that holds the statistics
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-        files = [vae_dir / weight_map["bn.running_mean"]]
-    values = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in ("bn.running_mean", "bn.running_var"):
-                if name in handle.keys():
-                    values[name] = handle.get_tensor(name).float()
-    if len(values) != 2:
-        raise ModelError(f"{vae_dir}: bn.running_mean / bn.running_var not found in its weights")
-    mean = values["bn.running_mean"].view(1, -1, 1, 1)
-    std = torch.sqrt(values["bn.running_var"].view(1, -1, 1, 1) + eps)
-    return mean, std

@@ -200,8 +200,8 @@ class EnginePipeline:
             runners, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
             vae_scale_factor=self.vae_scale_factor, text_lengths=text_lengths)
         self.flux2 = None if self.family not in EMBEDDED_STACK_FAMILIES else Flux2Loop(
-            runners, self.family, self.model_dir, self.index, self.denoiser_config, self.scheduler_config, vae_config,
-            self.tokenizers["tokenizer"], vae_scale_factor=self.vae_scale_factor)
+            runners, self.family, self.index, self.denoiser_config, self.scheduler_config, self.tokenizers["tokenizer"],
+            vae_scale_factor=self.vae_scale_factor)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
 
     @contextlib.contextmanager
