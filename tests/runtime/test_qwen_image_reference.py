@@ -145,14 +145,15 @@ def test_the_encoder_sees_diffusers_ids_cut_to_the_engines_longest(folder, runne
 
 @pytest.fixture(scope="module")
 def built_qwen(folder, tmp_path_factory, write_engines_yaml):
-    """engines.yaml of the tiny Qwen-Image's default components on onnxruntime (64x64, batch 1, `cfg: [split]`),
-    exported and built (about 30 s on 2 cores)."""
+    """engines.yaml of the tiny Qwen-Image's default components on onnxruntime and openvino (64x64, batch 1,
+    `cfg: [split]`), exported and built (about 35 s on 2 cores)."""
     from trt_diffusion import api
 
     components = ["text_encoder", "transformer", "vae_decoder"]
     config = write_engines_yaml(tmp_path_factory.mktemp("qwen-engines"), folder, "qwen_image", name="qwen",
-                                components=components, cfg=["split"], precision={c: "fp32" for c in components})
-    report = api.build(config, target="onnxruntime")
+                                components=components, cfg=["split"], precision={c: "fp32" for c in components},
+                                targets=["onnxruntime", "openvino"])
+    report = api.build(config)
     assert not report.failed, [o.error for o in report.failed]
     return config
 
@@ -184,13 +185,14 @@ def test_generate_runs_the_qwen_image_engines_end_to_end(built_qwen, ours, tmp_p
 
 
 @pytest.mark.slow
-def test_parity_passes_on_onnxruntime(built_qwen, tmp_path):
-    """`trt-diffusion parity`: every image of the engines against the torch reference, true CFG on (parity gives
-    Qwen-Image an empty negative prompt)."""
+def test_parity_passes_on_both_cpu_targets(built_qwen, tmp_path):
+    """`trt-diffusion parity`: every image of the onnxruntime and openvino engines against the torch reference, true
+    CFG on (parity gives Qwen-Image an empty negative prompt)."""
     from trt_diffusion import api
 
-    run = api.parity(built_qwen, out_dir=tmp_path / "parity", targets=["onnxruntime"])
-    assert run.report.passed, run.report
+    run = api.parity(built_qwen, out_dir=tmp_path / "parity", targets=["onnxruntime", "openvino"])
+    assert {v.target for v in run.report.variants} == {"onnxruntime", "openvino"}
+    assert run.report.passed, [(v.target, v.failure_reasons) for v in run.report.variants]
 
 
 @pytest.mark.slow
