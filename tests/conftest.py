@@ -101,6 +101,26 @@ def built_sd15_workflows(tmp_path_factory, tiny_sd15_dir, write_engines_yaml) ->
     return config
 
 
+QWEN_COMPONENTS = ["text_encoder", "transformer", "vae_decoder", "vae_encoder"]
+
+
+@pytest.fixture(scope="session")
+def built_qwen_image(tiny_model_factory, tmp_path_factory, write_engines_yaml) -> Path:
+    """engines.yaml of the tiny Qwen-Image (model `qwen`: 64x64, batch 1, `cfg: [split]`, fp32, its four components)
+    exported and built on onnxruntime and openvino, once per session (about 45 s on 2 cores): the export, reference
+    and quantize tests share it. Read-only, like `built_sd15` (a test that changes the model writes its own
+    engines.yaml beside it, over the same workspace)."""
+    from trt_diffusion import api
+
+    config = write_engines_yaml(tmp_path_factory.mktemp("built-qwen"), tiny_model_factory("qwen_image"), "qwen_image",
+                                name="qwen", components=QWEN_COMPONENTS, cfg=["split"],
+                                precision={c: "fp32" for c in QWEN_COMPONENTS}, targets=["onnxruntime", "openvino"])
+    report = api.build(config)
+    if report.failed:
+        raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
+    return config
+
+
 # built_wan_i2v's bucket per variant (width x height x frames): Wan 2.2's is not square, so a first frame read
 # with its sides swapped cannot pass
 WAN_I2V_BUCKETS = {"i2v": "32x32x5", "i2v_two_expert": "48x32x5"}

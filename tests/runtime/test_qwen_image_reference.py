@@ -144,18 +144,9 @@ def test_the_encoder_sees_diffusers_ids_cut_to_the_engines_longest(folder, runne
 
 
 @pytest.fixture(scope="module")
-def built_qwen(folder, tmp_path_factory, write_engines_yaml):
-    """engines.yaml of the tiny Qwen-Image's default components on onnxruntime and openvino (64x64, batch 1,
-    `cfg: [split]`), exported and built (about 35 s on 2 cores)."""
-    from trt_diffusion import api
-
-    components = ["text_encoder", "transformer", "vae_decoder"]
-    config = write_engines_yaml(tmp_path_factory.mktemp("qwen-engines"), folder, "qwen_image", name="qwen",
-                                components=components, cfg=["split"], precision={c: "fp32" for c in components},
-                                targets=["onnxruntime", "openvino"])
-    report = api.build(config)
-    assert not report.failed, [o.error for o in report.failed]
-    return config
+def built_qwen(built_qwen_image):
+    """The session's tiny Qwen-Image engines (tests/conftest.py: onnxruntime and openvino, fp32, cfg split)."""
+    return built_qwen_image
 
 
 @pytest.mark.slow

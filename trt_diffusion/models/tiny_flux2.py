@@ -85,12 +85,12 @@ def qwen3_tokenizer():
     return tokenizer
 
 
-def mistral_text_encoder(tokenizer, layers: int = FLUX2_LAYERS[-1], hidden: int = TEXT_HIDDEN):
+def mistral_text_encoder(tokenizer, layers: int = FLUX2_LAYERS[-1], hidden: int = TEXT_HIDDEN, intermediate: int = 24):
     """A tiny Mistral3ForConditionalGeneration (a Pixtral vision tower it is not asked to run)."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     vocab = len(tokenizer)
-    text_config = dict(model_type="mistral", vocab_size=vocab, hidden_size=hidden, intermediate_size=24,
+    text_config = dict(model_type="mistral", vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
                        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=1_000_000_000.0,
                        sliding_window=None, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
@@ -102,10 +102,11 @@ def mistral_text_encoder(tokenizer, layers: int = FLUX2_LAYERS[-1], hidden: int 
     return Mistral3ForConditionalGeneration(config)
 
 
-def qwen3_text_encoder(tokenizer, layers: int = KLEIN_LAYERS[-1], hidden: int = TEXT_HIDDEN):
+def qwen3_text_encoder(tokenizer, layers: int = KLEIN_LAYERS[-1], hidden: int = TEXT_HIDDEN, intermediate: int = 24):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=24, num_hidden_layers=layers,
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=4096,
                          rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
