@@ -3,9 +3,10 @@
 On a mid-size config (hundreds of MB of fp32 weights: at the tiny size torch's own footprint dominates and says
 nothing), each step in its own process: `api.export` of the text encoder, `api.export` of the transformer, and
 `api.quantize` of the transformer (int8: ModelOpt calibration on the pipeline's generations, the legacy trace, the
-gate). Reported per step: the whole process tree's peak RSS above the process's own baseline (after imports,
-before the step), and that over the component's fp32 weights as the engine holds them (the encoders' decoder stack,
-not the folder's vision tower or LM head).
+gate). Reported per step: the whole process tree's peak RSS above the process's own baseline (after importing torch,
+diffusers, transformers, onnx, onnxscript, onnxruntime and, to quantize, ModelOpt: about 0.45 GB of code and tables
+that every step carries whatever the model), per stage and overall, and that over the component's fp32 weights as
+the engine holds them (the encoders' decoder stack, not the folder's vision tower or LM head).
 
 The mid-size folder is the tiny seeded folder of the family with its encoder widened (FLUX.2 dev / Klein: 1024 wide,
 MLP 2048, their 30 / 27 layers: about 1.1 / 1.0 GB of fp32 weights; Qwen-Image: 1024 × 8) and its transformer widened
@@ -95,8 +96,19 @@ def engine_weight_bytes(model_dir: Path, family: str, component: str) -> int:
 
 
 def step(config: Path, stage: str, component: str) -> dict:
-    """One measured step in this (fresh) process: its peak above the baseline taken before it starts."""
+    """One measured step in this (fresh) process: its peak above the baseline taken before it starts, once the
+    libraries the step runs are imported (their code and tables are the process's footprint, not the step's)."""
+    import diffusers.pipelines  # noqa: F401
+    import onnx  # noqa: F401
+    import onnxruntime  # noqa: F401
+    import onnxscript  # noqa: F401
+    import torch.onnx  # noqa: F401
+    import transformers  # noqa: F401
+
     from trt_diffusion import api
+
+    if stage == "quantize":
+        import modelopt.torch.quantization  # noqa: F401
 
     with RssSampler() as sampler:
         sampler.mark("baseline")
@@ -121,6 +133,7 @@ def main() -> None:
     parser.add_argument("--family", choices=["flux2", "flux2_klein", "qwen_image"], default="flux2")
     parser.add_argument("--workdir", type=Path, default=Path("build/bench-lm"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--only", choices=["export", "quantize"], help="run only that stage's steps")
     parser.add_argument("--step", nargs=3, metavar=("CONFIG", "STAGE", "COMPONENT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
@@ -133,6 +146,8 @@ def main() -> None:
     results = []
     for stage, component, precision in (("export", "text_encoder", "fp32"), ("export", "transformer", "fp32"),
                                         ("quantize", "transformer", "int8")):
+        if args.only and stage != args.only:
+            continue
         config = write_engines_yaml(workdir, model_dir, args.family, precision)
         result = run_step(__file__, ["--step", str(config), stage, component], live_stderr=True)
         weights = engine_weight_bytes(model_dir, args.family, component)

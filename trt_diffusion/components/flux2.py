@@ -18,7 +18,7 @@ weights (a served model's folder holds configs only).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -41,7 +41,7 @@ from .base import (
     timesteps,
 )
 from .model_config import ModelConfig
-from .transformers import FLUX_PACKING, IMAGE_TOKENS
+from .transformers import FLUX_PACKING, IMAGE_TOKENS, float32_frequencies
 from .vae import VaeDecoder
 
 # The patchified latents' grid: 2×2 latent pixels per position
@@ -114,20 +114,6 @@ class Flux2TextEncoder(ComponentDef):
         return {"input_ids": ids, "attention_mask": mask}
 
 
-@contextlib.contextmanager
-def float32_rotary_embeddings() -> Iterator[None]:
-    """Flux2PosEmbed computes its frequencies in float64, which TensorRT cannot run; trace them in float32
-    (positions are small integers: the export check and parity show the difference is at float32 rounding)."""
-    from diffusers.models.transformers import transformer_flux2
-
-    original = transformer_flux2.maybe_adjust_dtype_for_device
-    transformer_flux2.maybe_adjust_dtype_for_device = lambda dtype, device: torch.float32
-    try:
-        yield
-    finally:
-        transformer_flux2.maybe_adjust_dtype_for_device = original
-
-
 class _Flux2Wrapper(ExportWrapper):
     def compute(self, hidden_states, timestep, encoder_hidden_states, img_ids, txt_ids, guidance=None):
         return self.model(
@@ -149,7 +135,9 @@ class Flux2Transformer(ComponentDef):
     kind = "flux2_transformer"
 
     def export_context(self) -> contextlib.AbstractContextManager:
-        return float32_rotary_embeddings()
+        from diffusers.models.transformers import transformer_flux2
+
+        return float32_frequencies(transformer_flux2)  # Flux2PosEmbed's float64 frequencies
 
     def spatial_alignment(self, config: ModelConfig) -> int:
         return FLUX_PACKING

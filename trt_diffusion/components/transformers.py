@@ -76,17 +76,23 @@ class SD3Transformer(ComponentDef):
 
 
 @contextlib.contextmanager
-def float32_rotary_embeddings() -> Iterator[None]:
-    """FluxPosEmbed computes its frequencies in float64, which TensorRT cannot run; trace them in float32
-    (positions are small integers: parity shows the difference is at float32 rounding level)."""
-    from diffusers.models.transformers import transformer_flux
-
-    original = transformer_flux.maybe_adjust_dtype_for_device
-    transformer_flux.maybe_adjust_dtype_for_device = lambda dtype, device: torch.float32
+def float32_frequencies(diffusers_module) -> Iterator[None]:
+    """Inside: a diffusers transformer module's `maybe_adjust_dtype_for_device` answers float32, so its rotary
+    frequencies (float64 in diffusers, which TensorRT cannot run) are traced in float32; positions are small
+    integers, and the export check and parity show the difference is at float32 rounding. Restored on leaving."""
+    original = diffusers_module.maybe_adjust_dtype_for_device
+    diffusers_module.maybe_adjust_dtype_for_device = lambda dtype, device: torch.float32
     try:
         yield
     finally:
-        transformer_flux.maybe_adjust_dtype_for_device = original
+        diffusers_module.maybe_adjust_dtype_for_device = original
+
+
+def float32_rotary_embeddings() -> contextlib.AbstractContextManager:
+    """FluxPosEmbed's frequencies in float32 while tracing (float32_frequencies)."""
+    from diffusers.models.transformers import transformer_flux
+
+    return float32_frequencies(transformer_flux)
 
 
 class _FluxWrapper(ExportWrapper):

@@ -149,3 +149,15 @@ def _pad_rows(value, rows: int, batch: int):
     import torch
 
     return torch.cat([value, value[-1:].expand(batch - rows, *value.shape[1:])])
+
+
+def split_cfg_mode(runners: RunnerTable, size, rows: int, family: str, calls: str) -> str:
+    """`split` where the transformer engines serve the request's rows: true CFG as diffusers' two calls over those
+    rows, the only mode that is the pipeline's computation (engines built only at twice the rows are refused, not
+    guessed at). `calls` says what the two calls are, for the message."""
+    batches = runners.batches("transformer", size)
+    if None in batches or rows in batches:
+        return "split"
+    raise RuntimeInputError(
+        f"no transformer engine at {size} for batch {rows}: {family}'s true CFG runs {calls} as two calls of {rows} "
+        f"row(s) (build `cfg: [split]`); built: {sorted(b for b in batches if b)}")

@@ -29,8 +29,8 @@ import torch
 
 from ..components.flux2 import image_ids, text_ids
 from ..engines_file.engine_spec import Size
-from ..errors import RuntimeInputError
 from ..families import FLUX2_TEXT_LENGTH, Family
+from .engines import split_cfg_mode
 from .schedulers import make_scheduler
 
 if TYPE_CHECKING:
@@ -124,13 +124,7 @@ class Flux2Loop:
     def _cfg_mode(self, size: Size, rows: int) -> str:
         """`split`, Flux2KleinPipeline's two calls over the request's rows: the only mode run (engines at twice the
         rows alone are refused, not guessed at)."""
-        batches = self.runners.batches("transformer", size)
-        if None in batches or rows in batches:
-            return "split"
-        raise RuntimeInputError(
-            f"no transformer engine at {size} for batch {rows}: FLUX.2 Klein's true CFG runs the prompt and the "
-            f"negative prompt as two calls of {rows} row(s) (build `cfg: [split]`, the family's default); built: "
-            f"{sorted(b for b in batches if b)}")
+        return split_cfg_mode(self.runners, size, rows, "FLUX.2 Klein", "the prompt and the negative prompt")
 
     # ---------------------------------------------------------------- VAE
 

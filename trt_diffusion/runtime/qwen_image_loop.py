@@ -36,8 +36,8 @@ import torch
 
 from ..components.qwen_image import prompt_embeds
 from ..engines_file.engine_spec import Size
-from ..errors import RuntimeInputError
 from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH, Family, family_info
+from .engines import split_cfg_mode
 from .schedulers import make_scheduler
 
 if TYPE_CHECKING:
@@ -183,13 +183,8 @@ class QwenImageLoop:
     def _cfg_mode(self, size: Size, rows: int) -> str:
         """`split` (diffusers' two calls, each over the request's rows with its own text length): the only mode
         that is diffusers' computation, so the only one run; `cfg: batched` engines alone are refused."""
-        batches = self.runners.batches("transformer", size)
-        if None in batches or rows in batches:
-            return "split"
-        raise RuntimeInputError(
-            f"no transformer engine at {size} for batch {rows}: Qwen-Image's true CFG runs the prompt and the negative "
-            f"prompt as two calls of {rows} row(s), each with its own text length (build `cfg: [split]`); built: "
-            f"{sorted(b for b in batches if b)}")
+        return split_cfg_mode(self.runners, size, rows, "Qwen-Image",
+                              "the prompt and the negative prompt, each with its own text length,")
 
     # ---------------------------------------------------------------- VAE
 
