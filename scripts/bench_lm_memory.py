@@ -9,7 +9,8 @@ that every step carries whatever the model), per stage and overall, and that ove
 the engine holds them (the encoders' decoder stack, not the folder's vision tower or LM head).
 
 The mid-size folder is the tiny seeded folder of the family with its encoder widened (FLUX.2 dev / Klein: 1024 wide,
-MLP 2048, their 30 / 27 layers: about 1.1 / 1.0 GB of fp32 weights; Qwen-Image: 1024 × 8) and its transformer widened
+MLP 2048, their 30 / 27 layers: about 1.1 / 1.0 GB of fp32 weights; Qwen-Image: 1024 × 8 layers, MLP 2816, vocab 32,000: about
+0.5 GB) and its transformer widened
 to the encoder's states (FLUX.2: 16 heads × 64, 4 double and 8 single blocks, about 0.9 GB).
 
 Usage: `python scripts/bench_lm_memory.py --family flux2 [--workdir build/bench-lm] [--json out.json]`
@@ -53,9 +54,8 @@ def build_mid_folder(family: str, out: Path) -> None:
         pipe.text_encoder, pipe.transformer = encoder, Flux2Transformer2DModel(**config, guidance_embeds=not klein)
     else:
         hidden = 1024
-        encoder = tiny_qwen.qwen_text_encoder(hidden, vocab_size=32000, tokenizer=pipe.tokenizer)
-        encoder.config.text_config.num_hidden_layers = 8
-        encoder = type(encoder)(encoder.config)
+        encoder = tiny_qwen.qwen_text_encoder(hidden, vocab_size=32000, tokenizer=pipe.tokenizer, layers=8,
+                                              intermediate=2816)
         from diffusers import QwenImageTransformer2DModel
 
         pipe.text_encoder = encoder

@@ -78,13 +78,14 @@ def _template_words() -> list[str]:
     return list(dict.fromkeys(w for w in words if len(w) > 1))
 
 
-def qwen_text_encoder(hidden: int = TEXT_HIDDEN, vocab_size: int = 512, tokenizer=None):
+def qwen_text_encoder(hidden: int = TEXT_HIDDEN, vocab_size: int = 512, tokenizer=None, layers: int = 2,
+                      intermediate: int = 37):
     """A tiny Qwen2_5_VLForConditionalGeneration (transformers 5: rope_parameters carries the mrope_section)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     heads, head_dim = 4, hidden // 4
     text_config = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=37, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>") if tokenizer else None,
