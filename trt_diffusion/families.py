@@ -178,8 +178,8 @@ QWEN_MAX_TEXT_LENGTH = 1024  # QwenImagePipeline refuses a max_sequence_length a
 # default, and stack the encoder's hidden states at these layers (their text_encoder_out_layers defaults)
 FLUX2_TEXT_LENGTH = 512
 FLUX2_TEXT_LAYERS = {Family.flux2: (10, 20, 30), Family.flux2_klein: (9, 18, 27)}
-# The families whose text encoder engine stacks a language model's hidden states at fixed layers (FLUX.2's two)
-EMBEDDED_STACK_FAMILIES = tuple(FLUX2_TEXT_LAYERS)
+# FLUX.2 dev and Klein: their text encoder engines stack a language model's hidden states at fixed layers
+FLUX2_FAMILIES = tuple(FLUX2_TEXT_LAYERS)
 
 WAN_TEXT_LENGTH = 512  # WanPipeline.__call__'s max_sequence_length default (Wan's own text_len): every prompt is padded to it
 

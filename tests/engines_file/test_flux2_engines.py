@@ -92,3 +92,17 @@ def test_what_the_families_refuse_is_named_at_its_line(manifest, tmp_path, capsy
     assert main(["plan", str(path)]) == 1
     err = capsys.readouterr().err
     assert message in err and f"{path}:" in err and "Traceback" not in err
+
+
+def test_their_tensorrt_qdq_engines_build_over_bf16(manifest):
+    """The clarification of #26: the new DiT families' fp8/int8 TensorRT engines take bf16 as their Q/DQ base, as
+    FLUX.1 and SD3 do (targets/tensorrt/precision.py derives it from families.py)."""
+    from dataclasses import replace
+
+    from trt_diffusion.targets.tensorrt.precision import qdq_base_precision
+
+    plan = api.plan(manifest)
+    for name in ("dev", "klein", "qwen"):
+        spec = next(s for s in plan.specs if s.model == name and s.component == "transformer")
+        for precision in ("fp8", "int8"):
+            assert qdq_base_precision(replace(spec, precision=precision)) == "bf16"

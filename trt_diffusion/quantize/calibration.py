@@ -22,7 +22,7 @@ import torch
 
 from .. import progress as live
 from ..errors import ModelError, QuantizeError
-from ..families import EMBEDDED_STACK_FAMILIES, FLUX2_TEXT_LENGTH, WAN_TEXT_LENGTH, Component, Family
+from ..families import FLUX2_FAMILIES, FLUX2_TEXT_LENGTH, WAN_TEXT_LENGTH, Component, Family
 from ..models.quiet import quiet_libraries
 from .feeds import Call
 
@@ -69,7 +69,7 @@ def t5_length(model_dir: Path, family: Family) -> int | None:
 
     if family is Family.wan:
         return WAN_TEXT_LENGTH
-    if family in EMBEDDED_STACK_FAMILIES:
+    if family in FLUX2_FAMILIES:
         return FLUX2_TEXT_LENGTH  # padded to it, as the engines declare
     tokenizer = {Family.sd3: "tokenizer_3", Family.flux: "tokenizer_2"}.get(family)
     return tokenizer_length(model_dir, tokenizer) if tokenizer else None

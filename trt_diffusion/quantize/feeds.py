@@ -26,7 +26,7 @@ from ..components import (
 )
 from ..engines_file import ResolvedModel
 from ..errors import QuantizeError
-from ..families import EMBEDDED_STACK_FAMILIES, Component, Family
+from ..families import FLUX2_FAMILIES, Component, Family
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one denoiser call
 
@@ -132,7 +132,7 @@ def _adapt_to_declaration(family: Family, found: dict[str, Any], kwargs: dict[st
       [N, 4];
     - Qwen-Image: the packed tokens [B, T, 64] as their patch grid [B, h/2, w/2, 64] (`img_shapes` gives it), and
       an absent text mask (diffusers' None for an all-ones mask) as the ones it stands for."""
-    if family in EMBEDDED_STACK_FAMILIES:
+    if family in FLUX2_FAMILIES:
         for name in ("img_ids", "txt_ids"):
             if found.get(name) is not None and found[name].dim() == 3:
                 found[name] = found[name][0]

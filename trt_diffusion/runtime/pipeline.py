@@ -23,7 +23,7 @@ from ..components.model_config import vae_latent_channels, vae_scale_factor
 from ..engines_file.engine_spec import Size
 from ..engines_file.schema import CfgMode
 from ..errors import RuntimeInputError
-from ..families import EMBEDDED_STACK_FAMILIES, Family, family_info
+from ..families import FLUX2_FAMILIES, Family, family_info
 from ..workflows import (
     DEFAULT_STRENGTH,
     EDIT_PIPELINE_CLASSES,
@@ -199,7 +199,7 @@ class EnginePipeline:
         self.qwen = None if self.family is not Family.qwen_image else QwenImageLoop(
             runners, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
             vae_scale_factor=self.vae_scale_factor, text_lengths=text_lengths)
-        self.flux2 = None if self.family not in EMBEDDED_STACK_FAMILIES else Flux2Loop(
+        self.flux2 = None if self.family not in FLUX2_FAMILIES else Flux2Loop(
             runners, self.family, self.index, self.denoiser_config, self.scheduler_config, self.tokenizers["tokenizer"],
             vae_scale_factor=self.vae_scale_factor)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
@@ -245,7 +245,7 @@ class EnginePipeline:
         if self.index.get("_class_name") in IMAGE_TO_VIDEO_PIPELINE_CLASSES:
             return False  # its extra channels are the first-frame mask and the image's clip latents
         channels = self.denoiser_config["in_channels"]
-        if self.family in (Family.flux, Family.qwen_image, *EMBEDDED_STACK_FAMILIES):
+        if self.family in (Family.flux, Family.qwen_image, *FLUX2_FAMILIES):
             channels //= 4  # packed 2x2 patches
         return channels > self.latent_channels
 
@@ -390,7 +390,7 @@ class EnginePipeline:
         workflow = request.resolved_workflow  # the same trimmed schedule and denoiser inputs
         strength = request.resolved_strength if workflow.takes_strength else None
         key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength)
-        if self.family in (Family.flux, Family.wan, Family.qwen_image, *EMBEDDED_STACK_FAMILIES):
+        if self.family in (Family.flux, Family.wan, Family.qwen_image, *FLUX2_FAMILIES):
             # one request per batch (their loops say why)
             key += (id(request),)
         return key

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..families import EMBEDDED_STACK_FAMILIES, Family, family_info
+from ..families import FLUX2_FAMILIES, Family, family_info
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def stage_io(stage: str, family: Family | str, has_controlnets: bool
     if Family(family) is Family.qwen_image:
         raise ValueError(f"a qwen_image pipeline has no {stage!r} stage: it is served by the entry and the stream "
                          "(no ensemble: its prompt states carry a mask and a text length per prompt)")
-    if Family(family) in EMBEDDED_STACK_FAMILIES:
+    if Family(family) in FLUX2_FAMILIES:
         raise ValueError(f"a {Family(family).value} pipeline has no {stage!r} stage: it is served by the entry and "
                          "the stream (no ensemble: the stages' tensors are the CLIP/T5 families' encodings)")
     if stage == "encode":  # gets the whole request so it can refuse a bad one before any engine runs
