@@ -88,8 +88,12 @@ def test_quantized_transformers_pass_their_gate_and_parity(built, precision):
     """Acceptance 2: the transformers of both families quantized through ModelOpt (the legacy trace, FLUX.2's
     batched ids taken as the engine's [N, 4]), gated on the pipelines' own generations, built in the same workspace
     (the fp32 encoders and VAEs reused) and judged by parity on the precision's bar."""
+    import onnxruntime as ort
     import yaml
 
+    from trt_diffusion.components import Geometry
+    from trt_diffusion.engines_file import Size
+    from trt_diffusion.quantize.feeds import denoiser_interface
     from trt_diffusion.quantize.stage import quantize_component
 
     path, _ = built
@@ -109,6 +113,11 @@ def test_quantized_transformers_pass_their_gate_and_parity(built, precision):
         assert artifact.cached and artifact.gate["passed"], artifact.gate
         assert artifact.gate["calls"] == 2 * 2 * (2 if family == "flux2_klein" else 1)  # Klein: two calls a step
         assert artifact.manifest["quantized_layers"], "nothing was quantized"
+        # the Q/DQ graph is dynamic (the trace rotates by strided slices): another batch and size than calibration's
+        interface = denoiser_interface(config.models[f"{family}-tiny"], "transformer")
+        session = ort.InferenceSession(str(artifact.onnx_path), providers=["CPUExecutionProvider"])
+        feeds = interface.definition.dummy_inputs(interface.config, {}, Geometry(2, Size(96, 64)))
+        assert session.run(None, feeds)[0].shape == (2, 24, 128)
     run = run_parity(config, path.parent / f"parity-{precision}",
                      ParityOptions(prompts=("a red fox running through snow",), seeds=(0,), steps=3,
                                    compute_lpips=False))

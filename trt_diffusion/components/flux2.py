@@ -133,6 +133,7 @@ class Flux2Transformer(ComponentDef):
     `img_ids` [T, 4] and `txt_ids` [512, 4] (int64 positions; the transformer reads the first row of batched ids)."""
 
     kind = "flux2_transformer"
+    version = 2  # the quantized trace rotates by strided slices (quantize/trace_patches.py): its graph stays dynamic
 
     def export_context(self) -> contextlib.AbstractContextManager:
         from diffusers.models.transformers import transformer_flux2

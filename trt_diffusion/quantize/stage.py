@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import progress as live
+from ..components import get_component
 from ..engines_file import EngineSpec, LoraMode, LoraVariant, Precision, ResolvedModel, expand, load_engines_file
 from ..errors import ConfigError, QuantizeError
 from ..export.artifact_key import folder_digest
@@ -198,6 +199,9 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
         "opset": export_opset(opset, precision), "exporter": EXPORTER, "onnx": versions["onnx"],
         "controlnet_residuals": controlnet_residuals, "gate": thresholds.to_json(),
     }
+    definition = get_component(model.family, component)
+    if definition.version > 1:  # its graph (or the trace's rewrites) changed; version-1 kinds keep their keys
+        artifact_inputs["declaration"] = {"kind": definition.kind, "version": definition.version}
     return _Plan(model, component, precision, lora_variant.name if lora_variant else None, loras, recipe,
                  prompts_source, exclude, export_opset(opset, precision), thresholds, calibration_inputs,
                  artifact_inputs)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..families import Family
+from ..families import FLUX2_FAMILIES, Family
 
 
 def _rotate(heads: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -75,16 +75,45 @@ def functional_rotary(module: torch.nn.Module) -> Iterator[int]:
 
 
 @contextlib.contextmanager
+def strided_rotary(diffusers_module) -> Iterator[None]:
+    """Inside: `apply_rotary_emb` as `diffusers_module` calls it pairs the interleaved halves by strided slices
+    (`x[..., 0::2]`, `x[..., 1::2]`) instead of `x.reshape(*x.shape[:-1], -1, 2)`: the legacy exporter bakes that
+    reshape's batch and token count into the graph (FLUX.2's int8 engine then ran only at the calibration shape).
+    The same values in the same order, so bit-identical; other rotary forms go to diffusers' own. Restored on
+    leaving."""
+    original = diffusers_module.apply_rotary_emb
+
+    def rotate(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+        if not use_real or use_real_unbind_dim != -1 or sequence_dim not in (1, 2):
+            return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        cos, sin = freqs_cis
+        index = (None, slice(None), None) if sequence_dim == 1 else (None, None, slice(None))
+        cos, sin = cos[(*index, slice(None))].to(x.device), sin[(*index, slice(None))].to(x.device)
+        x_rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(3)
+        return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+    diffusers_module.apply_rotary_emb = rotate
+    try:
+        yield
+    finally:
+        diffusers_module.apply_rotary_emb = original
+
+
+@contextlib.contextmanager
 def trace_patches(module: torch.nn.Module, family: Family) -> Iterator[None]:
     """The family's rewrites for the export trace: Wan's out-of-place rotation; Qwen-Image's rotary embedding in
     real cos/sin (components/qwen_image.py: the legacy exporter cannot trace its complex tensors either, output
-    bit-identical); none for the other image families."""
+    bit-identical); FLUX.2's rotation by strided slices (`strided_rotary`); none for the other image families."""
     if family is Family.wan:
         patches = functional_rotary(module)
     elif family is Family.qwen_image:
         from ..components.qwen_image import real_rotary_embeddings
 
         patches = real_rotary_embeddings()
+    elif family in FLUX2_FAMILIES:
+        from diffusers.models.transformers import transformer_flux2
+
+        patches = strided_rotary(transformer_flux2)
     else:
         patches = contextlib.nullcontext()
     with patches:
