@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from batch_rounding import assert_same_image
 from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
 from PIL import Image
 
@@ -139,7 +140,7 @@ def test_mixed_workflows_batch_each_equal_their_own(ours):
     alone = [pipe.generate(r).images for r in requests]
     together = pipe.generate_batch(requests)
     for one, batched in zip(alone, together):
-        np.testing.assert_array_equal(one, batched.images)
+        assert_same_image(batched.images, one)  # batch 4 rows vs 2: the reference rounds by batch
 
 
 @pytest.mark.parametrize("change,message", [

@@ -126,7 +126,10 @@ def image_start(workflow: Workflow, *, request, scheduler, generator: torch.Gene
     full_strength = request.strength == 1.0
     image_latents = None
     if blend or not full_strength:  # diffusers encodes the init image only where it is used
-        image_latents = _rows(encoder.encode(image, generator), rows)
+        encoded = encoder.encode(image, generator)
+        # always `repeat`, as diffusers' inpaint prepare_latents does even at one row: the copy is contiguous
+        # where the encoder's output is channels-last, and the VAE decoder rounds by layout
+        image_latents = encoded.repeat(rows // encoded.shape[0], 1, 1, 1)
     noise = torch.randn(shape, generator=generator, dtype=torch.float32)
     if full_strength:
         latents = noise if family in FLOW_FAMILIES else noise * init_noise_sigma
