@@ -180,6 +180,9 @@ FLUX2_TEXT_LENGTH = 512
 FLUX2_TEXT_LAYERS = {Family.flux2: (10, 20, 30), Family.flux2_klein: (9, 18, 27)}
 # FLUX.2 dev and Klein: their text encoder engines stack a language model's hidden states at fixed layers
 FLUX2_FAMILIES = tuple(FLUX2_TEXT_LAYERS)
+# Families whose text encoder is a decoder-only language model (Qwen2.5-VL, Mistral-3, Qwen3): the one text encoder
+# the quantize stage takes to fp8/int8 beside the denoiser (it is the size of the denoiser, or larger)
+LM_ENCODER_FAMILIES = (Family.qwen_image, *FLUX2_FAMILIES)
 
 WAN_TEXT_LENGTH = 512  # WanPipeline.__call__'s max_sequence_length default (Wan's own text_len): every prompt is padded to it
 
@@ -209,3 +212,13 @@ LORA_TEXT_ENCODERS: dict[Family, tuple[Component, ...]] = {
     Family.flux2: (),  # Flux2LoraLoaderMixin: the transformer only
     Family.flux2_klein: (),
 }
+
+
+def quantized_component(family: Family | str, component: Component | str) -> bool:
+    """Whether the quantize stage takes `component` of `family` to fp8/int8: the denoiser, Wan 2.2's second expert
+    (the same architecture, calibrated on the low-noise steps it runs), and a language-model text encoder."""
+    family, component = Family(family), Component(component)
+    info = family_info(family)
+    if component is info.denoiser or (component is Component.transformer_2 and component in info.components):
+        return True
+    return component is Component.text_encoder and family in LM_ENCODER_FAMILIES

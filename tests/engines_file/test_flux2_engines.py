@@ -106,3 +106,29 @@ def test_their_tensorrt_qdq_engines_build_over_bf16(manifest):
         spec = next(s for s in plan.specs if s.model == name and s.component == "transformer")
         for precision in ("fp8", "int8"):
             assert qdq_base_precision(replace(spec, precision=precision)) == "bf16"
+
+
+def test_their_language_model_encoders_take_int8_and_fp8(manifest, tmp_path):
+    """#26: the encoder engines of the three families quantize (quantize/encoder.py); plan lists them, and a
+    variant beside an fp32 transformer is judged by parity on the quantized bar."""
+    from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.parity.stage import judged_precision
+
+    document = yaml.safe_load(manifest.read_text())
+    for name, precision in (("dev", "int8"), ("klein", "fp8"), ("qwen", "int8")):
+        document["models"][name]["precision"]["text_encoder"] = precision
+    path = tmp_path / "engines.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    names = {s.name for s in api.plan(path).specs if s.target == "onnxruntime"}
+    assert {"dev.text_encoder.b1.int8", "klein.text_encoder.b2.fp8", "qwen.text_encoder.b1.int8"} <= names
+    config = load_engines_file(path)
+    assert [judged_precision(config.models[m]).value for m in ("dev", "klein", "qwen")] == ["int8", "fp8", "int8"]
+
+
+def test_only_the_denoiser_and_the_encoder_quantize(manifest, tmp_path, capsys):
+    path = _with(manifest, tmp_path, "dev", precision={"text_encoder": "fp32", "transformer": "fp32",
+                                                       "vae_decoder": "int8"})
+    assert main(["plan", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "int8 is for transformer and text_encoder; the quantize stage does not quantize vae_decoder" in err
+    assert f"{path}:" in err and "Traceback" not in err

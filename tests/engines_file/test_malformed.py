@@ -55,7 +55,7 @@ CASES = [
     ("bad-version", "version: 2\nmodels:\n" + GOOD_MODEL, 1, ["version"]),
     ("bad-size-text", "version: 1\nmodels:\n" + GOOD_MODEL + "    buckets: ['big']\n", 6, ["models.m.buckets.0", "WIDTHxHEIGHT"]),
     ("quantized-vae", "version: 1\nmodels:\n" + GOOD_MODEL + "    precision: {vae_decoder: int8}\n", 6,
-     ["models.m.precision.vae_decoder", "int8 is for denoisers"]),
+     ["models.m.precision.vae_decoder", "int8 is for unet; the quantize stage does not quantize vae_decoder"]),
     ("opset-too-old", "version: 1\nbuild: {opset: 13}\nmodels:\n" + GOOD_MODEL, 2, ["build.opset", "greater than or equal to 18"]),
     # what `plan` let through before (a plan of text encoders only), and what it said in pydantic's words
     ("empty-buckets", "version: 1\nmodels:\n" + GOOD_MODEL + "    buckets: []\n", 6,

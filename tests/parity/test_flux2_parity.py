@@ -127,6 +127,48 @@ def test_quantized_transformers_pass_their_gate_and_parity(built, precision):
         assert variant.precision == precision and variant.passed, (name, variant.failure_reasons)
 
 
+def test_quantized_encoders_pass_their_gate_and_parity(built):
+    """#26's language-model encoders through ModelOpt (quantize/encoder.py): FLUX.2 dev's Mistral-3 in int8, Klein's
+    Qwen3 in fp8, calibrated on the runtime's own tokens, gated on their stacked states, built beside the fp32
+    transformers and judged by parity on the quantized bar."""
+    import onnxruntime as ort
+    import yaml
+
+    from trt_diffusion.quantize.stage import quantize_component
+
+    path, _ = built
+    document = yaml.safe_load(path.read_text())
+    chosen = {"flux2-tiny": "int8", "flux2_klein-tiny": "fp8"}
+    for name, model in document["models"].items():
+        model["precision"]["text_encoder"] = chosen[name]
+        model["targets"] = ["onnxruntime"]
+        model["quantization"] = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
+    quantized = path.parent / "engines-encoders.yaml"
+    quantized.write_text(yaml.safe_dump(document))
+    report = api.build(quantized)
+    assert not report.failed, [o.error for o in report.failed]
+    config = load_engines_file(quantized, check_sources=True)
+    for name, precision in chosen.items():
+        artifact = quantize_component(config.models[name], "text_encoder", precision, None, config.workspace,
+                                      opset=config.build.opset, config_root=config.root)
+        assert artifact.cached and artifact.gate["passed"], artifact.gate
+        assert artifact.gate["calls"] == 2 + (name == "flux2_klein-tiny")  # held-out prompts (+ Klein's negative)
+        excluded = artifact.manifest["excluded_layers"]
+        assert excluded["lm_head"] == "not run by the engine" and artifact.manifest["quantized_layers"]
+        if name == "flux2-tiny":  # Mistral-3's Pixtral tower and projector are not in the engine
+            assert excluded["model.vision_tower"] == excluded["model.multi_modal_projector"] == "not run by the engine"
+        session = ort.InferenceSession(str(artifact.onnx_path), providers=["CPUExecutionProvider"])
+        ids = np.ones((2, 512), np.int64)  # traced at batch 2: the batch axis stays dynamic
+        assert session.run(None, {"input_ids": ids, "attention_mask": ids})[0].shape == (2, 512, 48)
+    run = run_parity(config, path.parent / "parity-encoders",
+                     ParityOptions(prompts=("a red fox running through snow",), seeds=(0,), steps=3,
+                                   compute_lpips=False))
+    variants = {v.model: v for v in run.report.variants}
+    for name, variant in variants.items():
+        assert variant.precision == chosen[name] and variant.passed, (name, variant.failure_reasons)
+        assert any(c.component.startswith(f"{name}.text_encoder.b1.{chosen[name]}") for c in variant.components)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(request, built, tmp_path_factory):
     """A family's onnxruntime engines packaged as a Triton repository (its entry and stream), served."""

@@ -227,3 +227,40 @@ def test_quantized_transformer_passes_its_gate_and_parity(built_qwen, tmp_path, 
     run = api.parity(quantized, out_dir=tmp_path / "parity", targets=["onnxruntime"])
     (variant,) = run.report.variants
     assert variant.precision == precision and variant.passed, variant.failure_reasons
+
+
+@pytest.mark.slow
+def test_quantized_text_encoder_passes_its_gate_and_parity(built_qwen, tmp_path):
+    """#26's language-model encoder engine in int8 (quantize/encoder.py): calibrated on the runtime's own tokens
+    (the template, the empty negative prompt), the vision tower and LM head left out, gated on the hidden states,
+    dynamic in batch and text length, built beside the fp32 transformer and judged by parity on the int8 bar."""
+    import onnxruntime as ort
+    import yaml
+
+    from trt_diffusion import api
+    from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.quantize.stage import quantize_component
+
+    document = yaml.safe_load(built_qwen.read_text())
+    model = document["models"]["qwen"]
+    model["precision"]["text_encoder"] = "int8"
+    model["targets"] = ["onnxruntime"]
+    model["quantization"] = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
+    quantized = built_qwen.parent / "engines-int8-encoder.yaml"
+    quantized.write_text(yaml.safe_dump(document))
+    report = api.build(quantized)
+    assert not report.failed, [o.error for o in report.failed]
+    config = load_engines_file(quantized, check_sources=True)
+    artifact = quantize_component(config.models["qwen"], "text_encoder", "int8", None, config.workspace,
+                                  opset=config.build.opset, config_root=config.root)
+    assert artifact.cached and artifact.gate["passed"] and artifact.gate["calls"] == 3, artifact.gate
+    assert artifact.manifest["excluded_layers"] == {"model.visual": "not run by the engine",
+                                                    "lm_head": "not run by the engine"}
+    session = ort.InferenceSession(str(artifact.onnx_path), providers=["CPUExecutionProvider"])
+    for batch, length in ((1, 36), (2, 300)):  # traced at the first calibration prompt's length, batch 2
+        ids = np.ones((batch, length), np.int64)
+        assert session.run(None, {"input_ids": ids, "attention_mask": ids})[0].shape == (batch, length, 32)
+    run = api.parity(quantized, out_dir=tmp_path / "parity", targets=["onnxruntime"])
+    (variant,) = run.report.variants
+    assert variant.precision == "int8" and variant.passed, variant.failure_reasons
+

@@ -11,7 +11,16 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..errors import ConfigError
-from ..families import QWEN_MAX_TEXT_LENGTH, SUBFOLDER, Component, Family, family_info, family_of_pipeline_class
+from ..families import (
+    LM_ENCODER_FAMILIES,
+    QWEN_MAX_TEXT_LENGTH,
+    SUBFOLDER,
+    Component,
+    Family,
+    family_info,
+    family_of_pipeline_class,
+    quantized_component,
+)
 from ..workflows import (
     EDIT_PIPELINE_CLASSES,
     FAMILY_WORKFLOWS,
@@ -420,9 +429,10 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
             Component.transformer_2 not in (chosen or {}) for chosen in (entry.precision, defaults.precision)):
         precision[Component.transformer_2] = precision[Component.transformer]  # Wan 2.2's experts: one architecture
     for component, chosen in (entry.precision or {}).items():
-        if chosen.is_quantized and not component.is_denoiser:
+        if chosen.is_quantized and not quantized_component(entry.family, component):
+            takes = info.denoiser.value + (" and text_encoder" if entry.family in LM_ENCODER_FAMILIES else "")
             problems.add(base + ("precision", component.value),
-                         f"{chosen.value} is for denoisers ({info.denoiser.value}); quantize stage does not "
+                         f"{chosen.value} is for {takes}; the quantize stage does not "
                          f"quantize {component.value} — use fp16, bf16 or fp32")
 
     loras = {}

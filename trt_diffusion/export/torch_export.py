@@ -73,6 +73,20 @@ def export_module(wrapper: torch.nn.Module, example: Mapping[str, np.ndarray], i
     except Exception as exc:  # torch.export / onnxscript errors: the model does not export as declared
         log.debug("exporter output for %s:\n%s", label, quiet.text())
         raise ExportError(f"{label}: torch.onnx.export failed: {_summary(exc)} (run with --debug for details)") from exc
+    finally:
+        drop_trace_state()
+
+
+def drop_trace_state() -> None:
+    """Free the traced graph torch.export leaves behind. torch's proxy_tensor keeps a module-level map from fake
+    tensors to the FX nodes of the last trace (cleared when the next trace starts, not when this one ends): it
+    held a whole exported graph — ~0.2 GB of FX nodes, fake tensors and sympy expressions for a 0.5 GB language
+    model — through the graph passes and the ONNX Runtime check, the export's peak."""
+    from torch.fx.experimental import proxy_tensor
+
+    held = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+    if isinstance(held, dict):
+        held.clear()
 
 
 class QuietExporter(contextlib.AbstractContextManager):

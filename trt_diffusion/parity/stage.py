@@ -133,13 +133,24 @@ def _control_image(height: int, width: int, seed: int) -> np.ndarray:
     return image
 
 
+def judged_precision(model) -> Precision:
+    """The precision whose bar a variant's images are judged on: the denoiser's, or, in front of a denoiser that is
+    not quantized, a quantized text encoder's (a language-model encoder in int8 beside an fp32 transformer)."""
+    denoiser = model.precision[family_info(model.family).denoiser]
+    if denoiser.is_quantized:
+        return denoiser
+    quantized = [model.precision[c] for c in model.components if model.precision[c].is_quantized]
+    return quantized[0] if quantized else denoiser
+
+
 def _compare_variant(config, model_name, target, bucket, lora, controlnet, table, reference, engines, runners,
                      options, label, workflow=Workflow.txt2img, component_diffs=True):
     model = config.models[model_name]
     family = model.family
     denoiser = family_info(family).denoiser
-    precision = model.precision[denoiser].value
-    overrides = model.parity.get(model.precision[denoiser])
+    judged = judged_precision(model)
+    precision = judged.value
+    overrides = model.parity.get(judged)
     thresholds = thresholds_for(precision, overrides.model_dump(exclude_none=True) if overrides else None)
     size = bucket.opt
     # text_lengths: a Qwen-Image model's engines.yaml range, where prompts are truncated (None elsewhere)

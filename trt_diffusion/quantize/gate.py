@@ -201,11 +201,11 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
         images = [_compare(ref_image, image) for ref_image, image in zip(reference_images, candidate_images)]
 
     result = GateResult(
-        precision=precision, thresholds=thresholds.to_json(), calls=len(psnrs), output_psnr_db_min=_worst(psnrs),
+        precision=precision, thresholds=thresholds.to_json(), calls=len(psnrs), output_psnr_db_min=worst_value(psnrs),
         output_psnr_db_mean=float(np.mean(psnrs)) if psnrs else math.nan, output_max_abs=max_abs,
         output_nonfinite=nonfinite, images=images,
     )
-    result.failures = _failures(result, thresholds)
+    result.failures = gate_failures(result, thresholds)
     return result
 
 
@@ -230,14 +230,14 @@ def _compare(reference: np.ndarray, candidate: np.ndarray) -> dict:
     return {**figures_json, "video": video} if video is not None else figures_json
 
 
-def _worst(values: list[float]) -> float:
+def worst_value(values: list[float]) -> float:
     """The lowest value; NaN (a NaN output) wins, since min() ignores it depending on order."""
     if not values or any(math.isnan(v) for v in values):
         return math.nan
     return min(values)
 
 
-def _failures(result: GateResult, thresholds: GateThresholds) -> list[str]:
+def gate_failures(result: GateResult, thresholds: GateThresholds) -> list[str]:
     failures = []
     if result.output_nonfinite:
         failures.append(f"denoiser output has {result.output_nonfinite} NaN/Inf values")

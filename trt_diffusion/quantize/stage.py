@@ -29,9 +29,9 @@ from ..engines_file import EngineSpec, LoraMode, LoraVariant, Precision, Resolve
 from ..errors import ConfigError, QuantizeError
 from ..export.artifact_key import folder_digest
 from ..export.modules import fuse_lora
-from ..families import Component, Family, family_info
+from ..families import Component, Family, family_info, quantized_component
 from ..memory import release_memory
-from ..models.loading import component_folder
+from ..models.loading import component_folder, load_component
 from ..precision import is_quantized
 from ..workspace.files import sha256_file, tool_versions
 from ..workspace.store import Artifact, ArtifactStore, hash_inputs
@@ -149,10 +149,9 @@ def _resolve_loras(model: ResolvedModel, variant: LoraVariant | None) -> tuple[t
 
 
 def quantizable(family: Family, component: Component) -> bool:
-    """The components this stage quantizes: the family's denoiser, and Wan 2.2's second expert (transformer_2,
-    the same architecture, calibrated on the low-noise steps it runs)."""
-    info = family_info(family)
-    return component is info.denoiser or (component is Component.transformer_2 and component in info.components)
+    """The components this stage quantizes (families.quantized_component): the denoiser, Wan 2.2's second expert,
+    a language-model text encoder (quantize/encoder.py)."""
+    return quantized_component(family, component)
 
 
 def plan_variant(model: ResolvedModel, component: Component | str, precision: Precision | str,
@@ -181,7 +180,8 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
                                seed=calibration.seed, algorithm=calibration.algorithm, width=size[0], height=size[1],
                                max_sequence_length=t5_length(model.source.path, model.family), frames=frames)
     loras = _resolve_loras(model, lora_variant)
-    exclude = effective_patterns(settings.exclude, model.family)
+    # a family's own patterns name its denoiser's layers; a text encoder takes the defaults and engines.yaml's
+    exclude = effective_patterns(settings.exclude, None if component.is_text_encoder else model.family)
     parity = model.parity.get(Precision(precision))
     thresholds = GateThresholds.for_precision(precision, parity.model_dump() if parity else None, min_output_psnr_db)
     versions = tool_versions("quantize")
@@ -230,6 +230,8 @@ def quantize_component(
         if cached is not None:
             return _result(plan, cached, cached=True, recalibrated=False)
 
+    if plan.component is Component.text_encoder:
+        return _quantize_text_encoder(plan, store, held_out_samples)
     timings: dict[str, float] = {}
     started = time.perf_counter()
     interface = denoiser_interface(model, plan.component)
@@ -276,6 +278,77 @@ def quantize_component(
         raise RuntimeError(f"{plan.name}: the committed artifact is not found in {store.root}")
     log.info("%s: %s", plan.name, gate.summary())
     return _result(plan, committed, cached=False, recalibrated=recalibrated)
+
+
+def _quantize_text_encoder(plan: _Plan, store: ArtifactStore, held_out_samples: int) -> QuantizedArtifact:
+    """A language-model text encoder's variant (quantize/encoder.py): its own four steps, the encoder alone loaded."""
+    from . import ptq
+    from .encoder import (
+        encoder_interface,
+        encoder_selection,
+        forward_loop,
+        gate_states,
+        prompt_feeds,
+        reference_states,
+        run_layers,
+        with_negative,
+    )
+    from .gate import held_out_recipe
+
+    if plan.loras:
+        raise QuantizeError(f"{plan.name}: LoRAs change the denoiser only; a text encoder variant takes none")
+    family, timings, started = plan.model.family, {}, time.perf_counter()
+    interface = encoder_interface(plan.model)
+    held_out_prompts, _ = held_out_recipe(plan.recipe, held_out_samples)
+    with _step(plan, 1, "load the text encoder; the held-out prompts' fp32 hidden states"):
+        module = load_component(plan.model.source.path, Component.text_encoder).eval()
+        wrapper = interface.wrapper(module)
+        calibration_feeds = prompt_feeds(plan.model, with_negative(family, plan.recipe.prompts))
+        held_out = prompt_feeds(plan.model, with_negative(family, held_out_prompts))
+        expected = reference_states(wrapper, held_out)
+        selection = encoder_selection(module, run_layers(wrapper, module, calibration_feeds[0]), plan.exclude)
+    if not selection.quantized:
+        raise QuantizeError(f"{plan.name}: the exclusions leave no layer to quantize")
+    timings["load_s"] = time.perf_counter() - started
+
+    mark = time.perf_counter()
+    with _step(plan, 2, f"calibration ({len(calibration_feeds)} prompts' tokens through the encoder)"):
+        ptq.calibrate(module, plan.precision, plan.recipe.algorithm, selection, forward_loop(wrapper, calibration_feeds))
+        ptq.check_calibrated(module)
+    timings["calibrate_s"] = time.perf_counter() - mark
+    with store.writer(CALIBRATION_KIND, plan.name, plan.calibration_hash) as writer:
+        ptq.save_state(module, writer.path / STATE_FILE)
+        writer.manifest.update({"inputs": plan.calibration_inputs, "recipe": plan.recipe.to_json(),
+                                "prompts_source": plan.prompts_source, "calls": len(calibration_feeds),
+                                "precision": plan.precision, "quantizers": len(ptq.enabled_quantizers(module))})
+    calibration = store.lookup(CALIBRATION_KIND, plan.name, plan.calibration_hash, verify=False)
+
+    with store.writer(ARTIFACT_KIND, plan.name, plan.input_hash) as writer:
+        mark = time.perf_counter()
+        with _step(plan, 3, "Q/DQ ONNX export"):
+            # traced at batch 2 (the first prompt twice): a batch-1 trace could fix the batch axis
+            example = {name: torch.cat([value, value]) for name, value in calibration_feeds[0].items()}
+            with traced_quantized(module, interface, example, plan.precision, plan.opset) as traced:
+                del module, wrapper  # before the graph is read back and the gate's session opens
+                release_memory()
+                exported = finalize_quantized(traced, interface, writer.path / ONNX_FILE, plan.precision)
+            release_memory()
+        shutil.copyfile(calibration.file(STATE_FILE), writer.path / STATE_FILE)
+        timings["export_s"] = time.perf_counter() - mark
+
+        mark = time.perf_counter()
+        with _step(plan, 4, "quality gate (held-out prompts' hidden states, fp32 vs Q/DQ)"):
+            gate = gate_states(writer.path / ONNX_FILE, interface, held_out, expected, plan.precision, plan.thresholds)
+        timings["gate_s"] = time.perf_counter() - mark
+        if not gate.passed:
+            raise QuantizeError(f"{plan.name}: quality gate failed, nothing committed\n  "
+                                + "\n  ".join(gate.failures) + f"\n  measured: {gate.summary()}")
+        timings["total_s"] = time.perf_counter() - started
+        writer.manifest.update(_manifest(plan, interface, exported, selection, calibration, gate.to_json(), True,
+                                         timings))
+    committed = store.lookup(ARTIFACT_KIND, plan.name, plan.input_hash, verify=False)
+    log.info("%s: %s", plan.name, gate.summary())
+    return _result(plan, committed, cached=False, recalibrated=True)
 
 
 def _step(plan: _Plan, position: int, what: str) -> live.Task:
@@ -378,7 +451,8 @@ def quantize(config_path: str | Path, model: str | None = None, *, force: bool =
         lora = f".lora-{spec.lora_variant.name}" if spec.lora_variant else ""
         label = f"{spec.model}.{spec.component}{controlnet}{lora}.{spec.precision}"
         if not quantizable(resolved.family, spec.component):
-            report.unsupported.append(f"{label}: only the denoiser is quantized by this stage yet")
+            report.unsupported.append(f"{label}: only the denoiser (and a language-model text encoder) is quantized "
+                                      "by this stage yet")
             continue
         try:
             report.artifacts.append(quantize_component(

@@ -118,11 +118,7 @@ class QwenImageLoop:
         return request.guidance_scale > 1.0 and request.negative_prompt is not None
 
     def _text(self, prompt: str, max_sequence_length: int, rows: int) -> QwenText:
-        tokens = self.tokenizer([PROMPT_TEMPLATE.format(prompt)], max_length=QWEN_MAX_TEXT_LENGTH + QWEN_TEMPLATE_TOKENS,
-                                padding=True, truncation=True, return_tensors="np")
-        keep = QWEN_TEMPLATE_TOKENS + self.text_lengths[2]  # the encoder engine's longest sequence
-        ids = tokens.input_ids.astype(np.int64)[:, :keep]
-        mask = tokens.attention_mask.astype(np.int64)[:, :keep]
+        ids, mask = prompt_tokens(self.tokenizer, prompt, self.text_lengths[2])
         runner = self.runners.find("text_encoder", size=None, batch=1)
         states = runner.run({"input_ids": ids, "attention_mask": mask})["hidden_states"]
         embeds, embeds_mask = prompt_embeds(states, mask, max_sequence_length)
@@ -196,3 +192,12 @@ class QwenImageLoop:
         latents = latents / self.latents_std + self.latents_mean
         runner = self.runners.find("vae_decoder", size=size, batch=rows)
         return runner.run({"latent": latents[:, :, 0].numpy()})["images"]
+
+
+def prompt_tokens(tokenizer, prompt: str, text_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """The encoder engine's `input_ids` and `attention_mask` [1, L] for one prompt: QwenImagePipeline's template and
+    tokenization, cut to the engine's longest sequence (its template's 34 positions + `text_max` prompt tokens)."""
+    tokens = tokenizer([PROMPT_TEMPLATE.format(prompt)], max_length=QWEN_MAX_TEXT_LENGTH + QWEN_TEMPLATE_TOKENS,
+                       padding=True, truncation=True, return_tensors="np")
+    keep = QWEN_TEMPLATE_TOKENS + text_max
+    return tokens.input_ids.astype(np.int64)[:, :keep], tokens.attention_mask.astype(np.int64)[:, :keep]
