@@ -1,9 +1,9 @@
 """Memory of exporting and quantizing the 2026 DiT families' language-model encoders and transformers (issue #26).
 
 On a mid-size config (hundreds of MB of fp32 weights: at the tiny size torch's own footprint dominates and says
-nothing), each step in its own process: `api.export` of the text encoder, `api.export` of the transformer, and
-`api.quantize` of the transformer (int8: ModelOpt calibration on the pipeline's generations, the legacy trace, the
-gate). Reported per step: the whole process tree's peak RSS above the process's own baseline (after importing torch,
+nothing), each step in its own process: `api.export` of the text encoder and of the transformer, `api.quantize` of the text
+encoder (int8: ModelOpt calibration on the runtime's tokens, the legacy trace, the gate on its hidden states) and of
+the transformer (int8: calibration on the pipeline's generations, the legacy trace, the gate). Reported per step: the whole process tree's peak RSS above the process's own baseline (after importing torch,
 diffusers, transformers, onnx, onnxscript, onnxruntime and, to quantize, ModelOpt: about 0.45 GB of code and tables
 that every step carries whatever the model), per stage and overall, and that over the component's fp32 weights as
 the engine holds them (the encoders' decoder stack, not the folder's vision tower or LM head).
@@ -13,7 +13,8 @@ MLP 2048, their 30 / 27 layers: about 1.1 / 1.0 GB of fp32 weights; Qwen-Image: 
 0.5 GB) and its transformer widened
 to the encoder's states (FLUX.2: 16 heads × 64, 4 double and 8 single blocks, about 0.9 GB).
 
-Usage: `python scripts/bench_lm_memory.py --family flux2 [--workdir build/bench-lm] [--json out.json]`
+Usage: `python scripts/bench_lm_memory.py --family flux2 [--only export|quantize] [--component text_encoder|transformer]
+[--workdir build/bench-lm] [--json out.json]`
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ def build_mid_folder(family: str, out: Path) -> None:
     pipe.save_pretrained(out, safe_serialization=True)
 
 
-def write_engines_yaml(workdir: Path, model_dir: Path, family: str, precision: str) -> Path:
-    path = workdir / f"engines-{precision}.yaml"
+def write_engines_yaml(workdir: Path, model_dir: Path, family: str, precision: str,
+                      quantized: str = "transformer") -> Path:
+    """engines.yaml of the mid folder: `quantized` (the transformer or the text encoder) at `precision`, the rest fp32."""
+    path = workdir / f"engines-{quantized}-{precision}.yaml"
+    chosen = {"text_encoder": "fp32", "transformer": "fp32", "vae_decoder": "fp32", quantized: precision}
     cfg = "none" if family == "flux2" else "split"
     path.write_text(
         "version: 1\n"
@@ -80,7 +84,7 @@ def write_engines_yaml(workdir: Path, model_dir: Path, family: str, precision: s
         "    batch: [1]\n"
         f"    cfg: [{cfg}]\n"
         "    targets: [onnxruntime]\n"
-        f"    precision: {{text_encoder: fp32, transformer: {precision}, vae_decoder: fp32}}\n"
+        f"    precision: {{{', '.join(f'{k}: {v}' for k, v in chosen.items())}}}\n"
         "    quantization: {calibration: {samples: 2, steps: 2, seed: 0}}\n"
     )
     return path
@@ -134,6 +138,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("build/bench-lm"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--only", choices=["export", "quantize"], help="run only that stage's steps")
+    parser.add_argument("--component", choices=["text_encoder", "transformer"], help="run only that component's steps")
     parser.add_argument("--step", nargs=3, metavar=("CONFIG", "STAGE", "COMPONENT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
@@ -145,10 +150,10 @@ def main() -> None:
     build_mid_folder(args.family, model_dir)
     results = []
     for stage, component, precision in (("export", "text_encoder", "fp32"), ("export", "transformer", "fp32"),
-                                        ("quantize", "transformer", "int8")):
-        if args.only and stage != args.only:
+                                        ("quantize", "text_encoder", "int8"), ("quantize", "transformer", "int8")):
+        if args.only and stage != args.only or args.component and component != args.component:
             continue
-        config = write_engines_yaml(workdir, model_dir, args.family, precision)
+        config = write_engines_yaml(workdir, model_dir, args.family, precision, component)
         result = run_step(__file__, ["--step", str(config), stage, component], live_stderr=True)
         weights = engine_weight_bytes(model_dir, args.family, component)
         result.update(fp32_weights_gb=round(weights / GIB, 3),

@@ -9,7 +9,7 @@ import torch
 
 from trt_diffusion.errors import QuantizeError
 from trt_diffusion.quantize import ptq
-from trt_diffusion.quantize.gate import GateResult, GateThresholds, _failures
+from trt_diffusion.quantize.gate import GateResult, GateThresholds, gate_failures
 from trt_diffusion.quantize.stage import ARTIFACT_KIND, quantize_component
 from trt_diffusion.workspace.store import ArtifactStore
 
@@ -51,14 +51,14 @@ def _result(**changes) -> GateResult:
 
 def test_gate_rules():
     thresholds = GateThresholds.for_precision("int8")
-    assert _failures(_result(), thresholds) == []
-    assert "NaN/Inf" in _failures(_result(output_nonfinite=3, output_psnr_db_min=math.nan), thresholds)[0]
-    low = _failures(_result(output_psnr_db_min=10.0), thresholds)
+    assert gate_failures(_result(), thresholds) == []
+    assert "NaN/Inf" in gate_failures(_result(output_nonfinite=3, output_psnr_db_min=math.nan), thresholds)[0]
+    low = gate_failures(_result(output_psnr_db_min=10.0), thresholds)
     assert low and "10.00 dB < 22 dB" in low[0]
-    image = _failures(_result(images=[{"psnr_db": 12.0, "ssim": 0.5, "lpips": None, "lpips_reason": "x",
+    image = gate_failures(_result(images=[{"psnr_db": 12.0, "ssim": 0.5, "lpips": None, "lpips_reason": "x",
                                        "nonfinite": False}]), thresholds)
     assert any("PSNR 12.00 dB" in f for f in image) and any("SSIM" in f for f in image)
     # engines.yaml `parity:` tightens the image bar
     strict = GateThresholds.for_precision("int8", {"min_psnr_db": 36.0, "min_ssim": None})
     assert strict.image.min_psnr_db == 36.0 and strict.image.min_ssim == thresholds.image.min_ssim
-    assert any("PSNR 35.00 dB < 36 dB" in f for f in _failures(_result(), strict))
+    assert any("PSNR 35.00 dB < 36 dB" in f for f in gate_failures(_result(), strict))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ..families import FLUX2_TEXT_LAYERS
+from ..families import FLUX2_TEXT_LAYERS, FLUX2_TEXT_LENGTH, Family
 from .base import (
     BATCH,
     ComponentDef,
@@ -234,3 +234,22 @@ def text_ids(length: int) -> np.ndarray:
     ids = np.zeros((length, ID_AXES), dtype=np.int64)
     ids[:, 3] = np.arange(length)
     return ids
+
+
+def prompt_tokens(family: Family, tokenizer, prompt: str) -> tuple[np.ndarray, np.ndarray]:
+    """The encoder engine's `input_ids` and `attention_mask` [1, 512] for one prompt, tokenized as the family's
+    pipeline tokenizes it (its chat template, padded and truncated to max_sequence_length)."""
+    padding = dict(padding="max_length", truncation=True, max_length=FLUX2_TEXT_LENGTH)
+    if family is Family.flux2:
+        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        tokens = tokenizer.apply_chat_template(
+            format_input(prompts=[prompt], system_message=SYSTEM_MESSAGE), add_generation_prompt=False,
+            tokenize=True, return_dict=True, return_tensors="np", **padding)
+    else:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=False)
+        tokens = tokenizer(text, return_tensors="np", **padding)
+    return (np.asarray(tokens["input_ids"], dtype=np.int64).reshape(1, -1),
+            np.asarray(tokens["attention_mask"], dtype=np.int64).reshape(1, -1))

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ..families import QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH, Family, family_info
+from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH, Family, family_info
 from .base import (
     BATCH,
     TEXT_AXIS,
@@ -337,3 +337,18 @@ def _text_length_and_mask(encoder_hidden_states, encoder_hidden_states_mask):
     """compute_text_seq_len_from_mask's two values forward uses (S, the boolean mask), S kept symbolic."""
     mask = None if encoder_hidden_states_mask is None else encoder_hidden_states_mask.to(torch.bool)
     return encoder_hidden_states.shape[1], None, mask
+
+
+# diffusers' QwenImagePipeline.prompt_template_encode (its system part tokenizes to the 34 positions dropped)
+PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+                   "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def prompt_tokens(tokenizer, prompt: str, text_max: int) -> tuple[np.ndarray, np.ndarray]:
+    """The encoder engine's `input_ids` and `attention_mask` [1, L] for one prompt: QwenImagePipeline's template and
+    tokenization, cut to the engine's longest sequence (its template's 34 positions + `text_max` prompt tokens)."""
+    tokens = tokenizer([PROMPT_TEMPLATE.format(prompt)], max_length=QWEN_MAX_TEXT_LENGTH + QWEN_TEMPLATE_TOKENS,
+                       padding=True, truncation=True, return_tensors="np")
+    keep = QWEN_TEMPLATE_TOKENS + text_max
+    return tokens.input_ids.astype(np.int64)[:, :keep], tokens.attention_mask.astype(np.int64)[:, :keep]

@@ -49,21 +49,20 @@ def with_negative(family: Family, prompts: Sequence[str]) -> list[str]:
 
 
 def prompt_feeds(model: ResolvedModel, prompts: Sequence[str]) -> list[Feeds]:
-    """The engine's inputs for each prompt, tokenized by the runtime's own code (its template, its padding)."""
-    from ..runtime.pipeline import _tokenizer
+    """The engine's inputs for each prompt, tokenized as the runtime tokenizes them (its template, its padding)."""
+    from transformers import AutoTokenizer
 
-    tokenizer = _tokenizer(model.source.path, "tokenizer")
+    from ..components.flux2 import prompt_tokens as flux2_tokens
+    from ..components.qwen_image import prompt_tokens as qwen_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(model.source.path / "tokenizer")
     feeds = []
     for prompt in prompts:
         if model.family in FLUX2_FAMILIES:
-            from ..runtime.flux2_loop import prompt_tokens
-
-            ids, mask = prompt_tokens(model.family, tokenizer, prompt)
+            ids, mask = flux2_tokens(model.family, tokenizer, prompt)
         else:
-            from ..runtime.qwen_image_loop import prompt_tokens
-
             text_max = (model.text_lengths or family_info(model.family).text_lengths)[2]
-            ids, mask = prompt_tokens(tokenizer, prompt, text_max)
+            ids, mask = qwen_tokens(tokenizer, prompt, text_max)
         feeds.append({"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)})
     return feeds
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from onnx.external_data_helper import uses_external_data
@@ -34,6 +35,7 @@ LEGACY_MAX_OPSET = 21
 LEGACY_MIN_OPSET = 17
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # protobuf cannot hold more than 2 GB in one message
 WRAPPER_PREFIX = ExportWrapper.PARAMETER_PREFIX  # "model.": stripped, as the fp32 export does
+STREAMED_WEIGHTS = "weights.data"  # a trace's parameters, written from the module (stream_weights)
 
 
 def _rms_norm_symbolic(g, input, normalized_shape, weight, eps):
@@ -115,13 +117,19 @@ class TracedGraph:
 
 @contextlib.contextmanager
 def traced_quantized(module: torch.nn.Module, interface: DenoiserInterface, example: dict[str, torch.Tensor],
-                     precision: str, opset: int) -> Iterator[TracedGraph]:
+                     precision: str, opset: int, *, stream_weights: bool = False) -> Iterator[TracedGraph]:
     """Trace `module` (already calibrated) at `example`'s shapes with the declared dynamic axes (Wan: through
     `trace_patches`, which keeps its rotary embedding from fixing the shapes).
 
     Nothing of the trace stays in memory: the caller can free the module before `finalize_quantized`
     reads the graph back (a full-size model would otherwise be held twice, or three times). The folder is
     removed on leaving.
+
+    `stream_weights`: trace without the parameters (they become graph inputs, nothing folded into them) and write
+    them afterwards from the module, one tensor at a time. The legacy exporter otherwise holds the weights three
+    times (the module, the Transposes it folds into new tensors, the serialized protobuf): 2.9x a language-model
+    encoder's fp32 weights. The graph then keeps a Transpose before each MatMul, which every runtime folds at
+    build; the denoisers keep the folded layout their quantized LoRA refit reads (lora/quantized_refit.py).
     """
     wrapper = interface.wrapper(module)
     inputs = tuple(example[name] for name in interface.input_names)
@@ -134,8 +142,10 @@ def traced_quantized(module: torch.nn.Module, interface: DenoiserInterface, exam
                 torch.onnx.export(
                     wrapper, inputs, str(tmp / "model.onnx"), input_names=interface.input_names,
                     output_names=interface.io.output_names, dynamic_axes=interface.dynamic_axes(),
-                    opset_version=opset, dynamo=False, do_constant_folding=True,
+                    opset_version=opset, dynamo=False, do_constant_folding=True, export_params=not stream_weights,
                 )
+                if stream_weights:
+                    _parameters_as_initializers(tmp / "model.onnx", wrapper, set(interface.input_names))
         except Exception as exc:  # the exporter's errors are long; keep the first line and the cause
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise QuantizeError(f"ONNX export of {_label(interface)} failed: {first}") from exc
@@ -143,6 +153,35 @@ def traced_quantized(module: torch.nn.Module, interface: DenoiserInterface, exam
         yield TracedGraph(tmp / "model.onnx", conv_amax)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _parameters_as_initializers(model_path: Path, wrapper: torch.nn.Module, declared: set[str]) -> None:
+    """After a trace without parameters: each graph input that is a parameter of `wrapper` becomes an initializer,
+    its bytes written beside the graph (`weights.data`) straight from the module, one tensor at a time."""
+    from onnx.helper import np_dtype_to_tensor_dtype
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    state = wrapper.state_dict(keep_vars=True)
+    kept = []
+    with open(model_path.parent / STREAMED_WEIGHTS, "wb") as out:
+        for value in model.graph.input:
+            if value.name in declared:
+                kept.append(value)
+                continue
+            if value.name not in state:
+                raise QuantizeError(f"the traced graph takes an input {value.name!r} that is neither declared nor a "
+                                    "parameter of the module")
+            array = np.ascontiguousarray(state[value.name].detach().cpu().numpy())
+            tensor = onnx.TensorProto(name=value.name, dims=array.shape,
+                                      data_type=np_dtype_to_tensor_dtype(array.dtype))
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, entry in (("location", STREAMED_WEIGHTS), ("offset", out.tell()), ("length", array.nbytes)):
+                tensor.external_data.add(key=key, value=str(entry))
+            out.write(memoryview(array).cast("B"))
+            model.graph.initializer.append(tensor)
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    onnx.save_model(model, str(model_path))
 
 
 def finalize_quantized(traced: TracedGraph, interface: DenoiserInterface, out_path: Path,

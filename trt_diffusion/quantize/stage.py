@@ -30,7 +30,7 @@ from ..errors import ConfigError, QuantizeError
 from ..export.artifact_key import folder_digest
 from ..export.modules import fuse_lora
 from ..families import Component, Family, family_info, quantized_component
-from ..memory import release_memory
+from ..memory import release_memory, return_large_blocks_to_os
 from ..models.loading import component_folder, load_component
 from ..precision import is_quantized
 from ..workspace.files import sha256_file, tool_versions
@@ -298,6 +298,7 @@ def _quantize_text_encoder(plan: _Plan, store: ArtifactStore, held_out_samples: 
     if plan.loras:
         raise QuantizeError(f"{plan.name}: LoRAs change the denoiser only; a text encoder variant takes none")
     family, timings, started = plan.model.family, {}, time.perf_counter()
+    return_large_blocks_to_os()  # the trace's fake-quantized weights and the session's temporaries (memory.py)
     interface = encoder_interface(plan.model)
     held_out_prompts, _ = held_out_recipe(plan.recipe, held_out_samples)
     with _step(plan, 1, "load the text encoder; the held-out prompts' fp32 hidden states"):
@@ -328,7 +329,7 @@ def _quantize_text_encoder(plan: _Plan, store: ArtifactStore, held_out_samples: 
         with _step(plan, 3, "Q/DQ ONNX export"):
             # traced at batch 2 (the first prompt twice): a batch-1 trace could fix the batch axis
             example = {name: torch.cat([value, value]) for name, value in calibration_feeds[0].items()}
-            with traced_quantized(module, interface, example, plan.precision, plan.opset) as traced:
+            with traced_quantized(module, interface, example, plan.precision, plan.opset, stream_weights=True) as traced:
                 del module, wrapper  # before the graph is read back and the gate's session opens
                 release_memory()
                 exported = finalize_quantized(traced, interface, writer.path / ONNX_FILE, plan.precision)

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..components.flux2 import image_ids, text_ids
+from ..components.flux2 import image_ids, prompt_tokens, text_ids
 from ..engines_file.engine_spec import Size
-from ..families import FLUX2_TEXT_LENGTH, Family
+from ..families import Family
 from .engines import split_cfg_mode
 from .schedulers import make_scheduler
 
@@ -138,22 +138,3 @@ class Flux2Loop:
         latents = Flux2Pipeline._unpack_latents_with_ids(latents, grid)
         runner = self.runners.find("vae_decoder", size=size, batch=rows)
         return runner.run({"latent": latents.float().numpy()})["images"]
-
-
-def prompt_tokens(family: Family, tokenizer, prompt: str) -> tuple[np.ndarray, np.ndarray]:
-    """The encoder engine's `input_ids` and `attention_mask` [1, 512] for one prompt, tokenized as the family's
-    pipeline tokenizes it (its chat template, padded and truncated to max_sequence_length)."""
-    padding = dict(padding="max_length", truncation=True, max_length=FLUX2_TEXT_LENGTH)
-    if family is Family.flux2:
-        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
-        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-
-        tokens = tokenizer.apply_chat_template(
-            format_input(prompts=[prompt], system_message=SYSTEM_MESSAGE), add_generation_prompt=False,
-            tokenize=True, return_dict=True, return_tensors="np", **padding)
-    else:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True, enable_thinking=False)
-        tokens = tokenizer(text, return_tensors="np", **padding)
-    return (np.asarray(tokens["input_ids"], dtype=np.int64).reshape(1, -1),
-            np.asarray(tokens["attention_mask"], dtype=np.int64).reshape(1, -1))

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..components.qwen_image import prompt_embeds
+from ..components.qwen_image import prompt_embeds, prompt_tokens
 from ..engines_file.engine_spec import Size
-from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH, Family, family_info
+from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEXT_LENGTH, Family, family_info
 from .engines import split_cfg_mode
 from .schedulers import make_scheduler
 
@@ -44,11 +44,6 @@ if TYPE_CHECKING:
     from .pipeline import GenerationRequest, StageTimings, StepCallback
 
 PATCH = 2  # 2x2 latent pixels per token
-# diffusers' QwenImagePipeline.prompt_template_encode (its system part tokenizes to the 34 positions dropped)
-PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
-                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
-                   "<|im_end|>\n<|im_start|>assistant\n")
-
 
 @dataclass
 class QwenText:
@@ -193,11 +188,3 @@ class QwenImageLoop:
         runner = self.runners.find("vae_decoder", size=size, batch=rows)
         return runner.run({"latent": latents[:, :, 0].numpy()})["images"]
 
-
-def prompt_tokens(tokenizer, prompt: str, text_max: int) -> tuple[np.ndarray, np.ndarray]:
-    """The encoder engine's `input_ids` and `attention_mask` [1, L] for one prompt: QwenImagePipeline's template and
-    tokenization, cut to the engine's longest sequence (its template's 34 positions + `text_max` prompt tokens)."""
-    tokens = tokenizer([PROMPT_TEMPLATE.format(prompt)], max_length=QWEN_MAX_TEXT_LENGTH + QWEN_TEMPLATE_TOKENS,
-                       padding=True, truncation=True, return_tensors="np")
-    keep = QWEN_TEMPLATE_TOKENS + text_max
-    return tokens.input_ids.astype(np.int64)[:, :keep], tokens.attention_mask.astype(np.int64)[:, :keep]
