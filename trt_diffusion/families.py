@@ -214,11 +214,14 @@ LORA_TEXT_ENCODERS: dict[Family, tuple[Component, ...]] = {
 }
 
 
-def quantized_component(family: Family | str, component: Component | str) -> bool:
-    """Whether the quantize stage takes `component` of `family` to fp8/int8: the denoiser, Wan 2.2's second expert
-    (the same architecture, calibrated on the low-noise steps it runs), and a language-model text encoder."""
-    family, component = Family(family), Component(component)
+def quantized_components(family: Family | str) -> tuple[Component, ...]:
+    """What the quantize stage takes to fp8/int8 in `family`: the denoiser, Wan 2.2's second expert (the same
+    architecture, calibrated on the low-noise steps it runs), and a language-model text encoder."""
+    family = Family(family)
     info = family_info(family)
-    if component is info.denoiser or (component is Component.transformer_2 and component in info.components):
-        return True
-    return component is Component.text_encoder and family in LM_ENCODER_FAMILIES
+    chosen = [info.denoiser] + [c for c in (Component.transformer_2,) if c in info.components]
+    return tuple(chosen + ([Component.text_encoder] if family in LM_ENCODER_FAMILIES else []))
+
+
+def quantized_component(family: Family | str, component: Component | str) -> bool:
+    return Component(component) in quantized_components(family)

@@ -12,7 +12,6 @@ from pydantic import ValidationError
 
 from ..errors import ConfigError
 from ..families import (
-    LM_ENCODER_FAMILIES,
     QWEN_MAX_TEXT_LENGTH,
     SUBFOLDER,
     Component,
@@ -20,6 +19,7 @@ from ..families import (
     family_info,
     family_of_pipeline_class,
     quantized_component,
+    quantized_components,
 )
 from ..workflows import (
     EDIT_PIPELINE_CLASSES,
@@ -430,7 +430,7 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         precision[Component.transformer_2] = precision[Component.transformer]  # Wan 2.2's experts: one architecture
     for component, chosen in (entry.precision or {}).items():
         if chosen.is_quantized and not quantized_component(entry.family, component):
-            takes = info.denoiser.value + (" and text_encoder" if entry.family in LM_ENCODER_FAMILIES else "")
+            takes = " and ".join(c.value for c in quantized_components(entry.family))
             problems.add(base + ("precision", component.value),
                          f"{chosen.value} is for {takes}; the quantize stage does not "
                          f"quantize {component.value} — use fp16, bf16 or fp32")

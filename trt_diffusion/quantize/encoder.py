@@ -12,7 +12,6 @@ ModelOpt would find no statistics for them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,10 +22,9 @@ from ..components import get_component, load_model_config
 from ..engines_file import ResolvedModel
 from ..errors import QuantizeError
 from ..families import FLUX2_FAMILIES, Component, Family, family_info
-from ..metrics import psnr, tensor_diff
 from .exclusions import QUANTIZABLE_TYPES, LayerSelection, select_layers
 from .feeds import DenoiserInterface, as_numpy
-from .gate import GateResult, GateThresholds, gate_failures, onnxruntime_session, worst_value
+from .gate import GateResult, GateThresholds, judge_outputs, onnxruntime_session
 
 Feeds = dict[str, torch.Tensor]
 UNUSED = "not run by the engine"  # the exclusion reason of a layer outside the engine's graph
@@ -118,21 +116,11 @@ def gate_states(onnx_path: Path, interface: DenoiserInterface, feeds: list[Feeds
     """The Q/DQ graph's hidden states against the fp32 module's, per held-out prompt: PSNR over the reference's
     range (worst and mean), max |difference|, NaN/Inf. No images: the engine's output is the states."""
     session = onnxruntime_session(onnx_path)
-    psnrs, max_abs, nonfinite = [], 0.0, 0
+    outputs = []
     for call, reference in zip(feeds, expected):
         actual = session.run([interface.output_name], as_numpy(call))[0]
         if actual.shape != reference.shape:
             raise QuantizeError(f"the Q/DQ {interface.component.value} returned {list(actual.shape)}, the module "
                                 f"{list(reference.shape)}")
-        nonfinite += int((~np.isfinite(actual)).sum())
-        peak = float(reference.max() - reference.min()) or 1.0
-        psnrs.append(psnr(reference, actual, data_range=peak))
-        diff = tensor_diff(reference, actual)
-        if math.isfinite(diff.max_abs):
-            max_abs = max(max_abs, diff.max_abs)
-    result = GateResult(precision=precision, thresholds=thresholds.to_json(), calls=len(psnrs),
-                        output_psnr_db_min=worst_value(psnrs),
-                        output_psnr_db_mean=float(np.mean(psnrs)) if psnrs else math.nan, output_max_abs=max_abs,
-                        output_nonfinite=nonfinite)
-    result.failures = gate_failures(result, thresholds)
-    return result
+        outputs.append((reference, actual))
+    return judge_outputs(precision, thresholds, outputs)

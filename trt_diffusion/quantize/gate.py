@@ -181,18 +181,8 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
     return_large_blocks_to_os()  # the session's per-call weight temporaries (memory.py says why)
     session = onnxruntime_session(onnx_path)
 
-    psnrs, max_abs, nonfinite = [], 0.0, 0
-    for call, expected in zip(recorder.calls, recorder.outputs):
-        actual = _run_session(session, interface, call)
-        expected = expected.numpy()
-        if has_nonfinite(actual):
-            nonfinite += int((~np.isfinite(actual)).sum())
-        diff = tensor_diff(expected, actual)
-        peak = float(expected.max() - expected.min()) or 1.0
-        psnrs.append(psnr(expected, actual, data_range=peak))
-        if math.isfinite(diff.max_abs):
-            max_abs = max(max_abs, diff.max_abs)
-
+    outputs = [(expected.numpy(), _run_session(session, interface, call))
+               for call, expected in zip(recorder.calls, recorder.outputs)]
     images = []
     if compare_images:
         with _onnx_denoiser(pipe, session, interface):
@@ -200,10 +190,26 @@ def run_gate(pipe, family: Family, interface: DenoiserInterface, onnx_path: Path
                                             output_type="np", progress_stage="gate: Q/DQ ONNX", **generate)
         images = [_compare(ref_image, image) for ref_image, image in zip(reference_images, candidate_images)]
 
+    return judge_outputs(precision, thresholds, outputs, images)
+
+
+def judge_outputs(precision: str, thresholds: GateThresholds, outputs: list[tuple[np.ndarray, np.ndarray]],
+                  images: list[dict] | None = None) -> GateResult:
+    """The gate's result over (reference, Q/DQ) output pairs, one per held-out call: PSNR over the reference's range
+    (worst and mean), max |difference|, NaN/Inf; `images` (the decoded comparisons) judged beside them."""
+    psnrs, max_abs, nonfinite = [], 0.0, 0
+    for expected, actual in outputs:
+        if has_nonfinite(actual):
+            nonfinite += int((~np.isfinite(actual)).sum())
+        diff = tensor_diff(expected, actual)
+        peak = float(expected.max() - expected.min()) or 1.0
+        psnrs.append(psnr(expected, actual, data_range=peak))
+        if math.isfinite(diff.max_abs):
+            max_abs = max(max_abs, diff.max_abs)
     result = GateResult(
         precision=precision, thresholds=thresholds.to_json(), calls=len(psnrs), output_psnr_db_min=worst_value(psnrs),
         output_psnr_db_mean=float(np.mean(psnrs)) if psnrs else math.nan, output_max_abs=max_abs,
-        output_nonfinite=nonfinite, images=images,
+        output_nonfinite=nonfinite, images=images or [],
     )
     result.failures = gate_failures(result, thresholds)
     return result

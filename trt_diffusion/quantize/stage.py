@@ -29,7 +29,7 @@ from ..engines_file import EngineSpec, LoraMode, LoraVariant, Precision, Resolve
 from ..errors import ConfigError, QuantizeError
 from ..export.artifact_key import folder_digest
 from ..export.modules import fuse_lora
-from ..families import Component, Family, family_info, quantized_component
+from ..families import Component, family_info, quantized_component
 from ..memory import release_memory, return_large_blocks_to_os
 from ..models.loading import component_folder, load_component
 from ..precision import is_quantized
@@ -148,12 +148,6 @@ def _resolve_loras(model: ResolvedModel, variant: LoraVariant | None) -> tuple[t
     return tuple(resolved)
 
 
-def quantizable(family: Family, component: Component) -> bool:
-    """The components this stage quantizes (families.quantized_component): the denoiser, Wan 2.2's second expert,
-    a language-model text encoder (quantize/encoder.py)."""
-    return quantized_component(family, component)
-
-
 def plan_variant(model: ResolvedModel, component: Component | str, precision: Precision | str,
                  lora_variant: LoraVariant | None = None, *, opset: int = 20, config_root: Path | None = None,
                  size: tuple[int, ...] | None = None, min_output_psnr_db: float | None = None) -> _Plan:
@@ -161,7 +155,7 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
 
     `size`: (width, height), or (width, height, frames) for a video family (default: the first bucket's opt)."""
     component, precision = Component(component), Precision(precision).value
-    if not quantizable(model.family, component):
+    if not quantized_component(model.family, component):
         denoiser = family_info(model.family).denoiser
         raise QuantizeError(f"{model.name}: quantization of {component.value} is not supported yet "
                             f"(the {model.family.value} denoiser, {denoiser.value}, is)")
@@ -451,7 +445,7 @@ def quantize(config_path: str | Path, model: str | None = None, *, force: bool =
         controlnet = f":{spec.controlnet}" if spec.controlnet else ""
         lora = f".lora-{spec.lora_variant.name}" if spec.lora_variant else ""
         label = f"{spec.model}.{spec.component}{controlnet}{lora}.{spec.precision}"
-        if not quantizable(resolved.family, spec.component):
+        if not quantized_component(resolved.family, spec.component):
             report.unsupported.append(f"{label}: only the denoiser (and a language-model text encoder) is quantized "
                                       "by this stage yet")
             continue

@@ -187,4 +187,3 @@ class QwenImageLoop:
         latents = latents / self.latents_std + self.latents_mean
         runner = self.runners.find("vae_decoder", size=size, batch=rows)
         return runner.run({"latent": latents[:, :, 0].numpy()})["images"]
-
