@@ -222,3 +222,31 @@ def test_served_images_equal_the_in_process_pipeline(served):
                                                                          steps=2), pipeline=pipeline,
                                      protocol="grpc")
     assert one.shape == (1, 48, 64, 3)
+
+
+@pytest.mark.triton
+def test_preflight_passes_in_process_and_over_the_served_entry(served, built, tmp_path):
+    """The pre-launch checklist on each FLUX.2 family (dev: one call per step; Klein: true CFG): in process every
+    check that applies passes and the quality baseline is saved; over the served entry (gRPC) reproducibility,
+    buckets, memory, isolation, cancellation and quality pass against it bit for bit. The overload check is the
+    entry's queue policy, the same for every family (tests/preflight/test_served.py drives it on sd15)."""
+    from preflight_settings import with_fast_preflight
+
+    from trt_diffusion.preflight.run import run_preflight
+
+    path, _ = built
+    model = f"{served.family}-tiny"
+    config = load_engines_file(with_fast_preflight(path, tmp_path / "settings"))
+    saved = run_preflight(config, model=model, save_baseline=True, in_process=True, target="onnxruntime",
+                          out_dir=tmp_path / "in-process")
+    assert saved.baseline is not None
+    status = {check.name: check.status for check in saved.report.checks}
+    assert all(s in ("pass", "n/a") for s in status.values()), {c.name: c.failures for c in saved.report.checks}
+    assert status["reproducibility"] == status["isolation"] == status["cancellation"] == "pass", status
+    run = run_preflight(config, model=model, url=served.server.grpc_url, skip=["overload"], target="onnxruntime",
+                        out_dir=tmp_path / "served")
+    checks = {check.name: check for check in run.report.checks}
+    assert {n: c.status for n, c in checks.items()} == {
+        "reproducibility": "pass", "buckets": "pass", "memory": "pass", "isolation": "pass", "cancellation": "pass",
+        "plugins": "n/a", "quality": "pass"}, {n: c.failures for n, c in checks.items()}
+    assert all(row["psnr_db"] == float("inf") for row in checks["quality"].rows)  # served = in process

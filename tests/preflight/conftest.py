@@ -7,25 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-# Short settings: the checks measure the same things, on fewer and shorter requests.
-FAST = {
-    "reproducibility": {"steps": 3},
-    "buckets": {"steps": 4},
-    "memory": {"requests": 2, "steps": 3},
-    "isolation": {"requests": 6, "concurrency": 3, "steps": [3, 5]},
-    "cancellation": {"steps": 1000, "deadline_s": 0.3},
-    "plugins": {"steps": 3},
-    "quality": {"prompts": ["a red bicycle"], "seeds": [0, 1], "steps": 3},
-    "overload": {"steps": 10, "capacity_s": 1.0, "duration_s": 5.0, "request_timeout_s": 30.0, "timeout_s": 120},
-}
-
-
-def _merge(base: dict, change: dict) -> dict:
-    merged = dict(base)
-    for key, value in change.items():
-        merged[key] = _merge(merged.get(key, {}), value) if isinstance(value, dict) else value
-    return merged
+from preflight_settings import FAST
+from preflight_settings import merge as _merge
 
 
 @pytest.fixture(scope="session")

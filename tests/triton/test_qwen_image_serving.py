@@ -374,3 +374,32 @@ def test_max_sequence_length_to_an_sd15_model_is_refused_and_the_server_stays_up
     captured = capsys.readouterr()
     assert code == 1 and "MAX_SEQUENCE_LENGTH is the qwen_image family's" in captured.err
     assert "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+@pytest.mark.timeout(900)
+def test_preflight_passes_in_process_and_over_the_served_entry(server, qwen_workspace, tmp_path):
+    """The pre-launch checklist on Qwen-Image (true CFG, per-prompt text lengths): in process every check that
+    applies passes and the quality baseline is saved; over the served entry (gRPC) reproducibility, buckets,
+    memory, isolation, cancellation and quality pass against that baseline, bit for bit. The overload check is
+    the entry's queue policy, the same for every family (test_served.py drives it on sd15)."""
+    from preflight_settings import with_fast_preflight
+
+    from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.preflight.run import run_preflight
+
+    config = load_engines_file(with_fast_preflight(qwen_workspace, tmp_path / "settings"))
+    saved = run_preflight(config, save_baseline=True, in_process=True, target="onnxruntime",
+                          out_dir=tmp_path / "in-process")
+    assert saved.baseline is not None
+    status = {check.name: check.status for check in saved.report.checks}
+    assert all(s in ("pass", "n/a") for s in status.values()), {c.name: c.failures for c in saved.report.checks}
+    assert status["reproducibility"] == status["isolation"] == status["cancellation"] == "pass", status
+    served = run_preflight(config, url=server.server.grpc_url, skip=["overload"], target="onnxruntime",
+                           out_dir=tmp_path / "served")
+    checks = {check.name: check for check in served.report.checks}
+    assert {n: c.status for n, c in checks.items()} == {
+        "reproducibility": "pass", "buckets": "pass", "memory": "pass", "isolation": "pass", "cancellation": "pass",
+        "plugins": "n/a", "quality": "pass"}, {n: c.failures for n, c in checks.items()}
+    assert all(row["psnr_db"] == float("inf") for row in checks["quality"].rows)  # served = in process
