@@ -96,12 +96,14 @@ def test_a_unet_for_controlnets_takes_their_residuals(lora_run):
 def test_a_reexport_restores_the_calibration(quantized_matrix):
     model, first = quantized_matrix("sd15", "int8")
     workspace = first.path.parent.parent
+    # the workspace is shared with other tests' calibrations: only this re-export must add none
+    calibrations = set((workspace / CALIBRATION_KIND).glob("m.unet.int8.*"))
     again = quantize_component(model, "unet", "int8", None, workspace, opset=19, held_out_samples=1)
     assert not again.cached and not again.recalibrated  # exported anew from the saved calibration
     assert again.key != first.key and again.manifest["opset"] == 19
     assert again.manifest["calibration_artifact"] == first.manifest["calibration_artifact"]
     assert again.state_path.read_bytes() == first.state_path.read_bytes()
-    assert len(list((workspace / CALIBRATION_KIND).glob("m.unet.int8.*"))) == 1
+    assert set((workspace / CALIBRATION_KIND).glob("m.unet.int8.*")) == calibrations
     assert quantize_component(model, "unet", "int8", None, workspace, opset=19, held_out_samples=1).cached
 
 
