@@ -15,7 +15,6 @@ Up to `capacity` sets stay applied (least recently used dropped first): a repeat
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RuntimeInputError, ServeError
+from ..workspace.files import sha256_file
 
 FOLDER = "loras"
 INDEX_FILE = "loras.json"
@@ -36,14 +36,6 @@ SCHEMA_VERSION = 1
 DEFAULT_CAPACITY = 4
 
 SetKey = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name, no scale 0
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -80,7 +72,7 @@ class LoraParts:
             path = root / entry["file"]
             if Path(entry["file"]).name != entry["file"] or not path.is_file():
                 raise ServeError(f"{index_path}: {what} file {entry['file']!r} is missing; package again")
-            if _sha256(path) != entry["sha256"]:
+            if sha256_file(path) != entry["sha256"]:
                 raise ServeError(f"{path} does not match the sha256 {index_path} records; package again")
             return load_file(str(path))
 
