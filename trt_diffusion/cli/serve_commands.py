@@ -187,6 +187,9 @@ def generate_command(
         "truncated. Other families refuse it")] = None,
     fps: Annotated[int, typer.Option("--fps", min=1, help="a video model's frames per second in the file it "
                                      "writes")] = DEFAULT_FPS,
+    lora: Annotated[list[str] | None, typer.Option("--lora", help="NAME[:SCALE] (default scale 1): a LoRA the server "
+                                                   "serves (engines.yaml's `mode: refit` LoRAs), applied to this "
+                                                   "request only; repeat for several")] = None,
 ):
     """Ask a running server (or, with --config, the built engines in this process) for an image; save it as PNG
     with its request in the PNG's text (A1111 `parameters` and JSON); a video model's videos as .mp4 (or .gif)."""
@@ -230,10 +233,12 @@ def generate_command(
     elif config is not None and (height is None or width is None):
         ctx.fail("Missing option '--height'/'--width': give both with --config (no server to ask for its sizes)")
     control = _control_image(control_image, width, height) if control_image is not None else None
+    loras = _loras_json(lora, config)
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None,
                            workflow=workflow, init_image=init_image, mask=mask_array, strength=strength,
-                           frames=frames, guidance_scale_2=guidance_scale_2, max_sequence_length=max_sequence_length)
+                           frames=frames, guidance_scale_2=guidance_scale_2, max_sequence_length=max_sequence_length,
+                           loras=loras)
     start = time.perf_counter()
     on_preview = None
     if config is None and preview is not None:
@@ -263,6 +268,22 @@ def generate_command(
                   f"{time.perf_counter() - start:.2f} s"
                   + (f" (server: {timing.get('total_s', 0):.2f} s, batch {timing.get('batch')})" if timing else ""),
                   soft_wrap=True, highlight=False)
+
+
+def _loras_json(lora: list[str] | None, config: Path | None) -> str | None:
+    """--lora NAME[:SCALE] ... as the LORAS JSON (checked here: a bad one fails before any request)."""
+    from ..errors import ConfigError, RuntimeInputError
+    from ..triton import lora_sets
+
+    if not lora:
+        return None
+    if config is not None:
+        raise ConfigError("--lora names a LoRA a server serves per request; with --config, apply LoRAs to the engines "
+                          "with `trt-diffusion refit --lora FILE[:SCALE]`")
+    try:
+        return lora_sets.to_json(lora_sets.canonical([lora_sets.parse_cli_lora(text) for text in lora]))
+    except RuntimeInputError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _given(ctx: typer.Context, name: str) -> bool:

@@ -32,6 +32,7 @@ class _Answer:
     error: Any = None  # an error response
     images: dict[int, np.ndarray] = field(default_factory=dict)
     timings: list = field(default_factory=list)  # StageTimings of its images
+    lora_switch_s: float = 0.0  # engine models switching to its LoRA set, over the batches its images ran in
 
 
 def num_images(request: Any, limit: int) -> int:
@@ -64,7 +65,7 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
     items: list[tuple[int, Any]] = []  # (request index, GenerationRequest of one image)
     for index, request in enumerate(requests):
         try:
-            generation_request = read_request(request)
+            generation_request = read_request(request, served_loras=context.served_loras)
             count = num_images(request, max_images)
         except RuntimeInputError as err:
             answers[index].error = pb.error_response(f"{name}: {err}")
@@ -84,6 +85,7 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
         if not batch:
             continue
         context.requests = [requests[o] for o in owners]
+        context.loras, context.lora_switch_s = items[batch[0]][1].loras, 0.0  # one set per batch (batch_key)
         wait = time.perf_counter() - started
         try:
             generations = pipeline.generate_together([items[p][1] for p in batch])
@@ -104,7 +106,9 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
             answers[owners[0]].error = _error(name, err)
             continue
         finally:
-            context.requests = []
+            context.requests, context.loras = [], ()
+        for owner in owners:
+            answers[owner].lora_switch_s += context.lora_switch_s
         for position, generation in zip(batch, generations):
             owner = items[position][0]
             generation.timings.wait_s = wait
@@ -126,10 +130,11 @@ def _error(name: str, err: BaseException):
     return pb.internal_error(name, err)
 
 
-def timing_json(timings: list, started: float, sent: int | None, started_ns: int) -> str:
+def timing_json(timings: list, started: float, sent: int | None, started_ns: int, lora_switch_s: float = 0.0) -> str:
     """The request's timings: Triton queue (when the client sent its send time), the wait behind other batches
     of the same execute, text encoding, image encoding (img2vid: the first frame's CLIP embeds and the
-    conditioning clip's VAE encode), each step of each denoising batch its images ran in, VAE decode."""
+    conditioning clip's VAE encode), each step of each denoising batch its images ran in, VAE decode, and the
+    engine models' switching to its LoRA set (0 for the base model and for a set they kept applied)."""
     return json.dumps({
         "queue_s": None if sent is None else max(0.0, (started_ns - sent) / 1e9),
         "wait_s": min(t.wait_s for t in timings),
@@ -137,6 +142,7 @@ def timing_json(timings: list, started: float, sent: int | None, started_ns: int
         "image_encode_s": sum(t.image_encode_s for t in timings),
         "steps_s": _unique_batches(timings),
         "vae_decode_s": sum(t.vae_decode_s for t in timings),
+        "lora_switch_s": lora_switch_s,
         "batch": [t.batch for t in timings],  # requests' images sharing the denoiser calls, per image
         "total_s": time.perf_counter() - started,
     })
@@ -157,7 +163,7 @@ def _response(answer: _Answer, request: Any, started: float, started_ns: int):
         return answer.error
     utils = pb.utils()
     images = np.concatenate([answer.images[p] for p in sorted(answer.images)])  # [N, H, W, 3], seed order
-    timing = timing_json(answer.timings, started, sent_ns(request), started_ns)
+    timing = timing_json(answer.timings, started, sent_ns(request), started_ns, answer.lora_switch_s)
     # One image: [1, H, W, 3] as before (the request's batch dimension); N images: [N, H, W, 3]; videos
     # [N, F, H, W, 3] as VIDEO
     name = result_name(images)
