@@ -116,17 +116,20 @@ class LoraSwitchingRunner:
         self.current: Any = base
         self.current_key: SetKey = ()
         self.switches = 0  # refits done (cache misses)
+        self.last_change: str | None = None  # what the last select did: None (same set), base, cached or refit
         self._lock = threading.RLock()
 
     def select(self, chosen: Iterable[tuple[str, float]]) -> float:
         start = time.perf_counter()
         with self._lock:
             key = self.parts.key(chosen)
+            self.last_change = None if key == self.current_key else "base" if not key else "cached"
             if not key:
                 self.current, self.current_key = self.base, ()
                 return 0.0
             runner = self.applied.get(key)
             if runner is None:
+                self.last_change = "refit"
                 while len(self.applied) >= self.capacity:  # free before building: never capacity + 1 sets at once
                     self.applied.popitem(last=False)
                     if self.current_key not in self.applied:

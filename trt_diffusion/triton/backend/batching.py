@@ -21,6 +21,7 @@ from ...errors import RuntimeInputError
 from .. import contract
 from . import pb
 from .bls import EngineCallError, RequestCancelled, RequestContext
+from .metrics import Metrics
 from .requests import read_request
 
 
@@ -58,10 +59,14 @@ def sent_ns(request: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: list, max_images: int) -> list:
-    """One response per request, in order."""
+def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: list, max_images: int,
+                metrics: Metrics | None = None) -> list:
+    """One response per request, in order. `metrics`: the entry's (metrics.py), counted as the requests are
+    answered."""
     started, started_ns = time.perf_counter(), time.time_ns()
+    metrics = metrics or _NO_METRICS
     answers = [_Answer() for _ in requests]
+    waited: set[int] = set()  # requests whose queue wait is observed (at their first batch)
     items: list[tuple[int, Any]] = []  # (request index, GenerationRequest of one image)
     for index, request in enumerate(requests):
         try:
@@ -69,6 +74,7 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
             count = num_images(request, max_images)
         except RuntimeInputError as err:
             answers[index].error = pb.error_response(f"{name}: {err}")
+            metrics.add("refusals_total", model=name)
             continue
         answers[index].count = count
         items += [(index, replace(generation_request, seed=generation_request.seed + k)) for k in range(count)]
@@ -78,6 +84,7 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
         owner = items[position][0]
         if answers[owner].error is None:
             answers[owner].error = pb.error_response(f"{name}: {err}")
+            metrics.add("refusals_total", model=name)
     work = deque(batches)
     while work:
         batch = [p for p in work.popleft() if answers[items[p][0]].error is None]
@@ -87,6 +94,12 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
         context.requests = [requests[o] for o in owners]
         context.loras, context.lora_switch_s = items[batch[0]][1].loras, 0.0  # one set per batch (batch_key)
         wait = time.perf_counter() - started
+        for owner in owners:
+            if owner not in waited:
+                waited.add(owner)
+                sent = sent_ns(requests[owner])
+                queued = 0.0 if sent is None else max(0.0, (started_ns - sent) / 1e9)
+                metrics.observe("queue_wait_seconds", queued + wait, model=name)
         try:
             generations = pipeline.generate_together([items[p][1] for p in batch])
         except RequestCancelled as err:
@@ -95,6 +108,7 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
                 message = f"{name}: request cancelled after {time.perf_counter() - started:.2f} s"
                 pb.utils().Logger.log_info(message)  # the client is gone: the log is where this shows
                 answers[owner].error = pb.error_response(message, "CANCELLED")
+                metrics.add("cancellations_total", model=name)
             rest = [p for p in batch if answers[items[p][0]].error is None]
             work.extendleft(reversed(_replan(pipeline, items, rest)))  # the partners again, without the cancelled
             continue
@@ -104,6 +118,8 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
                     work.extendleft(reversed(_replan(pipeline, items, [p for p in batch if items[p][0] == owner])))
                 continue
             answers[owners[0]].error = _error(name, err)
+            if isinstance(err, RuntimeInputError):
+                metrics.add("refusals_total", model=name)
             continue
         finally:
             context.requests, context.loras = [], ()
@@ -113,8 +129,28 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
             owner = items[position][0]
             generation.timings.wait_s = wait
             answers[owner].images[position] = generation.images
+            item = items[position][1]
+            labels = {"model": name, "bucket": _bucket(item), "workflow": item.resolved_workflow.value}
+            metrics.add("images_total", len(generation.images), **labels)
+            metrics.add("steps_total", len(generation.images) * len(generation.timings.step_s), **labels)
             answers[owner].timings.append(generation.timings)
     return [_response(answer, requests[i], started, started_ns) for i, answer in enumerate(answers)]
+
+
+class _NoMetrics:
+    def add(self, *args, **kwargs) -> None:
+        pass
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+
+_NO_METRICS = _NoMetrics()
+
+
+def _bucket(item: Any) -> str:
+    """The metrics' bucket label: the request's size, WxH (a video's WxHxF)."""
+    return f"{item.width}x{item.height}" + (f"x{item.frames}" if item.frames else "")
 
 
 def _replan(pipeline: Any, items: list, positions: list[int]) -> list[list[int]]:

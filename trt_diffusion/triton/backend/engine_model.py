@@ -27,6 +27,7 @@ from ...errors import RuntimeInputError
 from ...targets.lora_switch import DEFAULT_CAPACITY, LoraParts, LoraSwitchingRunner, parse_set_parameter
 from ..contract import LORA_SWITCH_S, LORAS_PARAMETER
 from . import pb
+from .metrics import Metrics
 
 
 class TritonPythonModel:
@@ -43,6 +44,7 @@ class TritonPythonModel:
         self.output_names = [output["name"] for output in config["output"]]
         self.profile = read_profile(folder)
         self.runner = _with_loras(self.runner, get_target(target), folder, self.name, config)
+        self.metrics = Metrics() if isinstance(self.runner, LoraSwitchingRunner) else None
 
     def execute(self, requests: list) -> list:
         utils = pb.utils()
@@ -55,6 +57,8 @@ class TritonPythonModel:
                 if isinstance(self.runner, LoraSwitchingRunner):  # the set the entry asked for, then the call
                     switch_s = self.runner.select(parse_set_parameter(request_parameter(request, LORAS_PARAMETER)))
                     outputs[LORA_SWITCH_S.name] = np.array([switch_s], np.float32)
+                    if self.runner.last_change is not None:
+                        self.metrics.add("lora_switches_total", model=self.name, result=self.runner.last_change)
                 outputs.update(self.runner.run(feeds))
                 responses.append(utils.InferenceResponse(
                     [utils.Tensor(name, outputs[name]) for name in self.output_names]))

@@ -46,6 +46,11 @@ class TritonPythonModel:
         pb.utils().Logger.log_info(f"{self.name}: python warm-up took {seconds:.2f} s")
         parameters = config["parameters"]
         self.max_images = int(parameters.get("max_images", {}).get("string_value", "1") or 1)
+        self.metrics = None
+        if self.stage == "full":  # the entry exports the serving metrics (metrics.py, docs/triton.md)
+            from .metrics import Metrics
+
+            self.metrics = Metrics()
         self._serve = {"full": self._full, "stream": self._stream, "encode": self._encode,
                        "denoise": self._denoise, "decode": self._decode}[self.stage]
 
@@ -53,7 +58,7 @@ class TritonPythonModel:
         if self.stage == "full":  # the dynamic batcher's batch, served together
             from .batching import serve_batch
 
-            return serve_batch(self.name, self.pipeline, self.context, requests, self.max_images)
+            return serve_batch(self.name, self.pipeline, self.context, requests, self.max_images, self.metrics)
         if self.stage == "stream":
             for request in requests:
                 self._stream(request)
