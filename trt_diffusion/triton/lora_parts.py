@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ServeError
 from ..targets.lora_switch import BASE_FILE, INDEX_FILE, SCHEMA_VERSION
 from ..workspace.files import sha256_file
 
@@ -87,8 +86,9 @@ def _atomic_save(save_file, tensors: Mapping[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def check_targets(built: Sequence[Any], parts: Mapping[str, ComponentParts]) -> None:
-    """Every engine taking a LoRA part must be refittable on a target that switches LoRAs per request."""
+def unservable_reason(built: Sequence[Any], parts: Mapping[str, ComponentParts]) -> str | None:
+    """Why these engines cannot switch LoRAs per request (an engine taking a part is not refittable, or its target
+    has no `lora_runner`), or None. `package` then serves the base model only and says so in its notes."""
     from ..targets import get_target
     from ..targets.base import TargetBase
 
@@ -97,11 +97,9 @@ def check_targets(built: Sequence[Any], parts: Mapping[str, ComponentParts]) -> 
         if engine.spec.component not in parts:
             continue
         if not engine.spec.refittable:
-            problems.append(f"{engine.spec.name}: not refittable (a fused LoRA variant?); package its refittable "
-                            "engines")
-            continue
-        target = get_target(engine.spec.target)
-        if type(target).lora_runner is TargetBase.lora_runner:
-            problems.append(f"{engine.spec.name}: the {engine.spec.target} target cannot switch LoRAs per request")
-    if problems:
-        raise ServeError("cannot serve LoRAs per request:\n  " + "\n  ".join(problems))
+            problems.append(f"{engine.spec.name} is not refittable")
+        elif type(get_target(engine.spec.target)).lora_runner is TargetBase.lora_runner:
+            problems.append(f"the {engine.spec.target} target cannot switch LoRAs per request ({engine.spec.name})")
+    if not problems:
+        return None
+    return ("LoRAs are not served per request (LORAS naming one is refused): " + "; ".join(dict.fromkeys(problems)))

@@ -132,13 +132,14 @@ class _ModelPlan:
 def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, pipeline_name: str,
             out_dir: str | Path, options: PackageOptions | None = None,
             workflows: Sequence[Workflow | str] | None = None, cfg: Sequence[str] | None = None,
-            loras: Mapping[str, Any] | None = None, served_loras: Sequence[str] = ()) -> PackageReport:
+            loras: Mapping[str, Any] | None = None, served_loras: Sequence[str] = (),
+            notes: Sequence[str] = ()) -> PackageReport:
     """Write the Triton repository serving `built` (BuiltEngine list of one model) to `out_dir`. `workflows`:
     what engines.yaml declares for the model (None: txt2img only); the entry serves those and refuses others.
     `cfg`: its CFG modes (None: none recorded, the entry picks from the engine batches); with `parallel` the
     denoiser engine models get two instances and the entry calls them at once (`_instance_group`). `loras`:
     component -> lora_parts.ComponentParts, the parts of `served_loras` each refittable engine takes (LoRA per
-    request; lora_parts.write_parts)."""
+    request; lora_parts.write_parts). `notes`: more for the report (why LoRAs are not served, ...)."""
     start = time.perf_counter()
     options = options or PackageOptions()
     options.check()
@@ -151,11 +152,13 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
     served_workflows = _check_workflows(built, family, workflows, model_dir)
     served_cfg = tuple(mode.value for mode in cfg_modes(cfg))
 
-    loras = dict(loras or {})
+    loras, lora_notes = dict(loras or {}), list(notes)
     if loras:
-        from .lora_parts import check_targets
+        from .lora_parts import unservable_reason
 
-        check_targets(built, loras)
+        reason = unservable_reason(built, loras)
+        if reason is not None:  # the base model is served; the note says why LoRAs are not
+            loras, served_loras, lora_notes = {}, (), [reason]
     engines = [_engine_plan(pipeline, engine, options, served_cfg, loras.get(engine.spec.component))
                for engine in built]
     _check_unique([plan.config.name for plan in engines])
@@ -173,7 +176,7 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
         sizes=sizes, request_sizes=request_sizes, controlnets=list(description.controlnets),
         workflows=list(description.workflows), cfg=list(description.cfg),
         models=[plan.record for plan in models], options=asdict(options), seconds=0.0,
-        notes=list(dict.fromkeys(note for plan in engines for note in plan.notes)))
+        notes=list(dict.fromkeys([*(note for plan in engines for note in plan.notes), *lora_notes])))
     _check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_staging(out_dir)
