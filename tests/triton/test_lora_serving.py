@@ -149,3 +149,20 @@ def test_metrics_count_a_known_load_exactly(served):
     assert delta("trt_diffusion_lora_switches_total", model=unet, result="refit") == 2
     assert delta("trt_diffusion_lora_switches_total", model=unet, result="cached") == 1
     assert delta("trt_diffusion_lora_switches_total", model=unet, result="base") == 1
+
+
+def test_generate_lora_option_gives_the_request_image(served, tmp_path, capsys):
+    """`trt-diffusion generate --lora NAME[:SCALE]` (repeatable) sends LORAS: its PNG holds the image of the same
+    request sent with LORAS as JSON."""
+    from PIL import Image
+
+    from trt_diffusion.cli import main
+
+    server, report = served
+    both = json.dumps([{"name": "detail", "scale": -0.4}, {"name": "style", "scale": 1.0}])
+    expected, _ = generate(served, both, seed=3)
+    args = ["generate", "--url", f"grpc://{server.grpc_url}", "--pipeline", report.entry, "--prompt",
+            "a lighthouse on a cliff", "--steps", "3", "--guidance-scale", "1", "--seed", "3", "--height", str(SIZE),
+            "--width", str(SIZE), "--lora", "style", "--lora", "detail:-0.4", "-o", str(tmp_path / "out.png")]
+    assert main(args) == 0, capsys.readouterr().err
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "out.png").convert("RGB")), expected)

@@ -58,6 +58,9 @@ def package_command(
     batch_delay_ms: Annotated[float, typer.Option("--batch-delay-ms", min=0, max=10000, help="longest wait for "
                                                   "batch partners (0 where the engines are batch 1 only and --batch-requests is not set)")] = 5.0,
     max_images: Annotated[int, typer.Option("--max-images", min=1, help="NUM_IMAGES of one request at most")] = 8,
+    lora_cache_sets: Annotated[int, typer.Option("--lora-cache-sets", min=1, help="LoRA sets each engine instance "
+                                                 "keeps applied (LRU; each holds a refitted copy of the engine's "
+                                                 "weights)")] = 4,
     stream: Annotated[bool, typer.Option("--stream/--no-stream",
                                          help="also write <pipeline>_stream (gRPC streaming, previews)")] = True,
     verify_keys: Annotated[list[Path] | None, typer.Option("--verify", help="public key: package only engines the "
@@ -71,7 +74,7 @@ def package_command(
                              engine_instances=engine_instances, gpus=tuple(gpus or ()), max_queue_size=max_queue_size,
                              queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble,
                              batch_requests=batch_requests, batch_delay_ms=batch_delay_ms, max_images=max_images,
-                             stream=stream)
+                             stream=stream, lora_cache_sets=lora_cache_sets)
     report = api.package(config, out, check_target_name(target), model=model, options=options,
                          verify_keys=verify_keys or ())
     table = Table(title=f"Triton repository {report.repo}")
@@ -85,6 +88,9 @@ def package_command(
     console.print(f"public entry: [bold]{report.entry}[/bold]" + (f" (and the ensemble {report.ensemble})"
                                                                    if report.ensemble else "")
                   + f"; sizes: {', '.join(report.sizes)}; written in {report.seconds:.1f} s")
+    if report.loras:
+        console.print(f"LoRAs per request (LORAS / generate --lora): {', '.join(report.loras)}; each engine instance "
+                      f"keeps {options.lora_cache_sets} set(s) applied")
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     console.print(f"next: trt-diffusion serve --repo {out}")

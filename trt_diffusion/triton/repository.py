@@ -174,7 +174,7 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
         ensemble=naming.ensemble_name(pipeline) if _writes_ensemble(family, options) else None, family=family.value,
         target=target,
         sizes=sizes, request_sizes=request_sizes, controlnets=list(description.controlnets),
-        workflows=list(description.workflows), cfg=list(description.cfg),
+        workflows=list(description.workflows), cfg=list(description.cfg), loras=list(description.loras),
         models=[plan.record for plan in models], options=asdict(options), seconds=0.0,
         notes=list(dict.fromkeys([*(note for plan in engines for note in plan.notes), *lora_notes])))
     _check_out_dir(out_dir)
