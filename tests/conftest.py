@@ -164,3 +164,26 @@ def built_wan_i2v(tiny_model_factory, tmp_path_factory):
 
 # Helpers shared by several test folders (the target conformance suite) live in tests/shared/.
 sys.path.insert(0, str(Path(__file__).parent / "shared"))
+
+
+@pytest.fixture(scope="session")
+def built_sd15_two_loras(built_sd15, tmp_path_factory) -> Path:
+    """engines.yaml over `built_sd15`'s workspace (its engines, not rebuilt) serving two refit LoRAs: `style` (the
+    tiny model's LoRA) and `detail` (the same layers, other seeded values at twice the size, so the two sets give
+    clearly different images). For LoRA per request (issue 28)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    document = yaml.safe_load(built_sd15.read_text())
+    (name, model), = document["models"].items()
+    style = Path(model["loras"]["style"]["source"])
+    generator = torch.Generator().manual_seed(28)
+    detail = {key: torch.randn(value.shape, generator=generator) * value.float().std() * 2
+              for key, value in sorted(load_file(str(style)).items())}
+    folder = tmp_path_factory.mktemp("sd15-two-loras")
+    save_file(detail, str(folder / "detail.safetensors"))
+    model["loras"]["detail"] = {"source": str(folder / "detail.safetensors"), "mode": "refit"}
+    document["build"]["workspace"] = str((built_sd15.parent / document["build"]["workspace"]).resolve())
+    path = folder / "engines.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path

@@ -98,3 +98,21 @@ def test_a_value_that_is_not_one_value_is_refused(read):
     tensors["STEPS"] = np.array([[3, 4]], np.int32)
     with pytest.raises(RuntimeInputError, match=r"STEPS must hold one value, got shape \[1, 2\]"):
         requests.read_request(tensors)
+
+
+def test_loras_are_read_canonical_and_keep_requests_apart(pipeline, read):
+    """LORAS (issue 28): the set is read in its canonical form; requests of different sets never share a
+    denoiser call (the batch key holds the set), equal sets listed in any order do."""
+    served = ("detail", "style")
+    one = read(request(loras='[{"name": "style", "scale": 0.8}, {"name": "detail", "scale": 1}]'), served_loras=served)
+    two = read(request(loras='[{"name": "detail"}, {"name": "style", "scale": 0.8}]'), served_loras=served)
+    other = read(request(loras='[{"name": "style", "scale": 0.5}]'), served_loras=served)
+    base = read(request(), served_loras=served)
+    assert [(c.name, c.scale) for c in one.loras] == [("detail", 1.0), ("style", 0.8)]
+    assert pipeline.batch_key(one) == pipeline.batch_key(two)
+    assert len({pipeline.batch_key(r) for r in (one, other, base)}) == 3
+    assert base.loras == () and read(request(loras="[]"), served_loras=served).loras == ()
+    with pytest.raises(RuntimeInputError, match="unknown LoRA 'anime'; this model serves: detail, style"):
+        read(request(loras='[{"name": "anime"}]'), served_loras=served)
+    with pytest.raises(RuntimeInputError, match="this model serves: none"):
+        read(request(loras='[{"name": "style"}]'))

@@ -58,6 +58,9 @@ def package_command(
     batch_delay_ms: Annotated[float, typer.Option("--batch-delay-ms", min=0, max=10000, help="longest wait for "
                                                   "batch partners (0 where the engines are batch 1 only and --batch-requests is not set)")] = 5.0,
     max_images: Annotated[int, typer.Option("--max-images", min=1, help="NUM_IMAGES of one request at most")] = 8,
+    lora_cache_sets: Annotated[int, typer.Option("--lora-cache-sets", min=1, help="LoRA sets each engine instance "
+                                                 "keeps applied (LRU; each holds a refitted copy of the engine's "
+                                                 "weights)")] = 4,
     stream: Annotated[bool, typer.Option("--stream/--no-stream",
                                          help="also write <pipeline>_stream (gRPC streaming, previews)")] = True,
     verify_keys: Annotated[list[Path] | None, typer.Option("--verify", help="public key: package only engines the "
@@ -71,7 +74,7 @@ def package_command(
                              engine_instances=engine_instances, gpus=tuple(gpus or ()), max_queue_size=max_queue_size,
                              queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble,
                              batch_requests=batch_requests, batch_delay_ms=batch_delay_ms, max_images=max_images,
-                             stream=stream)
+                             stream=stream, lora_cache_sets=lora_cache_sets)
     report = api.package(config, out, check_target_name(target), model=model, options=options,
                          verify_keys=verify_keys or ())
     table = Table(title=f"Triton repository {report.repo}")
@@ -85,6 +88,9 @@ def package_command(
     console.print(f"public entry: [bold]{report.entry}[/bold]" + (f" (and the ensemble {report.ensemble})"
                                                                    if report.ensemble else "")
                   + f"; sizes: {', '.join(report.sizes)}; written in {report.seconds:.1f} s")
+    if report.loras:
+        console.print(f"LoRAs per request (LORAS / generate --lora): {', '.join(report.loras)}; each engine instance "
+                      f"keeps {options.lora_cache_sets} set(s) applied")
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     console.print(f"next: trt-diffusion serve --repo {out}")
@@ -187,6 +193,9 @@ def generate_command(
         "truncated. Other families refuse it")] = None,
     fps: Annotated[int, typer.Option("--fps", min=1, help="a video model's frames per second in the file it "
                                      "writes")] = DEFAULT_FPS,
+    lora: Annotated[list[str] | None, typer.Option("--lora", help="NAME[:SCALE] (default scale 1): a LoRA the server "
+                                                   "serves (engines.yaml's `mode: refit` LoRAs), applied to this "
+                                                   "request only; repeat for several")] = None,
 ):
     """Ask a running server (or, with --config, the built engines in this process) for an image; save it as PNG
     with its request in the PNG's text (A1111 `parameters` and JSON); a video model's videos as .mp4 (or .gif)."""
@@ -230,10 +239,12 @@ def generate_command(
     elif config is not None and (height is None or width is None):
         ctx.fail("Missing option '--height'/'--width': give both with --config (no server to ask for its sizes)")
     control = _control_image(control_image, width, height) if control_image is not None else None
+    loras = _loras_json(lora, config)
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None,
                            workflow=workflow, init_image=init_image, mask=mask_array, strength=strength,
-                           frames=frames, guidance_scale_2=guidance_scale_2, max_sequence_length=max_sequence_length)
+                           frames=frames, guidance_scale_2=guidance_scale_2, max_sequence_length=max_sequence_length,
+                           loras=loras)
     start = time.perf_counter()
     on_preview = None
     if config is None and preview is not None:
@@ -263,6 +274,22 @@ def generate_command(
                   f"{time.perf_counter() - start:.2f} s"
                   + (f" (server: {timing.get('total_s', 0):.2f} s, batch {timing.get('batch')})" if timing else ""),
                   soft_wrap=True, highlight=False)
+
+
+def _loras_json(lora: list[str] | None, config: Path | None) -> str | None:
+    """--lora NAME[:SCALE] ... as the LORAS JSON (checked here: a bad one fails before any request)."""
+    from ..errors import ConfigError, RuntimeInputError
+    from ..triton import lora_sets
+
+    if not lora:
+        return None
+    if config is not None:
+        raise ConfigError("--lora names a LoRA a server serves per request; with --config, apply LoRAs to the engines "
+                          "with `trt-diffusion refit --lora FILE[:SCALE]`")
+    try:
+        return lora_sets.to_json(lora_sets.canonical([lora_sets.parse_cli_lora(text) for text in lora]))
+    except RuntimeInputError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _given(ctx: typer.Context, name: str) -> bool:

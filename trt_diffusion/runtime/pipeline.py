@@ -69,6 +69,9 @@ class GenerationRequest:
     # qwen_image: prompt tokens kept after the template (diffusers' max_sequence_length); None: 512, or the engines'
     # text_length max where lower. Longer prompts are truncated to it, as diffusers does; above the engines' max refused
     max_sequence_length: int | None = None
+    # LoRAs applied by the engines for this request (served: triton/lora_sets.py's canonical set, sorted by name,
+    # no scale 0); requests with different sets never share a denoiser call (batch_key)
+    loras: tuple = ()
 
     @property
     def resolved_workflow(self) -> Workflow:
@@ -389,7 +392,8 @@ class EnginePipeline:
         controlnet = (request.controlnet, request.controlnet_scale) if request.controlnet else None
         workflow = request.resolved_workflow  # the same trimmed schedule and denoiser inputs
         strength = request.resolved_strength if workflow.takes_strength else None
-        key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength)
+        key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength,
+               tuple(request.loras))  # the engines hold one LoRA set per call
         if self.family in (Family.flux, Family.wan, Family.qwen_image, *FLUX2_FAMILIES):
             # one request per batch (their loops say why)
             key += (id(request),)

@@ -134,3 +134,10 @@ class TargetBase:
     def plan_note(self, precision: str) -> str:
         """What `plan` adds about how this target computes `precision` here and elsewhere; nothing by default."""
         return ""
+
+    def lora_runner(self, folder: Path, name: str, weights: Mapping[str, Any], *, base: Any = None) -> Any:
+        """A runner over the engine files of a Triton model version folder (as `runner_from_files` reads them) with
+        `weights` (torch parameter name -> fused value) in place of the base ones: the hot refit of LoRA per
+        request (targets/lora_switch.py). `base`: the instance's base runner (its threads, cache, device).
+        Targets that cannot refit at serve time say so here, and `package` refuses LoRAs for them."""
+        raise NotImplementedError(f"the {self.name} target cannot switch LoRAs per request")

@@ -57,6 +57,16 @@ VIDEO_INPUTS: tuple[TensorDecl, ...] = (
 TEXT_INPUTS: tuple[TensorDecl, ...] = (
     _scalar("MAX_SEQUENCE_LENGTH", "TYPE_INT32", optional=True),
 )
+# LoRA per request (issue 28): declared on every entry, so a set sent to a repository without LoRAs is refused
+# by name ("unknown LoRA 'x'; this model serves: none"). A JSON string [{"name": "style", "scale": 0.8}, ...]
+# (lora_sets.py); absent or []: the base model.
+LORA_INPUTS: tuple[TensorDecl, ...] = (
+    _scalar("LORAS", "TYPE_STRING", optional=True),
+)
+# The request parameter through which the entry hands a batch's canonical set to the engine models (BLS)
+LORAS_PARAMETER = "trt_diffusion_loras"
+# What a LoRA-serving engine model answers beside its engine's outputs: seconds this call spent switching sets
+LORA_SWITCH_S = TensorDecl("LORA_SWITCH_S", "TYPE_FP32", (1,))
 CONTROLNET_INPUTS: tuple[TensorDecl, ...] = (
     _scalar("CONTROLNET", "TYPE_STRING", optional=True),
     TensorDecl("CONTROL_IMAGE", "TYPE_UINT8", (-1, -1, 3), optional=True),
@@ -87,7 +97,7 @@ PROMPT_ONLY = ("PROMPT", "NEGATIVE_PROMPT")  # request inputs the denoise stage 
 
 
 def request_inputs(has_controlnets: bool) -> tuple[TensorDecl, ...]:
-    return (REQUEST_INPUTS + WORKFLOW_INPUTS + VIDEO_INPUTS + TEXT_INPUTS
+    return (REQUEST_INPUTS + WORKFLOW_INPUTS + VIDEO_INPUTS + TEXT_INPUTS + LORA_INPUTS
             + (CONTROLNET_INPUTS if has_controlnets else ()))
 
 

@@ -29,6 +29,8 @@ class EngineEntry:
     controlnet: str | None
     inputs: tuple[TensorSpec, ...]  # named, dtype as the engine manifest writes it, -1: dynamic
     outputs: tuple[TensorSpec, ...]
+    # the served LoRAs this engine holds a part of (its model switches sets per request, answers LORA_SWITCH_S)
+    loras: tuple[str, ...] = ()
 
     @property
     def bucket_object(self) -> Bucket | None:
@@ -55,6 +57,8 @@ class PipelineDescription:
     # truncates prompts where its encoder engine ends, as the in-process pipeline does; None: the family's default
     # range (and every other family, whose prompts are padded to one length)
     text_lengths: tuple[int, int, int] | None = None
+    # engines.yaml's refit LoRAs: the names a request's LORAS may use (issue 28); none: every set but [] refused
+    loras: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -77,7 +81,8 @@ class PipelineDescription:
             return tuple(TensorSpec(t["dtype"], tuple(t["shape"]), t["name"]) for t in items)
 
         engines = tuple(EngineEntry(e["model"], e["component"], e["bucket"], e["batch"], e["controlnet"],
-                                    tensors(e["inputs"]), tensors(e["outputs"])) for e in raw["engines"])
+                                    tensors(e["inputs"]), tensors(e["outputs"]), tuple(e.get("loras") or ()))
+                        for e in raw["engines"])
         return cls(raw["pipeline"], raw["family"], engines, raw["schema_version"], tuple(raw.get("controlnets", ())),
                    tuple(raw.get("workflows") or DEFAULT_WORKFLOWS), tuple(raw.get("cfg") or ()),
-                   tuple(raw["text_lengths"]) if raw.get("text_lengths") else None)
+                   tuple(raw["text_lengths"]) if raw.get("text_lengths") else None, tuple(raw.get("loras") or ()))

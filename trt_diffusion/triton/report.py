@@ -43,6 +43,7 @@ class PackageReport:
     notes: list[str] = field(default_factory=list)
     workflows: list[str] = field(default_factory=lambda: ["txt2img"])  # what the entry serves (engines.yaml)
     cfg: list[str] = field(default_factory=list)  # engines.yaml's CFG modes (parallel: two denoiser instances)
+    loras: list[str] = field(default_factory=list)  # the LoRAs a request may name in LORAS (refit, per request)
 
     def engine_models(self) -> list[PackagedModel]:
         return [m for m in self.models if m.role == "engine"]

@@ -20,7 +20,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from ..errors import ServeError
 from ..families import FAMILIES, FLUX2_FAMILIES, Component, Family
 from ..runtime.cfg_parallel import cfg_instances, cfg_modes
 from ..targets import get_target
+from ..targets.lora_switch import FOLDER as LORA_FOLDER
 from ..tensors import TensorSpec
 from ..workflows import FAMILY_WORKFLOWS, Workflow, families_that_run
 from ..workspace.safe_paths import checked_name, is_link
@@ -87,6 +88,9 @@ class PackageOptions:
     max_images: int = 8  # NUM_IMAGES of one request at most
     stream: bool = True  # also write <pipeline>_stream: decoupled (gRPC streaming) with previews
     link_files: bool = True  # share engine bytes (reflink, else hard link except ONNX external data) where possible
+    # LoRA per request: LoRA sets each engine instance keeps applied (LRU); each costs the engine's refitted
+    # weights in memory (full SD1.5 UNet: ~3.9 GB on onnxruntime, docs/benchmarks.md)
+    lora_cache_sets: int = 4
 
     def check(self) -> None:
         problems = []
@@ -94,7 +98,8 @@ class PackageOptions:
             problems.append(f"engine_backend must be one of {ENGINE_BACKENDS}, got {self.engine_backend!r}")
         if self.warmup_data not in WARMUP_DATA:
             problems.append(f"warmup_data must be one of {WARMUP_DATA}, got {self.warmup_data!r}")
-        for name in ("pipeline_instances", "engine_instances", "max_queue_size", "batch_requests", "max_images"):
+        for name in ("pipeline_instances", "engine_instances", "max_queue_size", "batch_requests", "max_images",
+                     "lora_cache_sets"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if any(not isinstance(g, int) or g < 0 for g in self.gpus) or len(set(self.gpus)) != len(self.gpus):
@@ -118,6 +123,7 @@ class _ModelPlan:
     skeleton: bool = False  # copy the model folder's configs and tokenizers into <version>/model/
     notes: tuple[str, ...] = ()  # what the user must know to serve this model (from its target)
     description: PipelineDescription | None = None
+    loras: Any = None  # lora_parts.ComponentParts: linked into <version>/loras/ (LoRA per request)
 
 
 # ---------------------------------------------------------------------------- public
@@ -125,11 +131,15 @@ class _ModelPlan:
 
 def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, pipeline_name: str,
             out_dir: str | Path, options: PackageOptions | None = None,
-            workflows: Sequence[Workflow | str] | None = None, cfg: Sequence[str] | None = None) -> PackageReport:
+            workflows: Sequence[Workflow | str] | None = None, cfg: Sequence[str] | None = None,
+            loras: Mapping[str, Any] | None = None, served_loras: Sequence[str] = (),
+            notes: Sequence[str] = ()) -> PackageReport:
     """Write the Triton repository serving `built` (BuiltEngine list of one model) to `out_dir`. `workflows`:
     what engines.yaml declares for the model (None: txt2img only); the entry serves those and refuses others.
     `cfg`: its CFG modes (None: none recorded, the entry picks from the engine batches); with `parallel` the
-    denoiser engine models get two instances and the entry calls them at once (`_instance_group`)."""
+    denoiser engine models get two instances and the entry calls them at once (`_instance_group`). `loras`:
+    component -> lora_parts.ComponentParts, the parts of `served_loras` each refittable engine takes (LoRA per
+    request; lora_parts.write_parts). `notes`: more for the report (why LoRAs are not served, ...)."""
     start = time.perf_counter()
     options = options or PackageOptions()
     options.check()
@@ -142,9 +152,18 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
     served_workflows = _check_workflows(built, family, workflows, model_dir)
     served_cfg = tuple(mode.value for mode in cfg_modes(cfg))
 
-    engines = [_engine_plan(pipeline, engine, options, served_cfg) for engine in built]
+    loras, lora_notes = dict(loras or {}), list(notes)
+    if loras:
+        from .lora_parts import unservable_reason
+
+        reason = unservable_reason(built, loras)
+        if reason is not None:  # the base model is served; the note says why LoRAs are not
+            loras, served_loras, lora_notes = {}, (), [reason]
+    engines = [_engine_plan(pipeline, engine, options, served_cfg, loras.get(engine.spec.component))
+               for engine in built]
     _check_unique([plan.config.name for plan in engines])
-    description = _description(pipeline, family, built, engines, served_workflows, served_cfg)
+    description = _description(pipeline, family, built, engines, served_workflows, served_cfg,
+                               tuple(sorted(served_loras)))
     has_controlnets = bool(description.controlnets)
     sizes, request_sizes = _sizes(built, family, "label"), _sizes(built, family, "opt")
     models = engines + _pipeline_plans(pipeline, family, has_controlnets, description, sizes, request_sizes,
@@ -155,9 +174,9 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
         ensemble=naming.ensemble_name(pipeline) if _writes_ensemble(family, options) else None, family=family.value,
         target=target,
         sizes=sizes, request_sizes=request_sizes, controlnets=list(description.controlnets),
-        workflows=list(description.workflows), cfg=list(description.cfg),
+        workflows=list(description.workflows), cfg=list(description.cfg), loras=list(description.loras),
         models=[plan.record for plan in models], options=asdict(options), seconds=0.0,
-        notes=list(dict.fromkeys(note for plan in engines for note in plan.notes)))
+        notes=list(dict.fromkeys([*(note for plan in engines for note in plan.notes), *lora_notes])))
     _check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_staging(out_dir)
@@ -281,25 +300,28 @@ def _instance_group(spec: Any, kind: str, options: PackageOptions, cfg: Sequence
     return count, gpus
 
 
-def _engine_plan(pipeline: str, engine: Any, options: PackageOptions, cfg: Sequence[str] = ()) -> _ModelPlan:
+def _engine_plan(pipeline: str, engine: Any, options: PackageOptions, cfg: Sequence[str] = (),
+                 loras: Any = None) -> _ModelPlan:
     spec, manifest = engine.spec, engine.manifest
     name = naming.engine_model_name(pipeline, spec)
     served = get_target(spec.target).triton_model(engine, engine_backend=options.engine_backend)
     warmup = _warmup_samples(name, manifest, spec)
     instances, gpus = _instance_group(spec, served.instance_kind, options, cfg)
+    outputs = _tensor_decls(manifest.outputs, name) + ([contract.LORA_SWITCH_S] if loras else [])
+    lora_parameters = {"lora_cache_sets": str(options.lora_cache_sets)} if loras else {}
     config = configs.engine_config(
-        name, inputs=_tensor_decls(manifest.inputs, name), outputs=_tensor_decls(manifest.outputs, name),
+        name, inputs=_tensor_decls(manifest.inputs, name), outputs=outputs,
         backend=served.backend, model_file=served.model_file, instances=instances,
         kind=served.instance_kind, warmup=warmup, random_warmup=options.warmup_data == "random",
         profiles=served.profiles, gpus=gpus,
         parameters={**served.parameters, "engine": spec.name, "engine_key": spec.key,
-                    "component": spec.component, "target": spec.target})
+                    "component": spec.component, "target": spec.target, **lora_parameters})
     record = PackagedModel(
         name=name, role="engine", backend=served.backend, component=spec.component,
         bucket=spec.bucket.label if spec.bucket else None, batch=spec.batch, controlnet=spec.controlnet,
         warmup_samples=len(warmup), source=str(engine.path))
     texts = {"model.py": ENGINE_MODEL_PY} if served.backend == "python" else {}
-    return _ModelPlan(config, record, files=dict(served.files), texts=texts, notes=served.notes)
+    return _ModelPlan(config, record, files=dict(served.files), texts=texts, notes=served.notes, loras=loras)
 
 
 def _check_unique(names: list[str]) -> None:
@@ -312,18 +334,20 @@ def _check_unique(names: list[str]) -> None:
 
 
 def _description(pipeline: str, family: Family, built: Sequence[Any], engines: list[_ModelPlan],
-                 workflows: tuple[str, ...] = DEFAULT_WORKFLOWS, cfg: tuple[str, ...] = ()) -> PipelineDescription:
+                 workflows: tuple[str, ...] = DEFAULT_WORKFLOWS, cfg: tuple[str, ...] = (),
+                 loras: tuple[str, ...] = ()) -> PipelineDescription:
     def entries(infos) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec(t.dtype, tuple(t.shape), t.name) for t in infos)
 
     # one row per shape: a multi-profile engine (engine_layout: profiles) routes each of its buckets and batches
     # to its one model, whose engine runs the request in the profile built for its shape
     rows = tuple(EngineEntry(plan.config.name, e.spec.component, m.bucket.to_json() if m.bucket else None,
-                             m.batch, e.spec.controlnet, entries(e.manifest.inputs), entries(e.manifest.outputs))
+                             m.batch, e.spec.controlnet, entries(e.manifest.inputs), entries(e.manifest.outputs),
+                             plan.loras.names if plan.loras else ())
                  for plan, e in zip(engines, built) for m in e.spec.members)
     controlnets = tuple(sorted({e.spec.controlnet for e in built if e.spec.controlnet}))
     return PipelineDescription(pipeline, family.value, rows, controlnets=controlnets, workflows=workflows, cfg=cfg,
-                               text_lengths=_text_lengths(built))
+                               text_lengths=_text_lengths(built), loras=loras)
 
 
 def _text_lengths(built: Sequence[Any]) -> tuple[int, int, int] | None:
@@ -440,6 +464,10 @@ def _write_model(root: Path, plan: _ModelPlan, model_dir: Path, family: Family, 
         _place(source, version / name, options.link_files, hard_link=name not in unlinkable)
     for name, text in plan.texts.items():
         (version / name).write_text(text)
+    if plan.loras is not None:  # LoRA per request: the parts this engine takes (targets/lora_switch.py reads them)
+        (version / LORA_FOLDER).mkdir()
+        for source in sorted(plan.loras.folder.iterdir()):
+            _place(source, version / LORA_FOLDER / source.name, options.link_files)
     if plan.description is not None:
         plan.description.write(version)
     if plan.skeleton:

@@ -60,8 +60,18 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
                                      "--verify PUBKEY")
     if verify_keys:
         signing.verify_engines(engines, config.workspace, release_path, verify_keys)
-    report = package(engines, resolved.source.path, resolved.family, model, out_dir, options,
-                     workflows=resolved.workflows, cfg=resolved.cfg)  # engines.yaml's `workflows:` and `cfg:`
+    # LoRA per request: engines.yaml's refit LoRAs, split into each refittable engine's part (issue 28)
+    from .lora_parts import served_lora_names, write_parts
+
+    Path(out_dir).resolve().parent.mkdir(parents=True, exist_ok=True)
+    signed = bool(verify_keys) or config.build.trust == "signed"
+    notes = ["LoRAs are not served per request from a signed release (their parts are not in it): LORAS naming one "
+             "is refused"] if signed and served_lora_names(resolved) else []
+    with tempfile.TemporaryDirectory(prefix=".lora-parts-", dir=Path(out_dir).resolve().parent) as parts_dir:
+        parts = {} if signed else write_parts(config, model, engines, Path(parts_dir))
+        report = package(engines, resolved.source.path, resolved.family, model, out_dir, options,
+                         workflows=resolved.workflows, cfg=resolved.cfg,  # engines.yaml's `workflows:` and `cfg:`
+                         loras=parts, served_loras=served_lora_names(resolved) if parts else (), notes=notes)
     if verify_keys:
         shutil.copyfile(release_path, Path(out_dir) / signing.RELEASE_FILE)  # serve --verify checks it again
     if config.build.trust == "signed":  # serve then requires --verify too

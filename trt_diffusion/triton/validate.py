@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ServeError
+from ..targets.lora_switch import FOLDER as LORA_FOLDER
+from ..targets.lora_switch import INDEX_FILE as LORA_INDEX
 from . import configs, contract
 from .configs import ROLE, ModelConfig
 from .description import FILE_NAME as DESCRIPTION_FILE
@@ -107,6 +109,10 @@ def _io_problems(where: str, kind: str, declared, expected: dict[str, tuple[str,
     return problems
 
 
+_LORA_OUTPUT = {contract.LORA_SWITCH_S.name: (contract.LORA_SWITCH_S.data_type,
+                                                              contract.LORA_SWITCH_S.dims, False)}
+
+
 def _manifest_io(infos, where: str) -> dict[str, tuple[str, tuple[int, ...], bool]]:
     return {t.name: (configs.triton_type(t.dtype, where), tuple(t.shape), False) for t in infos}
 
@@ -116,7 +122,10 @@ def _engine_problems(folder: Path, config: ModelConfig, manifest: Any) -> list[s
     if manifest is None:
         return [f"{where}: no engine manifest to check its inputs and outputs against"]
     problems = _io_problems(where, "input", config.input, _manifest_io(manifest.inputs, where), "the engine manifest")
-    problems += _io_problems(where, "output", config.output, _manifest_io(manifest.outputs, where),
+    # a LoRA-serving engine model (its loras/ parts) answers LORA_SWITCH_S beside the engine's outputs
+    serves_loras = (folder / VERSION / LORA_FOLDER / LORA_INDEX).is_file()
+    problems += _io_problems(where, "output", config.output,
+                             _manifest_io(manifest.outputs, where) | (_LORA_OUTPUT if serves_loras else {}),
                              "the engine manifest")
     if config.max_batch_size != 0:
         problems.append(f"{where}: max_batch_size is {config.max_batch_size}; engines carry their batch in their "
@@ -178,7 +187,8 @@ def _pipeline_problems(folder: Path, config: ModelConfig, models: dict[str, Mode
             continue
         target_where = f"model {engine.model}"
         problems += _io_problems(target_where, "input", target.input, _manifest_io(engine.inputs, target_where), source)
-        problems += _io_problems(target_where, "output", target.output, _manifest_io(engine.outputs, target_where),
+        problems += _io_problems(target_where, "output", target.output,
+                                 _manifest_io(engine.outputs, target_where) | (_LORA_OUTPUT if engine.loras else {}),
                                  source)
     return problems
 

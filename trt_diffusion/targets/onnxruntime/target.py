@@ -77,6 +77,15 @@ class OnnxRuntimeTarget(TargetBase):
     def runner_from_files(self, folder: Path, name: str, *, device: int | None = None):
         return load_runner(folder, name=name)  # KIND_CPU models: never given a device
 
+    def lora_runner(self, folder: Path, name: str, weights, *, base=None):
+        # a new session on the base ONNX with the changed initializers replaced (add_external_initializers);
+        # the base session is left as it is
+        from ...lora import RefitMap, refit_arrays
+
+        folder = Path(folder)
+        arrays = refit_arrays(RefitMap.load(folder, onnx_path=folder / MODEL_FILE), weights)
+        return load_runner(folder, name=name, initializers=arrays)
+
     @staticmethod
     def _initializers(engine: BuiltEngine, weights) -> dict:
         from ...lora import RefitMap, refit_arrays

@@ -169,6 +169,20 @@ class OpenVINOTarget(TargetBase):
         threads = max(1, host.available_cores() // _instance_count(folder.parent))
         return OpenVINORunner(folder, name=name, threads=threads, cache=cache)
 
+    def lora_runner(self, folder: Path, name: str, weights, *, base=None):
+        # the IR read again with the weight constants replaced, compiled with the base instance's threads (no
+        # cache: each set would leave a compiled blob behind)
+        from ...lora import RefitMap, refit_arrays
+
+        folder = Path(folder)
+        manifest = read_manifest(folder)
+        if manifest is None:
+            raise BuildError(f"{folder} holds no valid openvino {MANIFEST_FILE}; package the repository again")
+        refit_map = RefitMap.load(folder)
+        refit_map.check_onnx_sha256(manifest.onnx_sha256, f"the ONNX {name} was built from")
+        threads = getattr(base, "threads", None) or max(1, host.available_cores() // _instance_count(folder.parent))
+        return OpenVINORunner(folder, name=name, threads=threads, constants=refit_arrays(refit_map, weights))
+
     @staticmethod
     def _native_model(engine: BuiltEngine, files) -> TritonEngineModel:
         manifest = engine.manifest

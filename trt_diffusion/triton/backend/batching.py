@@ -21,6 +21,7 @@ from ...errors import RuntimeInputError
 from .. import contract
 from . import pb
 from .bls import EngineCallError, RequestCancelled, RequestContext
+from .metrics import Metrics
 from .requests import read_request
 
 
@@ -32,6 +33,7 @@ class _Answer:
     error: Any = None  # an error response
     images: dict[int, np.ndarray] = field(default_factory=dict)
     timings: list = field(default_factory=list)  # StageTimings of its images
+    lora_switch_s: float = 0.0  # engine models switching to its LoRA set, over the batches its images ran in
 
 
 def num_images(request: Any, limit: int) -> int:
@@ -57,17 +59,22 @@ def sent_ns(request: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: list, max_images: int) -> list:
-    """One response per request, in order."""
+def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: list, max_images: int,
+                metrics: Metrics | None = None) -> list:
+    """One response per request, in order. `metrics`: the entry's (metrics.py), counted as the requests are
+    answered."""
     started, started_ns = time.perf_counter(), time.time_ns()
+    metrics = metrics or _NO_METRICS
     answers = [_Answer() for _ in requests]
+    waited: set[int] = set()  # requests whose queue wait is observed (at their first batch)
     items: list[tuple[int, Any]] = []  # (request index, GenerationRequest of one image)
     for index, request in enumerate(requests):
         try:
-            generation_request = read_request(request)
+            generation_request = read_request(request, served_loras=context.served_loras)
             count = num_images(request, max_images)
         except RuntimeInputError as err:
             answers[index].error = pb.error_response(f"{name}: {err}")
+            metrics.add("refusals_total", model=name)
             continue
         answers[index].count = count
         items += [(index, replace(generation_request, seed=generation_request.seed + k)) for k in range(count)]
@@ -77,6 +84,7 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
         owner = items[position][0]
         if answers[owner].error is None:
             answers[owner].error = pb.error_response(f"{name}: {err}")
+            metrics.add("refusals_total", model=name)
     work = deque(batches)
     while work:
         batch = [p for p in work.popleft() if answers[items[p][0]].error is None]
@@ -84,7 +92,14 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
         if not batch:
             continue
         context.requests = [requests[o] for o in owners]
+        context.loras, context.lora_switch_s = items[batch[0]][1].loras, 0.0  # one set per batch (batch_key)
         wait = time.perf_counter() - started
+        for owner in owners:
+            if owner not in waited:
+                waited.add(owner)
+                sent = sent_ns(requests[owner])
+                queued = 0.0 if sent is None else max(0.0, (started_ns - sent) / 1e9)
+                metrics.observe("queue_wait_seconds", queued + wait, model=name)
         try:
             generations = pipeline.generate_together([items[p][1] for p in batch])
         except RequestCancelled as err:
@@ -93,6 +108,7 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
                 message = f"{name}: request cancelled after {time.perf_counter() - started:.2f} s"
                 pb.utils().Logger.log_info(message)  # the client is gone: the log is where this shows
                 answers[owner].error = pb.error_response(message, "CANCELLED")
+                metrics.add("cancellations_total", model=name)
             rest = [p for p in batch if answers[items[p][0]].error is None]
             work.extendleft(reversed(_replan(pipeline, items, rest)))  # the partners again, without the cancelled
             continue
@@ -102,15 +118,39 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
                     work.extendleft(reversed(_replan(pipeline, items, [p for p in batch if items[p][0] == owner])))
                 continue
             answers[owners[0]].error = _error(name, err)
+            if isinstance(err, RuntimeInputError):
+                metrics.add("refusals_total", model=name)
             continue
         finally:
-            context.requests = []
+            context.requests, context.loras = [], ()
+        for owner in owners:
+            answers[owner].lora_switch_s += context.lora_switch_s
         for position, generation in zip(batch, generations):
             owner = items[position][0]
             generation.timings.wait_s = wait
             answers[owner].images[position] = generation.images
+            item = items[position][1]
+            labels = {"model": name, "bucket": _bucket(item), "workflow": item.resolved_workflow.value}
+            metrics.add("images_total", len(generation.images), **labels)
+            metrics.add("steps_total", len(generation.images) * len(generation.timings.step_s), **labels)
             answers[owner].timings.append(generation.timings)
     return [_response(answer, requests[i], started, started_ns) for i, answer in enumerate(answers)]
+
+
+class _NoMetrics:
+    def add(self, *args, **kwargs) -> None:
+        pass
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+
+_NO_METRICS = _NoMetrics()
+
+
+def _bucket(item: Any) -> str:
+    """The metrics' bucket label: the request's size, WxH (a video's WxHxF)."""
+    return f"{item.width}x{item.height}" + (f"x{item.frames}" if item.frames else "")
 
 
 def _replan(pipeline: Any, items: list, positions: list[int]) -> list[list[int]]:
@@ -126,10 +166,11 @@ def _error(name: str, err: BaseException):
     return pb.internal_error(name, err)
 
 
-def timing_json(timings: list, started: float, sent: int | None, started_ns: int) -> str:
+def timing_json(timings: list, started: float, sent: int | None, started_ns: int, lora_switch_s: float = 0.0) -> str:
     """The request's timings: Triton queue (when the client sent its send time), the wait behind other batches
     of the same execute, text encoding, image encoding (img2vid: the first frame's CLIP embeds and the
-    conditioning clip's VAE encode), each step of each denoising batch its images ran in, VAE decode."""
+    conditioning clip's VAE encode), each step of each denoising batch its images ran in, VAE decode, and the
+    engine models' switching to its LoRA set (0 for the base model and for a set they kept applied)."""
     return json.dumps({
         "queue_s": None if sent is None else max(0.0, (started_ns - sent) / 1e9),
         "wait_s": min(t.wait_s for t in timings),
@@ -137,6 +178,7 @@ def timing_json(timings: list, started: float, sent: int | None, started_ns: int
         "image_encode_s": sum(t.image_encode_s for t in timings),
         "steps_s": _unique_batches(timings),
         "vae_decode_s": sum(t.vae_decode_s for t in timings),
+        "lora_switch_s": lora_switch_s,
         "batch": [t.batch for t in timings],  # requests' images sharing the denoiser calls, per image
         "total_s": time.perf_counter() - started,
     })
@@ -157,7 +199,7 @@ def _response(answer: _Answer, request: Any, started: float, started_ns: int):
         return answer.error
     utils = pb.utils()
     images = np.concatenate([answer.images[p] for p in sorted(answer.images)])  # [N, H, W, 3], seed order
-    timing = timing_json(answer.timings, started, sent_ns(request), started_ns)
+    timing = timing_json(answer.timings, started, sent_ns(request), started_ns, answer.lora_switch_s)
     # One image: [1, H, W, 3] as before (the request's batch dimension); N images: [N, H, W, 3]; videos
     # [N, F, H, W, 3] as VIDEO
     name = result_name(images)

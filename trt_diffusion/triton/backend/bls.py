@@ -10,6 +10,7 @@ needing an async `execute`. A BlsRunner keeps nothing per call, so concurrent ca
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,8 @@ from ...errors import TrtDiffusionError
 from ...runtime.engines import RunnerTable
 from ...targets.runner_base import check_feeds
 from ...tensors import TensorSpec
+from .. import lora_sets
+from ..contract import LORA_SWITCH_S, LORAS_PARAMETER
 from ..description import EngineEntry, PipelineDescription
 from . import pb
 
@@ -44,6 +47,16 @@ class RequestContext:
         self.request: Any = None
         self.requests: list = []  # a batch: checked all together
         self.cancelled: Any = None  # a decoupled request's response sender (is_cancelled) or None
+        # LoRA per request: the LoRA names the repository serves, the set of the requests being served now (one
+        # set per batch: the batch key holds it) and the seconds the engine models spent switching to it
+        self.served_loras: tuple[str, ...] = ()
+        self.loras: tuple = ()
+        self.lora_switch_s = 0.0
+        self._lock = threading.Lock()
+
+    def add_switch_time(self, seconds: float) -> None:
+        with self._lock:  # `cfg: parallel` calls the engines from two threads
+            self.lora_switch_s += seconds
 
     def raise_if_cancelled(self) -> None:
         active = self.requests or ([self.request] if self.request is not None else [])
@@ -60,6 +73,7 @@ class BlsRunner:
         self.inputs = {t.name: TensorSpec(np.dtype(t.dtype), tuple(d if d >= 0 else None for d in t.shape))
                        for t in engine.inputs}
         self.output_names = [t.name for t in engine.outputs]
+        self.takes_loras = bool(engine.loras)  # its model switches LoRA sets and answers LORA_SWITCH_S
         self.context = context
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -67,12 +81,20 @@ class BlsRunner:
         self.context.raise_if_cancelled()
         check_feeds(self.name, self.inputs, feeds)
         utils = pb.utils()
-        request = utils.InferenceRequest(
-            model_name=self.name, requested_output_names=self.output_names,
-            inputs=[utils.Tensor(name, np.ascontiguousarray(value)) for name, value in feeds.items()])
+        inputs = [utils.Tensor(name, np.ascontiguousarray(value)) for name, value in feeds.items()]
+        if self.takes_loras:
+            request = utils.InferenceRequest(
+                model_name=self.name, requested_output_names=[*self.output_names, LORA_SWITCH_S.name], inputs=inputs,
+                parameters={LORAS_PARAMETER: lora_sets.to_json(self.context.loras)})
+        else:
+            request = utils.InferenceRequest(model_name=self.name, requested_output_names=self.output_names,
+                                             inputs=inputs)
         response = request.exec()
         if response.has_error():
             raise EngineCallError(f"engine model {self.name}: {response.error().message()}")
+        if self.takes_loras:
+            switch = utils.get_output_tensor_by_name(response, LORA_SWITCH_S.name).as_numpy()
+            self.context.add_switch_time(float(switch.reshape(-1)[0]))
         # Copies: the response's tensors live in shared memory that is reused once it is released.
         return {name: np.array(utils.get_output_tensor_by_name(response, name).as_numpy(), copy=True)
                 for name in self.output_names}

@@ -21,8 +21,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ...errors import RuntimeInputError
+from ...targets.lora_switch import DEFAULT_CAPACITY, LoraParts, LoraSwitchingRunner, parse_set_parameter
+from ..contract import LORA_SWITCH_S, LORAS_PARAMETER
 from . import pb
+from .metrics import Metrics
 
 
 class TritonPythonModel:
@@ -38,6 +43,8 @@ class TritonPythonModel:
                        else get_target(target).runner_from_files(folder, self.name, device=device))
         self.output_names = [output["name"] for output in config["output"]]
         self.profile = read_profile(folder)
+        self.runner = _with_loras(self.runner, get_target(target), folder, self.name, config)
+        self.metrics = Metrics() if isinstance(self.runner, LoraSwitchingRunner) else None
 
     def execute(self, requests: list) -> list:
         utils = pb.utils()
@@ -46,7 +53,13 @@ class TritonPythonModel:
             try:
                 feeds = {name: pb.input_array(request, name) for name in self.runner.inputs}
                 check_profile(self.name, self.profile, feeds)
-                outputs = self.runner.run(feeds)
+                outputs = {}
+                if isinstance(self.runner, LoraSwitchingRunner):  # the set the entry asked for, then the call
+                    switch_s = self.runner.select(parse_set_parameter(request_parameter(request, LORAS_PARAMETER)))
+                    outputs[LORA_SWITCH_S.name] = np.array([switch_s], np.float32)
+                    if self.runner.last_change is not None:
+                        self.metrics.add("lora_switches_total", model=self.name, result=self.runner.last_change)
+                outputs.update(self.runner.run(feeds))
                 responses.append(utils.InferenceResponse(
                     [utils.Tensor(name, outputs[name]) for name in self.output_names]))
             except RuntimeInputError as err:
@@ -54,6 +67,24 @@ class TritonPythonModel:
             except Exception as err:  # noqa: BLE001 - one bad request must not take the model down
                 responses.append(pb.internal_error(self.name, err))
         return responses
+
+
+def _with_loras(runner: Any, target: Any, folder: Path, name: str, config: dict) -> Any:
+    """The runner wrapped to switch LoRA sets per request when the version folder holds LoRA parts."""
+    parts = LoraParts.read(folder)
+    if parts is None:
+        return runner
+    capacity = int(config["parameters"].get("lora_cache_sets", {}).get("string_value") or DEFAULT_CAPACITY)
+    return LoraSwitchingRunner(runner, parts, lambda weights: target.lora_runner(folder, name, weights, base=runner),
+                               capacity=capacity)
+
+
+def request_parameter(request: Any, key: str) -> Any:
+    """One of the request's parameters (a JSON object Triton hands over as a string), None when absent."""
+    try:
+        return json.loads(request.parameters() or "{}").get(key)
+    except (AttributeError, ValueError, TypeError):
+        return None
 
 
 def instance_device(args: Mapping[str, Any]) -> int | None:

@@ -33,6 +33,7 @@ class TritonPythonModel:
         folder = Path(args["model_repository"]) / args["model_version"]
         self.description = PipelineDescription.read(folder)
         self.context = RequestContext()
+        self.context.served_loras = self.description.loras  # what LORAS may name (issue 28)
         # the workflows engines.yaml declares (recorded at package): a request for another is refused by name;
         # its CFG modes: `parallel` issues a step's two denoiser calls at once (bls.py: to two engine instances)
         self.pipeline = EnginePipeline(folder / SKELETON_DIR, self.description.family,
@@ -45,6 +46,11 @@ class TritonPythonModel:
         pb.utils().Logger.log_info(f"{self.name}: python warm-up took {seconds:.2f} s")
         parameters = config["parameters"]
         self.max_images = int(parameters.get("max_images", {}).get("string_value", "1") or 1)
+        self.metrics = None
+        if self.stage == "full":  # the entry exports the serving metrics (metrics.py, docs/triton.md)
+            from .metrics import Metrics
+
+            self.metrics = Metrics()
         self._serve = {"full": self._full, "stream": self._stream, "encode": self._encode,
                        "denoise": self._denoise, "decode": self._decode}[self.stage]
 
@@ -52,7 +58,7 @@ class TritonPythonModel:
         if self.stage == "full":  # the dynamic batcher's batch, served together
             from .batching import serve_batch
 
-            return serve_batch(self.name, self.pipeline, self.context, requests, self.max_images)
+            return serve_batch(self.name, self.pipeline, self.context, requests, self.max_images, self.metrics)
         if self.stage == "stream":
             for request in requests:
                 self._stream(request)
@@ -74,13 +80,19 @@ class TritonPythonModel:
             except Exception as err:  # noqa: BLE001 - a bug answers this request, the model stays up
                 responses.append(pb.internal_error(self.name, err))
             finally:
-                self.context.request = None
+                self.context.request, self.context.loras = None, ()
         return responses
 
     # ------------------------------------------------------------------ stages
 
+    def _read(self, request: Any, *, with_prompt: bool = True):
+        """The request, its LoRA set made the one the engine calls carry."""
+        generation_request = read_request(request, with_prompt=with_prompt, served_loras=self.description.loras)
+        self.context.loras = generation_request.loras
+        return generation_request
+
     def _full(self, request: Any):
-        generation = self.pipeline.generate(read_request(request))
+        generation = self.pipeline.generate(self._read(request))
         return _response({"IMAGE": generation.images[0]})
 
     def _stream(self, request: Any) -> None:
@@ -96,7 +108,8 @@ class TritonPythonModel:
         start, start_ns = time.perf_counter(), time.time_ns()
         self.context.request, self.context.cancelled = request, sender
         try:
-            generation_request = read_request(request)
+            self.context.lora_switch_s = 0.0
+            generation_request = self._read(request)
             every = pb.input_array(request, "PREVIEW_EVERY")
             every = contract.DEFAULT_PREVIEW_EVERY if every is None else int(every.reshape(-1)[0])
             if every < 1:
@@ -112,7 +125,7 @@ class TritonPythonModel:
                         utils.Tensor("PREVIEW", image[None]), utils.Tensor("STEP", np.array([[done]], np.int32))]))
 
             generation = self.pipeline.generate(generation_request, on_step)
-            timing = timing_json([generation.timings], start, sent_ns(request), start_ns)
+            timing = timing_json([generation.timings], start, sent_ns(request), start_ns, self.context.lora_switch_s)
             tensor = utils.Tensor(result_name(generation.images), generation.images)
             sender.send(response_with_timing([tensor], timing, 1), flags=final)
         except RuntimeInputError as err:
@@ -125,10 +138,10 @@ class TritonPythonModel:
         except Exception as err:  # noqa: BLE001 - a bug answers this request, the model stays up
             sender.send(pb.internal_error(self.name, err), flags=final)
         finally:
-            self.context.request, self.context.cancelled = None, None
+            self.context.request, self.context.cancelled, self.context.loras = None, None, ()
 
     def _encode(self, request: Any):
-        generation_request = read_request(request)
+        generation_request = self._read(request)
         self.pipeline.validate(generation_request)  # refuse a bad request before any engine runs
         encoding = self.pipeline.encode(generation_request)
         positive, negative = encoding.positive, encoding.negative
@@ -143,7 +156,7 @@ class TritonPythonModel:
     def _denoise(self, request: Any):
         from ...runtime.pipeline import Conditioning, PromptEncoding
 
-        generation_request = read_request(request, with_prompt=False)
+        generation_request = self._read(request, with_prompt=False)
         self.pipeline.validate(generation_request)
 
         def tensor(name: str) -> np.ndarray | None:

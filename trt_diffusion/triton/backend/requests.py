@@ -5,11 +5,13 @@ Triton has already checked names, data types and ranks against the config; what 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ...errors import RuntimeInputError
+from ..lora_sets import MAX_LORAS_BYTES, parse_loras
 from . import pb
 
 UPSTREAM_PROMPT = "(encoded by the encode stage)"  # the denoise stage never sees the prompt itself
@@ -56,8 +58,9 @@ def _image(value: np.ndarray | None, name: str) -> np.ndarray | None:
     return np.ascontiguousarray(value[0])
 
 
-def read_request(request: Any, *, with_prompt: bool = True):
-    """The request as a GenerationRequest (imported here: it pulls torch, and model.py must import light)."""
+def read_request(request: Any, *, with_prompt: bool = True, served_loras: Sequence[str] = ()):
+    """The request as a GenerationRequest (imported here: it pulls torch, and model.py must import light).
+    `served_loras`: the LoRA names the repository holds; LORAS naming another is refused by name."""
     from ...runtime.pipeline import GenerationRequest
 
     def get(name: str):
@@ -91,4 +94,5 @@ def read_request(request: Any, *, with_prompt: bool = True):
             _only(guidance_2, "GUIDANCE_SCALE_2")),
         # Qwen-Image's; absent: the family's default. Its range (and other families' refusal) is the pipeline's
         max_sequence_length=None if length is None else int(_only(length, "MAX_SEQUENCE_LENGTH")),
+        loras=parse_loras(_text(get("LORAS"), "LORAS", MAX_LORAS_BYTES), served_loras),
     )

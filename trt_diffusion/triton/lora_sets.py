@@ -1,0 +1,117 @@
+"""The LoRA set of one request: the `LORAS` input (a JSON string `[{"name": "style", "scale": 0.8}, ...]`), checked
+and put in one canonical form.
+
+The canonical form is what the batcher groups by, what the entry hands the engine models and what their LRU is
+keyed by: sorted by name, scale-0 entries dropped (they change nothing, so `[{"name": "a", "scale": 0}]` is the
+base model and shares its batches and its engine). Every mistake is one RuntimeInputError naming the field and the
+value; a LoRA the repository does not serve is refused by name, listing the ones it does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import RuntimeInputError
+
+MAX_LORAS_BYTES = 4096  # the LORAS string, checked before it is parsed
+MAX_LORAS_PER_REQUEST = 8
+MAX_LORA_SCALE = 100.0  # |scale|: beyond this a LoRA's delta swamps the weights (and inf/nan would poison them)
+KEYS = ("name", "scale")
+DEFAULT_SCALE = 1.0
+
+
+@dataclass(frozen=True, order=True)
+class LoraChoice:
+    name: str
+    scale: float
+
+
+LoraSet = tuple[LoraChoice, ...]  # canonical: sorted by name, no scale 0
+BASE: LoraSet = ()
+
+
+def _scale(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RuntimeInputError(f"{where}.scale must be a number, got {json.dumps(value)}")
+    scale = float(value)
+    if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+        raise RuntimeInputError(f"{where}.scale must be a finite number in [-{MAX_LORA_SCALE:g}, "
+                                f"{MAX_LORA_SCALE:g}], got {value!r}")
+    return scale
+
+
+def _entry(item: object, index: int) -> LoraChoice:
+    where = f"LORAS[{index}]"
+    if not isinstance(item, dict):
+        raise RuntimeInputError(f'{where} must be an object like {{"name": "style", "scale": 0.8}}, got '
+                                f"{json.dumps(item)[:80]}")
+    unknown = sorted(set(item) - set(KEYS))
+    if unknown:
+        raise RuntimeInputError(f"{where} has unknown key(s) {unknown} (allowed: {list(KEYS)})")
+    name = item.get("name")
+    if not isinstance(name, str) or not name:
+        raise RuntimeInputError(f"{where}.name must be a non-empty string, got {json.dumps(name)}")
+    return LoraChoice(name, _scale(item.get("scale", DEFAULT_SCALE), where))
+
+
+def canonical(choices: Sequence[LoraChoice]) -> LoraSet:
+    """Sorted by name, scale-0 entries dropped; a name twice is refused."""
+    seen: set[str] = set()
+    for choice in choices:
+        if choice.name in seen:
+            raise RuntimeInputError(f"LORAS names {choice.name!r} twice (give each LoRA once, with its scale)")
+        seen.add(choice.name)
+    return tuple(sorted(c for c in choices if c.scale != 0.0))
+
+
+def check_served(lora_set: LoraSet, served: Sequence[str]) -> None:
+    unknown = [c.name for c in lora_set if c.name not in served]
+    if unknown:
+        offered = ", ".join(sorted(served)) if served else "none (package with `mode: refit` LoRAs in engines.yaml)"
+        raise RuntimeInputError(f"LORAS: unknown LoRA {', '.join(map(repr, unknown))}; this model serves: {offered}")
+
+
+def parse_loras(text: str | None, served: Sequence[str] | None = None) -> LoraSet:
+    """The request's LORAS as a canonical set (absent or empty: the base model). `served`: the LoRA names the
+    repository holds (None: not checked here)."""
+    if text is None or not text.strip():
+        return BASE
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_LORAS_BYTES:
+        raise RuntimeInputError(f"LORAS has {size} bytes (at most {MAX_LORAS_BYTES})")
+    try:
+        items = json.loads(text)
+    except ValueError as err:
+        raise RuntimeInputError(f'LORAS is not valid JSON ({err.msg} at character {err.pos}); expected '
+                                f'[{{"name": "style", "scale": 0.8}}, ...]') from None
+    if not isinstance(items, list):
+        raise RuntimeInputError(f'LORAS must be a JSON list like [{{"name": "style", "scale": 0.8}}], got '
+                                f"{json.dumps(items)[:80]}")
+    if len(items) > MAX_LORAS_PER_REQUEST:
+        raise RuntimeInputError(f"LORAS lists {len(items)} LoRAs (at most {MAX_LORAS_PER_REQUEST})")
+    lora_set = canonical([_entry(item, index) for index, item in enumerate(items)])
+    if served is not None:
+        check_served(lora_set, served)
+    return lora_set
+
+
+def to_json(lora_set: Sequence[LoraChoice]) -> str:
+    """The JSON a client sends and the entry passes on (compact, so equal sets give equal strings)."""
+    return json.dumps([{"name": c.name, "scale": c.scale} for c in lora_set], separators=(",", ":"))
+
+
+def parse_cli_lora(text: str) -> LoraChoice:
+    """`generate --lora NAME[:SCALE]`."""
+    name, _, scale = text.partition(":")
+    if not name:
+        raise RuntimeInputError(f"--lora {text!r}: expected NAME or NAME:SCALE (e.g. style:0.8)")
+    if not scale:
+        return LoraChoice(name, DEFAULT_SCALE)
+    try:
+        value = float(scale)
+    except ValueError:
+        raise RuntimeInputError(f"--lora {text!r}: the scale {scale!r} is not a number") from None
+    return LoraChoice(name, _scale(value, f"--lora {name}"))
