@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,openvino,farm,store]'
+	$(BIN)/pip install -q -e '.[test,openvino,farm,store,openai]'
 	# The TensorRT API as .pyi for the type check; --no-deps: its metadata pulls TensorRT from NVIDIA's index.
 	$(BIN)/pip install -q --no-deps tensorrt-stubs==10.13.0.35.1
 	touch $@
