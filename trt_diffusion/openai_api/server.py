@@ -21,7 +21,7 @@ def _config(settings: ApiSettings):
                           lifespan="on", access_log=False, server_header=False)
 
 
-def _check_port(settings: ApiSettings) -> None:
+def check_port(settings: ApiSettings) -> None:
     import socket
 
     if settings.port == 0:
@@ -50,7 +50,7 @@ class ApiServer:
     def start(self) -> ApiServer:
         import uvicorn
 
-        _check_port(self.settings)
+        check_port(self.settings)
         self._server = uvicorn.Server(_config(self.settings))
         self._thread = threading.Thread(target=self._server.run, name="openai-api", daemon=True)
         self._thread.start()
@@ -81,5 +81,5 @@ def run(settings: ApiSettings) -> None:
     import uvicorn
 
     settings.check()
-    _check_port(settings)
+    check_port(settings)
     uvicorn.Server(_config(settings)).run()

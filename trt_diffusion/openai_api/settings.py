@@ -32,6 +32,13 @@ class ApiSettings:
             problems.append("--api-key is empty; leave it out to serve without a key")
         if not self.triton_url.strip():
             problems.append("--triton-url is empty; give Triton's gRPC address, e.g. 127.0.0.1:8001")
+        else:
+            from ..triton.client import parse_url
+
+            try:
+                parse_url(self.triton_url, "grpc")
+            except ServeError as err:
+                problems.append(str(err).replace("--url", "--triton-url", 1))
         if problems:
             raise ServeError("; ".join(problems))
         return self
