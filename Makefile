@@ -15,6 +15,8 @@ TINY := models/tiny-sd15
 TINY_STAMP := $(TINY)/trt_diffusion_tiny.json
 REPO ?= triton_repo
 URL ?= 127.0.0.1:8000
+# make serve also serves the OpenAI Images API here (http://127.0.0.1:$(OPENAI_PORT)/v1)
+OPENAI_PORT ?= 8080
 PROMPT ?= a lighthouse at dusk
 IMAGE ?= out.png
 REFIT_ARGS ?= --model sd15-tiny --base
@@ -27,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,openvino,farm,store]'
+	$(BIN)/pip install -q -e '.[test,openvino,farm,store,openai]'
 	# The TensorRT API as .pyi for the type check; --no-deps: its metadata pulls TensorRT from NVIDIA's index.
 	$(BIN)/pip install -q --no-deps tensorrt-stubs==10.13.0.35.1
 	touch $@
@@ -70,12 +72,13 @@ parity: build-engines
 manifest: build-engines
 	$(TD) manifest $(CONFIG) $(ARGS)
 
-# A Triton model repository from the built engines, then tritonserver on 127.0.0.1 (Ctrl-C stops it).
+# A Triton model repository from the built engines, then tritonserver on 127.0.0.1 and the OpenAI Images API on
+# OPENAI_PORT (Ctrl-C stops both).
 package: build-engines
 	$(TD) package $(CONFIG) --out $(REPO) $(ARGS)
 
 serve: package
-	$(TD) serve --repo $(REPO) $(SERVE_ARGS)
+	$(TD) serve --repo $(REPO) --openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
 # The pre-launch checklist against a server it packages and starts on 127.0.0.1 (or ARGS="--url HOST:PORT"):
 # build/reports/preflight/preflight.html; exit 1 when a check fails. The first run saves the quality baseline

@@ -269,14 +269,42 @@ def package(config_path: str | Path, out_dir: str | Path = "triton_repo", target
 
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
           metrics_port: int | None = 8002, first_request: bool = True, on_ready=None, admin_apis: bool = False,
-          verify_keys: Sequence[str | Path] = ()):
+          verify_keys: Sequence[str | Path] = (), openai=None):
     """tritonserver on a packaged repository (127.0.0.1) until Ctrl-C or SIGTERM: `on_ready(report)` once every
-    model is ready and warm; the warm-up report, or None when stopped before the server was ready."""
+    model is ready and warm; the warm-up report, or None when stopped before the server was ready. `openai`
+    (openai_api.settings.ApiSettings): also the OpenAI Images API, started once Triton is ready, talking to its
+    gRPC port, stopped with it."""
+    from dataclasses import replace
+
     from .triton import stage
 
-    return stage.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                       first_request=first_request, on_ready=on_ready, admin_apis=admin_apis,
-                       verify_keys=verify_keys)
+    started = []
+    if openai is not None:
+        from .openai_api.server import ApiServer, check_port
+
+        check_port(openai.check())  # a taken port fails now, not after the models have loaded
+
+    def ready(report) -> None:
+        if openai is not None:
+            started.append(ApiServer(replace(openai, triton_url=report.grpc_url)).start())
+        if on_ready:
+            on_ready(report)
+
+    try:
+        return stage.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                           first_request=first_request, on_ready=ready, admin_apis=admin_apis,
+                           verify_keys=verify_keys)
+    finally:
+        for server in started:
+            server.stop()
+
+
+def openai_api(settings) -> None:
+    """The OpenAI Images API alone, in the foreground, in front of the Triton at `settings.triton_url` (gRPC);
+    until Ctrl-C or SIGTERM."""
+    from .openai_api.server import run
+
+    run(settings)
 
 
 def generate(request, *, url: str = "127.0.0.1:8000", protocol: str = "http", pipeline: str | None = None,

@@ -50,7 +50,7 @@ def test_a_missing_tiny_model_is_written(tmp_path):
 def test_package_and_serve_do_what_the_readme_says(tiny_present):
     assert dry_run("package", tiny_present)[-1] == f"{TD} package engines.yaml --out triton_repo"
     lines = dry_run("serve", tiny_present)
-    assert lines[-2:] == [f"{TD} package engines.yaml --out triton_repo", f"{TD} serve --repo triton_repo"]
+    assert lines[-2:] == [f"{TD} package engines.yaml --out triton_repo", f"{TD} serve --repo triton_repo --openai-port 8080"]
 
 
 def test_generate_passes_the_prompt_quoted():

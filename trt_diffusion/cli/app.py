@@ -41,9 +41,9 @@ def _top_level(
 
 
 def _register_commands() -> None:
-    from . import build_commands, keys_commands, models_commands, report_commands, serve_commands
+    from . import build_commands, keys_commands, models_commands, openai_commands, report_commands, serve_commands
 
-    for module in (build_commands, report_commands, serve_commands):
+    for module in (build_commands, report_commands, serve_commands, openai_commands):
         for name, function in module.COMMANDS.items():
             app.command(name)(function)
     for name, function in models_commands.COMMANDS.items():

@@ -12,6 +12,7 @@ from rich.table import Table
 from ..targets import check_target_name, target_names
 from ..video_files import DEFAULT_FPS
 from .console import console
+from .openai_commands import DEFAULT_MAX_BODY, ApiKey, MaxBody
 from .options import Transport
 
 
@@ -110,15 +111,29 @@ def serve_command(
     verify_keys: Annotated[list[Path] | None, typer.Option("--verify", help="public key: serve only a repository "
                                                            "whose engines the signed release covers (repeatable)")]
     = None,
+    openai_port: Annotated[int | None, typer.Option("--openai-port", min=1, max=65535, help="also serve the "
+                                                    "OpenAI Images API on this port (127.0.0.1)")] = None,
+    api_key: ApiKey = None,
+    max_body_bytes: MaxBody = DEFAULT_MAX_BODY,
 ):
-    """Run tritonserver on the repository (127.0.0.1) until Ctrl-C."""
+    """Run tritonserver on the repository (127.0.0.1) until Ctrl-C; with --openai-port, the OpenAI Images API too."""
     from .. import api
+
+    openai = None
+    if openai_port is not None:
+        from ..openai_api.settings import ApiSettings
+
+        openai = ApiSettings(f"127.0.0.1:{grpc_port}", port=openai_port, api_key=api_key,
+                             max_body_bytes=max_body_bytes)
 
     def announce(report) -> None:
         console.print(f"ready in {report.seconds_to_ready:.1f} s ({len(report.models_ready)} models, all warm)")
         for first in report.first_requests:
             console.print(f"first request at {first.size}: {first.seconds * 1000:.0f} ms ({first.protocol})")
         console.print(f"HTTP  {report.http_url}\ngRPC  {report.grpc_url}\nlog   {report.log}")
+        if openai is not None:
+            console.print(f"OpenAI  http://{openai.host}:{openai.port}/v1  (images/generations, images/edits, models"
+                          + (", Bearer key required" if openai.api_key else "") + ")", highlight=False)
         console.print(f"try: trt-diffusion generate --url {report.http_url} --prompt \"a lighthouse\" -o out.png")
         console.print("Ctrl-C stops the server.")
 
@@ -128,7 +143,7 @@ def serve_command(
                       "client that reaches the ports")
     warmup = api.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                        first_request=first_request, on_ready=announce, admin_apis=admin_apis,
-                       verify_keys=verify_keys or ())
+                       verify_keys=verify_keys or (), openai=openai)
     console.print("stopped" if warmup else "stopped before the server was ready (tritonserver and its stubs too)")
 
 

@@ -1,0 +1,184 @@
+"""The routes: POST /v1/images/generations, POST /v1/images/edits, GET /v1/models[/{id}], GET /health.
+
+Every error leaves as OpenAI's error shape (errors.py); a bad request never costs Triton a call: the body, the
+model, the size and n are checked here against what the entry declares, the rest by the entry itself."""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..image_files import ImageParameters
+from ..triton.client import ImageRequest, parse_url
+from . import bodies, pngs
+from .catalog import Catalog, ServedModel, check_n, check_size
+from .errors import ApiError, bad_request
+from .limits import BodyLimit
+from .settings import ApiSettings
+from .triton_calls import infer_images, request_tensors, until_done_or_gone
+
+log = logging.getLogger("trt_diffusion.openai_api")
+DEFAULT_GUIDANCE = 7.5  # the CLI's default (ImageRequest)
+MAX_RANDOM_SEED = 2**31  # a seed the request left out: drawn below this, returned in the response
+FORM_FILES = ("image", "image[]", "mask")
+MAX_FORM_FIELDS = 32
+
+
+def create_app(settings: ApiSettings):
+    settings.check()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        import tritonclient.grpc.aio as grpc_aio
+
+        address, tls = parse_url(settings.triton_url, "grpc")
+        client = grpc_aio.InferenceServerClient(address, ssl=tls, channel_args=[
+            ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
+        app.state.triton = client
+        app.state.catalog = Catalog(client)
+        try:
+            yield
+        finally:
+            await client.close()
+
+    async def authorize(request: Request) -> None:
+        """With --api-key, every route needs `Authorization: Bearer <key>` (compared in constant time)."""
+        if settings.api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", code="invalid_api_key")
+
+    app = FastAPI(title="trt-diffusion OpenAI Images API", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, dependencies=[Depends(authorize)])
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError):
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):  # unknown route, wrong method
+        return JSONResponse(ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}").body(),
+                            status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}: {err}").body(), status_code=500)
+
+    @app.get("/health")
+    async def health(request: Request):
+        live = await request.app.state.triton.is_server_live()
+        if not live:
+            raise ApiError(503, "Triton is not live")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        served = await request.app.state.catalog.models(refresh=True)
+        return {"object": "list", "data": [_model_card(m) for m in served.values()]}
+
+    @app.get("/v1/models/{name}")
+    async def model(request: Request, name: str):
+        return _model_card(await request.app.state.catalog.resolve(name))
+
+    @app.post("/v1/images/generations")
+    async def generations(request: Request):
+        body = bodies.parse_generation(await request.body())
+        served = await request.app.state.catalog.resolve(body.model)
+        width, height = check_size(body.size, served)
+        return await _generate(request, settings, served, body, width, height)
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request):
+        fields, files = await _read_form(request)
+        body = bodies.parse_edit(fields)
+        served = await request.app.state.catalog.resolve(body.model)
+        image, mask = pngs.read_edit_inputs(files["image"], files.get("mask"))
+        size = f"{image.shape[1]}x{image.shape[0]}"
+        if body.size is not None and body.size != size:
+            raise bad_request(f"size {body.size} differs from the image's {size}: images are not resized (send "
+                              "the image at a served size)", "size")
+        width, height = check_size(size, served)
+        workflow = _edit_workflow(served, mask is not None)
+        return await _generate(request, settings, served, body, width, height, workflow=workflow,
+                               init_image=image, mask=mask, strength=body.strength)
+
+    return BodyLimit(app, settings.max_body_bytes)
+
+
+def _model_card(model: ServedModel) -> dict:
+    return {"id": model.name, "object": "model", "created": model.created, "owned_by": "trt-diffusion",
+            "family": model.family, "sizes": list(model.sizes), "workflows": list(model.workflows)}
+
+
+async def _read_form(request) -> tuple[dict[str, str], dict[str, bytes]]:
+    """(text fields, files) of a multipart edit request: one image, an optional mask."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
+        raise ApiError(415, f"/v1/images/edits takes multipart/form-data (an image file and fields), got "
+                            f"{content_type or 'no content type'!r}")
+    form = await request.form(max_files=len(FORM_FILES), max_fields=MAX_FORM_FIELDS)
+    fields: dict[str, str] = {}
+    files: dict[str, bytes] = {}
+    for key, value in form.multi_items():
+        if isinstance(value, str):
+            if key in fields or key in FORM_FILES:
+                raise bad_request(f"field {key!r} is given twice or as text; give it once", key)
+            fields[key] = value
+            continue
+        name = "image" if key == "image[]" else key
+        if name not in ("image", "mask"):
+            raise bad_request(f"unknown file field {key!r}; this endpoint takes the files image and mask", key)
+        if name in files:
+            raise bad_request(f"one {name} per request: several were sent", name)
+        files[name] = await value.read()
+    if "image" not in files:
+        raise bad_request("image is required (a PNG file field)", "image")
+    return fields, files
+
+
+def _edit_workflow(served: ServedModel, has_mask: bool) -> str:
+    """inpaint with a mask; img2img without one (a Kontext model: edit); refused when the model lacks it."""
+    wanted = ["inpaint"] if has_mask else ["img2img", "edit"]
+    for workflow in wanted:
+        if workflow in served.workflows:
+            return workflow
+    what = "a mask (inpaint)" if has_mask else "no mask (img2img)"
+    raise bad_request(f"{served.name} does not serve edits with {what}: it serves {', '.join(served.workflows)} "
+                      "(package it with `workflows:` in engines.yaml listing it)", "mask" if has_mask else "image")
+
+
+async def _generate(request, settings: ApiSettings, served: ServedModel, body, width: int, height: int,
+                    **image_inputs):
+    check_n(body.n, served)
+    if body.loras is not None and not served.takes_loras:
+        raise bad_request(f"loras: {served.name} takes no LoRAs per request (its entry has no LORAS input)",
+                          "loras")
+    seed = body.seed if body.seed is not None else secrets.randbelow(MAX_RANDOM_SEED)
+    guidance = body.guidance_scale if body.guidance_scale is not None else DEFAULT_GUIDANCE
+    image_request = ImageRequest(body.prompt, height, width, steps=body.num_inference_steps,
+                                 guidance_scale=guidance, seed=seed, negative_prompt=body.negative_prompt,
+                                 num_images=body.n, **image_inputs)
+    tensors = request_tensors(image_request, body.loras)
+    images = await until_done_or_gone(
+        request, infer_images(request.app.state.triton, served.name, tensors, settings.timeout_s))
+    if images.shape[0] != body.n:
+        raise ApiError(502, f"Triton's {served.name} answered {images.shape[0]} images for n={body.n}")
+    strength = image_inputs.get("strength")
+    data = []
+    for index, image in enumerate(images):
+        parameters = ImageParameters(body.prompt, width, height, body.num_inference_steps, guidance, seed + index,
+                                     body.negative_prompt, model=served.name, workflow=image_inputs.get("workflow"),
+                                     strength=strength)
+        data.append({"b64_json": base64.b64encode(pngs.encode_png(image, parameters)).decode("ascii"),
+                     "revised_prompt": None, "seed": seed + index})
+    return {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{width}x{height}"}

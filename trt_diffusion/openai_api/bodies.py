@@ -1,0 +1,116 @@
+"""The request bodies the API accepts: OpenAI's fields, plus extensions named as diffusers names them
+(`seed`, `num_inference_steps`, `guidance_scale`, `negative_prompt`; `strength` for edits). A field neither
+OpenAI's nor ours is refused (400), never ignored: a misspelt `num_inference_step` would otherwise run 20 steps
+silently."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ApiError, bad_request
+
+MAX_PROMPT_CHARS = 4096  # the entry's PROMPT limit (docs/triton.md)
+MAX_N = 10  # OpenAI's own bound; a served entry may allow fewer (its max_images)
+MAX_SEED = 2**63 - 1  # SEED is INT64
+DEFAULT_STEPS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_max_length=MAX_PROMPT_CHARS)
+
+    model: str | None = None  # None: the only model served (several: the request must name one)
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    n: int = Field(1, ge=1, le=MAX_N)
+    size: str | None = None  # "WIDTHxHEIGHT", one of the served buckets; None or "auto": the model's first
+    response_format: str | None = None  # b64_json only
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    # extensions, diffusers' names
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: a random seed, returned in the response
+    num_inference_steps: int = Field(DEFAULT_STEPS, ge=1, le=1000)
+    guidance_scale: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)  # None: 7.5 (the CLI's)
+    negative_prompt: str | None = None
+    loras: list[dict[str, Any]] | None = None  # [{"name", "scale"}]: only where the entry takes LORAS
+
+    @field_validator("response_format")
+    @classmethod
+    def _b64_only(cls, value: str | None) -> str | None:
+        if value not in (None, "b64_json"):
+            raise ValueError(f"response_format {value!r} is not served: images come back inline, use "
+                             "response_format b64_json")
+        return value
+
+    @field_validator("size")
+    @classmethod
+    def _size_form(cls, value: str | None) -> str | None:
+        if value is None or value == "auto":
+            return None
+        width, sep, height = value.partition("x")
+        if not (sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+            raise ValueError(f"size must be WIDTHxHEIGHT like '512x512' (or 'auto'), got {value!r}")
+        return f"{int(width)}x{int(height)}"
+
+
+class GenerationBody(_Body):
+    """POST /v1/images/generations (JSON)."""
+
+
+class EditBody(_Body):
+    """POST /v1/images/edits (multipart form; the image and mask files are read apart from these fields)."""
+
+    strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)  # None: img2img 0.8, inpaint 1.0
+
+
+def _field_names(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def validation_message(err: ValidationError, model: type[BaseModel]) -> tuple[str, str | None]:
+    """(one sentence naming each bad field and its value, the first bad field) from pydantic's errors."""
+    problems, first = [], None
+    for item in err.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "body"
+        first = first or field
+        if item["type"] == "extra_forbidden":
+            problems.append(f"unknown field {field!r}; this endpoint takes {_field_names(model)}")
+        elif item["type"] == "missing":
+            problems.append(f"{field} is required")
+        else:
+            message = item["msg"].removeprefix("Value error, ")
+            shown = repr(item.get("input"))
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            problems.append(f"{field}: {message} (got {shown})" if "got" not in message else f"{field}: {message}")
+    return "; ".join(problems), first
+
+
+def parse_generation(raw: bytes) -> GenerationBody:
+    """The JSON body of a generation request; ApiError 400 naming what is wrong."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
+    return _validate(GenerationBody, data, strict=True)
+
+
+def parse_edit(fields: dict[str, str]) -> EditBody:
+    """The form fields of an edit request (strings: numbers are parsed as numbers)."""
+    data: dict[str, Any] = dict(fields)
+    if "loras" in data:  # a JSON list in a form field
+        try:
+            data["loras"] = json.loads(data["loras"])
+        except ValueError:
+            raise bad_request(f"loras must be a JSON list like [{{\"name\": \"style\", \"scale\": 0.8}}], got "
+                              f"{data['loras']!r}", "loras") from None
+    return _validate(EditBody, data, strict=False)
+
+
+def _validate(model: type[_Body], data: dict, strict: bool) -> Any:
+    try:
+        return model.model_validate(data, strict=strict)
+    except ValidationError as err:
+        message, field = validation_message(err, model)
+        raise ApiError(400, message, field) from None
