@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from .base import BATCH, ComponentIO, TensorDecl
+from .base import BATCH, ComponentIO, ExportWrapper, TensorDecl
 from .model_config import ModelConfig
-from .unet import UNet, added_cond_kwargs, down_residual_name, residual_layout, spatial_dims
+from .unet import MID_RESIDUAL, UNet, added_cond_kwargs, down_residual_name, residual_layout, spatial_dims
 
 FEATURE = "deep_feature"
 
@@ -74,11 +74,12 @@ def feature_decl(config: ModelConfig | Mapping, cut: Cut) -> TensorDecl:
     return TensorDecl(FEATURE, "float32", (BATCH, width, *spatial_dims(level)))
 
 
-class DeepCacheUNet(torch.nn.Module):
-    """A UNet2DConditionModel run as DeepCache's deep (whole UNet + feature) or shallow (feature in) graph."""
+class DeepCacheUNet:
+    """A UNet2DConditionModel run as DeepCache's deep (whole UNet + feature) or shallow (feature in) graph. Not a
+    module: the export wrapper holds the UNet as its `model`, so the graphs' initializers keep the UNet's own
+    parameter names (refit maps and LoRA refit cover both graphs as they cover the UNet's)."""
 
     def __init__(self, unet, branch: int):
-        super().__init__()
         self.unet = unet
         self.cut = Cut.of(branch, layers_per_block(unet.config))
         if self.cut.block >= len(unet.down_blocks):
@@ -227,25 +228,29 @@ class DeepCacheUNet(torch.nn.Module):
         return self._up_from_cut(feature, residuals, emb, ehs, sample, forward_size)
 
 
-class _DeepWrapper(torch.nn.Module):
-    def __init__(self, module: DeepCacheUNet, input_names: list[str], residual_count: int):
-        super().__init__()
-        self.module, self.input_names, self.residual_count = module, input_names, residual_count
+class _DeepWrapper(ExportWrapper):
+    def __init__(self, unet, input_names: list[str], branch: int, residual_count: int, compute_dtype=None):
+        super().__init__(unet, input_names, compute_dtype)
+        self.graphs = DeepCacheUNet(unet, branch)
+        self.residual_count = residual_count
 
-    def forward(self, *args):
-        inputs = dict(zip(self.input_names, args))
-        down = [inputs[down_residual_name(i)] for i in range(self.residual_count)] if self.residual_count else None
-        mid = inputs.get("mid_block_residual")
-        return self.module.forward_deep(inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"],
-                                        added_cond_kwargs(inputs), down, mid)
+    def _residuals(self, inputs):
+        if not self.residual_count:
+            return None
+        return [self.cast(inputs[down_residual_name(i)]) for i in range(self.residual_count)]
+
+    def compute(self, **inputs: torch.Tensor):
+        mid = inputs.get(MID_RESIDUAL)
+        return self.graphs.forward_deep(self.cast(inputs["sample"]), self.cast(inputs["timestep"]),
+                                        self.cast(inputs["encoder_hidden_states"]), added_cond_kwargs(inputs),
+                                        self._residuals(inputs), None if mid is None else self.cast(mid))
 
 
 class _ShallowWrapper(_DeepWrapper):
-    def forward(self, *args):
-        inputs = dict(zip(self.input_names, args))
-        down = [inputs[down_residual_name(i)] for i in range(self.residual_count)] if self.residual_count else None
-        return self.module.forward_shallow(inputs["sample"], inputs["timestep"], inputs["encoder_hidden_states"],
-                                           inputs[FEATURE], added_cond_kwargs(inputs), down)
+    def compute(self, **inputs: torch.Tensor):
+        return self.graphs.forward_shallow(self.cast(inputs["sample"]), self.cast(inputs["timestep"]),
+                                           self.cast(inputs["encoder_hidden_states"]), self.cast(inputs[FEATURE]),
+                                           added_cond_kwargs(inputs), self._residuals(inputs))
 
 
 class DeepCachePiece(UNet):
@@ -273,9 +278,9 @@ class DeepCachePiece(UNet):
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
         io = self.io(config, options)
         cut = self.cut(config, options)
-        module = DeepCacheUNet(module, cut.block * (cut.layers_per_block + 1) + cut.layer)
+        branch = cut.block * (cut.layers_per_block + 1) + cut.layer
         if self.piece == "unet_deep":
             residuals = len(residual_layout(config)) if options.get("controlnet_residuals") else 0
-            return _DeepWrapper(module, io.input_names, residuals).eval()
+            return _DeepWrapper(module, io.input_names, branch, residuals, compute_dtype).eval()
         residuals = cut.fresh_residuals if options.get("controlnet_residuals") else 0
-        return _ShallowWrapper(module, io.input_names, residuals).eval()
+        return _ShallowWrapper(module, io.input_names, branch, residuals, compute_dtype).eval()
