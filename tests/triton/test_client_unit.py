@@ -16,7 +16,7 @@ def test_request_tensors_follow_the_contract():
                                   controlnet="canny", control_image=control, controlnet_scale=0.5,
                                   workflow="inpaint", init_image=control, mask=np.zeros((64, 64), np.uint8),
                                   strength=0.6, frames=9, guidance_scale_2=3.0,
-                                  max_sequence_length=64).tensors()
+                                  max_sequence_length=64, step_cache="off").tensors()
     declared = {t.name: t for t in contract.request_inputs(True)}
     assert set(tensors) == set(declared)
     for name, value in tensors.items():
@@ -27,8 +27,9 @@ def test_request_tensors_follow_the_contract():
     assert tensors["INIT_IMAGE"].shape == (1, 64, 64, 3) and tensors["MASK"].shape == (1, 64, 64)
     assert tensors["WORKFLOW"][0, 0] == b"inpaint" and tensors["STRENGTH"].dtype == np.float32
     assert tensors["FRAMES"][0, 0] == 9 and tensors["GUIDANCE_SCALE_2"].dtype == np.float32
+    assert tensors["STEP_CACHE"][0, 0] == b"off"
     optional = {"NEGATIVE_PROMPT", "SCHEDULER", "CONTROLNET", "CONTROL_IMAGE", "CONTROLNET_SCALE", "WORKFLOW",
-                "INIT_IMAGE", "MASK", "STRENGTH", "FRAMES", "GUIDANCE_SCALE_2", "MAX_SEQUENCE_LENGTH"}
+                "INIT_IMAGE", "MASK", "STRENGTH", "FRAMES", "GUIDANCE_SCALE_2", "MAX_SEQUENCE_LENGTH", "STEP_CACHE"}
     assert set(client.ImageRequest("a cat", 64, 64).tensors()) == set(declared) - optional
 
 

@@ -187,6 +187,9 @@ def generate_command(
         "truncated. Other families refuse it")] = None,
     fps: Annotated[int, typer.Option("--fps", min=1, help="a video model's frames per second in the file it "
                                      "writes")] = DEFAULT_FPS,
+    step_cache: Annotated[str | None, typer.Option(
+        "--step-cache", help="on | off: run the model's step cache (engines.yaml step_cache: DeepCache, first-block "
+        "caching) or every step whole; default: engines.yaml's step_cache.enabled")] = None,
 ):
     """Ask a running server (or, with --config, the built engines in this process) for an image; save it as PNG
     with its request in the PNG's text (A1111 `parameters` and JSON); a video model's videos as .mp4 (or .gif)."""
@@ -233,7 +236,8 @@ def generate_command(
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None,
                            workflow=workflow, init_image=init_image, mask=mask_array, strength=strength,
-                           frames=frames, guidance_scale_2=guidance_scale_2, max_sequence_length=max_sequence_length)
+                           frames=frames, guidance_scale_2=guidance_scale_2, max_sequence_length=max_sequence_length,
+                           step_cache=step_cache)
     start = time.perf_counter()
     on_preview = None
     if config is None and preview is not None:

@@ -53,6 +53,8 @@ class ImageRequest:
     guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert; None: guidance_scale
     # Qwen-Image: prompt tokens kept after the template (MAX_SEQUENCE_LENGTH); None: left out, the server's default
     max_sequence_length: int | None = None
+    # "on" | "off" (STEP_CACHE); None: left out, engines.yaml's step_cache.enabled
+    step_cache: str | None = None
 
     @property
     def result(self) -> str:
@@ -95,6 +97,8 @@ class ImageRequest:
             values["GUIDANCE_SCALE_2"] = np.array([[self.guidance_scale_2]], np.float32)
         if self.max_sequence_length is not None:
             values["MAX_SEQUENCE_LENGTH"] = np.array([[self.max_sequence_length]], np.int32)
+        if self.step_cache is not None:
+            values["STEP_CACHE"] = text(self.step_cache)
         return values
 
 

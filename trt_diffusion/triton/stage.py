@@ -61,7 +61,7 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
     if verify_keys:
         signing.verify_engines(engines, config.workspace, release_path, verify_keys)
     report = package(engines, resolved.source.path, resolved.family, model, out_dir, options,
-                     workflows=resolved.workflows, cfg=resolved.cfg)  # engines.yaml's `workflows:` and `cfg:`
+                     workflows=resolved.workflows, cfg=resolved.cfg, step_cache=resolved.step_cache)  # engines.yaml's `workflows:` and `cfg:`
     if verify_keys:
         shutil.copyfile(release_path, Path(out_dir) / signing.RELEASE_FILE)  # serve --verify checks it again
     if config.build.trust == "signed":  # serve then requires --verify too

@@ -91,4 +91,6 @@ def read_request(request: Any, *, with_prompt: bool = True):
             _only(guidance_2, "GUIDANCE_SCALE_2")),
         # Qwen-Image's; absent: the family's default. Its range (and other families' refusal) is the pipeline's
         max_sequence_length=None if length is None else int(_only(length, "MAX_SEQUENCE_LENGTH")),
+        # "on" | "off"; absent: engines.yaml's default (EnginePipeline.validate refuses anything else)
+        step_cache=_text(get("STEP_CACHE"), "STEP_CACHE") or None,
     )
