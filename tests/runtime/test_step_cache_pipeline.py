@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from trt_diffusion import api
 from trt_diffusion.errors import RuntimeInputError
 from trt_diffusion.metrics import psnr
 from trt_diffusion.runtime.loader import engine_runners
@@ -70,14 +69,8 @@ def test_a_bad_step_cache_value_is_one_clear_error(reference_pipeline):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, sd15_folder, write_engines_yaml):
-    """The tiny sd15 with deepcache (interval 3, branch 0), its onnxruntime engines built."""
-    config = write_engines_yaml(tmp_path_factory.mktemp("step-cache"), sd15_folder, "sd15",
-                                precision={"text_encoder": "fp32", "unet": "fp32", "vae_decoder": "fp32"}, batch=[1, 2],
-                                step_cache={"method": "deepcache", "interval": 3, "branch": 0})
-    report = api.build(config, target="onnxruntime")
-    assert not report.failed, [o.error for o in report.failed]
-    return config
+def built(built_sd15_step_cache):
+    return built_sd15_step_cache
 
 
 @pytest.fixture(scope="module")
