@@ -83,6 +83,22 @@ def built_sd15(tmp_path_factory, tiny_sd15_dir, write_engines_yaml) -> Path:
 
 
 @pytest.fixture(scope="session")
+def built_sd15_step_cache(tmp_path_factory, tiny_model_factory, write_engines_yaml) -> Path:
+    """engines.yaml of the tiny sd15 with DeepCache (interval 3, branch 0), batch 1 and 2 (CFG batched), every
+    onnxruntime engine built (unet, unet_deep, unet_shallow...). Shared by the step-cache runtime, parity and
+    Triton tests; treat it as read-only."""
+    from trt_diffusion import api
+
+    config = write_engines_yaml(tmp_path_factory.mktemp("built-step-cache"), tiny_model_factory("sd15"), "sd15",
+                                precision={"text_encoder": "fp32", "unet": "fp32", "vae_decoder": "fp32"},
+                                batch=[1, 2], step_cache={"method": "deepcache", "interval": 3, "branch": 0})
+    report = api.build(config, target="onnxruntime")
+    if report.failed:
+        raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
+    return config
+
+
+@pytest.fixture(scope="session")
 def built_sd15_workflows(tmp_path_factory, tiny_sd15_dir, write_engines_yaml) -> Path:
     """engines.yaml of the tiny sd15 model declaring txt2img, img2img and inpaint (so a VAE encoder engine too),
     fp32, a refit LoRA, with every onnxruntime and openvino engine built. Shared by the workflow parity, preflight

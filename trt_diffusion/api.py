@@ -242,7 +242,8 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
     # cfg: parallel runs as declared; text_lengths: a Qwen-Image model's engines.yaml range, where its engines end
     # (prompts are truncated there, as the served entry truncates them)
     pipeline = EnginePipeline(model_dir, family, table, workflows=config.models[model].workflows,
-                              cfg=config.models[model].cfg, text_lengths=config.models[model].text_lengths)
+                              cfg=config.models[model].cfg, text_lengths=config.models[model].text_lengths,
+                              step_cache=config.models[model].step_cache)
     images = [pipeline.generate(GenerationRequest(  # NUM_IMAGES as the server reads it: seeds SEED, SEED + 1, ...
         prompt=request.prompt, height=request.height, width=request.width, steps=request.steps,
         guidance_scale=request.guidance_scale, seed=request.seed + i, negative_prompt=request.negative_prompt,
@@ -250,7 +251,7 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
         controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale,
         workflow=request.workflow, init_image=request.init_image, mask=request.mask,
         strength=request.strength, frames=request.frames or 0, guidance_scale_2=request.guidance_scale_2,
-        max_sequence_length=request.max_sequence_length)).images[0]
+        max_sequence_length=request.max_sequence_length, step_cache=request.step_cache)).images[0]
         for i in range(request.num_images or 1)]
     return np.stack(images), model
 

@@ -65,7 +65,8 @@ class Plan:
             "workflows": self.workflows,
             "rows": [{**r.__dict__, "disk_bytes": r.disk_bytes} for r in self.rows],
             "engines": [
-                {"key": s.key, "name": s.name, "model": s.model, "component": s.component, "target": s.target,
+                {"key": s.key, "name": s.name, "model": s.model, "component": s.component, "piece": s.piece,
+                 "target": s.target,
                  "precision": s.precision, "batch": s.batch, "bucket": s.bucket.to_json() if s.bucket else None,
                  "controlnet": s.controlnet, "lora": s.lora_variant.name if s.lora_variant else None,
                  "refittable": s.refittable, "reasons": list(s.reasons),
@@ -81,14 +82,15 @@ def make_plan(config: EnginesConfig, count_parameters: bool = True) -> Plan:
     specs = expand(config)
     groups: dict[tuple, list[EngineSpec]] = defaultdict(list)
     for spec in specs:
-        groups[(spec.model, spec.component, spec.controlnet, spec.target, spec.precision)].append(spec)
+        groups[(spec.model, spec.component, spec.controlnet, spec.target, spec.precision, spec.piece)].append(spec)
     rows = []
     order = {c.value: i for i, c in enumerate(Component)}
-    groups = dict(sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][3], order[kv[0][1]], kv[0][2] or "")))
-    for (model_name, component, controlnet, target, precision), members in groups.items():
+    groups = dict(sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][3], order[kv[0][1]], kv[0][2] or "",
+                                                         kv[0][5] or "")))
+    for (model_name, component, controlnet, target, precision, piece), members in groups.items():
         params = _parameters(config, model_name, Component(component), controlnet) if count_parameters else None
         per_engine = int(params * Precision(precision).bytes_per_parameter) if params is not None else None
-        label = f"{component}:{controlnet}" if controlnet else component
+        label = f"{component}:{controlnet}" if controlnet else piece or component
         why = [r for s in members for r in s.reasons]
         rows.append(PlanRow(model_name, label, target, precision, len(members), params, per_engine, why,
                             formula=_formula(members), runs_as=_runs_as(target, precision),

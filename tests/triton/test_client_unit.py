@@ -16,7 +16,8 @@ def test_request_tensors_follow_the_contract():
                                   controlnet="canny", control_image=control, controlnet_scale=0.5,
                                   workflow="inpaint", init_image=control, mask=np.zeros((64, 64), np.uint8),
                                   strength=0.6, frames=9, guidance_scale_2=3.0,
-                                  max_sequence_length=64, loras='[{"name": "style", "scale": 0.8}]').tensors()
+                                  max_sequence_length=64, loras='[{"name": "style", "scale": 0.8}]',
+                                  step_cache="off").tensors()
     declared = {t.name: t for t in contract.request_inputs(True)}
     assert set(tensors) == set(declared)
     for name, value in tensors.items():
@@ -28,8 +29,10 @@ def test_request_tensors_follow_the_contract():
     assert tensors["WORKFLOW"][0, 0] == b"inpaint" and tensors["STRENGTH"].dtype == np.float32
     assert tensors["LORAS"][0, 0] == b'[{"name": "style", "scale": 0.8}]'
     assert tensors["FRAMES"][0, 0] == 9 and tensors["GUIDANCE_SCALE_2"].dtype == np.float32
+    assert tensors["STEP_CACHE"][0, 0] == b"off"
     optional = {"NEGATIVE_PROMPT", "SCHEDULER", "CONTROLNET", "CONTROL_IMAGE", "CONTROLNET_SCALE", "WORKFLOW",
-                "INIT_IMAGE", "MASK", "STRENGTH", "FRAMES", "GUIDANCE_SCALE_2", "MAX_SEQUENCE_LENGTH", "LORAS"}
+                "INIT_IMAGE", "MASK", "STRENGTH", "FRAMES", "GUIDANCE_SCALE_2", "MAX_SEQUENCE_LENGTH", "LORAS",
+                "STEP_CACHE"}
     assert set(client.ImageRequest("a cat", 64, 64).tensors()) == set(declared) - optional
 
 

@@ -86,7 +86,8 @@ def test_contract_stages():
     inputs, outputs = contract.stage_io("full", "sd15", has_controlnets=False)
     assert [i.name for i in inputs] == ["PROMPT", "NEGATIVE_PROMPT", "HEIGHT", "WIDTH", "STEPS", "GUIDANCE_SCALE",
                                         "SEED", "SCHEDULER", "WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH",
-                                        "FRAMES", "GUIDANCE_SCALE_2", "MAX_SEQUENCE_LENGTH", "LORAS", "NUM_IMAGES"]
+                                        "FRAMES", "GUIDANCE_SCALE_2", "MAX_SEQUENCE_LENGTH", "LORAS", "STEP_CACHE",
+                                        "NUM_IMAGES"]
     by_name = {i.name: i for i in inputs}  # the image workflows' inputs: optional, on every entry
     assert all(by_name[n].optional for n in ("WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH", "FRAMES", "GUIDANCE_SCALE_2",
                                             "LORAS"))

@@ -211,6 +211,9 @@ def generate_command(
     lora: Annotated[list[str] | None, typer.Option("--lora", help="NAME[:SCALE] (default scale 1): a LoRA the server "
                                                    "serves (engines.yaml's `mode: refit` LoRAs), applied to this "
                                                    "request only; repeat for several")] = None,
+    step_cache: Annotated[str | None, typer.Option(
+        "--step-cache", help="on | off: run the model's step cache (engines.yaml step_cache: DeepCache, first-block "
+        "caching) or every step whole; default: engines.yaml's step_cache.enabled")] = None,
 ):
     """Ask a running server (or, with --config, the built engines in this process) for an image; save it as PNG
     with its request in the PNG's text (A1111 `parameters` and JSON); a video model's videos as .mp4 (or .gif)."""
@@ -259,7 +262,7 @@ def generate_command(
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None,
                            workflow=workflow, init_image=init_image, mask=mask_array, strength=strength,
                            frames=frames, guidance_scale_2=guidance_scale_2, max_sequence_length=max_sequence_length,
-                           loras=loras)
+                           loras=loras, step_cache=step_cache)
     start = time.perf_counter()
     on_preview = None
     if config is None and preview is not None:

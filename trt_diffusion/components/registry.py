@@ -6,6 +6,7 @@ from ..errors import ConfigError
 from ..families import Component, Family, family_info
 from .base import ComponentDef
 from .controlnet import ControlNet
+from .deepcache import DeepCachePiece
 from .flux2 import Flux2TextEncoder, Flux2Transformer, Flux2VaeDecoder
 from .qwen_image import QwenImageTransformer, QwenTextEncoder, QwenVaeDecoder, QwenVaeEncoder
 from .text_encoders import ClipTextEncoder, T5TextEncoder
@@ -61,13 +62,26 @@ def _build() -> dict[tuple[Family, Component], ComponentDef]:
 
 _REGISTRY = _build()
 
+# A step cache's pieces of a denoiser (step_cache.PIECES), by (family, component, piece).
+_PIECES: dict[tuple[Family, Component, str], ComponentDef] = {
+    (family, _C.unet, piece): DeepCachePiece(family, _C.unet, piece)
+    for family in (_F.sd15, _F.sdxl) for piece in ("unet_deep", "unet_shallow")
+}
 
-def get_component(family: Family | str, component: Component | str) -> ComponentDef:
-    """The declaration of `component` in `family`; ConfigError when the family has no such component."""
+
+def get_component(family: Family | str, component: Component | str, piece: str | None = None) -> ComponentDef:
+    """The declaration of `component` in `family` (of its step-cache `piece` where given); ConfigError when the
+    family has no such component."""
     try:
         family, component = Family(family), Component(component)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if piece is not None:
+        found = _PIECES.get((family, component, piece))
+        if found is None:
+            raise ConfigError(f"no {piece} graph of the {family.value} {component.value} in this trt-diffusion "
+                              f"(step-cache pieces: {', '.join(sorted({p for _, _, p in _PIECES}))})")
+        return found
     definition = _REGISTRY.get((family, component))
     if definition is None:
         available = ", ".join(c.value for c in family_info(family).components)

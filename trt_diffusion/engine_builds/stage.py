@@ -160,7 +160,7 @@ def profile_for(config: EnginesConfig, spec: EngineSpec):
     model = config.models[spec.model]
     cn_dir = model.controlnets[spec.controlnet].path if spec.controlnet else None
     model_config = load_model_config(model.source.path, model.family, spec.component, controlnet_dir=cn_dir)
-    return get_component(model.family, spec.component).profile(spec, model_config)
+    return get_component(model.family, spec.component, spec.piece).profile(spec, model_config)
 
 
 def build_one(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> tuple[Path, bool]:

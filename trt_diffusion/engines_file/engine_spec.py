@@ -111,6 +111,9 @@ class EngineSpec:
     # profile each, in TensorRT's order; `bucket` and `batch` are then profile 0's. Empty (every per-shape spec):
     # one shape, `bucket` and `batch`; left out of the key then, so per-shape keys are what they were.
     profiles: tuple[tuple[Bucket | None, int], ...] = ()
+    # A step cache's piece of the denoiser (step_cache.PIECES: unet_deep, unet_shallow, first_block, rest_blocks);
+    # None: the whole component. Left out of the key when None, so every other key is what it was.
+    piece: str | None = None
     reasons: tuple[str, ...] = field(default=(), compare=False)  # why it exists; not part of the key
 
     def __post_init__(self) -> None:
@@ -131,6 +134,8 @@ class EngineSpec:
         fields.pop("reasons")
         fields["bucket"] = self.bucket.to_json() if self.bucket else None
         fields.pop("profiles")
+        if fields.get("piece") is None:
+            fields.pop("piece", None)
         if self.profiles:
             fields["profiles"] = [{"bucket": b.to_json() if b else None, "batch": n} for b, n in self.profiles]
         fields["schema"] = SPEC_SCHEMA_VERSION
@@ -178,7 +183,7 @@ class EngineSpec:
     @property
     def name(self) -> str:
         """A readable, unique-enough file name stem: model.component[.controlnet][.lora].bucket.bN.precision"""
-        parts = [self.model, self.component]
+        parts = [self.model, self.piece or self.component]
         if self.controlnet:
             parts.append(self.controlnet)
         if self.lora_variant:
@@ -194,6 +199,11 @@ class EngineSpec:
             parts.append(str(self.option("architecture")))
         # One path component whatever the names hold (the schema already refuses unsafe names).
         return re.sub(r"[^A-Za-z0-9._+-]", "_", ".".join(parts))
+
+    @property
+    def label(self) -> str:
+        """The component as plan rows and messages name it: the piece of a step cache where it is one."""
+        return self.piece or self.component.value
 
     def option(self, name: str, default=None):
         return dict(self.build_options).get(name, default)

@@ -25,6 +25,7 @@ import json
 
 from ..errors import ConfigError
 from ..families import LORA_TEXT_ENCODERS, Component, Family, family_info
+from ..step_cache import PIECES
 from ..workflows import Workflow
 from .engine_spec import Bucket, EngineSpec, LoraVariant, Size
 from .load import EnginesConfig, ResolvedModel
@@ -119,6 +120,9 @@ def _build_options(config: EnginesConfig, model: ResolvedModel, variant: dict, c
         options["context_image"] = True  # Kontext: the init image's tokens beside the noise tokens
     if model.text_lengths is not None and (component.is_text_encoder or component.is_denoiser):
         options["text_length"] = ",".join(map(str, model.text_lengths))  # the text axis's profile (qwen_image)
+    if model.step_cache is not None and component.is_denoiser:
+        # where the UNet is cut (deepcache's branch) changes the pieces' graphs; the uncached engine ignores it
+        options["step_cache"] = model.step_cache.engine_option()
     if model.precision[component].is_quantized:
         options["quantization"] = json.dumps(model.quantization.model_dump(mode="json"), sort_keys=True)
     return tuple(sorted(options.items()))
@@ -134,11 +138,15 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
     for target, variant in _target_variants(config, model):
         def make(component, batch, bucket, reasons, source=model.source.identity, variant=variant, target=target,
                  **extra):
+            options = _build_options(config, model, variant, component)
+            if extra.get("piece") is None:
+                # the uncached denoiser ignores the step cache: adding or changing `step_cache:` must not rebuild
+                # the engine every uncached step (and STEP_CACHE=off) runs
+                options = tuple(item for item in options if item[0] != "step_cache")
             return EngineSpec(
                 model=model.name, family=model.family, source=source,
                 component=component, target=target, precision=model.precision[component],
-                batch=batch, bucket=bucket, build_options=_build_options(config, model, variant, component),
-                reasons=tuple(reasons), **extra,
+                batch=batch, bucket=bucket, build_options=options, reasons=tuple(reasons), **extra,
             )
 
         for component in model.components:
@@ -152,9 +160,14 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
                     for bucket in model.buckets:
                         for batch, why in cfg_batches.items():
                             lora_why = f" × fused LoRA {variant.name}" if variant else ""
-                            yield make(component, batch, bucket,
-                                       [f"bucket {bucket.label} × {w}{lora_why}" for w in why],
-                                       lora_variant=variant, refittable=model.refittable and variant is None)
+                            reasons = [f"bucket {bucket.label} × {w}{lora_why}" for w in why]
+                            yield make(component, batch, bucket, reasons, lora_variant=variant,
+                                       refittable=model.refittable and variant is None)
+                            for piece in PIECES[model.step_cache.method] if model.step_cache else ():
+                                yield make(component, batch, bucket,
+                                           [f"{r} × step cache {model.step_cache.describe()}" for r in reasons],
+                                           lora_variant=variant, refittable=model.refittable and variant is None,
+                                           piece=piece)
             elif component is Component.image_encoder:  # the conditioning image, once per request
                 uses = [w.value for w in model.workflows if w.encodes_image] or ["listed in components"]
                 yield make(component, 1, None, [f"init image ({', '.join(uses)})"])

@@ -21,6 +21,14 @@ from ..families import (
     quantized_component,
     quantized_components,
 )
+from ..step_cache import (
+    DEFAULT_BRANCH,
+    DEFAULT_INTERVAL,
+    DEFAULT_THRESHOLD,
+    METHOD_FAMILIES,
+    StepCache,
+    StepCacheMethod,
+)
 from ..workflows import (
     EDIT_PIPELINE_CLASSES,
     FAMILY_WORKFLOWS,
@@ -45,6 +53,7 @@ from .schema import (
     Precision,
     QuantizationSettings,
     RangeBucket,
+    StepCacheSettings,
 )
 from .yaml_lines import LocatedYaml, load_located_yaml
 
@@ -82,6 +91,7 @@ class ResolvedModel:
     workflows: tuple[Workflow, ...] = (Workflow.txt2img,)
     checkpoint: CheckpointKind | None = None  # what the folder's denoiser is for (None: not read)
     text_lengths: tuple[int, int, int] | None = None  # engines.yaml's text_length (min, opt, max); None: the family's
+    step_cache: StepCache | None = None  # engines.yaml's step_cache (step_cache.py); None: every step runs in full
 
     def precision_of(self, component: Component) -> Precision:
         return self.precision[component]
@@ -482,14 +492,69 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     parity = dict(defaults.parity or {})
     parity.update(entry.parity or {})
     text_lengths = _resolve_text_length(entry, defaults, base, problems)
+    step_cache = _resolve_step_cache(entry, defaults, source.path if check_sources else None, base, problems)
     return ResolvedModel(
         name=name, family=entry.family, source=source, components=components, buckets=tuple(buckets),
         batch=tuple(sorted(set(_merged(entry, defaults, "batch")))), cfg=tuple(dict.fromkeys(_merged(entry, defaults, "cfg"))),
         precision=precision, targets=tuple(dict.fromkeys(_merged(entry, defaults, "targets"))), refittable=bool(refittable),
         controlnets=controlnets, loras=loras,
         quantization=entry.quantization or defaults.quantization or QuantizationSettings(), parity=parity,
-        workflows=workflows, checkpoint=checkpoint, text_lengths=text_lengths,
+        workflows=workflows, checkpoint=checkpoint, text_lengths=text_lengths, step_cache=step_cache,
     )
+
+
+def _resolve_step_cache(entry: ModelEntry, defaults, folder: Path | None, base: tuple,
+                        problems: _Problems) -> StepCache | None:
+    """engines.yaml's `step_cache`: the method fits the family, each key fits the method, the values are in range
+    (a `defaults:` block may serve several families: there, a method that does not fit a model is skipped)."""
+    chosen: StepCacheSettings | None = entry.step_cache or defaults.step_cache
+    if chosen is None:
+        return None
+    own = entry.step_cache is not None
+    where = base + ("step_cache",) if own else ("defaults", "step_cache")
+    method = chosen.method
+    if entry.family not in METHOD_FAMILIES[method]:
+        if own:
+            fits = [m.value for m, families in METHOD_FAMILIES.items() if entry.family in families]
+            problems.add(where + ("method",), f"{method.value} is for the {', '.join(f.value for f in METHOD_FAMILIES[method])} "
+                                              f"families, not {entry.family.value}"
+                                              + (f" (use {' or '.join(fits)})" if fits else
+                                                 f" (no step cache for {entry.family.value} yet)"))
+        return None
+    deep = method is StepCacheMethod.deepcache
+    for key in ("threshold",) if deep else ("interval", "branch"):
+        if getattr(chosen, key) is not None:
+            problems.add(where + (key,), f"{key} is not a setting of {method.value} "
+                                         f"({'interval, branch' if deep else 'threshold'} are)")
+    interval = DEFAULT_INTERVAL if chosen.interval is None else chosen.interval
+    branch = DEFAULT_BRANCH if chosen.branch is None else chosen.branch
+    threshold = DEFAULT_THRESHOLD if chosen.threshold is None else chosen.threshold
+    if deep and interval < 2:
+        problems.add(where + ("interval",), f"interval {interval} caches nothing: a full UNet step every N steps "
+                                            f"needs N >= 2")
+    if deep and branch < 0:
+        problems.add(where + ("branch",), f"branch {branch} is negative: 0 is the shallowest skip level")
+    elif deep and folder is not None and (levels := _unet_branch_levels(folder)) is not None and branch >= levels:
+        problems.add(where + ("branch",), f"branch {branch} is past this UNet's {levels} skip levels "
+                                          f"(0..{levels - 1})")
+    if not deep and not threshold > 0:
+        problems.add(where + ("threshold",), f"threshold {threshold:g} must be more than 0 (0 never skips a step)")
+    return StepCache(method, interval=interval, branch=branch, threshold=threshold, min_psnr_db=chosen.gate.min_psnr_db,
+                     min_ssim=chosen.gate.min_ssim, enabled=chosen.enabled)
+
+
+def _unet_branch_levels(folder: Path) -> int | None:
+    """How many DeepCache branches a UNet has: (layers per block + 1) per block (SD1.5: 4 × 3); None when its
+    config cannot be read (the source check reports that)."""
+    try:
+        config = json.loads((folder / "unet" / "config.json").read_text())
+        layers = config["layers_per_block"]
+        blocks = len(config["block_out_channels"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(layers, int):  # per-block layer counts: the branch ids DeepCache uses assume one count
+        return None
+    return blocks * (layers + 1)
 
 
 def _resolve_text_length(entry: ModelEntry, defaults, base: tuple, problems: _Problems) -> tuple[int, int, int] | None:

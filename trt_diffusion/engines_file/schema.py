@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from ..families import Component, Family
 from ..precision import Precision
+from ..step_cache import StepCacheMethod
 from ..workflows import Workflow
 from .engine_spec import Size
 from .preflight import PreflightSettings
@@ -137,6 +138,26 @@ class ParityThresholds(Strict):
     max_lpips: float | None = Field(None, ge=0.0)
 
 
+class StepCacheGate(Strict):
+    """A cached variant's parity gate against the uncached fp32 reference (default: step_cache.DEFAULT_GATES)."""
+
+    min_psnr_db: float | None = None
+    min_ssim: float | None = Field(None, ge=-1.0, le=1.0)
+
+
+class StepCacheSettings(Strict):
+    """`step_cache:` of a model (docs/step-cache.md). Which keys fit which method, and which family a method fits,
+    is checked in load.py (where the family is known), each with its line."""
+
+    method: StepCacheMethod
+    interval: int | None = Field(None, description="deepcache: a full UNet step every N steps (N >= 2)")
+    branch: int | None = Field(None, description="deepcache: the skip level the UNet is cut at (0: shallowest)")
+    threshold: float | None = Field(None, description="first_block: the first block's relative residual change "
+                                                      "below which the remaining blocks are skipped (> 0)")
+    enabled: bool = Field(True, description="STEP_CACHE's default for a request that does not send it")
+    gate: StepCacheGate = StepCacheGate()
+
+
 class TensorRTSettings(Strict):
     optimization_level: int = Field(3, ge=0, le=5)
     workspace_gb: float = Field(8.0, gt=0)
@@ -203,6 +224,7 @@ class ModelSettings(Strict):
     quantization: QuantizationSettings | None = None
     parity: dict[Precision, ParityThresholds] | None = None
     text_length: TextLength | None = None  # qwen_image only: the text encoder's and transformer's token range
+    step_cache: StepCacheSettings | None = None  # deepcache (sd15, sdxl) or first_block (flux): docs/step-cache.md
 
     @field_validator("cfg", "targets", "batch", "components", "buckets", "workflows", mode="before")
     @classmethod

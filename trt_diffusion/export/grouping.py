@@ -27,7 +27,7 @@ from ..workspace.store import hash_inputs
 
 FP16_ONNX = {Precision.fp16}
 # Build options that change the exported graph; every other option belongs to later stages.
-EXPORT_OPTIONS = ("opset", "controlnet_residuals")
+EXPORT_OPTIONS = ("opset", "controlnet_residuals", "step_cache")  # step_cache: only a piece's spec has it
 DEFAULT_OPSET = 20
 
 
@@ -72,6 +72,8 @@ def export_group_key(spec: EngineSpec) -> str:
     }
     if (frames := frame_counts(spec)) is not None:  # left out elsewhere: image families keep their keys
         fields["frames"] = list(frames)
+    if spec.piece is not None:  # likewise: a step cache's piece is a graph of its own
+        fields["piece"] = spec.piece
     return hash_inputs(fields)[:16]
 
 
@@ -103,6 +105,10 @@ class ExportGroup:
         return self.first.controlnet
 
     @property
+    def piece(self) -> str | None:
+        return self.first.piece
+
+    @property
     def lora_variant(self) -> LoraVariant | None:
         return self.first.lora_variant
 
@@ -127,7 +133,7 @@ class ExportGroup:
     def name(self) -> str:
         """Readable and unique within a config:
         model.component[.controlnet][+residuals][.lora-x][.Nframes].precision"""
-        parts = [self.model, self.component]
+        parts = [self.model, self.piece or self.component]
         if self.controlnet:
             parts.append(self.controlnet)
         if self.options["controlnet_residuals"]:

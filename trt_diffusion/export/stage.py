@@ -125,7 +125,7 @@ def _export_group(group: ExportGroup, config: EnginesConfig, store: ArtifactStor
                   report: Callable[..., None]) -> ExportResult:
     started = time.perf_counter()
     model = config.models[group.model]
-    definition = get_component(group.family, group.component)
+    definition = get_component(group.family, group.component, group.piece)
     controlnet_dir = model.controlnets[group.controlnet].path if group.controlnet else None
     model_config = load_model_config(model.source.path, group.family, group.component, controlnet_dir)
     shapes = export_shapes(group, definition, model_config)

@@ -18,13 +18,14 @@ from ..components import Geometry, get_component, load_model_config
 from ..engines_file import EnginesConfig, expand
 from ..errors import TrtDiffusionError
 from ..families import Family, family_info
-from ..metrics import tensor_diff, thresholds_for
+from ..metrics import Thresholds, tensor_diff, thresholds_for
 from ..precision import Precision
 from ..runtime.engines import RunnerTable
 from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
 from ..runtime.pipeline import EnginePipeline, GenerationRequest
 from ..runtime.reference import reference_runners
 from ..sample_inputs import workflow_inputs
+from ..step_cache import PIECES, StepCache, StepCacheMode
 from ..workflows import Workflow
 from .report import ComponentDiff, ParityReport, ReportFiles, compare_image, judge_report, judge_variant, write_report
 
@@ -83,6 +84,15 @@ def run_parity(config: EnginesConfig, out_dir: Path, options: ParityOptions, *, 
                                                             workflow, component_diffs=n == 0)
                             variants.append(result)
                             images.update(pngs)
+                    if model.step_cache is not None and _serves_step_cache(table, model.step_cache):
+                        # the cached engines against the *uncached* fp32 reference, with the cache's own gate
+                        label = _variant_id(model_name, target, bucket.label, lora, None) + "/step-cache"
+                        progress(f"parity {label}")
+                        result, pngs = _compare_variant(config, model_name, target, bucket, lora, None, table,
+                                                        reference, engines, runners, options, label,
+                                                        component_diffs=False, step_cache=model.step_cache)
+                        variants.append(result)
+                        images.update(pngs)
     if not variants:
         raise TrtDiffusionError(_nothing_to_compare(config, targets))
     report = judge_report(variants)
@@ -107,11 +117,16 @@ def _variant_id(model, target, bucket, lora, controlnet, workflow=Workflow.txt2i
     return "/".join(parts)
 
 
+def _serves_step_cache(table: RunnerTable, cache: StepCache) -> bool:
+    return all(table.has(piece) for piece in PIECES[cache.method])
+
+
 def _reference(config: EnginesConfig, model_name: str, lora: str | None) -> RunnerTable:
     model = config.models[model_name]
     controlnets = {name: source.path for name, source in model.controlnets.items()}
+    # the step cache's pieces in torch too: their engines' tensor diffs (the images are judged uncached)
     table = reference_runners(model.source.path, model.family, components=model.components,
-                              controlnets=controlnets or None)
+                              controlnets=controlnets or None, step_cache=model.step_cache)
     if lora:
         from ..export.modules import fuse_lora
 
@@ -144,7 +159,7 @@ def judged_precision(model) -> Precision:
 
 
 def _compare_variant(config, model_name, target, bucket, lora, controlnet, table, reference, engines, runners,
-                     options, label, workflow=Workflow.txt2img, component_diffs=True):
+                     options, label, workflow=Workflow.txt2img, component_diffs=True, step_cache=None):
     model = config.models[model_name]
     family = model.family
     denoiser = family_info(family).denoiser
@@ -152,14 +167,19 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     precision = judged.value
     overrides = model.parity.get(judged)
     thresholds = thresholds_for(precision, overrides.model_dump(exclude_none=True) if overrides else None)
+    if step_cache is not None:  # a cache changes the computation by design: its own gate (step_cache.DEFAULT_GATES)
+        min_psnr_db, min_ssim = step_cache.gate
+        thresholds = Thresholds(min_psnr_db=min_psnr_db, min_ssim=min_ssim)
     size = bucket.opt
     # text_lengths: a Qwen-Image model's engines.yaml range, where prompts are truncated (None elsewhere)
-    engine_pipe = EnginePipeline(model.source.path, family, table, model.workflows, text_lengths=model.text_lengths)
+    engine_pipe = EnginePipeline(model.source.path, family, table, model.workflows, text_lengths=model.text_lengths,
+                                 step_cache=step_cache)
     reference_pipe = EnginePipeline(model.source.path, family, reference, model.workflows,
                                     text_lengths=model.text_lengths)
     strength = options.strength if workflow.takes_strength else None
     comparisons, pngs = [], {}
     first_request = first_candidate = None
+    schedule = None
     for p, prompt in enumerate(options.prompts):
         for seed in options.seeds:
             inputs = workflow_inputs(workflow, size.height, size.width, seed)
@@ -167,11 +187,14 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
                 prompt=prompt, height=size.height, width=size.width, steps=options.steps,
                 guidance_scale=options.guidance_scale, seed=seed, frames=size.frames, controlnet=controlnet,
                 control_image=_control_image(size.height, size.width, seed) if controlnet else None,
-                workflow=workflow.value, strength=strength, negative_prompt=_negative_prompt(family), **inputs)
-            candidate = engine_pipe.generate(request).images
+                workflow=workflow.value, strength=strength, negative_prompt=_negative_prompt(family), **inputs,
+                step_cache=None if step_cache is None else StepCacheMode.on.value)
+            generation = engine_pipe.generate(request)
+            candidate, schedule = generation.images, generation.timings.step_schedule or schedule
             if first_request is None:
                 first_request, first_candidate = request, candidate
             candidate = candidate[0]
+            # the reference runs every step whole (no step cache): the uncached fp32 image a cached variant is judged by
             expected = reference_pipe.generate(request).images[0]
             stem = f"{label.replace('/', '__')}__p{p}_s{seed}"
             comparison = compare_image(
@@ -195,7 +218,10 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
         thresholds=thresholds, images=comparisons, components=diffs, reproducible=reproducible,
         batch_independent=batch_independent, lora=lora, controlnet=controlnet, extra_failures=failures,
         failing_engines=failing_engines)
-    return result.model_copy(update={"workflow": workflow.value, "strength": strength}), pngs
+    update = {"workflow": workflow.value, "strength": strength}
+    if step_cache is not None:
+        update.update(step_cache=step_cache.describe(), step_schedule=schedule)
+    return result.model_copy(update=update), pngs
 
 
 def _batch_independent(pipe, request, table, denoiser) -> bool | None:
@@ -216,13 +242,13 @@ def _component_diffs(model, bucket, engines: list[BuiltEngine], runners: dict, r
         if spec.bucket not in (None, bucket) or spec.controlnet not in (None, controlnet):
             continue
         component = spec.component
-        definition = get_component(model.family, component)
+        definition = get_component(model.family, component, spec.piece)
         cn_dir = model.controlnets[spec.controlnet].path if spec.controlnet else None
         model_config = load_model_config(model.source.path, model.family, component, controlnet_dir=cn_dir)
         geometry = Geometry(spec.batch, bucket.opt if spec.bucket else None)
         feeds = definition.dummy_inputs(model_config, dict(spec.build_options), geometry, seed=1)
         got = runners[engine.spec.key].run(feeds)
-        ref_runner = reference.find(spec.component, size=None, batch=spec.batch, controlnet=spec.controlnet)
+        ref_runner = reference.find(spec.label, size=None, batch=spec.batch, controlnet=spec.controlnet)
         expected = ref_runner.run({k: v for k, v in feeds.items() if k in ref_runner.inputs})
         for output, value in expected.items():
             diff = tensor_diff(value, got[output])

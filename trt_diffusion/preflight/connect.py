@@ -88,7 +88,8 @@ def in_process(config: EnginesConfig, engines: Engines, *, table=None, honour_de
     return InProcessDeployment(naming.entry_name(naming.sanitize(engines.model)), model.family.value,
                                model.source.path, table if table is not None else table_from_engines(usable),
                                [e.spec.key for e in usable], buckets, honour_deadline=honour_deadline,
-                               workflows=model.workflows, text_lengths=model.text_lengths)
+                               workflows=model.workflows, text_lengths=model.text_lengths,
+                               step_cache=model.step_cache)
 
 
 def start_served(config: EnginesConfig, engines: Engines, *, protocol: str, work_dir: Path,

@@ -19,9 +19,11 @@ import numpy as np
 
 from ..engines_file.engine_spec import Bucket, Size
 from ..errors import ServeError
+from ..step_cache import PIECES
 from ..triton.client import ImageRequest, RequestCancelled
 
-DENOISERS = ("unet", "transformer")
+# the denoiser calls a deadline is checked before: a step cache's pieces are denoiser calls too
+DENOISERS = ("unet", "transformer", *(piece for pieces in PIECES.values() for piece in pieces))
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,8 @@ class InProcessDeployment(Deployment):
     """EnginePipeline over a RunnerTable, in this process. No queue and no server: the overload check is n/a."""
 
     def __init__(self, pipeline: str, family: str, model_dir, table, engine_keys: list[str], buckets: list[Bucket],
-                 *, honour_deadline: bool = True, instances: int = 2, workflows=None, text_lengths=None):
+                 *, honour_deadline: bool = True, instances: int = 2, workflows=None, text_lengths=None,
+                 step_cache=None):
         from ..runtime.engines import RunnerTable
         from ..runtime.pipeline import EnginePipeline
 
@@ -170,7 +173,9 @@ class InProcessDeployment(Deployment):
                         bucket=entry.bucket, batch=entry.batch, controlnet=entry.controlnet)
         self.table = wrapped
         # text_lengths: a Qwen-Image model's engines.yaml range, so prompts are truncated where its engines end
-        self.engine_pipeline = EnginePipeline(model_dir, family, wrapped, workflows, text_lengths=text_lengths)
+        # step_cache: engines.yaml's, so every check runs the cached schedule where it is on (as the server does)
+        self.engine_pipeline = EnginePipeline(model_dir, family, wrapped, workflows, text_lengths=text_lengths,
+                                              step_cache=step_cache)
         controlnets = sorted({e.controlnet for e in table.entries if e.controlnet})
         served = [ServedBucket(b.label, b.opt, b.max) for b in buckets]
         super().__init__("in-process", pipeline, str(family), served, controlnets, sorted(engine_keys),
@@ -190,7 +195,7 @@ class InProcessDeployment(Deployment):
                 controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale,
                 workflow=request.workflow, init_image=request.init_image, mask=request.mask,
                 strength=request.strength, frames=request.frames or 0,
-                guidance_scale_2=request.guidance_scale_2)).images[0]
+                guidance_scale_2=request.guidance_scale_2, step_cache=request.step_cache)).images[0]
         except _Cancelled:
             raise RequestCancelled(f"in process: deadline of {timeout_s:g} s passed") from None
         finally:

@@ -63,7 +63,7 @@ def table_from_engines(engines: list[BuiltEngine], make_runner=runner_for, *, cf
         runners = [make_runner(engine) for _ in range(cfg_instances(spec.component, cfg))]
         members = spec.members
         for index, member in enumerate(members):
-            table.add(spec.component, runners[0], bucket=member.bucket, batch=member.batch, controlnet=spec.controlnet,
+            table.add(spec.label, runners[0], bucket=member.bucket, batch=member.batch, controlnet=spec.controlnet,
                       profile=index if len(members) > 1 else None, instances=tuple(runners[1:]))
     return table
 

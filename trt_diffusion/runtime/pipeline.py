@@ -24,6 +24,7 @@ from ..engines_file.engine_spec import Size
 from ..engines_file.schema import CfgMode
 from ..errors import RuntimeInputError
 from ..families import FLUX2_FAMILIES, Family, family_info
+from ..step_cache import PIECES, StepCache, StepCacheMethod, StepCacheMode, deepcache_full_steps, schedule_label
 from ..workflows import (
     DEFAULT_STRENGTH,
     EDIT_PIPELINE_CLASSES,
@@ -72,6 +73,7 @@ class GenerationRequest:
     # LoRAs applied by the engines for this request (served: triton/lora_sets.py's canonical set, sorted by name,
     # no scale 0); requests with different sets never share a denoiser call (batch_key)
     loras: tuple = ()
+    step_cache: str | None = None  # "on" | "off" (STEP_CACHE); None: engines.yaml's step_cache.enabled
 
     @property
     def resolved_workflow(self) -> Workflow:
@@ -85,6 +87,24 @@ class GenerationRequest:
         return DEFAULT_STRENGTH.get(self.resolved_workflow, 1.0)
 
 
+DEEP_FEATURE = "deep_feature"  # DeepCache's cached tensor (components/deepcache.py)
+
+
+@dataclass
+class _CachedCall:
+    """One denoiser call of a step-cached schedule: `full` runs unet_deep and keeps its feature under `slot` (the
+    call's place in the step: batched, cond or uncond), a cached step runs unet_shallow on it."""
+
+    full: bool
+    features: dict
+    slot: str
+
+    @property
+    def component(self) -> str:
+        deep, shallow = PIECES[StepCacheMethod.deepcache]
+        return deep if self.full else shallow
+
+
 @dataclass
 class StageTimings:
     text_encode_s: float = 0.0
@@ -93,6 +113,7 @@ class StageTimings:
     vae_decode_s: float = 0.0
     batch: int = 1  # requests whose rows shared the denoiser calls (generate_batch)
     wait_s: float = 0.0  # time spent, before this request's batch started, on other batches of the same call
+    step_schedule: str = ""  # a step-cached request's schedule ("FccFcc": full and cached steps); "": uncached
 
     @property
     def total_s(self) -> float:
@@ -171,7 +192,7 @@ class EnginePipeline:
 
     def __init__(self, model_dir: str | Path, family: Family | str, runners: RunnerTable,
                  workflows: tuple[Workflow | str, ...] | None = None, cfg: tuple[CfgMode | str, ...] | None = None,
-                 text_lengths: tuple[int, int, int] | None = None):
+                 text_lengths: tuple[int, int, int] | None = None, step_cache: StepCache | None = None):
         from ..models.quiet import quiet_libraries
 
         quiet_libraries()
@@ -206,6 +227,9 @@ class EnginePipeline:
             runners, self.family, self.index, self.denoiser_config, self.scheduler_config, self.tokenizers["tokenizer"],
             vae_scale_factor=self.vae_scale_factor)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
+        # engines.yaml's step cache; a pipeline without its pieces' runners (the torch reference) runs every step whole
+        self.step_cache = step_cache if step_cache is not None and all(
+            runners.has(piece) for piece in PIECES[step_cache.method]) else None
 
     @contextlib.contextmanager
     def runners_swapped(self, runners: RunnerTable):
@@ -290,6 +314,8 @@ class EnginePipeline:
             elif request.control_image.shape != (request.height, request.width, 3):
                 problems.append(f"CONTROL_IMAGE is {list(request.control_image.shape)}, expected "
                                 f"[{request.height}, {request.width}, 3]")
+        if request.step_cache is not None and request.step_cache not in {m.value for m in StepCacheMode}:
+            problems.append(f"STEP_CACHE must be 'on' or 'off', got {request.step_cache!r}")
         problems += self._image_problems(request)
         problems += video_problems(self.family, request, self.wan)
         problems += qwen_problems(request, self.qwen)
@@ -370,6 +396,18 @@ class EnginePipeline:
             return None
         return f"it runs {' and '.join(image.components)} on INIT_IMAGE, but no {' or '.join(missing)} runner is served"
 
+    def cache_interval(self, request: GenerationRequest) -> int | None:
+        """DeepCache's interval where the request runs cached (a full UNet step every `interval` steps of the
+        schedule it runs, `step_cache.deepcache_full_steps`); None: every step whole, on the uncached engine. The
+        request's STEP_CACHE decides, engines.yaml's `step_cache.enabled` where it sends none."""
+        cache = self.step_cache
+        if cache is None or cache.method is not StepCacheMethod.deepcache:
+            return None
+        wanted = request.step_cache
+        if wanted is None:
+            wanted = StepCacheMode.on.value if cache.enabled else StepCacheMode.off.value
+        return cache.interval if wanted == StepCacheMode.on.value else None
+
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
         size = self.validate(request)
         timings = StageTimings()
@@ -394,6 +432,8 @@ class EnginePipeline:
         strength = request.resolved_strength if workflow.takes_strength else None
         key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength,
                tuple(request.loras))  # the engines hold one LoRA set per call
+        # a cached request shares calls only with requests of the same schedule (steps and strength are in the key)
+        key += (self.cache_interval(request),)
         if self.family in (Family.flux, Family.wan, Family.qwen_image, *FLUX2_FAMILIES):
             # one request per batch (their loops say why)
             key += (id(request),)
@@ -610,26 +650,36 @@ class EnginePipeline:
         extra = self._added_conditioning(size, rows)
         offsets = np.cumsum([0] + [item.rows for item in items])
         timesteps = items[0].timesteps
+        interval = self.cache_interval(first)
+        full_steps = deepcache_full_steps(len(timesteps), interval) if interval else None
+        timings.step_schedule = schedule_label(full_steps) if full_steps else ""
+        features: dict[str, object] = {}  # each call's deep feature from its last full step (CFG split: two)
         for index, t in enumerate(timesteps):
             start = time.perf_counter()
             scaled = [_denoiser_input(item, _scale_input(item.scheduler, item.latents, t)) for item in items]
+
+            def cached(slot: str) -> _CachedCall | None:
+                return None if full_steps is None else _CachedCall(full_steps[index], features, slot)
+
             if cfg_mode == "batched":
                 model_in = torch.cat(scaled * 2)
                 noise = self._denoise(model_in, t, _cat(negative, positive), _cat_extra(extra), size, first,
-                                      None if control is None else np.concatenate([control] * 2))
+                                      None if control is None else np.concatenate([control] * 2),
+                                      cached=cached("batched"))
                 uncond, cond = noise.chunk(2) if isinstance(noise, torch.Tensor) else np.split(noise, 2)
             elif cfg_mode == "split":
                 model_in = torch.cat(scaled)
-                uncond = self._denoise(model_in, t, negative, extra, size, first, control)
-                cond = self._denoise(model_in, t, positive, extra, size, first, control)
+                uncond = self._denoise(model_in, t, negative, extra, size, first, control, cached=cached("uncond"))
+                cond = self._denoise(model_in, t, positive, extra, size, first, control, cached=cached("cond"))
             elif cfg_mode == "parallel":  # split's two calls at once, each on its own instance: split's outputs
                 model_in = torch.cat(scaled)
-                uncond, cond = at_once(partial(self._denoise, model_in, t, negative, extra, size, first, control),
+                uncond, cond = at_once(partial(self._denoise, model_in, t, negative, extra, size, first, control,
+                                               cached=cached("uncond")),
                                        partial(self._denoise, model_in, t, positive, extra, size, first, control,
-                                               instance=1))
+                                               instance=1, cached=cached("cond")))
             else:
                 model_in = torch.cat(scaled)
-                cond = self._denoise(model_in, t, positive, extra, size, first, control)
+                cond = self._denoise(model_in, t, positive, extra, size, first, control, cached=cached("cond"))
                 uncond = None
             for item, lo, hi in zip(items, offsets[:-1], offsets[1:]):
                 noise_pred = _as_torch(cond[lo:hi] if len(items) > 1 else cond)
@@ -676,10 +726,11 @@ class EnginePipeline:
         time_ids = np.array([[size.height, size.width, 0, 0, size.height, size.width]] * batch, np.float32)
         return {"time_ids": time_ids}
 
-    def _denoise(self, model_in, t, cond: _Conditioning, extra, size, request, control, instance: int = 0
-                 ) -> np.ndarray:
+    def _denoise(self, model_in, t, cond: _Conditioning, extra, size, request, control, instance: int = 0,
+                 cached: _CachedCall | None = None) -> np.ndarray:
         """One denoiser call (its ControlNet's first); `instance`: which runner over the engine (cfg parallel's
-        second call runs on the second, so the two run at once)."""
+        second call runs on the second, so the two run at once); `cached`: a step-cached call (DeepCache: the full
+        UNet keeping its deep feature, or the shallow path on the kept one) instead of the uncached engine."""
         # on the device path the sample stays a torch CUDA tensor and the runner gives one back
         sample = model_in.numpy().astype(np.float32) if not model_in.is_cuda else model_in.float().contiguous()
         batch = sample.shape[0]
@@ -692,13 +743,19 @@ class EnginePipeline:
             if self.family is Family.sdxl:
                 feeds["text_embeds"] = cond.pooled
                 feeds["time_ids"] = extra["time_ids"]
-        runner = self.runners.find(self.denoiser, size=size, batch=batch, instance=instance)
+        component = self.denoiser if cached is None else cached.component
+        runner = self.runners.find(component, size=size, batch=batch, instance=instance)
         needed = set(runner.inputs)
-        if control is not None or "mid_block_residual" in needed:
+        if control is not None or "mid_block_residual" in needed or any("down_block_residual" in n for n in needed):
             feeds.update(self._residuals(feeds, runner, size, request, control, instance))
+        if cached is not None and not cached.full:
+            feeds[DEEP_FEATURE] = cached.features[cached.slot]
         # arrays keep their memory layout: img2img latents inherit the init image's channels-last strides, as in
         # diffusers, and the torch reference must see them so (engine runners copy to contiguous where needed)
-        return runner.run(feeds)["noise_pred"]
+        outputs = runner.run(feeds)
+        if cached is not None and cached.full:
+            cached.features[cached.slot] = outputs[DEEP_FEATURE]
+        return outputs["noise_pred"]
 
     def _residuals(self, unet_feeds, unet_runner, size, request, control, instance: int = 0
                    ) -> dict[str, np.ndarray]:

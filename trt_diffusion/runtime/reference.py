@@ -9,14 +9,16 @@ import numpy as np
 
 from ..families import Component, Family
 from ..models.loading import load_component, load_controlnet
+from ..step_cache import PIECES, StepCache
 from ..tensors import TensorSpec
 from .engines import RunnerTable
 from .runners import TorchRunner
 
 
 def reference_runners(model_dir: str | Path, family: Family | str, components=None,
-                      controlnets: dict[str, Path] | None = None) -> RunnerTable:
-    """A RunnerTable of torch modules (any size, any batch) for every component of the folder.
+                      controlnets: dict[str, Path] | None = None, step_cache: StepCache | None = None) -> RunnerTable:
+    """A RunnerTable of torch modules (any size, any batch) for every component of the folder; with `step_cache`,
+    the denoiser's step-cache pieces too (over the same module: the reference of a cached pipeline).
 
     The modules sit behind the same export wrappers the ONNX graphs are traced from, so the reference
     and the engines share one I/O contract.
@@ -32,6 +34,11 @@ def reference_runners(model_dir: str | Path, family: Family | str, components=No
         module = _with_default_attention(load_component(model_dir, component))
         table.add(component.value, _torch_runner(get_component(family, component), module, config, options,
                                                  f"torch:{component.value}"))
+        if step_cache is not None and component.is_denoiser:
+            piece_options = {**options, "step_cache": step_cache.engine_option()}
+            for piece in PIECES[step_cache.method]:
+                table.add(piece, _torch_runner(get_component(family, component, piece), module, config, piece_options,
+                                               f"torch:{piece}"))
     for name, folder in (controlnets or {}).items():
         config = load_model_config(model_dir, family, Component.controlnet, controlnet_dir=folder)
         runner = _torch_runner(get_component(family, Component.controlnet), load_controlnet(folder), config, {},

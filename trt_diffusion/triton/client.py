@@ -55,6 +55,8 @@ class ImageRequest:
     max_sequence_length: int | None = None
     # LoRA per request: LORAS as JSON ([{"name": "style", "scale": 0.8}, ...]); None: left out, the base model
     loras: str | None = None
+    # "on" | "off" (STEP_CACHE); None: left out, engines.yaml's step_cache.enabled
+    step_cache: str | None = None
 
     @property
     def result(self) -> str:
@@ -99,6 +101,8 @@ class ImageRequest:
             values["MAX_SEQUENCE_LENGTH"] = np.array([[self.max_sequence_length]], np.int32)
         if self.loras is not None:
             values["LORAS"] = text(self.loras)
+        if self.step_cache is not None:
+            values["STEP_CACHE"] = text(self.step_cache)
         return values
 
 

@@ -67,6 +67,11 @@ LORA_INPUTS: tuple[TensorDecl, ...] = (
 LORAS_PARAMETER = "trt_diffusion_loras"
 # What a LoRA-serving engine model answers beside its engine's outputs: seconds this call spent switching sets
 LORA_SWITCH_S = TensorDecl("LORA_SWITCH_S", "TYPE_FP32", (1,))
+# Step caching (issue 30): declared on every entry too. "on" | "off"; absent: engines.yaml's step_cache.enabled (a
+# model without a step cache runs every step whole whatever is sent; a value other than on/off is refused).
+STEP_CACHE_INPUTS: tuple[TensorDecl, ...] = (
+    _scalar("STEP_CACHE", "TYPE_STRING", optional=True),
+)
 CONTROLNET_INPUTS: tuple[TensorDecl, ...] = (
     _scalar("CONTROLNET", "TYPE_STRING", optional=True),
     TensorDecl("CONTROL_IMAGE", "TYPE_UINT8", (-1, -1, 3), optional=True),
@@ -97,7 +102,7 @@ PROMPT_ONLY = ("PROMPT", "NEGATIVE_PROMPT")  # request inputs the denoise stage 
 
 
 def request_inputs(has_controlnets: bool) -> tuple[TensorDecl, ...]:
-    return (REQUEST_INPUTS + WORKFLOW_INPUTS + VIDEO_INPUTS + TEXT_INPUTS + LORA_INPUTS
+    return (REQUEST_INPUTS + WORKFLOW_INPUTS + VIDEO_INPUTS + TEXT_INPUTS + LORA_INPUTS + STEP_CACHE_INPUTS
             + (CONTROLNET_INPUTS if has_controlnets else ()))
 
 

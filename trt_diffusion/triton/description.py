@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..engines_file.engine_spec import Bucket, Size
 from ..errors import ServeError
+from ..step_cache import StepCache, StepCacheMethod
 from ..tensors import TensorSpec
 
 SCHEMA_VERSION = 1
@@ -59,6 +60,14 @@ class PipelineDescription:
     text_lengths: tuple[int, int, int] | None = None
     # engines.yaml's refit LoRAs: the names a request's LORAS may use (issue 28); none: every set but [] refused
     loras: tuple[str, ...] = ()
+    # engines.yaml's step cache (step_cache.StepCache as JSON), where its pieces' engines were packaged; None: none
+    step_cache: dict | None = None
+
+    @property
+    def step_cache_object(self) -> StepCache | None:
+        if not self.step_cache:
+            return None
+        return StepCache(**{**self.step_cache, "method": StepCacheMethod(self.step_cache["method"])})
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -85,4 +94,9 @@ class PipelineDescription:
                         for e in raw["engines"])
         return cls(raw["pipeline"], raw["family"], engines, raw["schema_version"], tuple(raw.get("controlnets", ())),
                    tuple(raw.get("workflows") or DEFAULT_WORKFLOWS), tuple(raw.get("cfg") or ()),
-                   tuple(raw["text_lengths"]) if raw.get("text_lengths") else None, tuple(raw.get("loras") or ()))
+                   tuple(raw["text_lengths"]) if raw.get("text_lengths") else None, tuple(raw.get("loras") or ()),
+                   raw.get("step_cache"))
+
+
+def step_cache_json(cache: StepCache | None) -> dict | None:
+    return None if cache is None else {**asdict(cache), "method": cache.method.value}

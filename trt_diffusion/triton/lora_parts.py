@@ -96,7 +96,10 @@ def unservable_reason(built: Sequence[Any], parts: Mapping[str, ComponentParts])
     for engine in built:
         if engine.spec.component not in parts:
             continue
-        if not engine.spec.refittable:
+        if engine.spec.piece:  # the step cache's pieces: their per-request switch is untested
+            problems.append(f"{engine.spec.name} is a step-cache piece (per-request LoRA with a step cache is not "
+                            "served yet; LoRAs there are applied at build)")
+        elif not engine.spec.refittable:
             problems.append(f"{engine.spec.name} is not refittable")
         elif type(get_target(engine.spec.target)).lora_runner is TargetBase.lora_runner:
             problems.append(f"the {engine.spec.target} target cannot switch LoRAs per request ({engine.spec.name})")

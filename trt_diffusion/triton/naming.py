@@ -20,7 +20,7 @@ def sanitize(text: str) -> str:
 def engine_model_name(pipeline: str, spec: EngineSpec) -> str:
     """<pipeline>__<component>[__<controlnet>]__<bucket>__b<batch>; text encoders have bucket 'any'. A
     multi-profile engine (engine_layout: profiles) serves several: <pipeline>__<component>[__<controlnet>]__<n>profiles."""
-    parts = [pipeline, spec.component]
+    parts = [pipeline, spec.label]  # a step cache's piece (unet_deep, ...) is a model of its own
     if spec.controlnet:
         parts.append(spec.controlnet)
     if spec.profiles:

@@ -28,6 +28,7 @@ from typing import Any
 from ..errors import ServeError
 from ..families import FAMILIES, FLUX2_FAMILIES, Component, Family
 from ..runtime.cfg_parallel import cfg_instances, cfg_modes
+from ..step_cache import PIECES, StepCache
 from ..targets import get_target
 from ..targets.lora_switch import FOLDER as LORA_FOLDER
 from ..tensors import TensorSpec
@@ -36,7 +37,7 @@ from ..workspace.safe_paths import checked_name, is_link
 from . import configs, contract, naming
 from .configs import EnsembleStep, ModelConfig, QueuePolicy, WarmupSample
 from .contract import TensorDecl
-from .description import DEFAULT_WORKFLOWS, SKELETON_DIR, EngineEntry, PipelineDescription
+from .description import DEFAULT_WORKFLOWS, SKELETON_DIR, EngineEntry, PipelineDescription, step_cache_json
 from .report import FILE_NAME as REPORT_FILE
 from .report import PackagedModel, PackageReport
 from .validate import validate_repository
@@ -133,7 +134,7 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
             out_dir: str | Path, options: PackageOptions | None = None,
             workflows: Sequence[Workflow | str] | None = None, cfg: Sequence[str] | None = None,
             loras: Mapping[str, Any] | None = None, served_loras: Sequence[str] = (),
-            notes: Sequence[str] = ()) -> PackageReport:
+            notes: Sequence[str] = (), step_cache: StepCache | None = None) -> PackageReport:
     """Write the Triton repository serving `built` (BuiltEngine list of one model) to `out_dir`. `workflows`:
     what engines.yaml declares for the model (None: txt2img only); the entry serves those and refuses others.
     `cfg`: its CFG modes (None: none recorded, the entry picks from the engine batches); with `parallel` the
@@ -163,7 +164,7 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
                for engine in built]
     _check_unique([plan.config.name for plan in engines])
     description = _description(pipeline, family, built, engines, served_workflows, served_cfg,
-                               tuple(sorted(served_loras)))
+                               tuple(sorted(served_loras)), step_cache)
     has_controlnets = bool(description.controlnets)
     sizes, request_sizes = _sizes(built, family, "label"), _sizes(built, family, "opt")
     models = engines + _pipeline_plans(pipeline, family, has_controlnets, description, sizes, request_sizes,
@@ -335,19 +336,23 @@ def _check_unique(names: list[str]) -> None:
 
 def _description(pipeline: str, family: Family, built: Sequence[Any], engines: list[_ModelPlan],
                  workflows: tuple[str, ...] = DEFAULT_WORKFLOWS, cfg: tuple[str, ...] = (),
-                 loras: tuple[str, ...] = ()) -> PipelineDescription:
+                 loras: tuple[str, ...] = (), step_cache: StepCache | None = None) -> PipelineDescription:
     def entries(infos) -> tuple[TensorSpec, ...]:
         return tuple(TensorSpec(t.dtype, tuple(t.shape), t.name) for t in infos)
 
     # one row per shape: a multi-profile engine (engine_layout: profiles) routes each of its buckets and batches
     # to its one model, whose engine runs the request in the profile built for its shape
-    rows = tuple(EngineEntry(plan.config.name, e.spec.component, m.bucket.to_json() if m.bucket else None,
+    rows = tuple(EngineEntry(plan.config.name, e.spec.label, m.bucket.to_json() if m.bucket else None,
                              m.batch, e.spec.controlnet, entries(e.manifest.inputs), entries(e.manifest.outputs),
                              plan.loras.names if plan.loras else ())
                  for plan, e in zip(engines, built) for m in e.spec.members)
     controlnets = tuple(sorted({e.spec.controlnet for e in built if e.spec.controlnet}))
+    # the step cache is served only where its pieces' engines were packaged beside the denoiser's
+    pieces = {e.spec.piece for e in built if e.spec.piece}
+    served_cache = step_cache if step_cache is not None and set(PIECES[step_cache.method]) <= pieces else None
     return PipelineDescription(pipeline, family.value, rows, controlnets=controlnets, workflows=workflows, cfg=cfg,
-                               text_lengths=_text_lengths(built), loras=loras)
+                               text_lengths=_text_lengths(built), loras=loras,
+                               step_cache=step_cache_json(served_cache))
 
 
 def _text_lengths(built: Sequence[Any]) -> tuple[int, int, int] | None:

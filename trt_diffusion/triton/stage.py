@@ -71,7 +71,8 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
         parts = {} if signed else write_parts(config, model, engines, Path(parts_dir))
         report = package(engines, resolved.source.path, resolved.family, model, out_dir, options,
                          workflows=resolved.workflows, cfg=resolved.cfg,  # engines.yaml's `workflows:` and `cfg:`
-                         loras=parts, served_loras=served_lora_names(resolved) if parts else (), notes=notes)
+                         loras=parts, served_loras=served_lora_names(resolved) if parts else (), notes=notes,
+                         step_cache=resolved.step_cache)
     if verify_keys:
         shutil.copyfile(release_path, Path(out_dir) / signing.RELEASE_FILE)  # serve --verify checks it again
     if config.build.trust == "signed":  # serve then requires --verify too

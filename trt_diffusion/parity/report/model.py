@@ -170,6 +170,10 @@ class VariantResult(_ReportModel):
     controlnet: str | None = None
     workflow: str = Field(default="txt2img", description="txt2img, img2img, inpaint, edit or img2vid")
     strength: float | None = Field(default=None, description="the img2img/inpaint strength the requests used")
+    step_cache: str | None = Field(default=None, description="the step cache the engines ran (e.g. 'deepcache "
+                                   "interval 3, branch 0'), judged against the uncached fp32 reference; null: none")
+    step_schedule: str | None = Field(default=None, description="a step-cached variant's schedule: F a full "
+                                      "step, c a cached one")
     thresholds: Thresholds = Field(description="the bar the images were judged against")
     images: list[ImageComparison] = Field(default_factory=list)
     components: list[ComponentDiff] = Field(default_factory=list)

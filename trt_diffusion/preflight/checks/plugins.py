@@ -88,7 +88,8 @@ def _pipeline(model, engines, make_runner, flags):
     make = make_runner or runner_for
     return EnginePipeline(model.source.path, model.family,
                           table_from_engines(engines, lambda e: _FiniteProbe(make(e), flags)), model.workflows,
-                          text_lengths=model.text_lengths)  # Qwen-Image's engines.yaml range
+                          text_lengths=model.text_lengths,  # Qwen-Image's engines.yaml range
+                          step_cache=model.step_cache)  # the cached pieces' outputs are probed too
 
 
 def _lora_in_process(ctx: CheckContext, outcome: Outcome, settings, lora_name: str, lora, target: str) -> None:

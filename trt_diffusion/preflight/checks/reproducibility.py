@@ -65,7 +65,8 @@ def _batch_of_two(ctx: CheckContext, settings) -> dict:
         return {"batch_independent": None, "batch_na_reason": f"no {denoiser} engine for a batch of 2 is built"}
     pipeline = EnginePipeline(model.source.path, model.family,
                               table_from_engines([e for e in ctx.engines.found if e.spec.lora_variant is None]),
-                              model.workflows, text_lengths=model.text_lengths)  # Qwen-Image's engines.yaml range
+                              model.workflows, text_lengths=model.text_lengths,  # Qwen-Image's engines.yaml range
+                              step_cache=model.step_cache)  # the cached schedule, as the deployment runs it
     size = ctx.deployment.buckets[0].request
     from dataclasses import replace
 

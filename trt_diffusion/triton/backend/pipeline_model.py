@@ -39,7 +39,8 @@ class TritonPythonModel:
         self.pipeline = EnginePipeline(folder / SKELETON_DIR, self.description.family,
                                        bls_runner_table(self.description, self.context),
                                        workflows=self.description.workflows, cfg=self.description.cfg,
-                                       text_lengths=self.description.text_lengths)  # Qwen-Image's text_length
+                                       text_lengths=self.description.text_lengths,  # Qwen-Image's text_length
+                                       step_cache=self.description.step_cache_object)
         # Imports, tokenizers and scheduler code warmed before the server reports ready (no engine calls:
         # BLS is not available during initialize; the engine models warm themselves with model_warmup).
         seconds = warm_up_in_process(self.pipeline, self.description)

@@ -95,4 +95,6 @@ def read_request(request: Any, *, with_prompt: bool = True, served_loras: Sequen
         # Qwen-Image's; absent: the family's default. Its range (and other families' refusal) is the pipeline's
         max_sequence_length=None if length is None else int(_only(length, "MAX_SEQUENCE_LENGTH")),
         loras=parse_loras(_text(get("LORAS"), "LORAS", MAX_LORAS_BYTES), served_loras),
+        # "on" | "off"; absent: engines.yaml's default (EnginePipeline.validate refuses anything else)
+        step_cache=_text(get("STEP_CACHE"), "STEP_CACHE") or None,
     )
