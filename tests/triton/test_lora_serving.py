@@ -39,8 +39,7 @@ def served(built_sd15_two_loras, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora-serving")
     # batch_requests 4: no-CFG requests of one set share the UNet's batch-2 calls; cache of 2 sets: both kept
-    options = PackageOptions(pipeline_instances=2, batch_requests=4, lora_cache_sets=2, ensemble=False,
-                             stream=False)
+    options = PackageOptions(pipeline_instances=2, batch_requests=4, lora_cache_sets=2)
     report = stage.package_stage(built_sd15_two_loras, root / "repo", "onnxruntime", options=options)
     server, _ = stage.start(root / "repo", work_dir=root / "work", first_request=False)
     try:
@@ -78,6 +77,25 @@ def test_sets_alternated_concurrently_equal_their_single_request_images(served):
     after, parameters = generate(served, "[]")
     assert np.array_equal(after, base)  # the next base request: the base engine, no residue
     assert parameters["timing"]["lora_switch_s"] == 0
+
+
+def test_the_ensemble_and_the_stream_apply_the_set_too(served):
+    """LORAS through the ensemble (its encode and denoise stages hand the set to their engine calls) and the streaming
+    entry: the entry's image."""
+    server, report = served
+    both = json.dumps([{"name": "detail", "scale": 0.5}, {"name": "style", "scale": 0.5}])
+    expected, _ = generate(served, both, seed=5)
+    request = ImageRequest("a lighthouse on a cliff", SIZE, SIZE, steps=3, guidance_scale=1.0, seed=5, loras=both)
+    module = triton_client.client_module("grpc")
+    client = triton_client.connect(server.grpc_url, "grpc", 300)
+    try:
+        ensemble = triton_client.infer(client, module, report.ensemble, request, protocol="grpc", timeout_s=300)
+    finally:
+        client.close()
+    streamed, _, _ = triton_client.stream(server.grpc_url, request, model=f"{report.entry}_stream", timeout_s=300)
+    assert np.array_equal(ensemble, expected) and np.array_equal(streamed, expected)
+    base, _ = generate(served, None, seed=5)
+    assert not np.array_equal(base, expected)
 
 
 @pytest.mark.parametrize("loras, message", [

@@ -4,7 +4,7 @@ A LoRA-serving engine model's version folder holds `loras/` (written by `package
 
     loras/loras.json          schema_version, component, the base file and each LoRA's file with its sha256
     loras/base.safetensors    the base value of every parameter some served LoRA changes (torch names, fp32)
-    loras/<name>.safetensors  that LoRA's delta per parameter at scale 1 (sum of scaling * up @ down, fp32)
+    loras/lora-<name>.safetensors  that LoRA's delta per parameter at scale 1 (its fused weights minus the base, fp32)
 
 A set's weights are `base + sum(scale * delta)` over its LoRAs in name order (the canonical order, so the same set
 gives the same bits whatever order a client listed it in), always from the base: A -> B -> A gives A's bits again.
@@ -45,7 +45,6 @@ class LoraParts:
     component: str
     base: dict[str, np.ndarray]
     deltas: dict[str, dict[str, np.ndarray]]  # LoRA name -> parameter -> delta at scale 1
-    dtypes: dict[str, str]  # parameter -> the engine's weight dtype (numpy name)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -82,21 +81,22 @@ class LoraParts:
             stray = sorted(set(delta) - set(base))
             if stray:
                 raise ServeError(f"{index_path}: LoRA {name!r} changes {stray[:3]} that base.safetensors lacks")
-        return cls(index["component"], base, deltas, dict(index.get("dtypes") or {}))
+        return cls(index["component"], base, deltas)
 
     def key(self, chosen: Iterable[tuple[str, float]]) -> SetKey:
         """What of a request's set this engine holds (the others have no part here), canonical."""
         return tuple(sorted((name, float(scale)) for name, scale in chosen if name in self.deltas and scale != 0.0))
 
     def weights(self, key: SetKey) -> dict[str, np.ndarray]:
-        """Parameter -> fused value: base + sum(scale * delta) in name order, fp32, cast to the engine's dtype."""
+        """Parameter -> fused value: base + sum(scale * delta) in name order, fp32 (the target's refit casts it to
+        the engine's dtype, as it does the in-process refit's)."""
         fused: dict[str, np.ndarray] = {}
         for name, scale in key:
             for param, delta in self.deltas[name].items():
                 if param not in fused:
                     fused[param] = self.base[param].astype(np.float32, copy=True)
                 fused[param] += np.float32(scale) * delta
-        return {p: v.astype(self.dtypes.get(p, "float32"), copy=False) for p, v in fused.items()}
+        return fused
 
 
 RunnerFactory = Callable[[dict[str, np.ndarray]], Any]  # fused weights -> a runner over the engine with them

@@ -2,7 +2,7 @@
 refittable engine takes, written once at package time so the engine models never load a diffusers model.
 
 Per component (the denoiser, and the CLIP text encoders a LoRA has a part for): `base.safetensors` (the base value
-of every parameter some served LoRA changes) and `<name>.safetensors` (that LoRA's delta at scale 1: its fused
+of every parameter some served LoRA changes) and `lora-<name>.safetensors` (that LoRA's delta at scale 1: its fused
 weights minus the base), listed with their sha256 in `loras.json` (read back by targets/lora_switch.py). A set's
 weights at serve time are `base + sum(scale * delta)`: equal to the in-process refit (`trt-diffusion refit`, which
 fuses `W + scale * up @ down * alpha / rank`) to float32 rounding.
@@ -67,17 +67,22 @@ def write_parts(config: Any, model_name: str, built: Sequence[Any], out: Path) -
         folder.mkdir(parents=True, exist_ok=True)
         base = dict(base_module(config, model_name, component).named_parameters())
         files = {BASE_FILE: {p: base[p].detach().float().contiguous() for p in sorted(touched[component])}}
-        files.update({f"{name}.safetensors": tensors for name, tensors in by_lora.items()})
+        files.update({_lora_file(name): tensors for name, tensors in by_lora.items()})
         for file_name, tensors in files.items():
             _atomic_save(save_file, tensors, folder / file_name)
         index = {"schema_version": SCHEMA_VERSION, "component": component,
                  "base": {"file": BASE_FILE, "sha256": sha256_file(folder / BASE_FILE)},
-                 "loras": {name: {"file": f"{name}.safetensors", "sha256": sha256_file(folder / f"{name}.safetensors"),
+                 "loras": {name: {"file": _lora_file(name), "sha256": sha256_file(folder / _lora_file(name)),
                                   "source": str(resolved.loras[name].path), "parameters": len(by_lora[name])}
                            for name in sorted(by_lora)}}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         parts[component] = ComponentParts(component, folder, tuple(sorted(by_lora)))
     return parts
+
+
+def _lora_file(name: str) -> str:
+    """A LoRA's part file: engines.yaml names are plain file-name parts; the prefix keeps `base` apart from BASE_FILE."""
+    return f"lora-{name}.safetensors"
 
 
 def _atomic_save(save_file, tensors: Mapping[str, Any], path: Path) -> None:
