@@ -105,6 +105,17 @@ def deepcache_full_steps(steps: int, interval: int) -> tuple[bool, ...]:
     return tuple(i % interval == 0 for i in range(steps))
 
 
+def first_block_skips(residual, previous, threshold: float) -> bool:
+    """Whether a first-block-cached step skips the remaining blocks: the first block's residual changed, since the
+    last full step's, by at most `threshold` (mean |Δ| over mean |previous|), computed as diffusers' hook does (torch,
+    float32, so the decision is the hook's bit for bit). `residual`, `previous`: torch tensors or numpy arrays."""
+    import torch
+
+    residual, previous = torch.as_tensor(residual), torch.as_tensor(previous)
+    change = (residual - previous).abs().mean() / previous.abs().mean()
+    return not bool(change.item() > threshold)
+
+
 def schedule_label(full: tuple[bool, ...] | list[bool]) -> str:
     """A schedule as a report shows it: F for a full step, c for a cached one ("FccFccF")."""
     return "".join("F" if f else "c" for f in full)

@@ -7,6 +7,7 @@ from ..families import Component, Family, family_info
 from .base import ComponentDef
 from .controlnet import ControlNet
 from .deepcache import DeepCachePiece
+from .first_block import FirstBlockPiece
 from .flux2 import Flux2TextEncoder, Flux2Transformer, Flux2VaeDecoder
 from .qwen_image import QwenImageTransformer, QwenTextEncoder, QwenVaeDecoder, QwenVaeEncoder
 from .text_encoders import ClipTextEncoder, T5TextEncoder
@@ -66,7 +67,8 @@ _REGISTRY = _build()
 _PIECES: dict[tuple[Family, Component, str], ComponentDef] = {
     (family, _C.unet, piece): DeepCachePiece(family, _C.unet, piece)
     for family in (_F.sd15, _F.sdxl) for piece in ("unet_deep", "unet_shallow")
-}
+} | {(_F.flux, _C.transformer, piece): FirstBlockPiece(_F.flux, _C.transformer, piece)
+     for piece in ("first_block", "rest_blocks")}
 
 
 def get_component(family: Family | str, component: Component | str, piece: str | None = None) -> ComponentDef:

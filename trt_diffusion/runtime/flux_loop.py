@@ -29,6 +29,7 @@ import torch
 from ..engines_file.engine_spec import Size
 from ..errors import RuntimeInputError
 from ..families import Family
+from ..step_cache import PIECES, StepCacheMethod, first_block_skips
 from ..workflows import Workflow
 from . import conditioning
 from .schedulers import make_scheduler
@@ -77,6 +78,8 @@ class FluxLoop:
         # FluxFillPipeline: latents, the masked image's latents and the mask (one channel per pixel of a
         # vae_scale_factor^2 patch, packed 2x2) side by side
         self.fill_channels = 2 * self.packed_channels + PACKING * PACKING * vae_scale_factor ** 2
+        # the blocks' width (first-block caching's residuals)
+        self.inner_dim = int(denoiser_config["num_attention_heads"]) * int(denoiser_config["attention_head_dim"])
 
     @property
     def fill_transformer(self) -> bool:
@@ -153,8 +156,9 @@ class FluxLoop:
     # ---------------------------------------------------------------- the loop
 
     def denoise(self, item: FluxItem, size: Size, timings: StageTimings,
-                on_step: StepCallback | None = None) -> torch.Tensor:
-        """The request's final latents, unpacked [rows, C, h, w]: one transformer call per step."""
+                on_step: StepCallback | None = None, threshold: float | None = None) -> torch.Tensor:
+        """The request's final latents, unpacked [rows, C, h, w]: one transformer call per step; with `threshold`
+        (first-block caching) the first block every step and the rest only where its residual moved more."""
         h, w = self.latent_size(size)
         tokens = (h // PACKING) * (w // PACKING)
         image_ids = _image_ids(h // PACKING, w // PACKING)
@@ -168,11 +172,17 @@ class FluxLoop:
                     "txt_ids": np.zeros((item.positive.embeds.shape[1], 3), np.float32)}
         if "guidance" in runner.inputs:
             constant["guidance"] = np.full((item.rows,), item.request.guidance_scale, np.float32)
+        cache = None if threshold is None else _FirstBlockCache(self.runners, size, item.rows, threshold,
+                                                                  len(image_ids), self.inner_dim)
         for index, t in enumerate(item.timesteps):
             start = time.perf_counter()
             feeds = {"hidden_states": item.model_input().numpy(),
                      "timestep": np.full((item.rows,), float(t) / 1000, np.float32), **constant}
-            noise_pred = torch.from_numpy(runner.run(feeds)["noise_pred"])
+            if cache is None:
+                noise_pred = torch.from_numpy(runner.run(feeds)["noise_pred"])
+            else:
+                noise_pred = torch.from_numpy(cache.step(feeds))
+                timings.step_schedule = cache.label
             if item.context is not None:
                 noise_pred = noise_pred[:, :tokens]  # the noise tokens' prediction; the context's is dropped
             item.latents = item.scheduler.step(noise_pred, t, item.latents, return_dict=False)[0]
@@ -208,6 +218,32 @@ class FluxLoop:
         from diffusers import FluxPipeline
 
         return FluxPipeline._unpack_latents(latents, size.height, size.width, self.vae_scale_factor)
+
+
+class _FirstBlockCache:
+    """One request's first-block cache (step_cache.py): the first block's residual of the last full step and the
+    remaining blocks' residual from it, as diffusers' FirstBlockCacheConfig hook keeps them."""
+
+    def __init__(self, runners, size: Size, rows: int, threshold: float, tokens: int, width: int):
+        first, rest = PIECES[StepCacheMethod.first_block]
+        self.first = runners.find(first, size=size, batch=rows)
+        self.rest = runners.find(rest, size=size, batch=rows)
+        self.threshold = threshold
+        self.previous = self.tail = None
+        self.zero_tail = np.zeros((rows, tokens, width), np.float32)  # the first step's (its cached output unused)
+        self.label = ""
+
+    def step(self, feeds: dict) -> np.ndarray:
+        tail = self.zero_tail if self.tail is None else self.tail
+        out = self.first.run({**{k: v for k, v in feeds.items() if k in self.first.inputs}, "tail_residual": tail})
+        if self.tail is not None and first_block_skips(out["first_residual"], self.previous, self.threshold):
+            self.label += "c"
+            return out["cached_noise_pred"]
+        rest_feeds = {k: v for k, v in feeds.items() if k in self.rest.inputs}
+        rest = self.rest.run({**rest_feeds, "first_hidden": out["first_hidden"], "first_encoder": out["first_encoder"]})
+        self.previous, self.tail = out["first_residual"], rest["tail_residual"]
+        self.label += "F"
+        return rest["noise_pred"]
 
 
 def _image_ids(rows: int, cols: int) -> torch.Tensor:

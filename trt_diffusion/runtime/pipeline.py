@@ -401,12 +401,22 @@ class EnginePipeline:
         schedule it runs, `step_cache.deepcache_full_steps`); None: every step whole, on the uncached engine. The
         request's STEP_CACHE decides, engines.yaml's `step_cache.enabled` where it sends none."""
         cache = self.step_cache
-        if cache is None or cache.method is not StepCacheMethod.deepcache:
+        if cache is None or cache.method is not StepCacheMethod.deepcache or not self._cache_on(request):
             return None
+        return cache.interval
+
+    def cache_threshold(self, request: GenerationRequest) -> float | None:
+        """first_block's threshold where the request runs cached (FLUX); None: every step whole."""
+        cache = self.step_cache
+        if cache is None or cache.method is not StepCacheMethod.first_block or not self._cache_on(request):
+            return None
+        return cache.threshold
+
+    def _cache_on(self, request: GenerationRequest) -> bool:
         wanted = request.step_cache
         if wanted is None:
-            wanted = StepCacheMode.on.value if cache.enabled else StepCacheMode.off.value
-        return cache.interval if wanted == StepCacheMode.on.value else None
+            wanted = StepCacheMode.on.value if self.step_cache.enabled else StepCacheMode.off.value
+        return wanted == StepCacheMode.on.value
 
     def generate(self, request: GenerationRequest, on_step: StepCallback | None = None) -> Generation:
         size = self.validate(request)
@@ -552,7 +562,8 @@ class EnginePipeline:
             negative = None if encoding.negative is None else _qwen_text(encoding.negative)
             return self.qwen.denoise(request, _qwen_text(encoding.positive), negative, timings, on_step)
         if self.flux is not None:
-            return self.flux.denoise(self.flux.item(request, encoding.positive, size), size, timings, on_step), "none"
+            return self.flux.denoise(self.flux.item(request, encoding.positive, size), size, timings, on_step,
+                                     threshold=self.cache_threshold(request)), "none"
         latents, cfg_mode = self._denoise_items([self._item(request, encoding, size)], size, timings, on_step)
         return latents[0], cfg_mode
 
