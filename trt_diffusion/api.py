@@ -257,20 +257,24 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
 
 
 def package(config_path: str | Path, out_dir: str | Path = "triton_repo", target: str = "onnxruntime", *,
-            model: str | None = None, options=None, lora_variant: str | None = None,
-            verify_keys: Sequence[str | Path] = (), release: str | Path | None = None):
-    """A Triton model repository serving the built engines of one model of engines.yaml (triton/stage.py): engine
-    models from each target's `triton_model`, the entry and its BLS loop, the ensemble, warm-up. `verify_keys`:
-    package only engines a signed release manifest covers."""
+            model: str | Sequence[str] | None = None, options=None, lora_variant: str | None = None,
+            verify_keys: Sequence[str | Path] = (), release: str | Path | None = None, all_models: bool = False,
+            memory_budget_gb: float | None = None):
+    """A Triton model repository serving the built engines of one model of engines.yaml, or of several (`model` a
+    list, or `all_models`: an entry per model) (triton/stage.py): engine models from each target's `triton_model`,
+    the entry and its BLS loop, the ensemble, warm-up. `memory_budget_gb` (default: engines.yaml's preflight
+    max_rss_gb): the models' estimated served memory must fit it. `verify_keys`: package only engines a signed
+    release manifest covers."""
     from .triton import stage
 
     return stage.package_stage(config_path, out_dir, target, model=model, options=options,
-                               lora_variant=lora_variant, verify_keys=verify_keys, release=release)
+                               lora_variant=lora_variant, verify_keys=verify_keys, release=release,
+                               all_models=all_models, memory_budget_gb=memory_budget_gb)
 
 
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
           metrics_port: int | None = 8002, first_request: bool = True, on_ready=None, admin_apis: bool = False,
-          verify_keys: Sequence[str | Path] = (), openai=None):
+          verify_keys: Sequence[str | Path] = (), openai=None, memory_budget_gb: float | None = None):
     """tritonserver on a packaged repository (127.0.0.1) until Ctrl-C or SIGTERM: `on_ready(report)` once every
     model is ready and warm; the warm-up report, or None when stopped before the server was ready. `openai`
     (openai_api.settings.ApiSettings): also the OpenAI Images API, started once Triton is ready, talking to its
@@ -294,7 +298,7 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
     try:
         return stage.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                            first_request=first_request, on_ready=ready, admin_apis=admin_apis,
-                           verify_keys=verify_keys)
+                           verify_keys=verify_keys, memory_budget_gb=memory_budget_gb)
     finally:
         for server in started:
             server.stop()

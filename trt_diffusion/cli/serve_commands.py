@@ -30,7 +30,12 @@ def package_command(
     config: Annotated[Path, typer.Argument(help="engines.yaml")],
     out: Annotated[Path, typer.Option("--out", help="repository folder to write (replaced if we wrote it)")]
     = Path("triton_repo"),
-    model: Annotated[str | None, typer.Option("--model", help="the model of engines.yaml to package")] = None,
+    model: Annotated[list[str] | None, typer.Option("--model", help="a model of engines.yaml to package "
+                                                    "(repeatable: one repository, an entry per model)")] = None,
+    all_models: Annotated[bool, typer.Option("--all-models", help="package every model of engines.yaml")] = False,
+    memory_budget_gb: Annotated[float | None, typer.Option(
+        "--memory-budget-gb", min=0.001, help="refuse models whose estimated served memory exceeds this (default: "
+        "engines.yaml's preflight max_rss_gb)")] = None,
     target: Annotated[str, typer.Option("--target", help="which built engines to serve: "
                                         f"{' | '.join(target_names())}")] = "onnxruntime",
     engine_backend: Annotated[EngineBackend, typer.Option(
@@ -76,8 +81,8 @@ def package_command(
                              queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble,
                              batch_requests=batch_requests, batch_delay_ms=batch_delay_ms, max_images=max_images,
                              stream=stream, lora_cache_sets=lora_cache_sets)
-    report = api.package(config, out, check_target_name(target), model=model, options=options,
-                         verify_keys=verify_keys or ())
+    report = api.package(config, out, check_target_name(target), model=model or None, options=options,
+                         verify_keys=verify_keys or (), all_models=all_models, memory_budget_gb=memory_budget_gb)
     table = Table(title=f"Triton repository {report.repo}")
     for column in ("model", "role", "backend", "component", "bucket", "batch", "warm-up shapes"):
         table.add_column(column)
@@ -86,12 +91,18 @@ def package_command(
         warmups = str(m.warmup_samples) if m.role == "engine" else ""
         table.add_row(m.name, m.role, m.backend, m.component or "", m.bucket or "", batch, warmups)
     console.print(table)
-    console.print(f"public entry: [bold]{report.entry}[/bold]" + (f" (and the ensemble {report.ensemble})"
-                                                                   if report.ensemble else "")
-                  + f"; sizes: {', '.join(report.sizes)}; written in {report.seconds:.1f} s")
-    if report.loras:
-        console.print(f"LoRAs per request (LORAS / generate --lora): {', '.join(report.loras)}; each engine instance "
-                      f"keeps {options.lora_cache_sets} set(s) applied")
+    for pipeline in report.all_pipelines():
+        console.print(f"public entry: [bold]{pipeline.entry}[/bold]" + (f" (and the ensemble {pipeline.ensemble})"
+                                                                         if pipeline.ensemble else "")
+                      + f"; sizes: {', '.join(pipeline.sizes)}")
+        if pipeline.loras:
+            console.print(f"LoRAs per request at {pipeline.entry} (LORAS / generate --lora): "
+                          f"{', '.join(pipeline.loras)}; each engine instance keeps {options.lora_cache_sets} set(s) "
+                          "applied")
+    for share in report.memory:
+        console.print(f"estimated memory: {share['model']} {share['total_gb']:.2f} GB (engines "
+                      f"{share['engines_gb']:.2f} GB, {share['processes']} python processes)", highlight=False)
+    console.print(f"written in {report.seconds:.1f} s")
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     console.print(f"next: trt-diffusion serve --repo {out}")
@@ -115,6 +126,9 @@ def serve_command(
                                                     "OpenAI Images API on this port (127.0.0.1)")] = None,
     api_key: ApiKey = None,
     max_body_bytes: MaxBody = DEFAULT_MAX_BODY,
+    memory_budget_gb: Annotated[float | None, typer.Option(
+        "--memory-budget-gb", min=0.001, help="refuse to start when the models' estimated memory (recorded by "
+        "package) exceeds this host's budget")] = None,
 ):
     """Run tritonserver on the repository (127.0.0.1) until Ctrl-C; with --openai-port, the OpenAI Images API too."""
     from .. import api
@@ -143,7 +157,7 @@ def serve_command(
                       "client that reaches the ports")
     warmup = api.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                        first_request=first_request, on_ready=announce, admin_apis=admin_apis,
-                       verify_keys=verify_keys or (), openai=openai)
+                       verify_keys=verify_keys or (), openai=openai, memory_budget_gb=memory_budget_gb)
     console.print("stopped" if warmup else "stopped before the server was ready (tritonserver and its stubs too)")
 
 

@@ -44,6 +44,17 @@ class PackageReport:
     workflows: list[str] = field(default_factory=lambda: ["txt2img"])  # what the entry serves (engines.yaml)
     cfg: list[str] = field(default_factory=list)  # engines.yaml's CFG modes (parallel: two denoiser instances)
     loras: list[str] = field(default_factory=list)  # the LoRAs a request may name in LORAS (refit, per request)
+    # A repository of several models: every model's own report (as dicts; this one's fields are the first's, its
+    # `models` every Triton model of the repository). Empty for one model.
+    pipelines: list[dict] = field(default_factory=list)
+    memory: list[dict] = field(default_factory=list)  # each model's estimated share (memory_budget.MemoryShare)
+
+    def all_pipelines(self) -> list[PackageReport]:
+        """Every model's report: this one alone, or one per model of a repository of several."""
+        if not self.pipelines:
+            return [self]
+        return [PackageReport(**{**raw, "models": [m if isinstance(m, PackagedModel) else PackagedModel(**m)
+                                                   for m in raw["models"]]}) for raw in self.pipelines]
 
     def engine_models(self) -> list[PackagedModel]:
         return [m for m in self.models if m.role == "engine"]

@@ -34,7 +34,7 @@ from ..targets.lora_switch import FOLDER as LORA_FOLDER
 from ..tensors import TensorSpec
 from ..workflows import FAMILY_WORKFLOWS, Workflow, families_that_run
 from ..workspace.safe_paths import checked_name, is_link
-from . import configs, contract, naming
+from . import configs, contract, memory_budget, naming
 from .configs import EnsembleStep, ModelConfig, QueuePolicy, WarmupSample
 from .contract import TensorDecl
 from .description import DEFAULT_WORKFLOWS, SKELETON_DIR, EngineEntry, PipelineDescription, step_cache_json
@@ -130,30 +130,95 @@ class _ModelPlan:
 # ---------------------------------------------------------------------------- public
 
 
+@dataclass(frozen=True)
+class PipelineSource:
+    """One model of a repository: its built engines (BuiltEngine list) and what engines.yaml says of it."""
+
+    built: Sequence[Any]
+    model_dir: Path
+    family: Family | str
+    name: str
+    workflows: Sequence[Workflow | str] | None = None  # None: txt2img only
+    cfg: Sequence[str] | None = None  # None: none recorded, the entry picks from the engine batches
+    # LoRA per request: component -> lora_parts.ComponentParts, the parts of `served_loras` each refittable engine
+    # takes (lora_parts.write_parts)
+    loras: Mapping[str, Any] | None = None
+    served_loras: Sequence[str] = ()
+    notes: Sequence[str] = ()  # more for the report (why LoRAs are not served, ...)
+    step_cache: StepCache | None = None  # engines.yaml's; served where its pieces' engines are in `built`
+
+
 def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, pipeline_name: str,
             out_dir: str | Path, options: PackageOptions | None = None,
             workflows: Sequence[Workflow | str] | None = None, cfg: Sequence[str] | None = None,
             loras: Mapping[str, Any] | None = None, served_loras: Sequence[str] = (),
-            notes: Sequence[str] = (), step_cache: StepCache | None = None) -> PackageReport:
+            notes: Sequence[str] = (), step_cache: StepCache | None = None,
+            memory_budget_gb: float | None = None) -> PackageReport:
     """Write the Triton repository serving `built` (BuiltEngine list of one model) to `out_dir`. `workflows`:
     what engines.yaml declares for the model (None: txt2img only); the entry serves those and refuses others.
     `cfg`: its CFG modes (None: none recorded, the entry picks from the engine batches); with `parallel` the
-    denoiser engine models get two instances and the entry calls them at once (`_instance_group`). `loras`:
-    component -> lora_parts.ComponentParts, the parts of `served_loras` each refittable engine takes (LoRA per
-    request; lora_parts.write_parts). `notes`: more for the report (why LoRAs are not served, ...)."""
+    denoiser engine models get two instances and the entry calls them at once (`_instance_group`). `loras`,
+    `served_loras`, `notes`, `step_cache`: as PipelineSource's."""
+    return package_models([PipelineSource(built, Path(model_dir), family, pipeline_name, workflows, cfg, loras,
+                                          served_loras, notes, step_cache)],
+                          out_dir, options, memory_budget_gb=memory_budget_gb)
+
+
+def package_models(sources: Sequence[PipelineSource], out_dir: str | Path, options: PackageOptions | None = None,
+                   *, memory_budget_gb: float | None = None) -> PackageReport:
+    """Write one repository serving every model of `sources`, each with its own entry (named after it) and engine
+    models; Triton routes by model name. `memory_budget_gb`: refuse a set whose estimated memory exceeds it
+    (memory_budget.py), naming each model's share. The report is the first model's, with `pipelines` listing
+    every model's and `models` every Triton model, when there are several."""
     start = time.perf_counter()
     options = options or PackageOptions()
     options.check()
-    family = Family(family)
-    model_dir = Path(model_dir)
+    if not sources:
+        raise ServeError("nothing to package: no model given")
     out_dir = Path(out_dir).resolve()
-    pipeline = naming.sanitize(pipeline_name)
+    planned = [_plan_pipeline(source, options, out_dir) for source in sources]
+    _check_unique([plan.config.name for models, _, _ in planned for plan in models])
+    _check_out_dir(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_staging(out_dir)
+    # the owner's pid is in the name: clean_stale_staging tells a killed package's folder from a running one's
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", dir=out_dir.parent))
+    try:
+        manifests = {}
+        for (models, engines, _), source in zip(planned, sources):
+            for plan in models:
+                _write_model(staging, plan, source.model_dir, Family(source.family), options)
+            manifests.update({p.config.name: e.manifest for p, e in zip(engines, source.built)})
+        validate_repository(staging, manifests=manifests)
+        reports = [report for _, _, report in planned]
+        shares = memory_budget.shares(staging, reports, options)
+        memory_budget.check(shares, memory_budget_gb)
+        report = reports[0]
+        report.memory = [asdict(share) for share in shares]
+        if len(reports) > 1:
+            report.pipelines = [asdict(r) for r in reports]
+            report.models = [m for r in reports for m in r.models]
+            report.notes = list(dict.fromkeys(note for r in reports for note in r.notes))
+        report.seconds = time.perf_counter() - start
+        report.write(staging)
+        _swap_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+def _plan_pipeline(source: PipelineSource, options: PackageOptions, out_dir: Path
+                   ) -> tuple[list[_ModelPlan], list[_ModelPlan], PackageReport]:
+    """(every model to write, the engine models among them, the report) of one model."""
+    built, family, model_dir = source.built, Family(source.family), Path(source.model_dir)
+    pipeline = naming.sanitize(source.name)
     target = _single_target(built)
     _check_components(built, family)
-    served_workflows = _check_workflows(built, family, workflows, model_dir)
-    served_cfg = tuple(mode.value for mode in cfg_modes(cfg))
+    served_workflows = _check_workflows(built, family, source.workflows, model_dir)
+    served_cfg = tuple(mode.value for mode in cfg_modes(source.cfg))
 
-    loras, lora_notes = dict(loras or {}), list(notes)
+    loras, served_loras, lora_notes = dict(source.loras or {}), source.served_loras, list(source.notes)
     if loras:
         from .lora_parts import unservable_reason
 
@@ -164,12 +229,11 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
                for engine in built]
     _check_unique([plan.config.name for plan in engines])
     description = _description(pipeline, family, built, engines, served_workflows, served_cfg,
-                               tuple(sorted(served_loras)), step_cache)
+                               tuple(sorted(served_loras)), source.step_cache)
     has_controlnets = bool(description.controlnets)
     sizes, request_sizes = _sizes(built, family, "label"), _sizes(built, family, "opt")
     models = engines + _pipeline_plans(pipeline, family, has_controlnets, description, sizes, request_sizes,
                                        options)
-
     report = PackageReport(
         repo=str(out_dir), pipeline=pipeline, entry=naming.entry_name(pipeline),
         ensemble=naming.ensemble_name(pipeline) if _writes_ensemble(family, options) else None, family=family.value,
@@ -178,22 +242,7 @@ def package(built: Sequence[Any], model_dir: str | Path, family: Family | str, p
         workflows=list(description.workflows), cfg=list(description.cfg), loras=list(description.loras),
         models=[plan.record for plan in models], options=asdict(options), seconds=0.0,
         notes=list(dict.fromkeys([*(note for plan in engines for note in plan.notes), *lora_notes])))
-    _check_out_dir(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_staging(out_dir)
-    # the owner's pid is in the name: clean_stale_staging tells a killed package's folder from a running one's
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", dir=out_dir.parent))
-    try:
-        for plan in models:
-            _write_model(staging, plan, model_dir, family, options)
-        validate_repository(staging, manifests={p.config.name: e.manifest for p, e in zip(engines, built)})
-        report.seconds = time.perf_counter() - start
-        report.write(staging)
-        _swap_into_place(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return report
+    return models, engines, report
 
 
 # ---------------------------------------------------------------------------- engines

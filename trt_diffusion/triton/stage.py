@@ -19,9 +19,10 @@ from pathlib import Path
 from .. import signing
 from ..engines_file.engine_spec import Size
 from ..errors import ServeError
+from . import memory_budget, naming
 from .release_check import verify_repository
 from .report import PackageReport
-from .repository import PackageOptions, package
+from .repository import PackageOptions, PipelineSource, package_models
 from .server import ServerPorts, TritonServer, free_port
 from .signals import stop_signals_interrupt
 from .validate import validate_repository
@@ -35,49 +36,75 @@ FIRST_REQUEST_STEPS = 20
 
 
 def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", target: str = "onnxruntime", *,
-                  model: str | None = None, options: PackageOptions | None = None,
+                  model: str | Sequence[str] | None = None, options: PackageOptions | None = None,
                   lora_variant: str | None = None, verify_keys: Sequence[str | Path] = (),
-                  release: str | Path | None = None) -> PackageReport:
-    """Package the built engines of one model of engines.yaml as a Triton repository.
+                  release: str | Path | None = None, all_models: bool = False,
+                  memory_budget_gb: float | None = None) -> PackageReport:
+    """Package the built engines of one model of engines.yaml — or several (`model` a list, or `all_models`) into
+    one repository, an entry per model — as a Triton repository.
 
-    `verify_keys` (public keys; several for rotation), required when engines.yaml says `build.trust: signed`:
-    every engine must be exactly what the signed release manifest (`release`, default
-    <workspace>/release-manifest.json) lists; the verified release is copied into the repository for serve."""
+    `memory_budget_gb` (default engines.yaml's `preflight: memory: max_rss_gb`): the models' estimated memory once served
+    must fit it (triton/memory_budget.py). `verify_keys` (public keys; several for rotation), required when
+    engines.yaml says `build.trust: signed`: every engine must be exactly what the signed release manifest
+    (`release`, default <workspace>/release-manifest.json) lists; the verified release is copied into the
+    repository for serve."""
     from ..engines_file import load_engines_file
     from ..runtime.loader import built_engines
 
     config = load_engines_file(config_path, check_sources=True)
-    if model is None:
-        if len(config.models) != 1:
-            raise ServeError(f"{config.path} has {len(config.models)} models ({', '.join(config.models)}); "
-                             "choose one with --model")
-        model = next(iter(config.models))
-    engines = built_engines(config, model, target, lora_variant=lora_variant)
-    resolved = config.models[model]
+    names = _chosen_models(config, model, all_models)
     release_path = Path(release) if release else Path(config.workspace) / signing.RELEASE_FILE
     if config.build.trust == "signed" and not verify_keys:
         raise signing.SignatureError(f"{config.path}: build.trust is signed: give the release's public key with "
                                      "--verify PUBKEY")
-    if verify_keys:
-        signing.verify_engines(engines, config.workspace, release_path, verify_keys)
     # LoRA per request: engines.yaml's refit LoRAs, split into each refittable engine's part (issue 28)
     from .lora_parts import served_lora_names, write_parts
 
     Path(out_dir).resolve().parent.mkdir(parents=True, exist_ok=True)
     signed = bool(verify_keys) or config.build.trust == "signed"
-    notes = ["LoRAs are not served per request from a signed release (their parts are not in it): LORAS naming one "
-             "is refused"] if signed and served_lora_names(resolved) else []
+    budget = memory_budget_gb if memory_budget_gb is not None else config.preflight.memory.max_rss_gb
     with tempfile.TemporaryDirectory(prefix=".lora-parts-", dir=Path(out_dir).resolve().parent) as parts_dir:
-        parts = {} if signed else write_parts(config, model, engines, Path(parts_dir))
-        report = package(engines, resolved.source.path, resolved.family, model, out_dir, options,
-                         workflows=resolved.workflows, cfg=resolved.cfg,  # engines.yaml's `workflows:` and `cfg:`
-                         loras=parts, served_loras=served_lora_names(resolved) if parts else (), notes=notes,
-                         step_cache=resolved.step_cache)
+        sources = []
+        for name in names:
+            engines = built_engines(config, name, target, lora_variant=lora_variant)
+            if verify_keys:
+                signing.verify_engines(engines, config.workspace, release_path, verify_keys)
+            resolved = config.models[name]
+            served = served_lora_names(resolved)
+            notes = ["LoRAs are not served per request from a signed release (their parts are not in it): LORAS "
+                     "naming one is refused"] if signed and served else []
+            parts = {} if signed else write_parts(config, name, engines, Path(parts_dir) / naming.sanitize(name))
+            sources.append(PipelineSource(engines, resolved.source.path, resolved.family, name,
+                                          workflows=resolved.workflows, cfg=resolved.cfg,  # engines.yaml's own
+                                          loras=parts, served_loras=served if parts else (), notes=notes,
+                                          step_cache=resolved.step_cache))
+        report = package_models(sources, out_dir, options, memory_budget_gb=budget)
     if verify_keys:
         shutil.copyfile(release_path, Path(out_dir) / signing.RELEASE_FILE)  # serve --verify checks it again
     if config.build.trust == "signed":  # serve then requires --verify too
         (Path(out_dir) / TRUST_FILE).write_text(json.dumps({"trust": "signed"}) + "\n")
     return report
+
+
+def _chosen_models(config, model: str | Sequence[str] | None, all_models: bool) -> list[str]:
+    """The models to package: those named (each must exist), every one with `all_models`, else the only one."""
+    if all_models:
+        if model:
+            raise ServeError("give --model or --all-models, not both")
+        return list(config.models)
+    names = [model] if isinstance(model, str) else list(model or ())
+    if not names:
+        if len(config.models) != 1:
+            raise ServeError(f"{config.path} has {len(config.models)} models ({', '.join(config.models)}); "
+                             "choose with --model (repeatable) or --all-models")
+        return list(config.models)
+    unknown = [name for name in names if name not in config.models]
+    if unknown:
+        raise ServeError(f"{config.path} has no model {', '.join(map(repr, unknown))}; its models: "
+                         f"{', '.join(config.models)}")
+    if len(set(names)) != len(names):
+        raise ServeError(f"--model names a model twice: {', '.join(names)}")
+    return names
 
 
 TRUST_FILE = "trust.json"  # beside the models: what the workspace required when it was packaged
@@ -129,14 +156,17 @@ def _ports(http_port: int | None, grpc_port: int | None, metrics_port: int | Non
 def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
           metrics_port: int | None = None, work_dir: str | Path | None = None, ready_timeout_s: float = 900.0,
           first_request: bool = True, protocol: str = "grpc",
-          admin_apis: bool = False, verify_keys: Sequence[str | Path] = ()) -> tuple[TritonServer, WarmupReport]:
+          admin_apis: bool = False, verify_keys: Sequence[str | Path] = (),
+          memory_budget_gb: float | None = None) -> tuple[TritonServer, WarmupReport]:
     """Start a server on `repo` (bound to 127.0.0.1) and wait until it is ready and warm.
 
     `admin_apis`: leave Triton's shared-memory, trace and logging APIs open to every client
     (closed by default: see server.py). `verify_keys`: every engine model's files must be covered by the
-    repository's signed release manifest (signing.verify_repository), checked before the server starts."""
+    repository's signed release manifest (signing.verify_repository), checked before the server starts.
+    `memory_budget_gb`: the models' estimated memory recorded by `package` must fit this host's budget."""
     repo = Path(repo).resolve()
     report = PackageReport.read(repo)
+    memory_budget.check([memory_budget.MemoryShare(**share) for share in report.memory], memory_budget_gb)
     validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
     if (repo / TRUST_FILE).is_file() and not verify_keys:
         raise signing.SignatureError(f"{repo} was packaged from a workspace with build.trust: signed; serve it "
@@ -204,22 +234,24 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
     from ..sample_inputs import cfg_fields, natural_workflow, request_fields
     from .client import ImageRequest, client_module, connect, infer
 
-    workflow = natural_workflow(report.workflows)
     module = client_module(protocol)
     url = server.grpc_url if protocol == "grpc" else server.http_url
     client = connect(url, protocol)
     records = []
     try:
         client.is_server_ready()  # opens the connection: its setup is the client's cost, not the server's
-        for label in report.request_sizes:
-            size = Size.parse(label)
-            # with the family's CFG as users run it (Qwen-Image: an empty negative prompt, or its true CFG is off)
-            request = ImageRequest("warm-up request", size.height, size.width, steps=FIRST_REQUEST_STEPS, seed=0,
-                                   frames=size.frames or None, **cfg_fields(report.family),
-                                   **request_fields(workflow, size.height, size.width))
-            start_time = time.perf_counter()
-            infer(client, module, report.entry, request, protocol=protocol, timeout_s=600.0, url=url)
-            records.append(FirstRequest(label, time.perf_counter() - start_time, protocol))
+        for pipeline in report.all_pipelines():  # a repository of several models: each model's buckets
+            workflow = natural_workflow(pipeline.workflows)
+            for label in pipeline.request_sizes:
+                size = Size.parse(label)
+                # with the family's CFG as users run it (Qwen-Image: an empty negative prompt, or its true CFG off)
+                request = ImageRequest("warm-up request", size.height, size.width, steps=FIRST_REQUEST_STEPS,
+                                       seed=0, frames=size.frames or None, **cfg_fields(pipeline.family),
+                                       **request_fields(workflow, size.height, size.width))
+                start_time = time.perf_counter()
+                infer(client, module, pipeline.entry, request, protocol=protocol, timeout_s=600.0, url=url)
+                label = label if len(report.all_pipelines()) == 1 else f"{pipeline.entry} {label}"
+                records.append(FirstRequest(label, time.perf_counter() - start_time, protocol))
     finally:
         client.close()
     return records
@@ -228,7 +260,8 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
           metrics_port: int | None = 8002, work_dir: str | Path | None = None, first_request: bool = True,
           ready_timeout_s: float = 900.0, on_ready: Callable[[WarmupReport], None] | None = None,
-          admin_apis: bool = False, verify_keys: Sequence[str | Path] = ()) -> WarmupReport | None:
+          admin_apis: bool = False, verify_keys: Sequence[str | Path] = (),
+          memory_budget_gb: float | None = None) -> WarmupReport | None:
     """Start, report, then block until Ctrl-C / SIGTERM, and stop cleanly.
 
     A stop while starting, while the first requests are timed or while serving stops tritonserver and its stubs
@@ -243,7 +276,7 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
         try:
             server, warmup = start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                                    work_dir=work_dir, ready_timeout_s=ready_timeout_s, first_request=first_request,
-                                   admin_apis=admin_apis, verify_keys=verify_keys)
+                                   admin_apis=admin_apis, verify_keys=verify_keys, memory_budget_gb=memory_budget_gb)
             if on_ready:
                 on_ready(warmup)
             while server.is_alive():

@@ -1,0 +1,70 @@
+"""The memory a repository's models are estimated to take once served, per model, and the budget the set must fit
+(`package --memory-budget-gb`, default engines.yaml's `preflight: memory: max_rss_gb`; `serve --memory-budget-gb` checks the
+recorded estimate again on the host that serves it).
+
+The estimate is what loading costs: every engine model's packaged bytes once per instance (weights are resident
+whatever the runtime), plus each python-backend instance (a stub process with torch imported, about 250 MB:
+docs/triton.md). Activations come on top; preflight's load check measures the real peak."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ServeError
+
+GB = 1e9
+PYTHON_PROCESS_GB = 0.25
+
+
+@dataclass(frozen=True)
+class MemoryShare:
+    model: str  # the pipeline (entry) name
+    engines_gb: float  # engine bytes x engine instances
+    processes: int  # python-backend instances
+    total_gb: float
+
+    def describe(self) -> str:
+        return (f"{self.model} {self.total_gb:.2f} GB (engines {self.engines_gb:.2f} GB + {self.processes} python "
+                f"processes x {PYTHON_PROCESS_GB} GB)")
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def _instances(model: Any, options: Any) -> int:
+    """Python processes of one packaged model: entry and denoise stage per --instances, engines per
+    --engine-instances (python backend only), the other stages and the stream one each, ensembles none."""
+    if model.backend != "python":
+        return 0
+    if model.role == "entry" or model.name.endswith("_denoise"):
+        return options.pipeline_instances
+    return options.engine_instances if model.role == "engine" else 1
+
+
+def shares(repo: Path, reports: Sequence[Any], options: Any) -> list[MemoryShare]:
+    """One share per model of the repository at `repo` (its engine model folders measured as written)."""
+    result = []
+    for report in reports:
+        engine_bytes = sum(_folder_bytes(Path(repo) / m.name) for m in report.models if m.role == "engine")
+        engines_gb = engine_bytes * options.engine_instances / GB
+        processes = sum(_instances(m, options) for m in report.models)
+        result.append(MemoryShare(report.entry, round(engines_gb, 4), processes,
+                                  round(engines_gb + processes * PYTHON_PROCESS_GB, 4)))
+    return result
+
+
+def check(shares: Sequence[MemoryShare], budget_gb: float | None) -> None:
+    """Refuse a set of models whose estimated total exceeds the budget, naming each model's share."""
+    if budget_gb is None:
+        return
+    if not budget_gb > 0:
+        raise ServeError(f"--memory-budget-gb must be positive, got {budget_gb}")
+    total = sum(share.total_gb for share in shares)
+    if total > budget_gb:
+        raise ServeError(f"the models need an estimated {total:.2f} GB once served, above the {budget_gb:g} GB "
+                         f"memory budget (--memory-budget-gb): " + "; ".join(s.describe() for s in shares)
+                         + ". Package fewer models, fewer instances, or raise the budget")
