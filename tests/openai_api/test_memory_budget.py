@@ -54,3 +54,13 @@ def test_a_report_lists_every_models_report(tmp_path):
     back = PackageReport.read(tmp_path)
     assert [p.entry for p in back.all_pipelines()] == ["a", "b"]
     assert back.all_pipelines()[1].models[-1] == PackagedModel("b__unet", "engine", "python")
+
+
+def test_an_engine_serving_loras_counts_a_weight_copy_per_cached_set(tmp_path):
+    (served,) = [report("a", {"a__unet": 2_000_000}, tmp_path)]
+    parts = tmp_path / "a__unet" / "1" / "loras"
+    parts.mkdir()
+    (parts / "lora-style.safetensors").write_bytes(b"\0" * 500_000)  # the parts: on disk, not a cached set
+    options = PackageOptions(lora_cache_sets=3)
+    (share,) = memory_budget.shares(tmp_path, [served], options)
+    assert share.engines_gb == pytest.approx((2_500_000 + 3 * 2_000_000) / memory_budget.GB)

@@ -4,7 +4,9 @@ recorded estimate again on the host that serves it).
 
 The estimate is what loading costs: every engine model's packaged bytes once per instance (weights are resident
 whatever the runtime), plus each python-backend instance (a stub process with torch imported, about 250 MB:
-docs/triton.md). Activations come on top; preflight's load check measures the real peak."""
+docs/triton.md), plus, for an engine serving LoRAs per request, a copy of its weights per LoRA set its instance may
+keep applied (`--lora-cache-sets`; measured about one weight copy per set: docs/benchmarks.md). Activations come
+on top; preflight's load check measures the real peak."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ServeError
+from ..targets.lora_switch import FOLDER as LORA_FOLDER
 
 GB = 1e9
 PYTHON_PROCESS_GB = 0.25
@@ -35,6 +38,16 @@ def _folder_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
 
+def _engine_bytes(folder: Path, options: Any) -> int:
+    """An engine model's bytes once loaded: its files, and where it serves LoRAs per request, one more copy of its
+    weights (the files but the parts) per set the LRU keeps."""
+    total = _folder_bytes(folder)
+    parts = [_folder_bytes(version / LORA_FOLDER) for version in folder.iterdir() if (version / LORA_FOLDER).is_dir()]
+    if not parts:
+        return total
+    return total + (total - sum(parts)) * options.lora_cache_sets
+
+
 def _instances(model: Any, options: Any) -> int:
     """Python processes of one packaged model: entry and denoise stage per --instances, engines per
     --engine-instances (python backend only), the other stages and the stream one each, ensembles none."""
@@ -49,7 +62,7 @@ def shares(repo: Path, reports: Sequence[Any], options: Any) -> list[MemoryShare
     """One share per model of the repository at `repo` (its engine model folders measured as written)."""
     result = []
     for report in reports:
-        engine_bytes = sum(_folder_bytes(Path(repo) / m.name) for m in report.models if m.role == "engine")
+        engine_bytes = sum(_engine_bytes(Path(repo) / m.name, options) for m in report.models if m.role == "engine")
         engines_gb = engine_bytes * options.engine_instances / GB
         processes = sum(_instances(m, options) for m in report.models)
         result.append(MemoryShare(report.entry, round(engines_gb, 4), processes,
