@@ -40,6 +40,12 @@ def _rss_gb() -> float:
     return psutil.Process().memory_info().rss / 1e9
 
 
+def _uss_gb() -> float:
+    """Memory only this process holds: RSS counts every mapping of a file's pages (OpenVINO maps the IR's weights
+    once per compiled model), USS counts what would be freed."""
+    return psutil.Process().memory_full_info().uss / 1e9
+
+
 def _model(workdir: Path, size: str) -> tuple[Path, Path]:
     """The model folder with its LoRA (`style`) and a second LoRA (`detail`: the same layers, other values)."""
     import torch
@@ -117,7 +123,7 @@ def bench_target(config_path: Path, target: str, workdir: Path, capacity: int) -
     folder = _version_folder(unet, parts, workdir / f"version-{target}")
     gc.collect()
     chosen = get_target(target)
-    rss = {"start": _rss_gb()}
+    rss, uss = {"start": _rss_gb()}, {"start": _uss_gb()}
     start = time.perf_counter()
     base = chosen.runner_from_files(folder, unet.spec.name)
     base_load_s = time.perf_counter() - start
@@ -127,16 +133,16 @@ def bench_target(config_path: Path, target: str, workdir: Path, capacity: int) -
     feeds = _feeds(runner)
     base_out, _ = _run(runner, feeds)  # warm-up
     base_runs = [_run(runner, feeds)[1] for _ in range(3)]
-    rss["base"] = _rss_gb()
+    rss["base"], uss["base"] = _rss_gb(), _uss_gb()
     result = {"target": target, "parts_write_s": round(parts_s, 2), "base_load_s": round(base_load_s, 2),
               "base_run_s": round(statistics.median(base_runs), 3)}
     style, detail = [("style", 1.0)], [("detail", 0.8)]
     first = runner.select(style)
     style_out, first_run = _run(runner, feeds)
-    rss["one_set"] = _rss_gb()
+    rss["one_set"], uss["one_set"] = _rss_gb(), _uss_gb()
     second = runner.select(detail)
     _, second_run = _run(runner, feeds)
-    rss["two_sets"] = _rss_gb()
+    rss["two_sets"], uss["two_sets"] = _rss_gb(), _uss_gb()
     hits = []
     for _ in range(5):
         hits.append(runner.select(style))
@@ -152,6 +158,8 @@ def bench_target(config_path: Path, target: str, workdir: Path, capacity: int) -
         "to_base_ms": round(1000 * to_base, 4),
         "rss_gb": {k: round(v, 2) for k, v in rss.items()},
         "rss_per_cached_set_gb": round((rss["two_sets"] - rss["base"]) / 2, 2),
+        "uss_gb": {k: round(v, 2) for k, v in uss.items()},
+        "uss_per_cached_set_gb": round((uss["two_sets"] - uss["base"]) / 2, 2),
         "a_b_a_bit_exact": bool(np.array_equal(style_again, style_out)),
         "base_after_bit_exact": bool(np.array_equal(after_base, base_out)),
         "lora_effect_max_abs": float(np.abs(style_out - base_out).max()),

@@ -190,7 +190,22 @@ def _pipeline_problems(folder: Path, config: ModelConfig, models: dict[str, Mode
         problems += _io_problems(target_where, "output", target.output,
                                  _manifest_io(engine.outputs, target_where) | (_LORA_OUTPUT if engine.loras else {}),
                                  source)
+        problems += _lora_problems(folder.parent / engine.model / VERSION / LORA_FOLDER / LORA_INDEX, engine.loras,
+                                   target_where)
     return problems
+
+
+def _lora_problems(index: Path, names: tuple[str, ...], where: str) -> list[str]:
+    """The LoRAs pipeline.json says an engine model holds must be listed in its loras/loras.json (the files' sha256
+    is checked when the model loads)."""
+    if not names:
+        return []
+    try:
+        listed = set(json.loads(index.read_text()).get("loras") or {})
+    except (OSError, ValueError, AttributeError):
+        return [f"{where}: {index.relative_to(index.parents[3])} is missing or unreadable; package again"]
+    missing = sorted(set(names) - listed)
+    return [f"{where}: LoRA(s) {missing} are not in its {LORA_FOLDER}/{LORA_INDEX}; package again"] if missing else []
 
 
 def _ensemble_problems(config: ModelConfig, models: dict[str, ModelConfig]) -> list[str]:
