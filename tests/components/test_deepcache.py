@@ -106,3 +106,39 @@ def test_sdxl_schedule_equals_the_deepcache_package(tiny_model_factory):
         expected = reference_noise(unet, branch, 2, steps, inputs)
         got = cached_noise(unet, branch, 2, steps, inputs)
         assert all(torch.equal(a, b) for a, b in zip(expected, got)), branch
+
+
+@torch.no_grad()
+def test_controlnet_residuals_enter_both_graphs(sd15_unet):
+    """The deep graph takes every residual, the shallow one those of the skip connections it computes (a prefix);
+    the package's hooks see the same residuals through the UNet's own arguments."""
+    from DeepCache import DeepCacheSDHelper
+
+    from trt_diffusion.components.unet import residual_layout
+
+    steps, interval, branch = 4, 2, 1
+    timesteps, samples, ehs, _ = call_inputs(sd15_unet, steps, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    layout = residual_layout(sd15_unet.config)
+    channels = sd15_unet.config.block_out_channels
+    down = [[torch.randn(2, c, 8 // 2 ** level, 8 // 2 ** level, generator=gen) for c, level in layout]
+            for _ in range(steps)]
+    mid = [torch.randn(2, channels[-1], 8 // 2 ** (len(channels) - 1), 8 // 2 ** (len(channels) - 1), generator=gen)
+           for _ in range(steps)]
+    helper = DeepCacheSDHelper(pipe=SimpleNamespace(unet=sd15_unet, scheduler=SimpleNamespace(timesteps=timesteps)))
+    cut = DeepCacheUNet(sd15_unet, branch).cut
+    helper.set_params(cache_interval=interval, cache_branch_id=cut.block * 3 + cut.layer)
+    helper.enable()
+    try:
+        expected = [sd15_unet(samples[i], timesteps[i].reshape(1), ehs, down_block_additional_residuals=down[i],
+                              mid_block_additional_residual=mid[i], return_dict=False)[0] for i in range(steps)]
+    finally:
+        helper.disable()
+    model, feature = DeepCacheUNet(sd15_unet, branch), None
+    for i, full in enumerate(deepcache_full_steps(steps, interval)):
+        t = timesteps[i].reshape(1)
+        if full:
+            noise, feature = model.forward_deep(samples[i], t, ehs, None, down[i], mid[i])
+        else:
+            noise = model.forward_shallow(samples[i], t, ehs, feature, None, down[i][:cut.fresh_residuals])
+        assert torch.equal(noise, expected[i]), i

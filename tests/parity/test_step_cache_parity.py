@@ -3,6 +3,7 @@ step schedule, and diffs the cache's engines (unet_deep, unet_shallow) against t
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from trt_diffusion import api
@@ -22,6 +23,7 @@ def test_the_cached_variant_is_judged_by_its_own_gate(built_sd15_step_cache, tmp
     assert "step cache: deepcache interval 3, branch 0" in (tmp_path / "parity" / "parity.html").read_text()
 
 
+@pytest.mark.slow
 def test_a_gate_the_cached_images_miss_fails_the_variant(built_sd15_step_cache, tmp_path):
     document = yaml.safe_load(built_sd15_step_cache.read_text())
     document["models"]["sd15-tiny"]["step_cache"]["gate"] = {"min_psnr_db": 99.0}

@@ -19,7 +19,7 @@ from trt_diffusion.triton.client import ImageRequest
 
 from .conftest import FAST
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ def diffusers_first_block(folder, threshold: float) -> np.ndarray:
     return (images * 255).round().astype(np.uint8)
 
 
-@pytest.mark.parametrize("threshold", [0.08, 0.6])
+@pytest.mark.parametrize("threshold", [pytest.param(0.08, marks=pytest.mark.slow), 0.6])
 def test_reference_first_block_cache_equals_diffusers(tiny_model_factory, threshold):
     folder = tiny_model_factory("flux")
     cache = StepCache(StepCacheMethod.first_block, threshold=threshold)

@@ -23,13 +23,13 @@ CACHE = StepCache(StepCacheMethod.deepcache, interval=3, branch=0)
 ARGS = dict(prompt=PROMPT, height=64, width=64, steps=7, guidance_scale=5.0, seed=3)
 
 
-def diffusers_deepcache(folder, interval: int, branch: int, steps: int, seed: int) -> np.ndarray:
+def diffusers_deepcache(folder, interval: int, branch: int, steps: int, seed: int, family: str = "sd15") -> np.ndarray:
     from DeepCache import DeepCacheSDHelper
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
-    pipe.scheduler = make_scheduler("default", dict(pipe.scheduler.config), "sd15")
+    pipe.scheduler = make_scheduler("default", dict(pipe.scheduler.config), family)
     helper = DeepCacheSDHelper(pipe=pipe)
     helper.set_params(cache_interval=interval, cache_branch_id=branch)
     helper.enable()
@@ -61,6 +61,16 @@ def test_reference_schedule_equals_the_deepcache_package_on_diffusers(reference_
     uncached = reference_pipeline.generate(GenerationRequest(**ARGS, step_cache="off"))
     assert uncached.timings.step_schedule == ""
     assert not np.array_equal(uncached.images, generation.images)  # the cache changed the computation
+
+
+def test_sdxl_reference_schedule_equals_the_deepcache_package(tiny_model_factory):
+    """SDXL's added conditioning (pooled text embeddings, time ids) reaches both pieces."""
+    folder = tiny_model_factory("sdxl")
+    cache = StepCache(StepCacheMethod.deepcache, interval=2, branch=0)
+    pipeline = EnginePipeline(folder, "sdxl", reference_runners(folder, "sdxl", step_cache=cache), step_cache=cache)
+    generation = pipeline.generate(GenerationRequest(**{**ARGS, "steps": 4}))
+    assert generation.timings.step_schedule == "FcFc"
+    np.testing.assert_array_equal(generation.images, diffusers_deepcache(folder, 2, 0, 4, 3, family="sdxl"))
 
 
 def test_a_bad_step_cache_value_is_one_clear_error(reference_pipeline):

@@ -128,7 +128,8 @@ class FirstBlockPiece(FluxTransformer):
         return kind(module, names, compute_dtype).eval()
 
     def dummy_inputs(self, config, options, geometry, seed=0):
-        values = super().dummy_inputs(config, options, geometry, seed)
+        # the whole transformer's inputs (the same seeded values), then the pieces' own
+        values = FluxTransformer(self.family, self.component).dummy_inputs(config, options, geometry, seed)
         shapes = self.shapes(config, options, geometry)
         gen = rng(seed + 1, geometry)
         for name in (TAIL_RESIDUAL, FIRST_HIDDEN, FIRST_ENCODER):

@@ -192,7 +192,9 @@ def build_request(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> B
         def writer(onnx: Path, destination: Path) -> None:
             from ..lora import build_refit_map
 
-            build_refit_map(onnx, base_module(config, spec.model, spec.component)).save(destination)
+            module = base_module(config, spec.model, spec.component)
+            unused = piece_unused_parameters(config, spec, module) if spec.piece else frozenset()
+            build_refit_map(onnx, module, unused=unused).save(destination)
 
     # a spec with several profiles (engine_layout: profiles): one (min, opt, max) set per member shape, in order
     first, *rest = spec.members
@@ -203,6 +205,32 @@ def build_request(config: EnginesConfig, spec: EngineSpec, onnx_path: Path) -> B
 
 _module_lock = threading.Lock()
 _modules: dict[tuple[str, str, str], object] = {}
+
+
+def piece_unused_parameters(config: EnginesConfig, spec: EngineSpec, module) -> frozenset[str]:
+    """The parameters of the denoiser a step cache's piece never reads (a shallow path holds a fraction of the
+    UNet): found by running the piece's graph once in torch and noting the modules it calls. Its refit map lists
+    them as unused, so a LoRA refit of the piece leaves them out instead of refusing them."""
+    import torch
+
+    from ..components import Geometry, get_component, load_model_config
+
+    model = config.models[spec.model]
+    definition = get_component(model.family, spec.component, spec.piece)
+    model_config = load_model_config(model.source.path, model.family, spec.component)
+    options = dict(spec.build_options)
+    wrapper = definition.wrapper(module, model_config, options)
+    feeds = definition.dummy_inputs(model_config, options, Geometry(spec.batch, spec.bucket.opt if spec.bucket else None))
+    called: set[str] = set()
+    hooks = [sub.register_forward_pre_hook(lambda _m, _a, name=name: called.add(name))
+             for name, sub in module.named_modules()]
+    try:
+        with torch.inference_mode():
+            wrapper(*[torch.from_numpy(feeds[name]) for name in wrapper.input_names])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return frozenset(name for name, _ in module.named_parameters() if name.rpartition(".")[0] not in called)
 
 
 def base_module(config: EnginesConfig, model_name: str, component: str):

@@ -267,13 +267,20 @@ class _MapBuilder:
                 listed = sorted(choice)[:3]
                 self.unmapped[param] = f"ambiguous: {len(choice)} initializers hold identical values ({listed})"
 
-    def finish(self) -> None:
+    def finish(self, unused: frozenset[str] = frozenset()) -> None:
         for param in self.params:
             if param not in self.targets and param not in self.unmapped:
-                self.unmapped[param] = "no initializer holds it (unused by the export, or folded into another constant)"
+                self.unmapped[param] = UNUSED_BY_GRAPH if param in unused else (
+                    "no initializer holds it (unused by the export, or folded into another constant)")
 
 
-def build_refit_map(onnx_path: str | Path, params: ParamSpecs, *, by_value: bool = True) -> RefitMap:
+# A parameter the graph never reads by design (a step cache's piece holds only part of its denoiser): a refit
+# leaves it out silently where any other unmapped parameter is refused.
+UNUSED_BY_GRAPH = "unused by this graph (a part of its model: a step cache's piece)"
+
+
+def build_refit_map(onnx_path: str | Path, params: ParamSpecs, *, by_value: bool = True,
+                    unused: frozenset[str] = frozenset()) -> RefitMap:
     """Map each torch parameter (a module, its state dict, or names -> shapes) to its ONNX initializer.
 
     With tensors every match is confirmed by value; with shapes only, name and node matches stand on
@@ -287,6 +294,6 @@ def build_refit_map(onnx_path: str | Path, params: ParamSpecs, *, by_value: bool
     if by_value:
         builder.by_value()
     annotate_quantized(graph, builder.targets, builder.unmapped, builder.params, builder.prefix)
-    builder.finish()
+    builder.finish(unused)
     return RefitMap(onnx_sha256=onnx_sha256(onnx_path), targets=builder.targets, unmapped=builder.unmapped,
                     prefix=builder.prefix, onnx_file=Path(onnx_path).name)

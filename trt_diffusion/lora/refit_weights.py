@@ -10,7 +10,7 @@ import torch
 from ..errors import RefitError
 from ..precision import float_dtype
 from .quantized_refit import quantized_arrays
-from .refit_map import RefitMap
+from .refit_map import UNUSED_BY_GRAPH, RefitMap
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -53,6 +53,8 @@ def refit_arrays(
     problems = []
     for param, value in weights.items():
         target = refit_map.targets.get(param)
+        if target is None and refit_map.unmapped.get(param) == UNUSED_BY_GRAPH:
+            continue  # a step cache's piece: the weight is its model's, not this graph's
         if target is None:
             reason = refit_map.unmapped.get(param, "not a parameter of the model the map was built for")
             problems.append(f"{param}: {reason}")
