@@ -1,4 +1,5 @@
-"""The soak, bounded (issue 28, acceptance 5): three minutes of scripts/soak.py's mixed load — two models in one
+"""The soak, bounded (issue 28, acceptance 5): three minutes of scripts/soak.py's mixed load (one to settle, two
+measured) — two models in one
 repository, LoRA sets switched per request, cancellations, bad requests, over HTTP, gRPC and the OpenAI API — on
 one tritonserver. Every good request equals its reference image, every bad one is refused by name, every
 cancelled one ends on its deadline, the server is healthy after, and its process tree's anonymous memory drifts by
@@ -13,7 +14,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.triton]
 
-MINUTES = 3
+MINUTES, SETTLE_MINUTES = 2, 1
 
 
 def load_soak():
@@ -26,7 +27,8 @@ def load_soak():
 
 def test_three_minutes_of_mixed_load(tmp_path):
     soak = load_soak()
-    result = soak.soak(tmp_path, minutes=MINUTES, clients=3, max_drift_mb=soak.DEFAULT_MAX_DRIFT_MB)
+    result = soak.soak(tmp_path, minutes=MINUTES, clients=3, max_drift_mb=soak.DEFAULT_MAX_DRIFT_MB,
+                       settle_minutes=SETTLE_MINUTES)
     assert result["failed"] == 0, result["failures"]
     assert result["healthy_after"]
     counts = result["counts"]
