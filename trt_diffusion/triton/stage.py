@@ -166,7 +166,8 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
     `memory_budget_gb`: the models' estimated memory recorded by `package` must fit this host's budget."""
     repo = Path(repo).resolve()
     report = PackageReport.read(repo)
-    memory_budget.check([memory_budget.MemoryShare(**share) for share in report.memory], memory_budget_gb)
+    if memory_budget_gb is not None:  # this host's budget, against what `package` estimated
+        memory_budget.check([memory_budget.MemoryShare(**share) for share in report.memory], memory_budget_gb)
     validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
     if (repo / TRUST_FILE).is_file() and not verify_keys:
         raise signing.SignatureError(f"{repo} was packaged from a workspace with build.trust: signed; serve it "
