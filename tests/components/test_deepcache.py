@@ -74,7 +74,8 @@ def sd15_unet(tiny_model_factory):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("branch", [0, 1, 2, 3])  # the tiny UNet: 2 blocks × (1 layer + 1)
+# the tiny UNet: 2 blocks × (1 layer + 1); the default run keeps the default branch, the deeper ones are slow
+@pytest.mark.parametrize("branch", [0, *(pytest.param(b, marks=pytest.mark.slow) for b in (1, 2, 3))])
 def test_sd15_schedule_equals_the_deepcache_package(sd15_unet, branch):
     steps, interval = 5, 3
     inputs = call_inputs(sd15_unet, steps)
@@ -98,6 +99,7 @@ def test_sd15_deep_graph_is_the_unet_and_its_feature_is_declared(sd15_unet):
 
 
 @torch.no_grad()
+@pytest.mark.slow  # sdxl: the same code path as sd15 with its added conditioning (~7 s)
 def test_sdxl_schedule_equals_the_deepcache_package(tiny_model_factory):
     unet = load_unet(tiny_model_factory("sdxl"))
     steps = 4

@@ -9,6 +9,7 @@ import yaml
 from trt_diffusion import api
 
 
+@pytest.mark.slow  # a parity run over the cached engines (~17 s); the runtime tests check them on every change
 def test_the_cached_variant_is_judged_by_its_own_gate(built_sd15_step_cache, tmp_path):
     run = api.parity(built_sd15_step_cache, targets=["onnxruntime"], out_dir=tmp_path / "parity")
     variants = {v.variant_id: v for v in run.report.variants}
