@@ -8,6 +8,7 @@ at most soak.DEFAULT_MAX_DRIFT_MB (fixed beforehand; the 20-minute run's figures
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ def load_soak():
     path = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
     spec = importlib.util.spec_from_file_location("soak_script", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 
