@@ -11,7 +11,6 @@ should not differ (the API adds nothing per step). Also checks the decoded image
 
 from __future__ import annotations
 
-import argparse
 import base64
 import io
 import json
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_triton's repository preparation and helpers
-from bench_triton import SIZE, ServerTarget, fit, prepare_repository, time_targets  # noqa: E402
+from bench_triton import SIZE, ServerTarget, fit, overhead_arguments, prepare_repository, time_targets  # noqa: E402
 
 
 class ApiTarget:
@@ -47,14 +46,7 @@ class ApiTarget:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, default=Path("build/bench-triton"))
-    parser.add_argument("--runs", type=int, default=15)
-    parser.add_argument("--steps", type=int, nargs="+", default=[2, 10, 30])
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    if len(args.steps) < 2:
-        parser.error("--steps needs at least two step counts to separate per-request from per-step cost")
+    args = overhead_arguments(__doc__.splitlines()[0], argv)
 
     from trt_diffusion.openai_api.server import ApiServer
     from trt_diffusion.openai_api.settings import ApiSettings

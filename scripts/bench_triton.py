@@ -114,8 +114,9 @@ def time_targets(targets: dict, step_counts: list[int], runs: int) -> dict[str, 
     return samples
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def overhead_arguments(description: str, argv: list[str] | None) -> argparse.Namespace:
+    """The options of the benches that fit a + b·steps (this one, bench_openai_api.py)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workdir", type=Path, default=Path("build/bench-triton"))
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--steps", type=int, nargs="+", default=[2, 10, 30])
@@ -123,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.steps) < 2:
         parser.error("--steps needs at least two step counts to separate per-request from per-step cost")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = overhead_arguments(__doc__.splitlines()[0], argv)
 
     from trt_diffusion.triton.stage import start
 

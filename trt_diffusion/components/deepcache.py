@@ -163,6 +163,14 @@ class DeepCacheUNet:
                 hidden = self._run_up_block(unet.up_blocks[position], hidden, block_residuals, emb, ehs, size)
         return self._finish(hidden)
 
+    @staticmethod
+    def _down_block(block, hidden, emb, ehs):
+        """(hidden, its skip outputs): one whole down block, as UNet2DConditionModel.forward calls it."""
+        if getattr(block, "has_cross_attention", False):
+            return block(hidden_states=hidden, temb=emb, encoder_hidden_states=ehs, attention_mask=None,
+                         cross_attention_kwargs=None, encoder_attention_mask=None)
+        return block(hidden_states=hidden, temb=emb)
+
     def forward_deep(self, sample, timestep, encoder_hidden_states, added=None, down_residuals=None,
                      mid_residual=None):
         """(noise_pred, deep_feature): the whole UNet, as UNet2DConditionModel.forward runs it."""
@@ -172,11 +180,7 @@ class DeepCacheUNet:
         hidden = unet.conv_in(sample)
         residuals = [hidden]
         for block in unet.down_blocks:
-            if getattr(block, "has_cross_attention", False):
-                hidden, outputs = block(hidden_states=hidden, temb=emb, encoder_hidden_states=ehs, attention_mask=None,
-                                        cross_attention_kwargs=None, encoder_attention_mask=None)
-            else:
-                hidden, outputs = block(hidden_states=hidden, temb=emb)
+            hidden, outputs = self._down_block(block, hidden, emb, ehs)
             residuals += outputs
         if down_residuals is not None:
             residuals = [r + extra for r, extra in zip(residuals, down_residuals)]
@@ -215,11 +219,7 @@ class DeepCacheUNet:
         hidden = unet.conv_in(sample)
         residuals = [hidden]
         for block in unet.down_blocks[:cut.block]:
-            if getattr(block, "has_cross_attention", False):
-                hidden, outputs = block(hidden_states=hidden, temb=emb, encoder_hidden_states=ehs, attention_mask=None,
-                                        cross_attention_kwargs=None, encoder_attention_mask=None)
-            else:
-                hidden, outputs = block(hidden_states=hidden, temb=emb)
+            hidden, outputs = self._down_block(block, hidden, emb, ehs)
             residuals += outputs
         _, outputs = self._down_layers(unet.down_blocks[cut.block], hidden, emb, ehs, cut.layer)
         residuals += outputs
