@@ -1,15 +1,22 @@
 """A real Ray cluster for the farm tests: a head and workers started with `ray start` inside a network
-namespace of its own (`unshare -n`, loopback only), so the tests reach nothing outside and collide with no
-other Ray on the machine; the namespace, and every Ray process in it, ends with the test's commands.
+namespace of its own (`unshare -n`, loopback only), so the tests reach nothing outside; the namespace, and
+every Ray process in it, ends with the test's commands.
+
+The namespace isolates the network only: Ray's session folder (/tmp/ray) and `ray stop --force` (which kills
+every Ray process it can see, by name) are machine-wide, so two clusters at once — two pytest-xdist workers
+running two farm files — would kill each other (seen in CI as a SIGBUS in the raylet). One cluster runs at a
+time, under a lock file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -53,8 +60,10 @@ def run_on_loopback_cluster(port: int, workers: list[dict[str, int]], commands: 
         ray start --head --port={port} --include-dashboard=false $common >/dev/null
     """).format(bin_dir=bin_dir, port=port) + starts + "\n" + "\n".join(commands) + "\n"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    result = subprocess.run(["unshare", "-n", "bash", "-c", script], capture_output=True, text=True, env=env,
-                            timeout=timeout)
+    with open(Path(tempfile.gettempdir()) / "trt-diffusion-ray-loopback.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        result = subprocess.run(["unshare", "-n", "bash", "-c", script], capture_output=True, text=True,
+                                env=env, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
