@@ -29,9 +29,8 @@ class OnnxRuntimeRunner(BaseRunner):
         self.path = Path(onnx_path)
         self.name = name or self.path.name
         if session is None:
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            session = ort.InferenceSession(str(self.path), options, providers=list(providers or ["CPUExecutionProvider"]))
+            session = ort.InferenceSession(str(self.path), session_options(),
+                                           providers=list(providers or ["CPUExecutionProvider"]))
         self.session = session
         self.inputs = {i.name: TensorSpec(np.dtype(_ORT_TYPES.get(i.type, np.float32)), tuple(i.shape))
                        for i in session.get_inputs()}
@@ -49,8 +48,9 @@ def session_options():
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
     # A pipeline runs its sessions one after another: a session's idle workers spinning for more work after its
-    # run take the cores the next session's run needs (mid-size FLUX, 2 cores: 20 steps 7.42 -> 7.03 s; the
-    # first-block cache's two graphs per step 8.11 -> 7.23 s). Off, a worker sleeps until it has work.
+    # run take the cores the next session's run needs (mid-size FLUX, 2 cores, 20 steps, interleaved in one
+    # process: first-block caching's two graphs per step 7.85 -> 7.13 s; one graph per step 6.90 -> 6.96 s,
+    # unchanged). Off, a worker sleeps until it has work.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
