@@ -191,6 +191,9 @@ def _export_into(folder: Path, group: ExportGroup, definition, model_config, sha
     summary = finalize_graph(raw_dir / ONNX_NAME, folder / ONNX_NAME, io, parameter_names,
                              ExportWrapper.PARAMETER_PREFIX, label)
     shutil.rmtree(raw_dir)
+    # The passes' graph (onnx protos, onnx-graphsurgeon's node cycles) is garbage now; collected before the check
+    # session loads the weights, not after (the mid-size FLUX.2 encoder: export peak 1.57 -> 1.40 GB)
+    release_memory()
     timings["passes_s"] = time.perf_counter() - tick
 
     report("parity")
