@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=None, help="pixels per side (default 512 sd15, 256 flux)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--intervals", default="2,3,5", help="DeepCache intervals (sd15)")
-    parser.add_argument("--thresholds", default="0.05,0.08,0.12,0.2", help="first-block thresholds (flux)")
+    parser.add_argument("--thresholds", default="0.08,0.5,0.55,0.6,0.7", help="first-block thresholds (flux): the default 0.08, and those that skip steps on random weights")
     parser.add_argument("--branch", type=int, default=0)
     parser.add_argument("--targets", default="onnxruntime,openvino")
     parser.add_argument("--repeats", type=int, default=3)
