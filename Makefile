@@ -97,7 +97,7 @@ test: venv
 # halve it on CI's 2 cores. --dist loadfile keeps a module's tests, and the engines its fixtures build, on one worker.
 SLOW_WORKERS ?= 2
 test-slow: venv
-	$(BIN)/python -m pytest -q -m slow -n $(SLOW_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m slow -n $(SLOW_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # A GPU host that reaches NVIDIA's index: TensorRT and cuda-python (the tensorrt extra), then the gpu suite.
 # Without TensorRT, cuda-python or a CUDA device it stops first with one line naming what is missing.
