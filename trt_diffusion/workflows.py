@@ -47,8 +47,7 @@ FAMILY_WORKFLOWS: dict[Family, tuple[Workflow, ...]] = {
     Family.sd3: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
     Family.flux: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint, Workflow.edit),
     Family.wan: (Workflow.txt2img, Workflow.img2vid),  # a video family's txt2img makes a clip (text-to-video)
-    # QwenImageImg2Img/InpaintPipeline exist, but their loops are not built yet: refused in engines.yaml until they are
-    Family.qwen_image: (Workflow.txt2img,),
+    Family.qwen_image: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),  # QwenImage{,Img2Img,Inpaint}Pipeline
     # FLUX.2's reference-image editing and Klein's inpainting are out of this round: text-to-image only
     Family.flux2: (Workflow.txt2img,),
     Family.flux2_klein: (Workflow.txt2img,),

@@ -34,7 +34,7 @@ def test_plan_counts_the_qwen_image_engines_with_disk(manifest):
         assert plan.count("qwen", "text_encoder", target) == 1  # no bucket; its text length is a profile dim
         assert plan.count("qwen", "transformer", target) == 2  # one per bucket (the CFG batch: batch 2)
         assert plan.count("qwen", "vae_decoder", target) == 2
-        assert plan.count("qwen", "vae_encoder", target) == 2  # listed: batch 1 (img2img's, once its loop is built)
+        assert plan.count("qwen", "vae_encoder", target) == 2  # listed: batch 1, one per bucket
     assert plan.count("flux", "transformer") == 1
     qwen_rows = [r for r in plan.rows if r.model == "qwen"]
     assert len(qwen_rows) == 8 and sum(r.engines for r in qwen_rows) == 14
@@ -51,6 +51,20 @@ def test_the_plan_command_lists_them(manifest, capsys):
     assert main(["plan", str(manifest)]) == 0
     out = capsys.readouterr().out
     assert out.count("qwen ") >= 8 and "text_encoder" in out and "vae_encoder" in out
+
+
+def test_image_workflows_add_the_vae_encoder(manifest, tmp_path):
+    """`workflows: [txt2img, img2img, inpaint]` is accepted for qwen_image (QwenImageImg2Img/InpaintPipeline) and
+    brings the VAE encoder, batch 1, into the matrix, with the reason plan gives every family."""
+    from trt_diffusion.engines_file import expand, load_engines_file
+    from trt_diffusion.workflows import Workflow
+
+    path = _with(manifest, tmp_path, "qwen", workflows=["txt2img", "img2img", "inpaint"])
+    model = load_engines_file(path).models["qwen"]
+    assert model.workflows == (Workflow.txt2img, Workflow.img2img, Workflow.inpaint)
+    encoders = [s for s in expand(load_engines_file(path)) if s.model == "qwen" and s.component == "vae_encoder"]
+    assert sorted({(s.bucket.label, s.batch) for s in encoders}) == [("128x96", 1), ("64x64", 1)]
+    assert "init image (img2img, inpaint)" in encoders[0].reasons[0]
 
 
 def _with(manifest: Path, tmp_path: Path, model: str, **fields) -> Path:

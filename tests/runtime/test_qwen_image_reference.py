@@ -108,7 +108,7 @@ def test_bad_max_sequence_length_is_a_clear_error(ours, value, fragment):
         ours.validate(request(max_sequence_length=value))
 
 
-def test_only_txt2img_is_served_and_requests_run_alone(ours):
+def test_without_a_vae_encoder_only_txt2img_is_served_and_requests_run_alone(ours):
     assert ours.workflows == (ours.workflows[0],) and ours.workflows[0].value == "txt2img"
     _, batches = ours.plan_batches([request(seed=1), request(seed=2)])
     assert batches == [[0], [1]]  # each request's rows and text length are its own transformer calls
@@ -178,12 +178,20 @@ def test_generate_runs_the_qwen_image_engines_end_to_end(built_qwen, ours, tmp_p
 @pytest.mark.slow
 def test_parity_passes_on_both_cpu_targets(built_qwen, tmp_path):
     """`trt-diffusion parity`: every image of the onnxruntime and openvino engines against the torch reference, true
-    CFG on (parity gives Qwen-Image an empty negative prompt)."""
+    CFG on (parity gives Qwen-Image an empty negative prompt), for each workflow the model declares: txt2img, and
+    img2img and inpaint over the same engines with the VAE encoder (the build is a no-op: the fixture built it)."""
+    import yaml
+
     from trt_diffusion import api
 
-    run = api.parity(built_qwen, out_dir=tmp_path / "parity", targets=["onnxruntime", "openvino"])
-    assert {v.target for v in run.report.variants} == {"onnxruntime", "openvino"}
-    assert run.report.passed, [(v.target, v.failure_reasons) for v in run.report.variants]
+    document = yaml.safe_load(built_qwen.read_text())
+    document["models"]["qwen"]["workflows"] = ["txt2img", "img2img", "inpaint"]
+    config = built_qwen.parent / "engines-workflows.yaml"
+    config.write_text(yaml.safe_dump(document))
+    run = api.parity(config, out_dir=tmp_path / "parity", targets=["onnxruntime", "openvino"])
+    assert {(v.target, v.workflow) for v in run.report.variants} == {
+        (target, workflow) for target in ("onnxruntime", "openvino") for workflow in ("txt2img", "img2img", "inpaint")}
+    assert run.report.passed, [(v.target, v.workflow, v.failure_reasons) for v in run.report.variants]
 
 
 @pytest.mark.slow

@@ -67,16 +67,16 @@ QWEN_TEXT_LENGTH = {"min": 2, "opt": 64, "max": 256}  # below diffusers' 512: th
 @pytest.fixture(scope="module")
 def qwen_workspace(tiny_model_factory, tmp_path_factory) -> Path:
     """engines.yaml of the tiny Qwen-Image (model `qwen`) at 64x64, batch 1, `cfg: [split]` (true CFG as diffusers'
-    two calls), fp32, `text_length` max 256: its text encoder, transformer and VAE decoder built on onnxruntime
-    (once per module, about 30 s on 2 cores)."""
+    two calls), fp32, `text_length` max 256, workflows txt2img, img2img and inpaint: its text encoder, transformer
+    and VAE decoder and encoder built on onnxruntime (once per module, about 35 s on 2 cores)."""
     from trt_diffusion import api
 
     root = tmp_path_factory.mktemp("qwen")
-    components = ["text_encoder", "transformer", "vae_decoder"]
+    components = ["text_encoder", "transformer", "vae_decoder", "vae_encoder"]
     model = {"source": str(tiny_model_factory("qwen_image")), "family": "qwen_image",
              "buckets": [f"{QWEN_SIZE}x{QWEN_SIZE}"], "batch": [1], "cfg": ["split"], "targets": ["onnxruntime"],
              "components": components, "precision": {c: "fp32" for c in components},
-             "text_length": QWEN_TEXT_LENGTH}
+             "text_length": QWEN_TEXT_LENGTH, "workflows": ["txt2img", "img2img", "inpaint"]}
     path = root / "engines.yaml"
     path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": str(root / "build")},
                                     "models": {"qwen": model}}, sort_keys=False))

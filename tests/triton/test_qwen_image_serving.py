@@ -4,7 +4,8 @@ through pipeline.json, and `generate --config`'s), the entry's warm-up over stan
 
 The pure parts run by default. The served part (`slow`: the tiny model's onnxruntime engines, about 30 s to build on
 2 cores, then a real tritonserver) checks that the entry's images equal the in-process EnginePipeline's bit for bit
-over HTTP and gRPC with true CFG (a negative prompt, guidance > 1) and NUM_IMAGES 2; that a prompt longer than the
+over HTTP and gRPC with true CFG (a negative prompt, guidance > 1) and NUM_IMAGES 2, and for img2img and inpaint
+(INIT_IMAGE, MASK, STRENGTH through the entry's VAE encoder); that a prompt longer than the
 engines' text_length max (256) is truncated there, as in process; MAX_SEQUENCE_LENGTH end to end; that bad values
 (out of range; sent to an sd15 model) are one clear error each with the server healthy after.
 """
@@ -222,7 +223,8 @@ def local(pipeline, request: ImageRequest, seed_offset: int = 0) -> np.ndarray:
     return pipeline.generate(GenerationRequest(
         prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height, width=request.width,
         steps=request.steps, guidance_scale=request.guidance_scale, seed=request.seed + seed_offset,
-        max_sequence_length=request.max_sequence_length)).images[0]
+        max_sequence_length=request.max_sequence_length, workflow=request.workflow, init_image=request.init_image,
+        mask=request.mask, strength=request.strength)).images[0]
 
 
 def served_images(server, request: ImageRequest, protocol: str = "grpc") -> np.ndarray:
@@ -243,6 +245,24 @@ def test_served_images_equal_the_in_process_pipeline(server, local_pipeline, pro
     for k in range(2):
         np.testing.assert_array_equal(images[k], local(local_pipeline, image_request(), k))
     assert not np.array_equal(images[0], images[1])
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+@pytest.mark.timeout(900)
+def test_served_img2img_and_inpaint_equal_the_in_process_pipeline(server, local_pipeline):
+    """The entry's image workflows (QwenImageImg2Img/InpaintPipeline's starts over the served VAE encoder), with true
+    CFG, each bit for bit the in-process image; the workflow follows from the inputs where WORKFLOW is left out."""
+    from trt_diffusion.sample_inputs import init_image, inpaint_mask
+
+    image, mask = init_image(QWEN_SIZE, QWEN_SIZE, 4), inpaint_mask(QWEN_SIZE, QWEN_SIZE, 4)
+    img2img = image_request(init_image=image, strength=0.75, seed=4)
+    inpaint = image_request(init_image=image, mask=mask, strength=0.6, seed=4)
+    for request, protocol in ((img2img, "grpc"), (inpaint, "http")):
+        expected = local(local_pipeline, request)
+        np.testing.assert_array_equal(served_images(server, request, protocol)[0], expected)
+    assert not np.array_equal(local(local_pipeline, img2img), local(local_pipeline, image_request(seed=4)))
+    assert PipelineDescription.read(server.repo / "qwen" / "1").workflows == ("txt2img", "img2img", "inpaint")
 
 
 @pytest.mark.slow

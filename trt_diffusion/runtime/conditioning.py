@@ -18,7 +18,9 @@ import torch
 from ..families import Family
 from ..workflows import Workflow
 
-FLOW_FAMILIES = (Family.sd3, Family.flux)  # flow matching: scale_noise and (x - shift) * scale latents
+# flow matching: scale_noise, the float product of steps and strength; (x - shift) * scale latents (Qwen-Image
+# normalizes per channel: runtime/qwen_image_loop.QwenLatentEncoder)
+FLOW_FAMILIES = (Family.sd3, Family.flux, Family.qwen_image)
 
 
 @dataclass

@@ -253,8 +253,6 @@ class EnginePipeline:
         encoder; edit needs an edit checkpoint, img2vid an image-to-video one (which serves img2vid alone) and,
         for Wan 2.1 I2V, the CLIP image encoder too."""
         possible = FAMILY_WORKFLOWS[self.family]
-        if self.family is Family.qwen_image:  # its img2img / inpaint loops are still to come
-            possible = (Workflow.txt2img,)
         if self._inpainting_denoiser:
             possible = (Workflow.inpaint,)
         checkpoint = self.index.get("_class_name")

@@ -17,6 +17,20 @@ torch reference runners reproduce its images bit for bit:
 - decode: unpacked [rows, 16, 1, h, w], `latents / (1 / latents_std) + latents_mean`, the vae_decoder runner on the
   frame (its graph adds the frame axis back), then the image families' uint8 conversion (pipeline.py).
 
+img2img and inpaint, as `QwenImageImg2ImgPipeline` / `QwenImageInpaintPipeline`:
+
+| workflow | generator draws | what the transformer sees |
+|---|---|---|
+| img2img | init latent, noise | the init image's normalized latent noised to the first kept sigma |
+| inpaint | init latent, noise (then a masked latent, never used) | as img2img; the known region blended back after each step on packed latents |
+
+The init latent is `mean + std * randn` of the vae_encoder runner's outputs, normalized per channel
+`(latent - latents_mean) * (1 / latents_std)`; strength trims the schedule's head by the float product (SD3's and
+FLUX's `get_timesteps`), and the shift `mu` is the txt2img one. The inpaint pipeline encodes the init image at every
+strength, 1 included (there the first sigma is 1: the start is the noise itself), and encodes the masked image last,
+for nothing: a plain transformer, so that draw is left out. Its mask is the request's, nearest-resized to the
+latent grid and repeated over the 16 channels before packing.
+
 The mask: diffusers passes `None` for an all-ones prompt mask, the engines always take the mask (all ones there).
 The transformer's attention gives the same bits either way on the reference (tests/runtime/test_qwen_image_reference.py).
 
@@ -37,6 +51,8 @@ import torch
 from ..components.qwen_image import prompt_embeds, prompt_tokens
 from ..engines_file.engine_spec import Size
 from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEXT_LENGTH, Family, family_info
+from ..workflows import Workflow
+from . import conditioning
 from .engines import split_cfg_mode
 from .schedulers import make_scheduler
 
@@ -71,6 +87,18 @@ def qwen_problems(request: GenerationRequest, loop: QwenImageLoop | None) -> lis
                    else f"the engines take at least {low} text tokens")
             problems.append(f"MAX_SEQUENCE_LENGTH must be between {low} and {high}, got {length} ({why})")
     return problems
+
+
+class QwenLatentEncoder(conditioning.LatentEncoder):
+    """The vae_encoder runner with Qwen-Image's latent normalization: per channel, `(latent - latents_mean) *
+    (1 / latents_std)` as `_encode_vae_image` writes it (`inverse_std` is that 1 / latents_std)."""
+
+    def __init__(self, runner, latents_mean: torch.Tensor, inverse_std: torch.Tensor):
+        super().__init__(runner, Family.qwen_image, scaling_factor=1.0, shift_factor=0.0)
+        self.latents_mean, self.inverse_std = latents_mean, inverse_std
+
+    def _scaled(self, sample: torch.Tensor) -> torch.Tensor:
+        return (sample - self.latents_mean) * self.inverse_std
 
 
 class QwenImageLoop:
@@ -136,18 +164,21 @@ class QwenImageLoop:
         rows, steps = request.batch, request.steps
         generator = torch.Generator().manual_seed(int(request.seed))
         h, w = self.latent_size(size)
-        noise = torch.randn((rows, 1, self.channels, h, w), generator=generator, dtype=torch.float32)
-        latents = QwenImagePipeline._pack_latents(noise, rows, self.channels, h, w)
         scheduler = make_scheduler(request.scheduler, self.scheduler_config, Family.qwen_image.value)
         config = scheduler.config
-        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256),
+        mu = calculate_shift((h // PATCH) * (w // PATCH), config.get("base_image_seq_len", 256),
                              config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
                              config.get("max_shift", 1.15))
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         scheduler.set_begin_index(0)
+        timesteps, blend = scheduler.timesteps, None
+        if request.resolved_workflow is Workflow.txt2img:
+            noise = torch.randn((rows, 1, self.channels, h, w), generator=generator, dtype=torch.float32)
+            latents = QwenImagePipeline._pack_latents(noise, rows, self.channels, h, w)
+        else:
+            latents, timesteps, blend = self._image_start(request, size, scheduler, generator)
         cfg_mode = self._cfg_mode(size, rows) if negative is not None else "none"
         scale = request.guidance_scale
-        timesteps = scheduler.timesteps
         for index, t in enumerate(timesteps):
             start = time.perf_counter()
             timestep = (t.expand(rows).to(latents.dtype) / 1000).numpy()  # as diffusers divides, in float32
@@ -160,10 +191,41 @@ class QwenImageLoop:
                 noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
                 noise_pred = comb_pred * (cond_norm / noise_norm)
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            if blend is not None:
+                latents = conditioning.blend_known_region(blend, scheduler, Family.qwen_image, latents, index)
             timings.step_s.append(time.perf_counter() - start)
             if on_step is not None:  # a preview, or a cancellation raised between steps
                 on_step(index, len(timesteps), [latents])
         return latents, cfg_mode
+
+    def _image_start(self, request: GenerationRequest, size: Size, scheduler, generator: torch.Generator
+                     ) -> tuple[torch.Tensor, torch.Tensor, conditioning.ImageStart | None]:
+        """(packed start latents, the trimmed schedule, the inpaint blend's state or None) for img2img / inpaint,
+        drawing from `generator` in the pipelines' order: the init image's latent sample, then the noise."""
+        from diffusers import QwenImagePipeline
+
+        rows = request.batch
+        h, w = self.latent_size(size)
+        timesteps = conditioning.trim_timesteps(scheduler, request.steps, request.resolved_strength,
+                                                Family.qwen_image)
+        encoder = QwenLatentEncoder(self.runners.find("vae_encoder", size=size, batch=1),
+                                    self.latents_mean[:, :, 0], self.latents_std[:, :, 0])
+        image_latents = encoder.encode(conditioning.image_tensor(request.init_image), generator)
+        image_latents = torch.cat([image_latents] * rows)  # prepare_latents' expansion to the request's rows
+        # drawn [rows, 1, C, h, w] as prepare_latents draws it: the same numbers as [rows, C, h, w]
+        noise = torch.randn((rows, 1, self.channels, h, w), generator=generator, dtype=torch.float32)[:, 0]
+        latents = scheduler.scale_noise(image_latents, timesteps[:1].repeat(rows), noise)
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            return QwenImagePipeline._pack_latents(tensor, rows, self.channels, h, w)
+
+        if request.resolved_workflow is Workflow.img2img:
+            return pack(latents), timesteps, None
+        mask = torch.nn.functional.interpolate(conditioning.mask_tensor(request.mask), size=(h, w))
+        mask = mask.repeat(rows, self.channels, 1, 1)  # prepare_mask_latents: to the rows, then over the channels
+        blend = conditioning.ImageStart(timesteps, image_latents=pack(image_latents), noise=pack(noise),
+                                        mask=pack(mask), blend=True)
+        return pack(latents), timesteps, blend
 
     def _call(self, size: Size, sample: np.ndarray, timestep: np.ndarray, text: QwenText, shape) -> torch.Tensor:
         runner = self.runners.find("transformer", size=size, batch=sample.shape[0])

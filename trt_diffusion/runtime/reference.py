@@ -29,7 +29,7 @@ def reference_runners(model_dir: str | Path, family: Family | str, components=No
     model_dir = Path(model_dir)
     table = RunnerTable()
     options = {"controlnet_residuals": True} if controlnets else {}
-    for component in components or _present_components(model_dir, family):
+    for component in map(Component, components or _present_components(model_dir, family)):
         config = load_model_config(model_dir, family, component)
         module = _with_default_attention(load_component(model_dir, component))
         table.add(component.value, _torch_runner(get_component(family, component), module, config, options,
