@@ -182,6 +182,16 @@ def built_wan_i2v(tiny_model_factory, tmp_path_factory):
 sys.path.insert(0, str(Path(__file__).parent / "shared"))
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """`make test-slow` (--dist loadfile): files sharing a session build on one worker, the soak first
+    (tests/shared/slow_schedule.py)."""
+    if getattr(config.option, "dist", None) != "loadfile":
+        return None
+    from slow_schedule import make_scheduler
+
+    return make_scheduler(config, log)
+
+
 @pytest.fixture(scope="session")
 def built_sd15_two_loras(built_sd15, tmp_path_factory) -> Path:
     """engines.yaml over `built_sd15`'s workspace (its engines, not rebuilt) serving two refit LoRAs: `style` (the

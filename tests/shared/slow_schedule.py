@@ -1,0 +1,44 @@
+"""How `make test-slow` hands test files to its two xdist workers (`--dist loadfile`, with this scheduler).
+
+xdist's loadfile scheduling gives each worker whole files, the files with the most tests first. Two things that
+costs on this suite, which it cannot know from test counts:
+
+- Files that use the same session-built engines (`built_wan_i2v`, `built_qwen_image`: a minute or two of export
+  and build each) land on both workers, and each worker builds them. Here they are one unit: built once.
+- The soak is one test of minutes. Counted as one test it was handed out last, and ran alone while the other
+  worker sat idle. Here it starts first.
+"""
+
+from __future__ import annotations
+
+# file -> the unit it joins: files that share a session fixture's build run on one worker
+SHARED_BUILDS = {
+    "tests/cli/test_generate_img2vid.py": "built_wan_i2v",
+    "tests/parity/test_wan_i2v_parity.py": "built_wan_i2v",
+    "tests/preflight/test_video_i2v_preflight.py": "built_wan_i2v",
+    "tests/triton/test_wan_i2v_serving.py": "built_wan_i2v",
+    "tests/export/test_qwen_image_export.py": "built_qwen_image",
+    "tests/runtime/test_qwen_image_reference.py": "built_qwen_image",
+}
+# units of minutes that hold few tests: handed out before the rest
+RUN_FIRST = ("tests/triton/test_soak.py",)
+
+
+def make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedBuildScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SHARED_BUILDS.get(path, path)
+
+        def _assign_work_unit(self, node) -> None:
+            # xdist hands out the queue's first unit (the queue sorted by test count): a RUN_FIRST unit goes
+            # to the front while it waits. The workers' collections, which xdist indexes, stay as collected.
+            for unit in RUN_FIRST:
+                if unit in self.workqueue:
+                    self.workqueue.move_to_end(unit, last=False)
+                    break
+            super()._assign_work_unit(node)
+
+    return SharedBuildScheduling(config, log)
