@@ -5,8 +5,8 @@ costs on this suite, which it cannot know from test counts:
 
 - Files that use the same session-built engines (`built_wan_i2v`, `built_qwen_image`: a minute or two of export
   and build each) land on both workers, and each worker builds them. Here they are one unit: built once.
-- The soak is one test of minutes. Counted as one test it was handed out last, and ran alone while the other
-  worker sat idle. Here it starts first.
+- The soak is one test of minutes. Counted as one test it is among the last units handed out, where it can run
+  alone while the other worker idles. Here it starts first.
 """
 
 from __future__ import annotations
