@@ -143,6 +143,26 @@ def image_start(workflow: Workflow, *, request, scheduler, generator: torch.Gene
     return latents, ImageStart(timesteps, image_latents, noise, latent_mask, masked_image_latents, blend)
 
 
+def noised_image(encoder: LatentEncoder, image: torch.Tensor, generator: torch.Generator, scheduler,
+                 timesteps: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(image latents, noise, start latents) of the packed flow loops' img2img and inpaint (FLUX, Qwen-Image), in
+    their pipelines' draw order: the init image's latent sample (one, repeated to the rows), then the noise in its
+    shape; the latents noised to the first kept timestep. Unpacked [rows, C, h, w]."""
+    image_latents = _rows(encoder.encode(image, generator), rows)
+    noise = torch.randn(image_latents.shape, generator=generator, dtype=torch.float32)
+    return image_latents, noise, scheduler.scale_noise(image_latents, timesteps[:1].repeat(rows), noise)
+
+
+def packed_blend(timesteps: torch.Tensor, image_latents: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor,
+                 pack) -> ImageStart:
+    """A plain packed transformer's inpaint state: the request's mask nearest-resized to the latent grid, repeated
+    to the rows and over the channels, packed with the image latents and the noise as `pack` packs latents."""
+    rows, channels, h, w = image_latents.shape
+    latent_mask = _rows(torch.nn.functional.interpolate(mask, size=(h, w)), rows).repeat(1, channels, 1, 1)
+    return ImageStart(timesteps, image_latents=pack(image_latents), noise=pack(noise), mask=pack(latent_mask),
+                      blend=True)
+
+
 def inpaint_channels(start: ImageStart, scaled: torch.Tensor) -> torch.Tensor:
     """An inpainting denoiser's input: the scaled latents, the mask and the masked image's latents."""
     return torch.cat([scaled, start.mask, start.masked_image_latents], dim=1)

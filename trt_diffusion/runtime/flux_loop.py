@@ -110,9 +110,10 @@ class FluxLoop:
             return item
         item.timesteps = conditioning.trim_timesteps(scheduler, request.steps, request.resolved_strength,
                                                      Family.flux)
-        image_latents = _rows(encoder.encode(image, generator), rows)  # encoded at every strength, 1 included
-        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-        item.latents = self.pack(scheduler.scale_noise(image_latents, item.timesteps[:1].repeat(rows), noise))
+        # encoded at every strength, 1 included
+        image_latents, noise, latents = conditioning.noised_image(encoder, image, generator, scheduler,
+                                                                  item.timesteps, rows)
+        item.latents = self.pack(latents)
         if workflow is Workflow.img2img:
             return item
         mask = conditioning.mask_tensor(request.mask)
@@ -122,10 +123,7 @@ class FluxLoop:
         elif int(self.config["in_channels"]) == self.packed_channels:
             # FluxInpaintPipeline encodes the masked image too, then never uses it with a plain transformer: that
             # draw is the request's last, so leaving it out changes nothing
-            latent_mask = torch.nn.functional.interpolate(mask, size=(h, w))
-            latent_mask = _rows(latent_mask, rows).repeat(1, self.latent_channels, 1, 1)
-            item.blend = conditioning.ImageStart(item.timesteps, image_latents=self.pack(image_latents),
-                                                 noise=self.pack(noise), mask=self.pack(latent_mask), blend=True)
+            item.blend = conditioning.packed_blend(item.timesteps, image_latents, noise, mask, self.pack)
         else:
             raise RuntimeInputError(
                 f"an inpainting FLUX transformer takes {self.packed_channels} input channels (mask blending) or "

@@ -210,21 +210,16 @@ class QwenImageLoop:
                                                 Family.qwen_image)
         encoder = QwenLatentEncoder(self.runners.find("vae_encoder", size=size, batch=1),
                                     self.latents_mean[:, :, 0], self.latents_std[:, :, 0])
-        image_latents = encoder.encode(conditioning.image_tensor(request.init_image), generator)
-        image_latents = torch.cat([image_latents] * rows)  # prepare_latents' expansion to the request's rows
-        # drawn [rows, 1, C, h, w] as prepare_latents draws it: the same numbers as [rows, C, h, w]
-        noise = torch.randn((rows, 1, self.channels, h, w), generator=generator, dtype=torch.float32)[:, 0]
-        latents = scheduler.scale_noise(image_latents, timesteps[:1].repeat(rows), noise)
+        # the noise drawn [rows, C, h, w]: the numbers prepare_latents draws as [rows, 1, C, h, w]
+        image_latents, noise, latents = conditioning.noised_image(
+            encoder, conditioning.image_tensor(request.init_image), generator, scheduler, timesteps, rows)
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             return QwenImagePipeline._pack_latents(tensor, rows, self.channels, h, w)
 
         if request.resolved_workflow is Workflow.img2img:
             return pack(latents), timesteps, None
-        mask = torch.nn.functional.interpolate(conditioning.mask_tensor(request.mask), size=(h, w))
-        mask = mask.repeat(rows, self.channels, 1, 1)  # prepare_mask_latents: to the rows, then over the channels
-        blend = conditioning.ImageStart(timesteps, image_latents=pack(image_latents), noise=pack(noise),
-                                        mask=pack(mask), blend=True)
+        blend = conditioning.packed_blend(timesteps, image_latents, noise, conditioning.mask_tensor(request.mask), pack)
         return pack(latents), timesteps, blend
 
     def _call(self, size: Size, sample: np.ndarray, timestep: np.ndarray, text: QwenText, shape) -> torch.Tensor:
