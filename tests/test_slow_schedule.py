@@ -1,0 +1,17 @@
+"""The slow suite's scheduler names test files by path (tests/shared/slow_schedule.py): a renamed or moved file
+would silently drop out of its unit. Every path it names exists, and each shared-build file uses its fixture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slow_schedule import RUN_FIRST, SHARED_BUILDS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_named_file_exists_and_uses_the_build_it_is_grouped_by():
+    for path in RUN_FIRST:
+        assert (ROOT / path).is_file(), path
+    for path, fixture in SHARED_BUILDS.items():
+        assert fixture in (ROOT / path).read_text(), (path, fixture)
