@@ -116,7 +116,7 @@ def image_start(workflow: Workflow, *, request, scheduler, generator: torch.Gene
     first = timesteps[:1].repeat(rows)
     image = image_tensor(request.init_image)
     if workflow is Workflow.img2img:
-        image_latents = _rows(encoder.encode(image, generator), rows)
+        image_latents = repeat_rows(encoder.encode(image, generator), rows)
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
         return add_noise(scheduler, family, image_latents, noise, first), ImageStart(timesteps)
 
@@ -138,8 +138,8 @@ def image_start(workflow: Workflow, *, request, scheduler, generator: torch.Gene
     else:
         latents = add_noise(scheduler, family, image_latents, noise, first)
     mask = mask_tensor(request.mask)
-    masked_image_latents = _rows(encoder.encode(image * (mask < 0.5), generator), rows)
-    latent_mask = _rows(torch.nn.functional.interpolate(mask, size=tuple(shape[2:])), rows)
+    masked_image_latents = repeat_rows(encoder.encode(image * (mask < 0.5), generator), rows)
+    latent_mask = repeat_rows(torch.nn.functional.interpolate(mask, size=tuple(shape[2:])), rows)
     return latents, ImageStart(timesteps, image_latents, noise, latent_mask, masked_image_latents, blend)
 
 
@@ -148,7 +148,7 @@ def noised_image(encoder: LatentEncoder, image: torch.Tensor, generator: torch.G
     """(image latents, noise, start latents) of the packed flow loops' img2img and inpaint (FLUX, Qwen-Image), in
     their pipelines' draw order: the init image's latent sample (one, repeated to the rows), then the noise in its
     shape; the latents noised to the first kept timestep. Unpacked [rows, C, h, w]."""
-    image_latents = _rows(encoder.encode(image, generator), rows)
+    image_latents = repeat_rows(encoder.encode(image, generator), rows)
     noise = torch.randn(image_latents.shape, generator=generator, dtype=torch.float32)
     return image_latents, noise, scheduler.scale_noise(image_latents, timesteps[:1].repeat(rows), noise)
 
@@ -158,7 +158,7 @@ def packed_blend(timesteps: torch.Tensor, image_latents: torch.Tensor, noise: to
     """A plain packed transformer's inpaint state: the request's mask nearest-resized to the latent grid, repeated
     to the rows and over the channels, packed with the image latents and the noise as `pack` packs latents."""
     rows, channels, h, w = image_latents.shape
-    latent_mask = _rows(torch.nn.functional.interpolate(mask, size=(h, w)), rows).repeat(1, channels, 1, 1)
+    latent_mask = repeat_rows(torch.nn.functional.interpolate(mask, size=(h, w)), rows).repeat(1, channels, 1, 1)
     return ImageStart(timesteps, image_latents=pack(image_latents), noise=pack(noise), mask=pack(latent_mask),
                       blend=True)
 
@@ -178,5 +178,6 @@ def blend_known_region(start: ImageStart, scheduler, family: Family, latents: to
     return (1 - start.mask) * proper + start.mask * latents
 
 
-def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+def repeat_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """One image's tensor repeated to the request's rows (diffusers' torch.cat([x] * n): the same values)."""
     return tensor.repeat(rows // tensor.shape[0], *([1] * (tensor.ndim - 1))) if tensor.shape[0] < rows else tensor

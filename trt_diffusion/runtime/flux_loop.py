@@ -104,7 +104,7 @@ class FluxLoop:
         encoder = conditioning.LatentEncoder(self.runners.find("vae_encoder", size=size, batch=1), Family.flux,
                                              self.scaling_factor, self.shift_factor)
         if workflow is Workflow.edit:  # FluxKontextPipeline: the full schedule, the image beside the noise
-            item.context = self.pack(_rows(encoder.mode(image), rows))  # the latent's mean: no draw
+            item.context = self.pack(conditioning.repeat_rows(encoder.mode(image), rows))  # the latent's mean: no draw
             item.latents = self.pack(torch.randn(shape, generator=generator, dtype=torch.float32))
             scheduler.set_begin_index(0)
             return item
@@ -118,8 +118,8 @@ class FluxLoop:
             return item
         mask = conditioning.mask_tensor(request.mask)
         if self.fill_transformer:
-            masked_latents = self.pack(_rows(encoder.encode(image * (1 - mask), generator), rows))
-            item.fill = torch.cat((masked_latents, self._fill_mask(_rows(mask, rows), h, w)), dim=-1)
+            masked_latents = self.pack(conditioning.repeat_rows(encoder.encode(image * (1 - mask), generator), rows))
+            item.fill = torch.cat((masked_latents, self._fill_mask(conditioning.repeat_rows(mask, rows), h, w)), dim=-1)
         elif int(self.config["in_channels"]) == self.packed_channels:
             # FluxInpaintPipeline encodes the masked image too, then never uses it with a plain transformer: that
             # draw is the request's last, so leaving it out changes nothing
@@ -249,7 +249,3 @@ def _image_ids(rows: int, cols: int) -> torch.Tensor:
 
     return FluxPipeline._prepare_latent_image_ids(1, rows, cols, "cpu", torch.float32)
 
-
-def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """One image's tensor repeated to the request's rows (diffusers' torch.cat([x] * n): the same values)."""
-    return tensor.repeat(rows // tensor.shape[0], *([1] * (tensor.ndim - 1))) if tensor.shape[0] < rows else tensor
