@@ -31,7 +31,7 @@ class Component(str, Enum):
     unet = "unet"
     transformer = "transformer"
     transformer_2 = "transformer_2"  # Wan 2.2's low-noise expert (model_index.json's boundary_ratio switches to it)
-    image_encoder = "image_encoder"  # Wan 2.1 image-to-video's CLIP vision encoder
+    image_encoder = "image_encoder"  # Wan 2.1 image-to-video's CLIP vision encoder; Qwen-Image-Edit's Qwen2.5-VL one
     vae_encoder = "vae_encoder"
     vae_decoder = "vae_decoder"
     controlnet = "controlnet"
@@ -113,8 +113,9 @@ FAMILIES: dict[Family, FamilyInfo] = {
         temporal_factor=4,
     ),
     Family.qwen_image: FamilyInfo(
-        # vae_encoder serves img2img / inpaint (QwenImageImg2ImgPipeline, QwenImageInpaintPipeline)
-        components=(_T.text_encoder, _T.transformer, _T.vae_encoder, _T.vae_decoder),
+        # vae_encoder serves img2img / inpaint (QwenImageImg2ImgPipeline, QwenImageInpaintPipeline) and edit
+        # (QwenImageEditPipeline), whose image_encoder is the text encoder's Qwen2.5-VL vision tower
+        components=(_T.text_encoder, _T.image_encoder, _T.transformer, _T.vae_encoder, _T.vae_decoder),
         default_components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
         latent_factor=16,  # the VAE's 8 × the transformer's 2×2 patches
         denoiser=_T.transformer,
@@ -153,7 +154,8 @@ PIPELINE_CLASSES: dict[Family, tuple[str, ...]] = {
     Family.flux: ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline",
                   "FluxKontextPipeline", "FluxControlPipeline"),
     Family.wan: ("WanPipeline", "WanImageToVideoPipeline"),
-    Family.qwen_image: ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"),
+    Family.qwen_image: ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline",
+                        "QwenImageEditPipeline"),
     Family.flux2: ("Flux2Pipeline",),
     Family.flux2_klein: ("Flux2KleinPipeline",),
 }
@@ -171,6 +173,7 @@ def family_of_pipeline_class(class_name: str) -> Family | None:
 # (prompt_template_encode_start_idx), dropped from the encoder's hidden states; what is left (the prompt and the
 # template's 5-token tail) is cut to max_sequence_length, 512 by default
 QWEN_TEMPLATE_TOKENS = 34
+QWEN_EDIT_TEMPLATE_TOKENS = 64  # QwenImageEditPipeline's prompt_template_encode_start_idx (its longer system part)
 QWEN_TEXT_LENGTH = 512
 QWEN_MAX_TEXT_LENGTH = 1024  # QwenImagePipeline refuses a max_sequence_length above it
 

@@ -18,7 +18,7 @@ class Workflow(str, Enum):
     txt2img = "txt2img"
     img2img = "img2img"  # INIT_IMAGE, STRENGTH: start from the noised image instead of pure noise
     inpaint = "inpaint"  # INIT_IMAGE, MASK (white = repaint), STRENGTH
-    edit = "edit"  # INIT_IMAGE as the instruction's context (FLUX.1 Kontext): its tokens beside the image's
+    edit = "edit"  # INIT_IMAGE as the instruction's context (FLUX.1 Kontext, Qwen-Image-Edit): its tokens beside the image's
     img2vid = "img2vid"  # INIT_IMAGE as the clip's first frame (Wan image-to-video checkpoints)
 
     @property
@@ -47,7 +47,8 @@ FAMILY_WORKFLOWS: dict[Family, tuple[Workflow, ...]] = {
     Family.sd3: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
     Family.flux: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint, Workflow.edit),
     Family.wan: (Workflow.txt2img, Workflow.img2vid),  # a video family's txt2img makes a clip (text-to-video)
-    Family.qwen_image: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),  # QwenImage{,Img2Img,Inpaint}Pipeline
+    # QwenImage{,Img2Img,Inpaint,Edit}Pipeline
+    Family.qwen_image: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint, Workflow.edit),
     # FLUX.2's reference-image editing and Klein's inpainting are out of this round: text-to-image only
     Family.flux2: (Workflow.txt2img,),
     Family.flux2_klein: (Workflow.txt2img,),
@@ -55,9 +56,19 @@ FAMILY_WORKFLOWS: dict[Family, tuple[Workflow, ...]] = {
 
 # The checkpoint (model_index.json `_class_name`) an edit workflow needs: editing is a trained skill, not a
 # sampling mode, so a plain FLUX.1 checkpoint is refused for it.
-EDIT_PIPELINE_CLASSES = ("FluxKontextPipeline",)
+EDIT_PIPELINE_CLASSES = ("FluxKontextPipeline", "QwenImageEditPipeline")
 # Image-to-video is a checkpoint of its own too: its transformer takes the conditioning clip's channels.
 IMAGE_TO_VIDEO_PIPELINE_CLASSES = ("WanImageToVideoPipeline",)
+
+
+
+def edit_pipeline_classes(pipeline_class: str | None) -> tuple[str, ...]:
+    """The edit checkpoints of the family whose pipeline `pipeline_class` is (every family's where unknown)."""
+    from .families import family_of_pipeline_class
+
+    family = family_of_pipeline_class(pipeline_class or "")
+    return tuple(c for c in EDIT_PIPELINE_CLASSES if family is None or family_of_pipeline_class(c) is family)
+
 
 DEFAULT_STRENGTH = {Workflow.img2img: 0.8, Workflow.inpaint: 1.0}  # diffusers' SD img2img / inpaint defaults
 

@@ -120,3 +120,21 @@ def test_the_text_encoder_counts_its_language_model_only(manifest, tiny_model_fa
                    if not name.startswith(("lm_head.", "model.visual.", "visual.")))
     row = next(r for r in api.plan(manifest).rows if r.model == "qwen" and r.component == "text_encoder")
     assert row.parameters == language < sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.parametrize("workflows,line", [(None, "models.q.source"), (["edit"], "models.q.workflows")])
+def test_an_edit_checkpoint_is_refused_until_its_engines_exist(tmp_path, tiny_model_factory, capsys, workflows,
+                                                                  line):
+    """Qwen-Image-Edit runs on the reference only: engines.yaml says so at the line that asks for it (the folder
+    itself, whose natural workflow is edit, or an explicit `workflows: [edit]`), instead of building engines that
+    could not serve it."""
+    model = {"source": str(tiny_model_factory("qwen_image", variant="edit")), "family": "qwen_image",
+             "buckets": ["64x64"], "targets": ["onnxruntime"]}
+    if workflows:
+        model["workflows"] = workflows
+    path = tmp_path / "engines.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "models": {"q": model}}, sort_keys=False))
+    assert main(["plan", str(path)]) == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{line}: qwen_image edit (a QwenImageEditPipeline checkpoint) has no engines yet" in err
+    assert "Traceback" not in err

@@ -18,8 +18,11 @@ REGISTERED = [(f.value, c.value) for f, c in registered_components()]
 
 
 def _tiny(tiny_model_dir, family: str, component: str):
-    # only Wan 2.2's folders have a second expert; only Wan 2.1 I2V's an image encoder
+    # only Wan 2.2's folders have a second expert; only Wan 2.1 I2V's an image encoder (Qwen-Image-Edit's: its
+    # text encoder's vision tower)
     variant = {"transformer_2": "two_expert", "image_encoder": "i2v"}.get(component) if family == "wan" else None
+    if family == "qwen_image" and component == "image_encoder":
+        variant = "edit"
     folder = tiny_model_dir(family, controlnet=component == "controlnet", variant=variant)
     controlnet_dir = folder / "controlnet" if component == "controlnet" else None
     config = load_model_config(folder, family, component, controlnet_dir)
@@ -43,14 +46,16 @@ def test_registered_component_has_a_tiny_fixture_matching_its_declaration(tiny_m
     geometry = Geometry(2, (Size(64, 32, 9) if video else Size(64, 32)) if definition.resolution_dependent else None)
     feeds = definition.dummy_inputs(config, options, geometry)
     assert list(feeds) == io.input_names
-    declared_inputs = {t.name: t.shape(definition.axis_values(config, geometry)) for t in io.inputs}
-    assert {k: v.shape for k, v in feeds.items()} == declared_inputs
+    assert {k: v.shape for k, v in feeds.items()} == definition.shapes(config, options, geometry)
     wrapper = definition.wrapper(module, config, options)
     assert not wrapper.training
     with torch.inference_mode():
         outputs = wrapper(*[torch.from_numpy(feeds[n]) for n in io.input_names])
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     values = definition.axis_values(config, geometry)
+    if (family, component) == ("qwen_image", "image_encoder"):  # one embedding per 2x2 merged patch of its grid
+        grid_h, grid_w, _ = feeds["patches"].shape
+        values["tokens"] = grid_h * grid_w // 4
     assert [tuple(o.shape) for o in outputs] == [t.shape(values) for t in io.outputs]
     assert all(o.dtype == torch.float32 and torch.isfinite(o).all() for o in outputs)
 

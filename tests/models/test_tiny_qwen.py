@@ -123,3 +123,29 @@ def test_the_hosts_prompt_embeds_equal_diffusers_encode_prompt(pipe):
                 assert mask.all()
             else:
                 assert (mask == expected_mask.numpy()).all()
+
+
+def test_the_edit_variant_drops_64_template_tokens_and_names_its_vision_tokens(tiny_model_factory):
+    """The edit tokenizer makes QwenImageEditPipeline's system part the 64 positions it drops (Qwen's "'s" is one
+    pre-token, as in the real tokenizer), its vision placeholders are the encoder config's ids, and the folder names
+    its processor as released checkpoints do."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from trt_diffusion.components.qwen_image_edit import EDIT_TEMPLATE_PREFIX
+    from trt_diffusion.families import QWEN_EDIT_TEMPLATE_TOKENS
+
+    folder = tiny_model_factory("qwen_image", variant="edit")
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    assert len(tokenizer(EDIT_TEMPLATE_PREFIX).input_ids) == QWEN_EDIT_TEMPLATE_TOKENS
+    config = json.loads((folder / "text_encoder" / "config.json").read_text())
+    ids = tokenizer.convert_tokens_to_ids(list(tiny_qwen.VISION_TOKENS))
+    assert ids == [config[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                       "video_token_id")]
+    assert max(ids) < config["text_config"]["vocab_size"]
+    assert json.loads((folder / "model_index.json").read_text())["processor"] == ["transformers", "Qwen2VLProcessor"]
+    assert json.loads((folder / "processor" / "processor_config.json").read_text())["processor_class"] == \
+        "Qwen2VLProcessor"
+    # the text-to-image tokenizer is unchanged: still 34 template tokens
+    assert len(tiny_qwen.qwen_tokenizer()(tiny_qwen.TEMPLATE_PREFIX).input_ids) == QWEN_TEMPLATE_TOKENS

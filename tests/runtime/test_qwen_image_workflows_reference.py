@@ -96,7 +96,8 @@ def test_the_workflows_are_served_and_refused_by_name(folder, ours):
     without_encoder = EnginePipeline(folder, "qwen_image", reference_runners(folder, "qwen_image"))
     assert [w.value for w in without_encoder.workflows] == ["txt2img"]  # no vae_encoder runner: text-to-image only
     for pipeline, change, message in (
-            (ours, dict(workflow="edit"), "WORKFLOW edit is not served: the qwen_image family has no edit workflow"),
+            (ours, dict(workflow="edit"), r"WORKFLOW edit is not served: edit needs an edit checkpoint "
+                                          r"\(QwenImageEditPipeline\), this one is QwenImagePipeline"),
             (ours, dict(strength=1.5), r"STRENGTH must be in \(0, 1\], got 1.5"),
             (ours, dict(mask=None, workflow="inpaint"), "WORKFLOW inpaint needs MASK"),
             (without_encoder, {}, "WORKFLOW img2img is not served")):

@@ -88,7 +88,7 @@ def test_package_refuses_workflows_it_cannot_serve():
         "txt2img", "inpaint")
     with pytest.raises(ServeError, match="img2img encode the INIT_IMAGE: the engine list has no vae_encoder engine"):
         repository._check_workflows(base, Family.sd15, ["txt2img", "img2img"])
-    with pytest.raises(ServeError, match=r"the sd15 family has no edit workflow \(families that have it: flux\)"):
+    with pytest.raises(ServeError, match=r"the sd15 family has no edit workflow \(families that have it: flux, qwen_image\)"):
         repository._check_workflows(base + _built("vae_encoder"), Family.sd15, ["edit"])
     with pytest.raises(ServeError, match="unknown workflow"):
         repository._check_workflows(base, Family.sd15, ["outpaint"])

@@ -22,7 +22,8 @@ def models_tiny(
     variant: Annotated[str | None, typer.Option(
         "--variant", help="a checkpoint variant: inpaint (sd15, sdxl), fill or kontext (flux), "
                           "two_expert (wan: Wan 2.2's high- and low-noise transformers), i2v (wan: "
-                          "Wan 2.1 image-to-video, CLIP image encoder), i2v_two_expert (wan: Wan 2.2 I2V A14B)")] = None,
+                          "Wan 2.1 image-to-video, CLIP image encoder), i2v_two_expert (wan: Wan 2.2 I2V A14B), "
+                          "edit (qwen_image: Qwen-Image-Edit)")] = None,
     seed: int = 0,
     controlnet: Annotated[bool, typer.Option("--controlnet", help="also write a ControlNet in <out>/controlnet")] = False,
     lora: Annotated[bool, typer.Option("--lora", help="also write a LoRA in <out>/lora")] = False,

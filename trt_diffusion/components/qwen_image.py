@@ -51,6 +51,9 @@ SEQUENCE = SymbolicDim("sequence", TEXT_AXIS, offset=QWEN_TEMPLATE_TOKENS)  # wh
 # [B, rows, cols, 64] (the same memory), so the graph knows the grid its rotary embedding needs.
 ROWS = SymbolicDim("patch_rows", "height", Fraction(1, 2))
 COLS = SymbolicDim("patch_cols", "width", Fraction(1, 2))
+# Qwen-Image-Edit's reference image: its own grid (about 1024² pixels at the bucket's aspect; shapes() says)
+CONTEXT_ROWS = SymbolicDim("context_rows", "height")
+CONTEXT_COLS = SymbolicDim("context_cols", "width")
 PATCH = 2
 
 
@@ -79,9 +82,18 @@ class QwenTextEncoder(ComponentDef):
 
     Inputs `input_ids`, `attention_mask` [B, L] (int64; the tokenizer's 1 for tokens, 0 for right padding). The
     template drop and the mask-based split stay on the host (the module docstring says how).
+
+    Build option `context_image` (Qwen-Image-Edit): the prompt holds the reference image's embeddings, and the
+    declaration is `qwen_image_edit.QwenEditTextEncoder`'s (two more inputs).
     """
 
     kind = "qwen_text_encoder"
+
+    @property
+    def _edit(self):
+        from .qwen_image_edit import QwenEditTextEncoder
+
+        return QwenEditTextEncoder(self.family, self.component)
 
     @property
     def resolution_dependent(self) -> bool:
@@ -91,6 +103,8 @@ class QwenTextEncoder(ComponentDef):
         return qwen_text_lengths(options)
 
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
+        if options.get("context_image"):
+            return self._edit.io(config, options)
         return ComponentIO(
             inputs=(TensorDecl("input_ids", "int64", (BATCH, SEQUENCE)),
                     TensorDecl("attention_mask", "int64", (BATCH, SEQUENCE))),
@@ -98,6 +112,8 @@ class QwenTextEncoder(ComponentDef):
         )
 
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
+        if options.get("context_image"):
+            return self._edit.wrapper(module, config, options, compute_dtype)
         return _QwenTextWrapper(module, self.io(config, options).input_names, compute_dtype).eval()
 
     def dummy_inputs(self, config, options, geometry: Geometry, seed=0):
@@ -142,16 +158,21 @@ def _text_vocab(config: ModelConfig) -> int:
 
 
 class _QwenTransformerWrapper(ExportWrapper):
-    def compute(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_mask):
+    def compute(self, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_mask, image_latents=None):
         batch, rows, cols, channels = hidden_states.shape
+        tokens, grids = hidden_states.reshape(batch, rows * cols, channels), [(1, rows, cols)]
+        if image_latents is not None:  # Qwen-Image-Edit: the reference image's tokens after the noise's
+            _, cond_rows, cond_cols, _ = image_latents.shape
+            tokens = torch.cat([tokens, image_latents.reshape(batch, cond_rows * cond_cols, channels)], dim=1)
+            grids.append((1, cond_rows, cond_cols))
         out = self.model(
-            hidden_states=self.cast(hidden_states.reshape(batch, rows * cols, channels)),
+            hidden_states=self.cast(tokens),
             timestep=self.cast(timestep), encoder_hidden_states=self.cast(encoder_hidden_states),
             encoder_hidden_states_mask=encoder_hidden_states_mask,
-            # every image of the batch has the grid (the rotary embedding reads the first entry only)
-            img_shapes=[[(1, rows, cols)]], return_dict=False,
+            # every image of the batch has the grids (the rotary embedding reads the first entry only)
+            img_shapes=[grids], return_dict=False,
         )[0]
-        return out.reshape(batch, rows, cols, -1)
+        return out[:, :rows * cols].reshape(batch, rows, cols, -1)
 
 
 class QwenImageTransformer(ComponentDef):
@@ -163,6 +184,10 @@ class QwenImageTransformer(ComponentDef):
     `encoder_hidden_states` [B, S, D] (the encoder's states after the host's drop and padding) and
     `encoder_hidden_states_mask` [B, S] (int64, 1 for a prompt token, 0 for padding: where diffusers passes None,
     all ones), S on the `text` axis. True CFG is two calls per step (prompt, negative prompt: each its own S).
+
+    Build option `context_image` (Qwen-Image-Edit): a fifth input `image_latents` [B, h'/2, w'/2, 64], the
+    reference image's packed latents at its own size (`qwen_image_edit.condition_size` of the bucket's aspect),
+    joined after the noise tokens with RoPE over both grids; `noise_pred` keeps the noise tokens.
     """
 
     kind = "qwen_image_transformer"
@@ -194,9 +219,20 @@ class QwenImageTransformer(ComponentDef):
                 TensorDecl("timestep", "float32", (BATCH,)),
                 TensorDecl("encoder_hidden_states", "float32", (BATCH, TEXT, int(config["joint_attention_dim"]))),
                 TensorDecl("encoder_hidden_states_mask", "int64", (BATCH, TEXT)),
-            ),
+            ) + ((TensorDecl("image_latents", "float32", (BATCH, CONTEXT_ROWS, CONTEXT_COLS, channels)),)
+                 if options.get("context_image") else ()),
             outputs=(TensorDecl("noise_pred", "float32", (BATCH, ROWS, COLS, out_channels)),),
         )
+
+    def shapes(self, config: ModelConfig, options: Mapping[str, Any], geometry: Geometry) -> dict[str, tuple]:
+        shapes = super().shapes(config, options, geometry)
+        if "image_latents" in shapes:  # the reference image's grid, from the bucket's aspect
+            from .qwen_image_edit import condition_size
+
+            width, height = condition_size(geometry.size.width, geometry.size.height)
+            factor = config.vae_scale_factor * PATCH
+            shapes["image_latents"] = (geometry.batch, height // factor, width // factor, shapes["image_latents"][-1])
+        return shapes
 
     def attention_score_bytes(self, config: ModelConfig, geometry: Geometry) -> int | None:
         axes = self.axis_values(config, geometry)
@@ -212,12 +248,15 @@ class QwenImageTransformer(ComponentDef):
         batch, length = shapes["encoder_hidden_states_mask"]
         lengths = gen.integers(1, length + 1, size=batch)
         lengths[0] = length  # padded to the batch's longest prompt
-        return {
+        inputs = {
             "hidden_states": normal(gen, shapes["hidden_states"]),
             "timestep": timesteps(gen, geometry.batch, high=1.0),
             "encoder_hidden_states": normal(gen, shapes["encoder_hidden_states"]),
             "encoder_hidden_states_mask": (np.arange(length)[None, :] < lengths[:, None]).astype(np.int64),
         }
+        if "image_latents" in shapes:
+            inputs["image_latents"] = normal(gen, shapes["image_latents"])
+        return inputs
 
 
 class _QwenDecoderWrapper(ExportWrapper):

@@ -10,6 +10,7 @@ from .deepcache import DeepCachePiece
 from .first_block import FirstBlockPiece
 from .flux2 import Flux2TextEncoder, Flux2Transformer, Flux2VaeDecoder
 from .qwen_image import QwenImageTransformer, QwenTextEncoder, QwenVaeDecoder, QwenVaeEncoder
+from .qwen_image_edit import QwenVisionEncoder
 from .text_encoders import ClipTextEncoder, T5TextEncoder
 from .transformers import FluxTransformer, SD3Transformer
 from .unet import UNet
@@ -43,6 +44,7 @@ def _build() -> dict[tuple[Family, Component], ComponentDef]:
         WanVaeEncoder(_F.wan, _C.vae_encoder),
         ClipImageEncoder(_F.wan, _C.image_encoder),
         QwenTextEncoder(_F.qwen_image, _C.text_encoder),
+        QwenVisionEncoder(_F.qwen_image, _C.image_encoder),  # Qwen-Image-Edit: the text encoder's vision tower
         QwenImageTransformer(_F.qwen_image, _C.transformer),
         QwenVaeDecoder(_F.qwen_image, _C.vae_decoder),  # the Wan-style 3D VAE on one frame
         QwenVaeEncoder(_F.qwen_image, _C.vae_encoder),

@@ -34,6 +34,7 @@ from ..workflows import (
     FAMILY_WORKFLOWS,
     IMAGE_TO_VIDEO_PIPELINE_CLASSES,
     Workflow,
+    edit_pipeline_classes,
     families_that_run,
     workflow_components,
 )
@@ -144,7 +145,8 @@ class CheckpointKind:
             return (f"this checkpoint's denoiser takes {self.denoiser_channels} input channels (an inpainting "
                     f"checkpoint): it runs inpaint only")
         if workflow is Workflow.edit and not self.editing:
-            return (f"edit needs an editing checkpoint ({', '.join(EDIT_PIPELINE_CLASSES)} in model_index.json; "
+            return (f"edit needs an editing checkpoint ({', '.join(edit_pipeline_classes(self.pipeline_class))} in "
+                    f"model_index.json; "
                     f"this folder names {self.pipeline_class})")
         if self.editing and workflow is not Workflow.edit:
             return f"a {self.pipeline_class} checkpoint is trained to edit: it runs edit only"
@@ -606,8 +608,11 @@ def _resolve_workflows(entry: ModelEntry, defaults, checkpoint: CheckpointKind |
     declared = entry.workflows if entry.workflows is not None else defaults.workflows
     where = base + ("workflows",) if entry.workflows is not None else ("defaults", "workflows")
     if declared is None:
-        return checkpoint.natural_workflows if checkpoint else (Workflow.txt2img,)
+        workflows = checkpoint.natural_workflows if checkpoint else (Workflow.txt2img,)
+        _refuse_unbuilt(entry.family, workflows, base + ("source",), problems)
+        return workflows
     workflows = tuple(dict.fromkeys(declared))
+    _refuse_unbuilt(entry.family, workflows, where, problems)
     for i, workflow in enumerate(declared):
         if workflow not in FAMILY_WORKFLOWS[entry.family]:
             problems.add(where + (i,), f"the {entry.family.value} family cannot run {workflow.value} "
@@ -615,6 +620,15 @@ def _resolve_workflows(entry: ModelEntry, defaults, checkpoint: CheckpointKind |
         elif checkpoint is not None and (why := checkpoint.refusal(workflow)):
             problems.add(where + (i,), f"{workflow.value}: {why}")
     return workflows
+
+
+def _refuse_unbuilt(family: Family, workflows: tuple[Workflow, ...], where: tuple, problems: _Problems) -> None:
+    """Qwen-Image-Edit runs on the torch reference runners (runtime/qwen_image_loop.py), not on engines yet."""
+    if family is Family.qwen_image and Workflow.edit in workflows:
+        problems.add(where, "qwen_image edit (a QwenImageEditPipeline checkpoint) has no engines yet: its vision "
+                            "tower, its encoder over the image's embeddings and its transformer over the reference "
+                            "tokens are declared and run on the PyTorch reference, but are not exported or built "
+                            "(docs/qwen-image.md, 'Qwen-Image-Edit')")
 
 
 def _checkpoint_kind(folder: Path, family: Family) -> CheckpointKind:

@@ -85,6 +85,8 @@ def component_folder(model_dir: Path, component: Component) -> tuple[Path, type]
         raise ModelError(f"{component.value} is not part of a pipeline folder (ControlNets have their own source)")
     index = read_model_index(model_dir)
     entry = index.get(subfolder)
+    if component is Component.image_encoder and not entry and index.get("processor"):
+        subfolder, entry = "text_encoder", index.get("text_encoder")  # a vision-language encoder's own tower
     if not entry or entry[0] is None:
         raise ModelError(f"{model_dir} has no {subfolder} (model_index.json lists: "
                          f"{', '.join(k for k, v in index.items() if isinstance(v, list) and v[0])})")

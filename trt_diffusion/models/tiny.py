@@ -28,7 +28,8 @@ FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl, Family.wan, Family.qwen_image, F
 # have: an inpainting denoiser (the mask and the masked image's latents as extra input channels: the 9-channel
 # UNets, FLUX.1 Fill's transformer) and FLUX.1 Kontext (the plain transformer's shape, an edit checkpoint).
 VARIANTS = {"inpaint": (Family.sd15, Family.sdxl), "fill": (Family.flux,), "kontext": (Family.flux,),
-            "two_expert": (Family.wan,), "i2v": (Family.wan,), "i2v_two_expert": (Family.wan,)}
+            "two_expert": (Family.wan,), "i2v": (Family.wan,), "i2v_two_expert": (Family.wan,),
+            "edit": (Family.qwen_image,)}
 FLUX_LATENT_CHANNELS = 4  # the tiny FLUX VAE's (the real one has 16)
 VAE_BLOCK_OUT_CHANNELS = [8, 8, 16, 16]  # four blocks: the real 8x spatial factor, tiny channel counts
 # Shards of at most this size: safetensors copies a shard into memory to write it, and a full-size SDXL UNet
@@ -357,6 +358,10 @@ def write_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True, max_shard_size=SHARD_SIZE)
+        if variant == "edit":
+            from .tiny_qwen import fix_processor_entry
+
+            fix_processor_entry(tmp)
         extras = {"family": family.value, "seed": seed, "size": size, "variant": variant, "controlnet": None,
                   "lora": None}
         if controlnet:

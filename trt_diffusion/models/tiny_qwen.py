@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from ..components.qwen_image_edit import EDIT_TEMPLATE_PREFIX
 from ..errors import ConfigError
 from ..families import QWEN_TEMPLATE_TOKENS
 
@@ -23,6 +24,13 @@ from ..families import QWEN_TEMPLATE_TOKENS
 TEMPLATE_PREFIX = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
                    "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5-VL's vision placeholders, in the edit variant's tokenizer: QwenImageEditPipeline's template has the
+# reference image's tokens (<|image_pad|> repeated by the processor) between <|vision_start|> and <|vision_end|>
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# Qwen/Qwen-Image-Edit processor/preprocessor_config.json (Qwen2.5-VL-7B-Instruct's)
+EDIT_IMAGE_PROCESSOR = dict(min_pixels=3136, max_pixels=12845056, patch_size=14, temporal_patch_size=2, merge_size=2,
+                            image_mean=[0.48145466, 0.4578275, 0.40821073],
+                            image_std=[0.26862954, 0.26130258, 0.27577711])
 TEXT_HIDDEN = 32  # the tiny encoder's width: the transformer's joint_attention_dim
 
 # Qwen/Qwen-Image transformer/config.json (diffusers' defaults are the released values)
@@ -42,8 +50,10 @@ SCHEDULER = dict(
 )
 
 
-def qwen_tokenizer():
-    """An offline Qwen2Tokenizer: byte-level BPE, Qwen's special tokens, one token per template word."""
+def qwen_tokenizer(edit: bool = False):
+    """An offline Qwen2Tokenizer: byte-level BPE, Qwen's special tokens, one token per template word. `edit`: the
+    edit template's words too (its system part tokenizes to the 64 positions QwenImageEditPipeline drops), and the
+    vision placeholders."""
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -51,8 +61,12 @@ def qwen_tokenizer():
     vocab = {c: i for i, c in enumerate(byte_chars)}
     merges: list[tuple[str, str]] = []
     to_bytes = bytes_to_unicode()
-    for word in _template_words():
+    for word in _template_words(EDIT_TEMPLATE_PREFIX if edit else None):
         symbols = "".join(to_bytes[b] for b in word.encode())
+        if edit and symbols not in vocab and symbols[1:] in vocab:  # " user" after "user": BPE merges "user" first
+            merges.append((symbols[0], symbols[1:]))
+            vocab[symbols] = len(vocab)
+            continue
         for end in range(2, len(symbols) + 1):  # left to right: each word merges into one token
             left, right = symbols[:end - 1], symbols[end - 1]
             if symbols[:end] not in vocab:
@@ -62,19 +76,19 @@ def qwen_tokenizer():
         vocab[token] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, bos_token=None,
                                eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:] + (VISION_TOKENS if edit else ()))})
     tokenizer.model_max_length = 32768  # Qwen2.5-VL's tokenizer_config.json
     return tokenizer
 
 
-def _template_words() -> list[str]:
-    """The template's pre-tokens (Qwen's regex keeps a word's leading space), specials aside."""
+def _template_words(edit_prefix: str | None = None) -> list[str]:
+    """The templates' pre-tokens (Qwen's regex keeps a word's leading space and splits off "'s"), specials aside."""
     import re
 
-    text = TEMPLATE_PREFIX + "<|im_end|>\n<|im_start|>assistant\n"
+    text = TEMPLATE_PREFIX + "<|im_end|>\n<|im_start|>assistant\n" + (edit_prefix or "")
     for token in SPECIAL_TOKENS:
         text = text.replace(token, "\n")
-    words = re.findall(r" ?[A-Za-z]+| ?[^\sA-Za-z]+", text)
+    words = re.findall(r"'s| ?[A-Za-z]+| ?[^\sA-Za-z]+", text)
     return list(dict.fromkeys(w for w in words if len(w) > 1))
 
 
@@ -98,9 +112,17 @@ def qwen_text_encoder(hidden: int = TEXT_HIDDEN, vocab_size: int = 512, tokenize
                          fullatt_block_indexes=[0])
     config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, bos_token_id=None,
                               eos_token_id=text_config["eos_token_id"], pad_token_id=text_config["pad_token_id"],
-                              image_token_id=vocab_size - 1, video_token_id=vocab_size - 2,
-                              vision_start_token_id=vocab_size - 3, vision_end_token_id=vocab_size - 4)
+                              **_vision_token_ids(tokenizer, vocab_size))
     return Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _vision_token_ids(tokenizer, vocab_size: int) -> dict[str, int]:
+    """The config's placeholder ids: the tokenizer's vision tokens where it has them (the edit variant), else the
+    top of the vocabulary (no prompt of the text-to-image tokenizer reaches them)."""
+    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    if tokenizer is not None and VISION_TOKENS[0] in tokenizer.get_vocab():
+        return dict(zip(names, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
+    return dict(zip(names, (vocab_size - 3, vocab_size - 4, vocab_size - 1, vocab_size - 2)))
 
 
 def qwen_vae():
@@ -139,23 +161,60 @@ def _memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def build_tiny_qwen_image(seed: int = 0, size: str = "tiny", variant: str | None = None):
-    """A seeded QwenImagePipeline. `size="full"`: the released 20B transformer (random weights) with the tiny
-    encoder widened to the 3584 features it attends to, where the machine can hold it (else a ConfigError)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+def edit_processor(tokenizer, image_processor=None):
+    """The `processor` QwenImageEditPipeline takes (a Qwen2VLProcessor), without its video part.
 
-    if variant is not None:
-        raise ConfigError(f"no tiny qwen_image model of variant {variant!r} (it has none)")
+    transformers 5's Qwen2VLProcessor checks its video processor's class through a mapping that exists only with
+    torchvision installed, so on a CPU host without torchvision it cannot be built at all; the edit prompt never
+    carries a video, so this processor is built from the image processor and the tokenizer alone, and its
+    `__call__` is Qwen2VLProcessor's."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+    return ImageOnlyQwen2VLProcessor(image_processor or Qwen2VLImageProcessorPil(**EDIT_IMAGE_PROCESSOR), tokenizer,
+                                     None)
+
+
+def build_tiny_qwen_image(seed: int = 0, size: str = "tiny", variant: str | None = None):
+    """A seeded QwenImagePipeline (`variant="edit"`: a QwenImageEditPipeline, its encoder's vision tower used and
+    its tokenizer with the vision placeholders). `size="full"`: the released 20B transformer (random weights) with
+    the tiny encoder widened to the 3584 features it attends to, where the machine can hold it (else a
+    ConfigError)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImagePipeline
+
+    if variant not in (None, "edit"):
+        raise ConfigError(f"no tiny qwen_image model of variant {variant!r} (variants: edit)")
     if size == "full":
         refuse_full_size()
     torch.manual_seed(seed)
     hidden = QWEN_IMAGE_TRANSFORMER["joint_attention_dim"] if size == "full" else TEXT_HIDDEN
-    tokenizer = qwen_tokenizer()
-    return QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=qwen_vae(),
-        text_encoder=qwen_text_encoder(hidden, tokenizer=tokenizer), tokenizer=tokenizer,
-        transformer=qwen_transformer(size),
-    )
+    edit = variant == "edit"
+    tokenizer = qwen_tokenizer(edit=edit)
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=qwen_vae(),
+                 text_encoder=qwen_text_encoder(hidden, tokenizer=tokenizer), tokenizer=tokenizer,
+                 transformer=qwen_transformer(size))
+    if not edit:
+        return QwenImagePipeline(**parts)
+    return QwenImageEditPipeline(**parts, processor=edit_processor(tokenizer))
+
+
+def fix_processor_entry(model_dir) -> None:
+    """model_index.json and the processor's config name the processor as released checkpoints do (transformers'
+    Qwen2VLProcessor), not as the image-only subclass `edit_processor` builds (each records the object's class)."""
+    import json
+    from pathlib import Path
+
+    for path, key, value in ((Path(model_dir) / "model_index.json", "processor", ["transformers", "Qwen2VLProcessor"]),
+                             (Path(model_dir) / "processor" / "processor_config.json", "processor_class",
+                              "Qwen2VLProcessor")):
+        data = json.loads(path.read_text())
+        data[key] = value
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 __all__ = ["QWEN_TEMPLATE_TOKENS", "build_tiny_qwen_image", "meta_parameter_count", "qwen_tokenizer"]

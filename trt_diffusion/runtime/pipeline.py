@@ -31,6 +31,7 @@ from ..workflows import (
     FAMILY_WORKFLOWS,
     IMAGE_TO_VIDEO_PIPELINE_CLASSES,
     Workflow,
+    edit_pipeline_classes,
     request_workflow,
 )
 from . import conditioning
@@ -38,7 +39,8 @@ from .cfg_parallel import at_once, cfg_modes
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
 from .flux2_loop import Flux2Loop
 from .flux_loop import FluxLoop
-from .qwen_image_loop import QwenImageLoop, qwen_problems
+from .qwen_image_loop import EditParts as QwenEditParts
+from .qwen_image_loop import QwenImageLoop, qwen_edit_image_problems, qwen_problems
 from .schedulers import make_scheduler, scheduler_names
 from .video_loop import WanLoop, video_problems
 
@@ -222,7 +224,8 @@ class EnginePipeline:
             vae_scale_factor=self.vae_scale_factor, parallel_cfg=self.parallel_cfg, model_dir=self.model_dir)
         self.qwen = None if self.family is not Family.qwen_image else QwenImageLoop(
             runners, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
-            vae_scale_factor=self.vae_scale_factor, text_lengths=text_lengths)
+            vae_scale_factor=self.vae_scale_factor, text_lengths=text_lengths,
+            edit=QwenEditParts.load(self.model_dir) if self.index.get("_class_name") in EDIT_PIPELINE_CLASSES else None)
         self.flux2 = None if self.family not in FLUX2_FAMILIES else Flux2Loop(
             runners, self.family, self.index, self.denoiser_config, self.scheduler_config, self.tokenizers["tokenizer"],
             vae_scale_factor=self.vae_scale_factor)
@@ -339,7 +342,8 @@ class EnginePipeline:
             if workflow not in FAMILY_WORKFLOWS[self.family]:
                 why = f"the {self.family.value} family has no {workflow.value} workflow"
             elif workflow is Workflow.edit and checkpoint not in EDIT_PIPELINE_CLASSES:
-                why = f"edit needs an edit checkpoint ({', '.join(EDIT_PIPELINE_CLASSES)}), this one is {checkpoint}"
+                why = (f"edit needs an edit checkpoint ({', '.join(edit_pipeline_classes(checkpoint))}), this one is "
+                       f"{checkpoint}")
             elif workflow is Workflow.img2vid and checkpoint not in IMAGE_TO_VIDEO_PIPELINE_CLASSES:
                 why = (f"img2vid needs an image-to-video checkpoint ({', '.join(IMAGE_TO_VIDEO_PIPELINE_CLASSES)}), "
                        f"this one is {checkpoint}, whose transformer takes no image")
@@ -372,6 +376,8 @@ class EnginePipeline:
                 continue
             if not isinstance(value, np.ndarray) or value.dtype != np.uint8:
                 problems.append(f"{name} must be uint8")
+            elif self.qwen is not None and workflow is Workflow.edit and name == "INIT_IMAGE":
+                problems += qwen_edit_image_problems(value, request)  # resized by the pipeline, at its aspect
             elif value.shape != shape:
                 problems.append(f"{name} is {list(value.shape)}, expected {list(shape)} (the request's size; "
                                 "images are not resized)")

@@ -34,6 +34,16 @@ latent grid and repeated over the 16 channels before packing.
 The mask: diffusers passes `None` for an all-ones prompt mask, the engines always take the mask (all ones there).
 The transformer's attention gives the same bits either way on the reference (tests/runtime/test_qwen_image_reference.py).
 
+edit, as `QwenImageEditPipeline` (components/qwen_image_edit.py says where each part runs):
+
+- the reference image is resized (Lanczos) to about 1024² at its own aspect; the processor cuts it into patches, the
+  image_encoder runner embeds them, and each prompt (the edit template, `<|image_pad|>` repeated once per embedding)
+  runs through the text_encoder runner with those embeddings and its 3D position ids; the first 64 positions are
+  dropped. Prompt and negative prompt share the one image embedding (diffusers computes it twice, the same values).
+- the vae_encoder runner's latent mean of the resized image (no draw), `(mean - latents_mean) / latents_std` (a
+  division here, where img2img multiplies by the inverse), packed, repeated to the rows; beside the noise tokens in
+  every transformer call, whose answer is the noise tokens'. The schedule is txt2img's, the noise the only draw.
+
 Requests are not batched with each other (EnginePipeline.batch_key): diffusers runs the transformer over one
 request's rows with that prompt's text length; another request's prompt has its own length (padding it would be
 another computation), and linear layers round differently over more rows.
@@ -49,6 +59,13 @@ import numpy as np
 import torch
 
 from ..components.qwen_image import prompt_embeds, prompt_tokens
+from ..components.qwen_image_edit import (
+    EDIT_PROMPT_TEMPLATE,
+    IMAGE_PAD,
+    condition_size,
+    edit_prompt_embeds,
+    rope_positions,
+)
 from ..engines_file.engine_spec import Size
 from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEXT_LENGTH, Family, family_info
 from ..workflows import Workflow
@@ -89,6 +106,41 @@ def qwen_problems(request: GenerationRequest, loop: QwenImageLoop | None) -> lis
     return problems
 
 
+@dataclass
+class EditParts:
+    """What an edit checkpoint adds to the loop: its processor's image half, the encoder's placeholder id and the
+    vision tower's merge size."""
+
+    image_processor: object
+    image_token_id: int
+    merge_size: int
+
+    @classmethod
+    def load(cls, model_dir) -> EditParts:
+        import json
+        from pathlib import Path
+
+        from ..components.qwen_image_edit import image_processor
+
+        config = json.loads((Path(model_dir) / "text_encoder" / "config.json").read_text())
+        return cls(image_processor(model_dir), int(config["image_token_id"]),
+                   int(config["vision_config"]["spatial_merge_size"]))
+
+
+def qwen_edit_image_problems(image: np.ndarray, request: GenerationRequest) -> list[str]:
+    """An edit's reference image may have any size (the pipeline resizes it to about 1024² at its aspect), but its
+    resized size must be the request's size's: the engines of a bucket are built for that one reference grid."""
+    if image.ndim != 3 or image.shape[2] != 3 or min(image.shape[:2]) < 1:
+        return [f"INIT_IMAGE is {list(image.shape)}, expected [height, width, 3]"]
+    height, width = image.shape[:2]
+    resized, wanted = condition_size(width, height), condition_size(request.width, request.height)
+    if resized == wanted:
+        return []
+    return [f"INIT_IMAGE is {width}x{height}: Qwen-Image-Edit resizes it to {resized[0]}x{resized[1]}, but a "
+            f"{request.width}x{request.height} request's reference is resized to {wanted[0]}x{wanted[1]} (its "
+            f"aspect): send the reference image at the request's aspect, or ask for a size of the image's"]
+
+
 class QwenLatentEncoder(conditioning.LatentEncoder):
     """The vae_encoder runner with Qwen-Image's latent normalization: per channel, `(latent - latents_mean) *
     (1 / latents_std)` as `_encode_vae_image` writes it (`inverse_std` is that 1 / latents_std)."""
@@ -108,8 +160,8 @@ class QwenImageLoop:
     (2, 128, 512). A prompt longer than the max is truncated there, as diffusers truncates at max_sequence_length."""
 
     def __init__(self, runners, denoiser_config: dict, scheduler_config: dict, vae_config: dict, tokenizer, *,
-                 vae_scale_factor: int, text_lengths: tuple[int, int, int] | None = None):
-        self.runners, self.tokenizer = runners, tokenizer
+                 vae_scale_factor: int, text_lengths: tuple[int, int, int] | None = None, edit: EditParts | None = None):
+        self.runners, self.tokenizer, self.edit = runners, tokenizer, edit
         self.scheduler_config = scheduler_config
         self.vae_scale_factor = vae_scale_factor
         self.text_lengths = tuple(text_lengths or family_info(Family.qwen_image).text_lengths)
@@ -118,6 +170,7 @@ class QwenImageLoop:
         # as QwenImagePipeline builds them: float32 tensors, the std inverted once and divided by at decode
         self.latents_mean = torch.tensor(vae_config["latents_mean"]).view(1, z_dim, 1, 1, 1)
         self.latents_std = 1.0 / torch.tensor(vae_config["latents_std"]).view(1, z_dim, 1, 1, 1)
+        self.edit_std = torch.tensor(vae_config["latents_std"]).view(1, z_dim, 1, 1)  # the edit pipeline divides
 
     def max_sequence_length(self, request: GenerationRequest) -> int:
         """The request's, else diffusers' default 512 where the engines take it (their max otherwise)."""
@@ -129,6 +182,8 @@ class QwenImageLoop:
 
     def encode(self, request: GenerationRequest) -> tuple[QwenText, QwenText | None]:
         """(positive, negative); negative None where true CFG does not run (diffusers' do_true_cfg)."""
+        if request.resolved_workflow is Workflow.edit:
+            return self._edit_texts(request)
         length = self.max_sequence_length(request)
         positive = self._text(request.prompt, length, request.batch)
         negative = None
@@ -147,6 +202,43 @@ class QwenImageLoop:
         embeds, embeds_mask = prompt_embeds(states, mask, max_sequence_length)
         # encode_prompt's repeat(1, n, 1).view(n, S, D): the prompt's row n times
         return QwenText(np.repeat(embeds, rows, axis=0), np.repeat(embeds_mask, rows, axis=0))
+
+    def _edit_texts(self, request: GenerationRequest) -> tuple[QwenText, QwenText | None]:
+        """The edit prompts' states, each holding the reference image's embeddings (computed once)."""
+        image = self._reference(request)
+        pixels = self.edit.image_processor(images=image, return_tensors="np")
+        _, grid_h, grid_w = (int(v) for v in pixels["image_grid_thw"][0])
+        runner = self.runners.find("image_encoder", size=Size(request.width, request.height), batch=1)
+        patches = pixels["pixel_values"].astype(np.float32).reshape(grid_h, grid_w, -1)
+        embeds = runner.run({"patches": patches})["image_embeds"]
+
+        def text(prompt: str) -> QwenText:
+            prompt_text = EDIT_PROMPT_TEMPLATE.format(prompt).replace(IMAGE_PAD, IMAGE_PAD * len(embeds))
+            tokens = self.tokenizer([prompt_text], padding=True, return_tensors="np")
+            ids = tokens.input_ids.astype(np.int64)
+            positions = rope_positions(ids, self.edit.image_token_id, (grid_h, grid_w), self.edit.merge_size)
+            states = self.runners.find("text_encoder", size=None, batch=1).run(
+                {"input_ids": ids, "attention_mask": tokens.attention_mask.astype(np.int64),
+                 "position_ids": positions, "image_embeds": embeds})["hidden_states"]
+            states, mask = edit_prompt_embeds(states)
+            return QwenText(np.repeat(states, request.batch, axis=0), np.repeat(mask, request.batch, axis=0))
+
+        return text(request.prompt), text(request.negative_prompt) if self.true_cfg(request) else None
+
+    def _reference(self, request: GenerationRequest):
+        """The request's image as QwenImageEditPipeline resizes it: Lanczos, to about 1024² at its aspect."""
+        from PIL import Image
+
+        height, width = request.init_image.shape[:2]
+        return Image.fromarray(request.init_image).resize(condition_size(width, height), resample=Image.LANCZOS)
+
+    def _edit_latents(self, request: GenerationRequest) -> torch.Tensor:
+        """The resized reference image's normalized latent mean [rows, 16, h', w'] (`sample_mode="argmax"`)."""
+        image = self._reference(request)
+        runner = self.runners.find("vae_encoder", size=Size(request.width, request.height), batch=1)
+        mean = runner.run({"images": conditioning.image_tensor(np.asarray(image)).numpy()})["latent"]
+        latents = (torch.from_numpy(mean) - self.latents_mean[:, :, 0]) / self.edit_std
+        return torch.cat([latents] * request.batch, dim=0)
 
     # ---------------------------------------------------------------- the loop
 
@@ -171,8 +263,13 @@ class QwenImageLoop:
                              config.get("max_shift", 1.15))
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         scheduler.set_begin_index(0)
-        timesteps, blend = scheduler.timesteps, None
-        if request.resolved_workflow is Workflow.txt2img:
+        timesteps, blend, context = scheduler.timesteps, None, None
+        if request.resolved_workflow is Workflow.edit:
+            reference = self._edit_latents(request)  # no draw: the noise below is the generator's first
+            _, _, ref_h, ref_w = reference.shape
+            context = QwenImagePipeline._pack_latents(reference, rows, self.channels, ref_h, ref_w).view(
+                rows, ref_h // PATCH, ref_w // PATCH, -1).numpy()
+        if request.resolved_workflow in (Workflow.txt2img, Workflow.edit):
             noise = torch.randn((rows, 1, self.channels, h, w), generator=generator, dtype=torch.float32)
             latents = QwenImagePipeline._pack_latents(noise, rows, self.channels, h, w)
         else:
@@ -183,9 +280,9 @@ class QwenImageLoop:
             start = time.perf_counter()
             timestep = (t.expand(rows).to(latents.dtype) / 1000).numpy()  # as diffusers divides, in float32
             sample = latents.view(rows, h // PATCH, w // PATCH, -1).numpy()
-            noise_pred = self._call(size, sample, timestep, positive, latents.shape)
+            noise_pred = self._call(size, sample, timestep, positive, latents.shape, context)
             if negative is not None:
-                neg_noise_pred = self._call(size, sample, timestep, negative, latents.shape)
+                neg_noise_pred = self._call(size, sample, timestep, negative, latents.shape, context)
                 comb_pred = neg_noise_pred + scale * (noise_pred - neg_noise_pred)
                 cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
                 noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
@@ -222,10 +319,14 @@ class QwenImageLoop:
         blend = conditioning.packed_blend(timesteps, image_latents, noise, conditioning.mask_tensor(request.mask), pack)
         return pack(latents), timesteps, blend
 
-    def _call(self, size: Size, sample: np.ndarray, timestep: np.ndarray, text: QwenText, shape) -> torch.Tensor:
+    def _call(self, size: Size, sample: np.ndarray, timestep: np.ndarray, text: QwenText, shape,
+              context: np.ndarray | None = None) -> torch.Tensor:
         runner = self.runners.find("transformer", size=size, batch=sample.shape[0])
-        out = runner.run({"hidden_states": sample, "timestep": timestep, "encoder_hidden_states": text.embeds,
-                          "encoder_hidden_states_mask": text.mask})["noise_pred"]
+        feeds = {"hidden_states": sample, "timestep": timestep, "encoder_hidden_states": text.embeds,
+                 "encoder_hidden_states_mask": text.mask}
+        if context is not None:
+            feeds["image_latents"] = context  # edit: the reference image's tokens, after the noise's in the graph
+        out = runner.run(feeds)["noise_pred"]
         return torch.from_numpy(out).reshape(shape)  # the packed [rows, tokens, 64] view again
 
     def _cfg_mode(self, size: Size, rows: int) -> str:

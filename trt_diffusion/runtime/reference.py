@@ -29,6 +29,8 @@ def reference_runners(model_dir: str | Path, family: Family | str, components=No
     model_dir = Path(model_dir)
     table = RunnerTable()
     options = {"controlnet_residuals": True} if controlnets else {}
+    if family is Family.qwen_image and _edit_checkpoint(model_dir):
+        options["context_image"] = True  # the encoder takes the image's embeddings, the transformer its latents
     for component in map(Component, components or _present_components(model_dir, family)):
         config = load_model_config(model_dir, family, component)
         module = _with_default_attention(load_component(model_dir, component))
@@ -63,6 +65,13 @@ def _torch_runner(definition, module, config, options, name: str) -> TorchRunner
     inputs = {t.name: TensorSpec(np.dtype(t.dtype), tuple(d if isinstance(d, int) else None for d in t.dims))
               for t in io.inputs}
     return TorchRunner(wrapper, inputs, io.output_names, name=name)
+
+
+def _edit_checkpoint(model_dir: Path) -> bool:
+    from ..models.loading import read_model_index
+    from ..workflows import EDIT_PIPELINE_CLASSES
+
+    return read_model_index(model_dir).get("_class_name") in EDIT_PIPELINE_CLASSES
 
 
 def _present_components(model_dir: Path, family: Family) -> list[Component]:
