@@ -174,6 +174,14 @@ def family_of_pipeline_class(class_name: str) -> Family | None:
 # template's 5-token tail) is cut to max_sequence_length, 512 by default
 QWEN_TEMPLATE_TOKENS = 34
 QWEN_EDIT_TEMPLATE_TOKENS = 64  # QwenImageEditPipeline's prompt_template_encode_start_idx (its longer system part)
+# diffusers' QwenImageEditPipeline.prompt_template_encode; its first 64 positions are dropped
+QWEN_EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n")
+QWEN_EDIT_TEMPLATE_PREFIX = QWEN_EDIT_TEMPLATE.split("<|vision_start|>")[0]  # what tokenizes to the 64 dropped
 QWEN_TEXT_LENGTH = 512
 QWEN_MAX_TEXT_LENGTH = 1024  # QwenImagePipeline refuses a max_sequence_length above it
 

@@ -133,12 +133,11 @@ def test_the_edit_variant_drops_64_template_tokens_and_names_its_vision_tokens(t
 
     from transformers import AutoTokenizer
 
-    from trt_diffusion.components.qwen_image_edit import EDIT_TEMPLATE_PREFIX
-    from trt_diffusion.families import QWEN_EDIT_TEMPLATE_TOKENS
+    from trt_diffusion.families import QWEN_EDIT_TEMPLATE_PREFIX, QWEN_EDIT_TEMPLATE_TOKENS
 
     folder = tiny_model_factory("qwen_image", variant="edit")
     tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
-    assert len(tokenizer(EDIT_TEMPLATE_PREFIX).input_ids) == QWEN_EDIT_TEMPLATE_TOKENS
+    assert len(tokenizer(QWEN_EDIT_TEMPLATE_PREFIX).input_ids) == QWEN_EDIT_TEMPLATE_TOKENS
     config = json.loads((folder / "text_encoder" / "config.json").read_text())
     ids = tokenizer.convert_tokens_to_ids(list(tiny_qwen.VISION_TOKENS))
     assert ids == [config[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",

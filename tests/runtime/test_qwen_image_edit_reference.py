@@ -18,8 +18,9 @@ from diffusers import QwenImageEditPipeline
 from PIL import Image
 from transformers import AutoTokenizer
 
-from trt_diffusion.components.qwen_image_edit import EDIT_PROMPT_TEMPLATE, image_processor, rope_positions
+from trt_diffusion.components.qwen_image_edit import image_processor, rope_positions
 from trt_diffusion.errors import RuntimeInputError
+from trt_diffusion.families import QWEN_EDIT_TEMPLATE
 from trt_diffusion.models.tiny_qwen import edit_processor
 from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners
@@ -94,7 +95,7 @@ def test_position_ids_are_qwen2_5_vls_and_the_pinned_pipeline_drops_them(folder,
     """`rope_positions` equals transformers' get_rope_index on the processor's own output (its token types
     included), and the pinned pipeline without them encodes the prompt differently: what the fix is for."""
     image = ours.qwen._reference(request(init_image(64, 64)))
-    inputs = theirs.processor(text=[EDIT_PROMPT_TEMPLATE.format(PROMPT)], images=image, padding=True,
+    inputs = theirs.processor(text=[QWEN_EDIT_TEMPLATE.format(PROMPT)], images=image, padding=True,
                               return_tensors="pt")
     model = theirs.text_encoder.model
     image_id = model.config.image_token_id

@@ -35,14 +35,6 @@ from ..families import QWEN_EDIT_TEMPLATE_TOKENS
 from .base import BATCH, ComponentDef, ComponentIO, ExportWrapper, Geometry, SymbolicDim, TensorDecl, normal, rng
 from .model_config import ModelConfig
 
-# diffusers' QwenImageEditPipeline.prompt_template_encode; its first 64 positions are dropped
-EDIT_PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
-    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
-    "image that meets the user's requirements while maintaining consistency with the original input where "
-    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
-    "<|im_start|>assistant\n")
-EDIT_TEMPLATE_PREFIX = EDIT_PROMPT_TEMPLATE.split("<|vision_start|>")[0]  # what tokenizes to the 64 dropped
 CONDITION_AREA = 1024 * 1024  # the pixel area QwenImageEditPipeline resizes the reference image to
 IMAGE_PAD = "<|image_pad|>"
 

@@ -16,9 +16,8 @@ import os
 
 import torch
 
-from ..components.qwen_image_edit import EDIT_TEMPLATE_PREFIX
 from ..errors import ConfigError
-from ..families import QWEN_TEMPLATE_TOKENS
+from ..families import QWEN_EDIT_TEMPLATE_PREFIX, QWEN_TEMPLATE_TOKENS
 
 # diffusers' QwenImagePipeline.prompt_template_encode, the part before the prompt
 TEMPLATE_PREFIX = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
@@ -61,7 +60,7 @@ def qwen_tokenizer(edit: bool = False):
     vocab = {c: i for i, c in enumerate(byte_chars)}
     merges: list[tuple[str, str]] = []
     to_bytes = bytes_to_unicode()
-    for word in _template_words(EDIT_TEMPLATE_PREFIX if edit else None):
+    for word in _template_words(QWEN_EDIT_TEMPLATE_PREFIX if edit else None):
         symbols = "".join(to_bytes[b] for b in word.encode())
         if edit and symbols not in vocab and symbols[1:] in vocab:  # " user" after "user": BPE merges "user" first
             merges.append((symbols[0], symbols[1:]))

@@ -59,15 +59,9 @@ import numpy as np
 import torch
 
 from ..components.qwen_image import prompt_embeds, prompt_tokens
-from ..components.qwen_image_edit import (
-    EDIT_PROMPT_TEMPLATE,
-    IMAGE_PAD,
-    condition_size,
-    edit_prompt_embeds,
-    rope_positions,
-)
+from ..components.qwen_image_edit import IMAGE_PAD, condition_size, edit_prompt_embeds, rope_positions
 from ..engines_file.engine_spec import Size
-from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEXT_LENGTH, Family, family_info
+from ..families import QWEN_EDIT_TEMPLATE, QWEN_MAX_TEXT_LENGTH, QWEN_TEXT_LENGTH, Family, family_info
 from ..workflows import Workflow
 from . import conditioning
 from .engines import split_cfg_mode
@@ -213,7 +207,7 @@ class QwenImageLoop:
         embeds = runner.run({"patches": patches})["image_embeds"]
 
         def text(prompt: str) -> QwenText:
-            prompt_text = EDIT_PROMPT_TEMPLATE.format(prompt).replace(IMAGE_PAD, IMAGE_PAD * len(embeds))
+            prompt_text = QWEN_EDIT_TEMPLATE.format(prompt).replace(IMAGE_PAD, IMAGE_PAD * len(embeds))
             tokens = self.tokenizer([prompt_text], padding=True, return_tensors="np")
             ids = tokens.input_ids.astype(np.int64)
             positions = rope_positions(ids, self.edit.image_token_id, (grid_h, grid_w), self.edit.merge_size)
