@@ -124,6 +124,11 @@ def workflow_notes(model, specs: list[EngineSpec]) -> dict[str, str]:
             notes[workflow.value] = (f"{image}{encoder.replace('bucket', 'bucket frame count')} over the image "
                                      f"followed by black frames; the {denoiser}'s {checkpoint.denoiser_channels if checkpoint else 36}"
                                      " input channels carry the noise, the first-frame mask and those latents")
+        elif model.family is Family.qwen_image:
+            notes[workflow.value] = (f"the reference image at about 1024² of the bucket's aspect: {encoder} over it; "
+                                     "Qwen2.5-VL's vision tower (image_encoder) and the text encoder over its tokens, "
+                                     f"both per bucket (batch 1); the {denoiser} over its latent tokens beside the "
+                                     "noise tokens")
         else:
             notes[workflow.value] = (f"{encoder}; the {denoiser} over the init image's tokens beside the noise "
                                      "tokens (twice the image-token sequence)")

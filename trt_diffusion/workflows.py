@@ -79,10 +79,10 @@ def families_that_run(workflow: Workflow) -> list[str]:
 
 def workflow_components(workflows, image_encoder: bool = False) -> tuple[Component, ...]:
     """The components the workflows add to a text-to-image release; `image_encoder`: the checkpoint has one
-    (Wan 2.1 I2V), which img2vid then runs beside the VAE encoder."""
+    (Wan 2.1 I2V; Qwen-Image-Edit's vision tower), which img2vid or edit then runs beside the VAE encoder."""
     workflows = [Workflow(w) for w in workflows]
     added = (Component.vae_encoder,) if any(w.encodes_image for w in workflows) else ()
-    if image_encoder and Workflow.img2vid in workflows:
+    if image_encoder and (Workflow.img2vid in workflows or Workflow.edit in workflows):
         added = (Component.image_encoder, *added)
     return added
 

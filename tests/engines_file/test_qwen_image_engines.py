@@ -122,19 +122,44 @@ def test_the_text_encoder_counts_its_language_model_only(manifest, tiny_model_fa
     assert row.parameters == language < sum(p.numel() for p in module.parameters())
 
 
-@pytest.mark.parametrize("workflows,line", [(None, "models.q.source"), (["edit"], "models.q.workflows")])
-def test_an_edit_checkpoint_is_refused_until_its_engines_exist(tmp_path, tiny_model_factory, capsys, workflows,
-                                                                  line):
-    """Qwen-Image-Edit runs on the reference only: engines.yaml says so at the line that asks for it (the folder
-    itself, whose natural workflow is edit, or an explicit `workflows: [edit]`), instead of building engines that
-    could not serve it."""
+def _edit_manifest(tmp_path, tiny_model_factory, **change) -> Path:
     model = {"source": str(tiny_model_factory("qwen_image", variant="edit")), "family": "qwen_image",
-             "buckets": ["64x64"], "targets": ["onnxruntime"]}
-    if workflows:
-        model["workflows"] = workflows
+             "buckets": ["64x64", "64x96", "96x64"], "cfg": ["split"], "targets": ["onnxruntime"]}
+    model.update(change)
     path = tmp_path / "engines.yaml"
     path.write_text(yaml.safe_dump({"version": 1, "models": {"q": model}}, sort_keys=False))
-    assert main(["plan", str(path)]) == 1
+    return path
+
+
+def test_an_edit_checkpoint_plans_its_reference_grid_per_bucket(tmp_path, tiny_model_factory):
+    """A QwenImageEditPipeline folder edits by default: the vision tower (image_encoder) and the VAE encoder join,
+    and every reference-dependent engine is per bucket, its build options fixing the reference image's resized size
+    (about 1024² at the bucket's aspect) and its image tokens in the prompt (the processor's grid / 4)."""
+    from trt_diffusion.engines_file import expand, load_engines_file
+
+    config = load_engines_file(_edit_manifest(tmp_path, tiny_model_factory), check_sources=True)
+    model = config.models["q"]
+    assert [w.value for w in model.workflows] == ["edit"]
+    assert {c.value for c in model.components} == {"text_encoder", "image_encoder", "transformer", "vae_encoder",
+                                                   "vae_decoder"}
+    specs = [s for s in expand(config) if s.model == "q"]
+    expected = {"64x64": ("1024x1024", "1369"), "64x96": ("832x1248", "1350"), "96x64": ("1248x832", "1350")}
+    for component in ("text_encoder", "image_encoder", "transformer", "vae_encoder"):
+        chosen = [s for s in specs if s.component.value == component]
+        assert sorted(s.bucket.label for s in chosen) == sorted(expected), component
+        for spec in chosen:
+            assert (spec.option("context_size"), spec.option("context_tokens")) == expected[spec.bucket.label]
+    assert all(s.option("context_size") is None for s in specs if s.component.value == "vae_decoder")
+
+
+@pytest.mark.parametrize("change,line,message", [
+    ({"buckets": [{"min": "64x64", "opt": "64x64", "max": "64x128"}]}, "models.q.buckets.0",
+     "edit: bucket 64x64..64x128 spans reference images of several resized sizes"),
+    ({"precision": {"transformer": "int8"}}, "models.q.precision",
+     "edit: transformer at fp8/int8 is not supported for Qwen-Image-Edit yet"),
+])
+def test_what_an_edit_model_cannot_build_is_refused_at_its_line(tmp_path, tiny_model_factory, capsys, change, line,
+                                                                message):
+    assert main(["plan", str(_edit_manifest(tmp_path, tiny_model_factory, **change))]) == 1
     err = " ".join(capsys.readouterr().err.split())
-    assert f"{line}: qwen_image edit (a QwenImageEditPipeline checkpoint) has no engines yet" in err
-    assert "Traceback" not in err
+    assert f"{line}: {message}" in err and "Traceback" not in err

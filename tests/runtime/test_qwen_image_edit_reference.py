@@ -18,9 +18,10 @@ from diffusers import QwenImageEditPipeline
 from PIL import Image
 from transformers import AutoTokenizer
 
-from trt_diffusion.components.qwen_image_edit import image_processor, rope_positions
+from trt_diffusion.components.qwen_image_edit import rope_positions
 from trt_diffusion.errors import RuntimeInputError
 from trt_diffusion.families import QWEN_EDIT_TEMPLATE
+from trt_diffusion.models.edit_reference import image_processor
 from trt_diffusion.models.tiny_qwen import edit_processor
 from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
 from trt_diffusion.runtime.reference import reference_runners

@@ -118,6 +118,7 @@ class ComponentDef(ABC):
 
     kind: str  # a stable name for the declaration (part of the export's input hash)
     version: int = 1  # bump when the wrapper or the I/O of this kind changes: invalidates cached exports
+    legacy_trace: bool = False  # exported by the TorchScript tracer (static shapes only): the class says why
 
     def __init__(self, family: Family, component: Component):
         self.family, self.component = family, component

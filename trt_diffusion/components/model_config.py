@@ -103,6 +103,10 @@ def load_model_config(model_dir: str | Path, family: Family | str, component: Co
         from .qwen_image_edit import vision_config
 
         own = vision_config(model_dir)  # the text encoder's vision tower (Qwen2.5-VL), with its processor's settings
+    elif family is Family.qwen_image and component is Component.text_encoder and (model_dir / "processor").is_dir():
+        from .qwen_image_edit import vision_config
+
+        own = vision_config(model_dir)  # an edit checkpoint's encoder: the processor's grid settings beside it
     else:
         own = read_json(component_config_path(model_dir, component, Path(controlnet_dir) if controlnet_dir else None))
     return ModelConfig(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 
 from ..errors import ModelError
 from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH, Family, family_info
+from ..models.edit_reference import fixed_context
 from .base import (
     BATCH,
     TEXT_AXIS,
@@ -43,6 +45,7 @@ from .base import (
     timesteps,
 )
 from .model_config import ModelConfig
+from .qwen_image_edit import IMAGE_BLOCK
 from .vae import VaeDecoder, VaeEncoder
 
 TEXT = SymbolicDim("text_tokens", TEXT_AXIS)  # prompt tokens after the template's system part
@@ -103,7 +106,7 @@ class QwenTextEncoder(ComponentDef):
         return qwen_text_lengths(options)
 
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
-        if options.get("context_image"):
+        if _edit_options(options):
             return self._edit.io(config, options)
         return ComponentIO(
             inputs=(TensorDecl("input_ids", "int64", (BATCH, SEQUENCE)),
@@ -112,11 +115,22 @@ class QwenTextEncoder(ComponentDef):
         )
 
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
-        if options.get("context_image"):
+        if _edit_options(options):
             return self._edit.wrapper(module, config, options, compute_dtype)
         return _QwenTextWrapper(module, self.io(config, options).input_names, compute_dtype).eval()
 
+    def shapes(self, config: ModelConfig, options: Mapping[str, Any], geometry: Geometry) -> dict[str, tuple]:
+        if _edit_options(options):
+            return self._edit.shapes(config, options, self._with_text(config, options, geometry))
+        return super().shapes(config, options, geometry)
+
+    def _with_text(self, config: ModelConfig, options: Mapping[str, Any], geometry: Geometry) -> Geometry:
+        """The geometry with its text length, the profile's opt where it says none (as axis_values does)."""
+        return geometry if geometry.text else replace(geometry, text=self.text_lengths(config, options)[1])
+
     def dummy_inputs(self, config, options, geometry: Geometry, seed=0):
+        if _edit_options(options):
+            return self._edit.dummy_inputs(config, options, self._with_text(config, options, geometry), seed)
         gen = rng(seed, geometry)
         length = self.shapes(config, options, geometry)["input_ids"][1]
         # ids below the vision placeholders (image/video tokens would ask for pixel inputs)
@@ -126,6 +140,12 @@ class QwenTextEncoder(ComponentDef):
         lengths[0] = length  # one row fills the sequence: the batch is padded to its longest
         mask = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int64)
         return {"input_ids": np.where(mask == 1, ids, 0), "attention_mask": mask}
+
+
+def _edit_options(options: Mapping[str, Any]) -> bool:
+    """An edit model's build options (its reference fixed: context_size/context_tokens), or the reference runners'
+    `context_image` (any reference)."""
+    return bool(options.get("context_image")) or fixed_context(options) is not None
 
 
 _VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
@@ -213,21 +233,27 @@ class QwenImageTransformer(ComponentDef):
                              f"packs 2x2 latent patches")
         channels = int(config.get("in_channels", 64))
         out_channels = PATCH * PATCH * int(config.get("out_channels", 16))
+        text, context_dims = TEXT, (CONTEXT_ROWS, CONTEXT_COLS)
+        context = fixed_context(options)
+        if context is not None:  # an edit engine: the reference's grid, and its image block ahead of the prompt
+            factor = config.vae_scale_factor * PATCH
+            context_dims = (context[1] // factor, context[0] // factor)
+            text = SymbolicDim("text_tokens", TEXT_AXIS, offset=IMAGE_BLOCK + context[2])
+        edit = _edit_options(options)
         return ComponentIO(
             inputs=(
                 TensorDecl("hidden_states", "float32", (BATCH, ROWS, COLS, channels)),
                 TensorDecl("timestep", "float32", (BATCH,)),
-                TensorDecl("encoder_hidden_states", "float32", (BATCH, TEXT, int(config["joint_attention_dim"]))),
-                TensorDecl("encoder_hidden_states_mask", "int64", (BATCH, TEXT)),
-            ) + ((TensorDecl("image_latents", "float32", (BATCH, CONTEXT_ROWS, CONTEXT_COLS, channels)),)
-                 if options.get("context_image") else ()),
+                TensorDecl("encoder_hidden_states", "float32", (BATCH, text, int(config["joint_attention_dim"]))),
+                TensorDecl("encoder_hidden_states_mask", "int64", (BATCH, text)),
+            ) + ((TensorDecl("image_latents", "float32", (BATCH, *context_dims, channels)),) if edit else ()),
             outputs=(TensorDecl("noise_pred", "float32", (BATCH, ROWS, COLS, out_channels)),),
         )
 
     def shapes(self, config: ModelConfig, options: Mapping[str, Any], geometry: Geometry) -> dict[str, tuple]:
         shapes = super().shapes(config, options, geometry)
-        if "image_latents" in shapes:  # the reference image's grid, from the bucket's aspect
-            from .qwen_image_edit import condition_size
+        if "image_latents" in shapes and fixed_context(options) is None:  # the reference's grid: the bucket aspect's
+            from ..models.edit_reference import condition_size
 
             width, height = condition_size(geometry.size.width, geometry.size.height)
             factor = config.vae_scale_factor * PATCH
@@ -293,6 +319,18 @@ class QwenVaeEncoder(VaeEncoder):
     """
 
     kind = "qwen_vae_encoder"
+
+    def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
+        io = super().io(config, options)
+        context = fixed_context(options)
+        if context is None:
+            return io
+        # an edit engine encodes the reference image at its resized size, whatever the bucket's
+        width, height, _ = context
+        latent = (BATCH, config.latent_channels, height // config.vae_scale_factor, width // config.vae_scale_factor)
+        images = io.inputs[0]
+        return ComponentIO(inputs=(TensorDecl(images.name, images.dtype, (*images.dims[:2], height, width)),),
+                           outputs=tuple(TensorDecl(t.name, t.dtype, latent) for t in io.outputs))
 
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
         return _QwenEncoderWrapper(module, ["images"], compute_dtype).eval()

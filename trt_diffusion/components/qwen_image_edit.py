@@ -32,37 +32,11 @@ import numpy as np
 import torch
 
 from ..families import QWEN_EDIT_TEMPLATE_TOKENS
+from ..models.edit_reference import condition_size, fixed_context, image_processor_config, vision_grid
 from .base import BATCH, ComponentDef, ComponentIO, ExportWrapper, Geometry, SymbolicDim, TensorDecl, normal, rng
 from .model_config import ModelConfig
 
-CONDITION_AREA = 1024 * 1024  # the pixel area QwenImageEditPipeline resizes the reference image to
 IMAGE_PAD = "<|image_pad|>"
-
-
-def condition_size(width: int, height: int) -> tuple[int, int]:
-    """(width, height) QwenImageEditPipeline resizes a reference image of this aspect to (`calculate_dimensions`)."""
-    ratio = width / height
-    cond_width = math.sqrt(CONDITION_AREA * ratio)
-    cond_height = cond_width / ratio
-    return round(cond_width / 32) * 32, round(cond_height / 32) * 32
-
-
-def vision_grid(width: int, height: int, processor_config: Mapping[str, Any]) -> tuple[int, int]:
-    """(grid_h, grid_w) in 14×14 patches of an image of this size after the processor's `smart_resize`."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-    patch, merge = int(processor_config["patch_size"]), int(processor_config["merge_size"])
-    pixels = _pixel_bounds(processor_config)
-    resized_h, resized_w = smart_resize(height, width, factor=patch * merge, min_pixels=pixels[0],
-                                        max_pixels=pixels[1])
-    return resized_h // patch, resized_w // patch
-
-
-def _pixel_bounds(processor_config: Mapping[str, Any]) -> tuple[int, int]:
-    size = processor_config.get("size") or {}
-    low = processor_config.get("min_pixels", size.get("shortest_edge"))
-    high = processor_config.get("max_pixels", size.get("longest_edge"))
-    return int(low), int(high)
 
 
 def rope_positions(input_ids: np.ndarray, image_token_id: int, grid: tuple[int, int], merge: int) -> np.ndarray:
@@ -88,7 +62,7 @@ def rope_positions(input_ids: np.ndarray, image_token_id: int, grid: tuple[int, 
 
 # --- the vision tower ---------------------------------------------------------------------------------
 
-GRID_H = SymbolicDim("grid_h", "height")  # the reference image's patch grid (shapes() gives the values)
+GRID_H = SymbolicDim("grid_h", "height")  # the reference image's patch grid (free on the reference runners only)
 GRID_W = SymbolicDim("grid_w", "width")
 IMAGE_TOKENS = SymbolicDim("image_tokens", "tokens")
 
@@ -107,26 +81,34 @@ class QwenVisionEncoder(ComponentDef):
 
     Input `patches` [grid_h, grid_w, 1176]: the processor's `pixel_values` [grid_h·grid_w, 1176] viewed with its
     patch grid (the same memory: the grid is the `image_grid_thw` the tower needs, given by the shape as the
-    Qwen-Image transformer's packed latents give theirs). One grid per engine: the reference image of a bucket's
-    aspect (`condition_size`, then the processor's resize).
+    Qwen-Image transformer's packed latents give theirs). Every dim is fixed by the build options: one graph per
+    reference grid. Traced by the legacy (TorchScript) exporter: the tower splits its windows by Python lists of
+    the grid's values, which torch.export takes as data-dependent; traced at a fixed grid they are constants.
     """
 
     kind = "qwen_vision_encoder"
+    legacy_trace = True
 
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
         vision = config["vision_config"]
         features = 3 * int(vision["temporal_patch_size"]) * int(vision["patch_size"]) ** 2
         width = int(vision["out_hidden_size"])
-        return ComponentIO(inputs=(TensorDecl("patches", "float32", (GRID_H, GRID_W, features)),),
-                           outputs=(TensorDecl("image_embeds", "float32", (IMAGE_TOKENS, width)),))
+        context = fixed_context(options)
+        grid, tokens = (GRID_H, GRID_W), IMAGE_TOKENS
+        if context is not None:
+            grid = vision_grid(context[0], context[1], _processor(config))
+            tokens = context[2]
+        return ComponentIO(inputs=(TensorDecl("patches", "float32", (*grid, features)),),
+                           outputs=(TensorDecl("image_embeds", "float32", (tokens, width)),))
 
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
         return _VisionWrapper(module, ["patches"], compute_dtype).eval()
 
     def shapes(self, config: ModelConfig, options: Mapping[str, Any], geometry: Geometry) -> dict[str, tuple]:
-        grid = vision_grid(*condition_size(geometry.size.width, geometry.size.height), _processor(config))
+        context = fixed_context(options)
+        size = context[:2] if context else condition_size(geometry.size.width, geometry.size.height)
         features = self.io(config, options).inputs[0].dims[-1]
-        return {"patches": (*grid, features)}
+        return {"patches": (*vision_grid(*size, _processor(config)), features)}
 
     def dummy_inputs(self, config, options, geometry, seed=0):
         gen = rng(seed, geometry)
@@ -135,24 +117,6 @@ class QwenVisionEncoder(ComponentDef):
 
 def _processor(config: ModelConfig) -> Mapping[str, Any]:
     return config["processor"]  # vision_config: the checkpoint's image processor settings beside the tower's
-
-
-def image_processor_config(model_dir) -> dict[str, Any]:
-    """The checkpoint's image processor settings: `processor/processor_config.json`'s `image_processor` (what
-    transformers 5 saves) or `processor/preprocessor_config.json` (released Qwen-Image-Edit folders)."""
-    from pathlib import Path
-
-    from ..errors import ModelError
-    from .model_config import read_json
-
-    folder = Path(model_dir) / "processor"
-    combined, legacy = folder / "processor_config.json", folder / "preprocessor_config.json"
-    if combined.is_file() and "image_processor" in read_json(combined):
-        return dict(read_json(combined)["image_processor"])
-    if legacy.is_file():
-        return dict(read_json(legacy))
-    raise ModelError(f"{folder} has no processor_config.json or preprocessor_config.json: an edit checkpoint's "
-                     f"processor says how the reference image is cut into patches")
 
 
 def vision_config(model_dir) -> dict[str, Any]:
@@ -166,19 +130,11 @@ def vision_config(model_dir) -> dict[str, Any]:
             "processor": image_processor_config(model_dir)}
 
 
-def image_processor(model_dir):
-    """The checkpoint's image processor, the PIL one (transformers' default one needs torchvision)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    settings = image_processor_config(model_dir)
-    settings.pop("image_processor_type", None)
-    return Qwen2VLImageProcessorPil(**settings)
-
-
 # --- the language model over the prompt with the image's embeddings -------------------------------------
 
 SEQUENCE = SymbolicDim("sequence", "text")
-IMAGE_TEXT_TOKENS = 16  # the dummy prompt's image: a 4x4 merged grid
+IMAGE_BLOCK = 2  # <|vision_start|> and <|vision_end|> around the image's tokens
+DUMMY_IMAGE_TOKENS = 16  # a free reference's dummy image: a 4x4 merged grid
 
 
 class _EditTextWrapper(ExportWrapper):
@@ -203,8 +159,9 @@ class QwenEditTextEncoder(ComponentDef):
 
     Inputs: `input_ids`, `attention_mask` [1, L] (the processor's: the template with the image placeholders
     repeated), `position_ids` [3, 1, L] (the 3D ids `rope_positions` computes), `image_embeds` [N, D] (the vision
-    encoder's). Diffusers' own Qwen2_5_VLModel.forward does the same: embeddings, the placeholders replaced,
-    the decoder stack with those position ids.
+    encoder's). Qwen2_5_VLModel.forward does the same: embeddings, the placeholders replaced, the decoder stack
+    with those position ids. With the build options, N is fixed and L = 64 + 2 + N + the `text` axis (what follows
+    the image block: the prompt and the template's 5-token tail), as for the text-to-image encoder after its 34.
     """
 
     kind = "qwen_edit_text_encoder"
@@ -214,13 +171,18 @@ class QwenEditTextEncoder(ComponentDef):
         return False
 
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
-        width = int((config.get("text_config") or config.component_config)["hidden_size"])
+        width = _text_width(config)
+        context = fixed_context(options)
+        sequence, tokens = SEQUENCE, IMAGE_TOKENS
+        if context is not None:
+            tokens = context[2]
+            sequence = SymbolicDim("sequence", "text", offset=QWEN_EDIT_TEMPLATE_TOKENS + IMAGE_BLOCK + tokens)
         return ComponentIO(
-            inputs=(TensorDecl("input_ids", "int64", (BATCH, SEQUENCE)),
-                    TensorDecl("attention_mask", "int64", (BATCH, SEQUENCE)),
-                    TensorDecl("position_ids", "int64", (3, BATCH, SEQUENCE)),
-                    TensorDecl("image_embeds", "float32", (IMAGE_TOKENS, width))),
-            outputs=(TensorDecl("hidden_states", "float32", (BATCH, SEQUENCE, width)),),
+            inputs=(TensorDecl("input_ids", "int64", (BATCH, sequence)),
+                    TensorDecl("attention_mask", "int64", (BATCH, sequence)),
+                    TensorDecl("position_ids", "int64", (3, BATCH, sequence)),
+                    TensorDecl("image_embeds", "float32", (tokens, width))),
+            outputs=(TensorDecl("hidden_states", "float32", (BATCH, sequence, width)),),
         )
 
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
@@ -228,25 +190,46 @@ class QwenEditTextEncoder(ComponentDef):
                                 image_token_id=int(config["image_token_id"])).eval()
 
     def shapes(self, config: ModelConfig, options: Mapping[str, Any], geometry: Geometry) -> dict[str, tuple]:
-        length = geometry.text or 128
-        width = self.io(config, options).inputs[-1].dims[-1]
-        return {"input_ids": (1, length), "attention_mask": (1, length), "position_ids": (3, 1, length),
-                "image_embeds": (IMAGE_TEXT_TOKENS, width)}
+        context = fixed_context(options)
+        tokens = context[2] if context else DUMMY_IMAGE_TOKENS
+        length = QWEN_EDIT_TEMPLATE_TOKENS + IMAGE_BLOCK + tokens + (geometry.text or 128)  # 128: the family's opt
+        batch = geometry.batch
+        return {"input_ids": (batch, length), "attention_mask": (batch, length), "position_ids": (3, batch, length),
+                "image_embeds": (tokens, _text_width(config))}
 
     def dummy_inputs(self, config, options, geometry, seed=0):
-        """A prompt of random text ids with one run of image placeholders after the template's 64 positions."""
+        """Random text ids around one run of image placeholders after the template's 64 positions, at the positions
+        the reference grid gives them."""
         gen = rng(seed, geometry)
         shapes = self.shapes(config, options, geometry)
-        length, images = shapes["input_ids"][1], shapes["image_embeds"][0]
-        vocab = int((config.get("text_config") or config.component_config)["vocab_size"])
+        batch, length = shapes["input_ids"]
+        tokens = shapes["image_embeds"][0]
         placeholders = [int(config[k]) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                   "vision_end_token_id")]
-        ids = gen.integers(0, min(vocab, *placeholders), size=(1, length), dtype=np.int64)
-        ids[0, QWEN_EDIT_TEMPLATE_TOKENS:QWEN_EDIT_TEMPLATE_TOKENS + images] = int(config["image_token_id"])
-        side = int(math.isqrt(images))
-        return {"input_ids": ids, "attention_mask": np.ones_like(ids),
-                "position_ids": rope_positions(ids, int(config["image_token_id"]), (2 * side, 2 * side), 2),
+        vocab = int((config.get("text_config") or config.component_config)["vocab_size"])
+        ids = gen.integers(0, min(vocab, *placeholders), size=(batch, length), dtype=np.int64)
+        start = QWEN_EDIT_TEMPLATE_TOKENS + 1
+        ids[:, start:start + tokens] = int(config["image_token_id"])
+        rows, cols = _merged_grid(config, options, tokens)
+        positions = np.concatenate([rope_positions(row, int(config["image_token_id"]), (2 * rows, 2 * cols), 2)
+                                    for row in ids], axis=1)
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": positions,
                 "image_embeds": normal(gen, shapes["image_embeds"])}
+
+
+def _merged_grid(config: ModelConfig, options: Mapping[str, Any], tokens: int) -> tuple[int, int]:
+    """The reference's merged grid (rows, columns) of `tokens` image tokens: the options' grid, else square."""
+    context = fixed_context(options)
+    if context is None or config.get("processor") is None:
+        side = math.isqrt(tokens)
+        return side, tokens // side
+    grid_h, grid_w = vision_grid(context[0], context[1], config["processor"])
+    merge = int(config["processor"]["merge_size"])
+    return grid_h // merge, grid_w // merge
+
+
+def _text_width(config: ModelConfig) -> int:
+    return int((config.get("text_config") or config.component_config)["hidden_size"])
 
 
 def edit_prompt_embeds(hidden_states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -112,11 +112,38 @@ def _target_variants(config: EnginesConfig, model: ResolvedModel):
             yield target, options
 
 
-def _build_options(config: EnginesConfig, model: ResolvedModel, variant: dict, component: Component):
+def reference_grid(model: ResolvedModel, component: Component) -> bool:
+    """Whether the component's engines are per bucket because an edit's reference image is: Qwen-Image-Edit's text
+    and image encoders (the image's tokens in the prompt), beside its transformer and VAE encoder (per bucket
+    anyway). The reference is resized to about 1024² at the bucket's aspect, so each aspect has its grid."""
+    return _sees_reference(model, component) and component in (Component.text_encoder, Component.image_encoder)
+
+
+def _sees_reference(model: ResolvedModel, component: Component) -> bool:
+    """A Qwen-Image-Edit component whose graph the reference image shapes (all but the VAE decoder)."""
+    return (model.family is Family.qwen_image and Workflow.edit in model.workflows
+            and component in (Component.text_encoder, Component.image_encoder, Component.transformer,
+                              Component.vae_encoder))
+
+
+def reference_size(model: ResolvedModel, bucket: Bucket) -> str:
+    return _edit_context(model, bucket)["context_size"]
+
+
+def _edit_context(model: ResolvedModel, bucket: Bucket) -> dict[str, str]:
+    from ..models.edit_reference import context_options, image_processor_config
+
+    return context_options(bucket.opt.width, bucket.opt.height, image_processor_config(model.source.path))
+
+
+def _build_options(config: EnginesConfig, model: ResolvedModel, variant: dict, component: Component,
+                   bucket: Bucket | None = None):
     options = {"opset": config.build.opset, **variant}
+    if bucket is not None and _sees_reference(model, component):
+        options.update(_edit_context(model, bucket))  # the reference image's size and tokens, fixed in the graphs
     if component is Component.unet and model.controlnets:
         options["controlnet_residuals"] = True  # the UNet takes the ControlNet's residuals as extra inputs
-    if component is Component.transformer and Workflow.edit in model.workflows:
+    if component is Component.transformer and Workflow.edit in model.workflows and model.family is Family.flux:
         options["context_image"] = True  # Kontext: the init image's tokens beside the noise tokens
     if model.text_lengths is not None and (component.is_text_encoder or component.is_denoiser):
         options["text_length"] = ",".join(map(str, model.text_lengths))  # the text axis's profile (qwen_image)
@@ -138,7 +165,7 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
     for target, variant in _target_variants(config, model):
         def make(component, batch, bucket, reasons, source=model.source.identity, variant=variant, target=target,
                  **extra):
-            options = _build_options(config, model, variant, component)
+            options = _build_options(config, model, variant, component, bucket)
             if extra.get("piece") is None:
                 # the uncached denoiser ignores the step cache: adding or changing `step_cache:` must not rebuild
                 # the engine every uncached step (and STEP_CACHE=off) runs
@@ -150,7 +177,11 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
             )
 
         for component in model.components:
-            if component.is_text_encoder:  # prompt and negative prompt are encoded in separate calls
+            if reference_grid(model, component):  # Qwen-Image-Edit's encoders: one reference grid per bucket
+                for bucket in model.buckets:
+                    yield make(component, 1, bucket, [f"bucket {bucket.label} × the reference image "
+                                                       f"({reference_size(model, bucket)})"])
+            elif component.is_text_encoder:  # prompt and negative prompt are encoded in separate calls
                 # a refittable model's LoRA-capable (CLIP) text encoders take a LoRA's text-encoder part by refit
                 te_refit = model.refittable and component in LORA_TEXT_ENCODERS[model.family]
                 for batch, why in image_batches.items():

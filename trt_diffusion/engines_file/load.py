@@ -106,7 +106,8 @@ class CheckpointKind:
     denoiser_channels: int | None  # the denoiser's input channels
     latent_channels: int | None  # the VAE's
     second_expert: bool = False  # model_index.json names a transformer_2 (Wan 2.2's low-noise expert)
-    image_encoder: bool = False  # model_index.json names an image_encoder (Wan 2.1 I2V's CLIP vision tower)
+    # model_index.json names an image_encoder (Wan 2.1 I2V's CLIP vision tower) or a processor (Qwen-Image-Edit's)
+    image_encoder: bool = False
 
     @property
     def inpainting(self) -> bool:
@@ -495,6 +496,8 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     parity.update(entry.parity or {})
     text_lengths = _resolve_text_length(entry, defaults, base, problems)
     step_cache = _resolve_step_cache(entry, defaults, source.path if check_sources else None, base, problems)
+    if entry.family is Family.qwen_image and Workflow.edit in workflows:
+        _check_edit_buckets(buckets, precision, base, problems)
     if step_cache is not None and precision[info.denoiser].is_quantized:
         # the quantize stage calibrates the whole denoiser's graph; the cache's pieces have none of their own yet
         problems.add(base + ("step_cache",) if entry.step_cache is not None else ("defaults", "step_cache"),
@@ -508,6 +511,25 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         quantization=entry.quantization or defaults.quantization or QuantizationSettings(), parity=parity,
         workflows=workflows, checkpoint=checkpoint, text_lengths=text_lengths, step_cache=step_cache,
     )
+
+
+def _check_edit_buckets(buckets, precision, base: tuple, problems: _Problems) -> None:
+    """Qwen-Image-Edit's engines fix the reference image's grid per bucket (about 1024² at the bucket's aspect):
+    a range bucket must keep one aspect's grid over its range; and its transformer is not quantized yet."""
+    from ..models.edit_reference import condition_size
+
+    for i, bucket in enumerate(buckets):
+        sizes = {condition_size(s.width, s.height) for s in (bucket.min, bucket.opt, bucket.max)}
+        if len(sizes) > 1:
+            shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes))
+            problems.add(base + ("buckets", i), f"edit: bucket {bucket.label} spans reference images of several "
+                                                f"resized sizes ({shown}); an edit engine is built for one: use "
+                                                f"a bucket of one aspect ratio")
+    quantized = [c.value for c, p in precision.items() if p.is_quantized]
+    if quantized:
+        problems.add(base + ("precision",), f"edit: {', '.join(quantized)} at fp8/int8 is not supported for "
+                                            f"Qwen-Image-Edit yet (its calibration has no reference image): use "
+                                            f"fp32, fp16 or bf16")
 
 
 def _resolve_step_cache(entry: ModelEntry, defaults, folder: Path | None, base: tuple,
@@ -608,11 +630,8 @@ def _resolve_workflows(entry: ModelEntry, defaults, checkpoint: CheckpointKind |
     declared = entry.workflows if entry.workflows is not None else defaults.workflows
     where = base + ("workflows",) if entry.workflows is not None else ("defaults", "workflows")
     if declared is None:
-        workflows = checkpoint.natural_workflows if checkpoint else (Workflow.txt2img,)
-        _refuse_unbuilt(entry.family, workflows, base + ("source",), problems)
-        return workflows
+        return checkpoint.natural_workflows if checkpoint else (Workflow.txt2img,)
     workflows = tuple(dict.fromkeys(declared))
-    _refuse_unbuilt(entry.family, workflows, where, problems)
     for i, workflow in enumerate(declared):
         if workflow not in FAMILY_WORKFLOWS[entry.family]:
             problems.add(where + (i,), f"the {entry.family.value} family cannot run {workflow.value} "
@@ -620,15 +639,6 @@ def _resolve_workflows(entry: ModelEntry, defaults, checkpoint: CheckpointKind |
         elif checkpoint is not None and (why := checkpoint.refusal(workflow)):
             problems.add(where + (i,), f"{workflow.value}: {why}")
     return workflows
-
-
-def _refuse_unbuilt(family: Family, workflows: tuple[Workflow, ...], where: tuple, problems: _Problems) -> None:
-    """Qwen-Image-Edit runs on the torch reference runners (runtime/qwen_image_loop.py), not on engines yet."""
-    if family is Family.qwen_image and Workflow.edit in workflows:
-        problems.add(where, "qwen_image edit (a QwenImageEditPipeline checkpoint) has no engines yet: its vision "
-                            "tower, its encoder over the image's embeddings and its transformer over the reference "
-                            "tokens are declared and run on the PyTorch reference, but are not exported or built "
-                            "(docs/qwen-image.md, 'Qwen-Image-Edit')")
 
 
 def _checkpoint_kind(folder: Path, family: Family) -> CheckpointKind:
@@ -651,7 +661,10 @@ def _checkpoint_kind(folder: Path, family: Family) -> CheckpointKind:
 
     return CheckpointKind(class_name if isinstance(class_name, str) else None,
                           channels if isinstance(channels, int) else None, latent if isinstance(latent, int) else None,
-                          second_expert=named(Component.transformer_2), image_encoder=named(Component.image_encoder))
+                          second_expert=named(Component.transformer_2),
+                          # Qwen-Image-Edit's vision tower is its text encoder's, next to a processor
+                          image_encoder=named(Component.image_encoder) or (family is Family.qwen_image
+                                                                           and bool(index.get("processor"))))
 
 
 def _check_bucket_geometry(data: dict, problems: _Problems) -> None:

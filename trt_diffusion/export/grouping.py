@@ -27,7 +27,9 @@ from ..workspace.store import hash_inputs
 
 FP16_ONNX = {Precision.fp16}
 # Build options that change the exported graph; every other option belongs to later stages.
-EXPORT_OPTIONS = ("opset", "controlnet_residuals", "step_cache")  # step_cache: only a piece's spec has it
+# step_cache: only a piece's spec has it; context_size/context_tokens: only a Qwen-Image-Edit model's (the reference
+# image's resized size and tokens, fixed in its graphs: components/qwen_image_edit.py)
+EXPORT_OPTIONS = ("opset", "controlnet_residuals", "step_cache", "context_size", "context_tokens")
 DEFAULT_OPSET = 20
 
 

@@ -181,7 +181,8 @@ def _export_into(folder: Path, group: ExportGroup, definition, model_config, sha
     raw_dir = folder / ".raw"
     raw_dir.mkdir()
     with definition.export_context():
-        export_module(wrapper, example, io, shapes, group.opset, raw_dir / ONNX_NAME, label)
+        export_module(wrapper, example, io, shapes, group.opset, raw_dir / ONNX_NAME, label,
+                      legacy=definition.legacy_trace)
     del wrapper, export_source, module
     release_memory()
     timings["export_s"] = time.perf_counter() - tick

@@ -55,11 +55,19 @@ def dynamic_shapes(io: ComponentIO, shapes: ExportShapes) -> tuple[dict[int, obj
 
 
 def export_module(wrapper: torch.nn.Module, example: Mapping[str, np.ndarray], io: ComponentIO, shapes: ExportShapes,
-                  opset: int, out_path: Path, label: str) -> None:
-    """Trace `wrapper` on `example` and write `out_path` (+ `<name>.data`) with the declared I/O names."""
+                  opset: int, out_path: Path, label: str, legacy: bool = False) -> None:
+    """Trace `wrapper` on `example` and write `out_path` (+ `<name>.data`) with the declared I/O names.
+    `legacy`: the TorchScript tracer, for a graph whose every dim is fixed (the trace bakes Python values in)."""
     args = tuple(torch.from_numpy(np.ascontiguousarray(example[name])) for name in io.input_names)
     quiet = QuietExporter()
     try:
+        if legacy:
+            if any(not isinstance(d, int) for t in (*io.inputs, *io.outputs) for d in t.dims):
+                raise ExportError(f"{label}: a legacy trace needs every dim fixed, {io.inputs} are not")
+            with quiet, torch.inference_mode(False), torch.no_grad():
+                torch.onnx.export(wrapper, args, str(out_path), dynamo=False, opset_version=opset,
+                                  input_names=io.input_names, output_names=io.output_names, verbose=False)
+            return
         with quiet, torch.inference_mode(False), torch.no_grad():
             program = torch.onnx.export(
                 wrapper, args, dynamo=True, optimize=False, opset_version=opset, external_data=True,

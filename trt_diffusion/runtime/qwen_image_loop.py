@@ -59,9 +59,18 @@ import numpy as np
 import torch
 
 from ..components.qwen_image import prompt_embeds, prompt_tokens
-from ..components.qwen_image_edit import IMAGE_PAD, condition_size, edit_prompt_embeds, rope_positions
+from ..components.qwen_image_edit import IMAGE_BLOCK, IMAGE_PAD, edit_prompt_embeds, rope_positions
 from ..engines_file.engine_spec import Size
-from ..families import QWEN_EDIT_TEMPLATE, QWEN_MAX_TEXT_LENGTH, QWEN_TEXT_LENGTH, Family, family_info
+from ..errors import RuntimeInputError
+from ..families import (
+    QWEN_EDIT_TEMPLATE,
+    QWEN_EDIT_TEMPLATE_TOKENS,
+    QWEN_MAX_TEXT_LENGTH,
+    QWEN_TEXT_LENGTH,
+    Family,
+    family_info,
+)
+from ..models.edit_reference import condition_size
 from ..workflows import Workflow
 from . import conditioning
 from .engines import split_cfg_mode
@@ -88,6 +97,9 @@ def qwen_problems(request: GenerationRequest, loop: QwenImageLoop | None) -> lis
             "MAX_SEQUENCE_LENGTH is the qwen_image family's (its prompts keep a variable number of tokens); this "
             "family's prompts are padded to its text encoders' length"]
     problems = []
+    if length is not None and loop.edit is not None:
+        return ["MAX_SEQUENCE_LENGTH is not an edit's: QwenImageEditPipeline keeps the whole prompt (up to the "
+                "engines' text_length max)"]
     if length is not None:
         low, high = loop.text_lengths[0], loop.text_lengths[2]
         if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
@@ -114,7 +126,7 @@ class EditParts:
         import json
         from pathlib import Path
 
-        from ..components.qwen_image_edit import image_processor
+        from ..models.edit_reference import image_processor
 
         config = json.loads((Path(model_dir) / "text_encoder" / "config.json").read_text())
         return cls(image_processor(model_dir), int(config["image_token_id"]),
@@ -202,22 +214,31 @@ class QwenImageLoop:
         image = self._reference(request)
         pixels = self.edit.image_processor(images=image, return_tensors="np")
         _, grid_h, grid_w = (int(v) for v in pixels["image_grid_thw"][0])
-        runner = self.runners.find("image_encoder", size=Size(request.width, request.height), batch=1)
+        size = Size(request.width, request.height)  # the engines of the request's bucket know its reference grid
+        runner = self.runners.find("image_encoder", size=size, batch=1)
         patches = pixels["pixel_values"].astype(np.float32).reshape(grid_h, grid_w, -1)
         embeds = runner.run({"patches": patches})["image_embeds"]
 
-        def text(prompt: str) -> QwenText:
+        def text(prompt: str, which: str) -> QwenText:
             prompt_text = QWEN_EDIT_TEMPLATE.format(prompt).replace(IMAGE_PAD, IMAGE_PAD * len(embeds))
             tokens = self.tokenizer([prompt_text], padding=True, return_tensors="np")
             ids = tokens.input_ids.astype(np.int64)
+            # the text axis: what follows the image block (the prompt and the template's tail), not cut by diffusers
+            text = ids.shape[1] - QWEN_EDIT_TEMPLATE_TOKENS - IMAGE_BLOCK - len(embeds)
+            if text > self.text_lengths[2]:
+                raise RuntimeInputError(
+                    f"{which} has {text} tokens with the edit template's tail; the engines take at most "
+                    f"{self.text_lengths[2]} (engines.yaml's text_length max): QwenImageEditPipeline does not cut "
+                    f"an edit's prompt, so neither does this pipeline")
             positions = rope_positions(ids, self.edit.image_token_id, (grid_h, grid_w), self.edit.merge_size)
-            states = self.runners.find("text_encoder", size=None, batch=1).run(
+            states = self.runners.find("text_encoder", size=size, batch=1).run(
                 {"input_ids": ids, "attention_mask": tokens.attention_mask.astype(np.int64),
                  "position_ids": positions, "image_embeds": embeds})["hidden_states"]
             states, mask = edit_prompt_embeds(states)
             return QwenText(np.repeat(states, request.batch, axis=0), np.repeat(mask, request.batch, axis=0))
 
-        return text(request.prompt), text(request.negative_prompt) if self.true_cfg(request) else None
+        negative = text(request.negative_prompt, "NEGATIVE_PROMPT") if self.true_cfg(request) else None
+        return text(request.prompt, "PROMPT"), negative
 
     def _reference(self, request: GenerationRequest):
         """The request's image as QwenImageEditPipeline resizes it: Lanczos, to about 1024² at its aspect."""

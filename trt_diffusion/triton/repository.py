@@ -49,6 +49,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".ckpt", ".pt", ".pth", ".onnx", ".m
 # what EnginePipeline reads of a model folder; image_processor: Wan 2.1 I2V's CLIP preprocessing of the first frame
 _SKELETON_DIRS = ("scheduler", "vae", "unet", "transformer", "tokenizer", "tokenizer_2", "tokenizer_3",
                   "image_processor")
+# a vision-language edit checkpoint's (Qwen-Image-Edit): its processor, and its encoder's config (placeholder ids)
+_PROCESSOR_SKELETON_DIRS = ("processor", "text_encoder")
 
 
 def _model_py(module: str) -> str:
@@ -641,10 +643,11 @@ def copy_model_skeleton(model_dir: Path, target: Path, family: Family) -> None:
     missing = [str(p) for p in required if not p.is_file()]
     if missing:
         raise ServeError(f"the model folder {model_dir} lacks {missing}: the pipeline models need them")
-    _check_links(model_dir, [index, *(model_dir / sub for sub in _SKELETON_DIRS)])
+    folders = _SKELETON_DIRS + (_PROCESSOR_SKELETON_DIRS if (model_dir / "processor").is_dir() else ())
+    _check_links(model_dir, [index, *(model_dir / sub for sub in folders)])
     target.mkdir(parents=True)
     shutil.copy2(index, target / index.name)
-    for sub in _SKELETON_DIRS:
+    for sub in folders:
         source = model_dir / sub
         if source.is_dir():
             shutil.copytree(source, target / sub, ignore=lambda _d, names: [n for n in names
