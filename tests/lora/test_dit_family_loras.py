@@ -1,7 +1,8 @@
 """LoRA refit on the 2026 DiT families (issue #26, acceptance 2): Qwen-Image, FLUX.2 dev and FLUX.2 Klein
 transformers take diffusers/PEFT-named LoRAs (what their LoRA loaders load: the transformer only). The fused weights
 equal diffusers' own load_lora_adapter + fuse_lora; a refittable onnxruntime transformer engine refitted with a LoRA
-equals torch with it fused, and A -> B -> A and the base restore are bit-exact.
+equals torch with it fused, and A -> B -> A and the base restore are bit-exact. `qwen_image_edit` is Qwen-Image-Edit's
+transformer engine (the same weights' names; its graph takes the reference image's tokens too).
 
 LoRA A is what `models tiny --lora` writes (the attention projections, rank 4); B is made here with another seed,
 rank 2, alpha 1 and also the feed-forward layers. Slow: one transformer export and engine per family (about 40 s)."""
@@ -22,19 +23,23 @@ from trt_diffusion.models.loading import load_component
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-FAMILIES = ("qwen_image", "flux2", "flux2_klein")
+FAMILIES = ("qwen_image", "qwen_image_edit", "flux2", "flux2_klein")
+# a case -> (family, tiny variant): the edit checkpoint is a qwen_image one
+CASES = {"qwen_image_edit": ("qwen_image", "edit")}
 TOLERANCE = 1e-4  # engine outputs against torch (tests/lora/test_onnxruntime_refit.py)
 # what a LoRA must move the output by for the equality checks to mean something (the tiny FLUX.2's one double
 # block carries A's projections: about 0.008 at scale 0.8, 80x the tolerance)
 EFFECT = 20 * TOLERANCE
-B_TARGETS = {"qwen_image": ["to_q", "to_v", "img_mlp.net.2"], "flux2": ["to_k", "ff.linear_out"],
+B_TARGETS = {"qwen_image": ["to_q", "to_v", "img_mlp.net.2"], "qwen_image_edit": ["to_q", "to_v", "img_mlp.net.2"],
+             "flux2": ["to_k", "ff.linear_out"],
              "flux2_klein": ["to_k", "ff.linear_out"]}
 
 
 def _pipeline_class(family: str):
     import diffusers
 
-    return {"qwen_image": diffusers.QwenImagePipeline, "flux2": diffusers.Flux2Pipeline,
+    return {"qwen_image": diffusers.QwenImagePipeline, "qwen_image_edit": diffusers.QwenImageEditPipeline,
+            "flux2": diffusers.Flux2Pipeline,
             "flux2_klein": diffusers.Flux2KleinPipeline}[family]
 
 
@@ -65,9 +70,10 @@ def setup(family, tiny_model_factory, tmp_path_factory, write_engines_yaml):
     from peft.utils import get_peft_model_state_dict
 
     from trt_diffusion import api
-    from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.engines_file import expand, load_engines_file
 
-    folder = tiny_model_factory(family, lora=True)
+    family_name, variant = CASES.get(family, (family, None))
+    folder = tiny_model_factory(family_name, lora=True, variant=variant)
     base = load_component(folder, Component.transformer)
     lora_a = folder / "lora" / "pytorch_lora_weights.safetensors"
     # B: another seed, rank 2, alpha 1, the feed-forward too
@@ -82,11 +88,15 @@ def setup(family, tiny_model_factory, tmp_path_factory, write_engines_yaml):
     lora_b = b_dir / "pytorch_lora_weights.safetensors"
     root = tmp_path_factory.mktemp(f"{family}-refit")
     cfg = ["split"] if family != "flux2" else ["none"]
-    path = write_engines_yaml(root, folder, family, name="m", components=["transformer"], cfg=cfg,
+    # an edit model's workflow needs its reference encoders listed beside the transformer (built, not used here)
+    components = ["transformer"] + (["image_encoder", "vae_encoder"] if variant == "edit" else [])
+    path = write_engines_yaml(root, folder, family_name, name="m", components=components, cfg=cfg,
                               precision={"transformer": "fp32"}, loras={"a": {"source": str(lora_a), "mode": "refit"}})
     report = api.build(path, target="onnxruntime")
     assert not report.failed, [o.error for o in report.failed]
-    return dict(folder=folder, base=base, a=lora_a, b=lora_b, config=load_engines_file(path))
+    config = load_engines_file(path)
+    options = next(dict(s.build_options) for s in expand(config) if s.component is Component.transformer)
+    return dict(folder=folder, base=base, a=lora_a, b=lora_b, config=config, family=family_name, options=options)
 
 
 class _Engine:
@@ -95,10 +105,11 @@ class _Engine:
     def __init__(self, family: str, setup: dict):
         from trt_diffusion.components import Geometry, get_component, load_model_config
 
-        self.setup = setup
+        self.setup, family = setup, setup["family"]
+        self.options = {k: v for k, v in setup["options"].items() if k.startswith("context_")}  # edit: its reference
         self.definition = get_component(family, "transformer")
         self.model_config = load_model_config(setup["folder"], family, "transformer")
-        self.feeds = self.definition.dummy_inputs(self.model_config, {}, Geometry(1, Size(64, 64)))
+        self.feeds = self.definition.dummy_inputs(self.model_config, self.options, Geometry(1, Size(64, 64)))
 
     def output(self, loras=None) -> np.ndarray:
         from trt_diffusion.runtime.loader import engine_runners
@@ -107,8 +118,8 @@ class _Engine:
         return table.find("transformer", size=Size(64, 64), batch=1).run(self.feeds)["noise_pred"]
 
     def torch(self, transformer) -> np.ndarray:
-        wrapper = self.definition.wrapper(transformer, self.model_config, {})
-        names = self.definition.io(self.model_config, {}).input_names
+        wrapper = self.definition.wrapper(transformer, self.model_config, self.options)
+        names = self.definition.io(self.model_config, self.options).input_names
         with torch.inference_mode(), self.definition.export_context():
             return wrapper(*[torch.from_numpy(self.feeds[n]) for n in names]).numpy()
 
