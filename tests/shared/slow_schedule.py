@@ -6,7 +6,7 @@ costs on this suite, which it cannot know from test counts:
 - Files that use the same session-built engines (`built_wan_i2v`, `built_qwen_image`: a minute or two of export
   and build each) land on both workers, and each worker builds them. Here they are one unit: built once.
 - The soak is one test of minutes. Counted as one test it is among the last units handed out, where it can run
-  alone while the other worker idles. Here it starts first.
+  alone while the other worker idles. Here it starts first, and the other units of minutes follow it (RUN_FIRST).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ SHARED_BUILDS = {
     "tests/export/test_qwen_image_export.py": "built_qwen_image",
     "tests/runtime/test_qwen_image_reference.py": "built_qwen_image",
 }
-# units of minutes that hold few tests: handed out before the rest
-RUN_FIRST = ("tests/triton/test_soak.py",)
+# units of minutes that hold few tests, longest first (a file, or a SHARED_BUILDS unit): handed out before the
+# rest, so the many short files fill both workers at the end instead of one long unit running alone there
+RUN_FIRST = ("tests/triton/test_soak.py", "built_wan_i2v", "tests/triton/test_qwen_image_edit_serving.py")
 
 
 def make_scheduler(config, log):

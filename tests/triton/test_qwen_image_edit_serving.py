@@ -49,9 +49,14 @@ def edit_workspace(tiny_model_factory, tmp_path_factory) -> Path:
 
 
 def test_parity_passes_on_both_cpu_targets(edit_workspace, tmp_path):
+    """One prompt at 2 steps (the slow suite's budget: each edit call runs ~1,400 prompt positions and ~1,400
+    reference tokens); `trt-diffusion parity`'s defaults were run by hand (docs/qwen-image.md)."""
     from trt_diffusion import api
 
-    run = api.parity(edit_workspace, out_dir=tmp_path / "parity", targets=["onnxruntime", "openvino"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    run = api.parity(edit_workspace, out_dir=tmp_path / "parity", targets=["onnxruntime", "openvino"],
+                     prompts_file=prompts, steps=2)
     assert {(v.target, v.workflow) for v in run.report.variants} == {("onnxruntime", "edit"), ("openvino", "edit")}
     assert run.report.passed, [(v.target, v.failure_reasons) for v in run.report.variants]
 
@@ -86,6 +91,12 @@ def edit_request(**change) -> ImageRequest:
     return ImageRequest(**values)
 
 
+@pytest.fixture(scope="module")
+def expected(local_pipeline):
+    """The in-process images of the default edit request, seeds SEED and SEED + 1 (computed once)."""
+    return [local(local_pipeline, edit_request(), k) for k in range(2)]
+
+
 def local(pipeline, request: ImageRequest, seed_offset: int = 0) -> np.ndarray:
     return pipeline.generate(GenerationRequest(
         prompt=request.prompt, negative_prompt=request.negative_prompt, height=request.height, width=request.width,
@@ -102,11 +113,11 @@ def served_images(server, request: ImageRequest, protocol: str) -> np.ndarray:
 
 @pytest.mark.triton
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_served_edits_equal_the_in_process_pipeline(server, local_pipeline, protocol):
+def test_served_edits_equal_the_in_process_pipeline(server, expected, protocol):
     images = served_images(server, edit_request(num_images=2), protocol)
     assert images.shape == (2, HEIGHT, WIDTH, 3) and images.dtype == np.uint8
     for k in range(2):
-        np.testing.assert_array_equal(images[k], local(local_pipeline, edit_request(), k))
+        np.testing.assert_array_equal(images[k], expected[k])
     assert not np.array_equal(images[0], images[1])
 
 
@@ -117,8 +128,7 @@ def test_served_edits_equal_the_in_process_pipeline(server, local_pipeline, prot
     (dict(prompt="storm " * 80), r"PROMPT has \d+ tokens with the edit template.s tail; the engines take at most 256"),
     (dict(max_sequence_length=32), "MAX_SEQUENCE_LENGTH is not an edit's"),
 ])
-def test_a_bad_edit_is_one_clear_error_and_the_server_stays_up(server, local_pipeline, change, message):
+def test_a_bad_edit_is_one_clear_error_and_the_server_stays_up(server, expected, change, message):
     with pytest.raises(ServeError, match=message):
         served_images(server, edit_request(**change), "http")
-    np.testing.assert_array_equal(served_images(server, edit_request(), "grpc")[0],
-                                  local(local_pipeline, edit_request()))
+    np.testing.assert_array_equal(served_images(server, edit_request(), "grpc")[0], expected[0])
