@@ -99,14 +99,12 @@ def load_model_config(model_dir: str | Path, family: Family | str, component: Co
     """Read the shape facts for `component` of the diffusers folder `model_dir`."""
     model_dir, family, component = Path(model_dir), Family(family), Component(component)
     vae = read_json(model_dir / "vae" / "config.json")
-    if family is Family.qwen_image and component is Component.image_encoder:
+    if family is Family.qwen_image and (component is Component.image_encoder or (
+            component is Component.text_encoder and (model_dir / "processor").is_dir())):
         from .qwen_image_edit import vision_config
 
-        own = vision_config(model_dir)  # the text encoder's vision tower (Qwen2.5-VL), with its processor's settings
-    elif family is Family.qwen_image and component is Component.text_encoder and (model_dir / "processor").is_dir():
-        from .qwen_image_edit import vision_config
-
-        own = vision_config(model_dir)  # an edit checkpoint's encoder: the processor's grid settings beside it
+        # an edit checkpoint's Qwen2.5-VL: the vision tower's and the encoder's config, the processor's grid beside
+        own = vision_config(model_dir)
     else:
         own = read_json(component_config_path(model_dir, component, Path(controlnet_dir) if controlnet_dir else None))
     return ModelConfig(
