@@ -3,6 +3,7 @@ and engines.yaml files that point at them."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,37 @@ def built_qwen_image(tiny_model_factory, tmp_path_factory, write_engines_yaml) -
     return config
 
 
+WAN_BUCKET = "32x32x5"  # built_wan's: width x height x frames
+
+
+@pytest.fixture(scope="session")
+def built_wan(tiny_model_factory, tmp_path_factory):
+    """`built_wan(cfg="split") -> engines.yaml`: the tiny Wan 2.1 at 32x32x5, batch 1, CFG `cfg`, its default
+    precisions, onnxruntime engines built. The modes' files share one workspace: `split` and `parallel` differ in how
+    the runtime calls the transformer, not in its engines, so only the first mode builds (about 45 s on 2 cores).
+    Read-only, like `built_sd15` (the video preflight test keeps its baseline under the workspace's preflight/)."""
+    from trt_diffusion import api
+
+    root = tmp_path_factory.mktemp("built-wan")
+    built: dict[str, Path] = {}
+
+    def build(cfg: str = "split") -> Path:
+        if cfg not in built:
+            model = {"source": str(tiny_model_factory("wan")), "family": "wan", "buckets": [WAN_BUCKET],
+                     "batch": [1], "cfg": [cfg], "targets": ["onnxruntime"]}
+            path = root / cfg / "engines.yaml"
+            path.parent.mkdir()
+            path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": str(root / "build")},
+                                            "models": {"wan": model}}, sort_keys=False))
+            report = api.build(path, target="onnxruntime")
+            if report.failed:
+                raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
+            built[cfg] = path
+        return built[cfg]
+
+    return build
+
+
 # built_wan_i2v's bucket per variant (width x height x frames): Wan 2.2's is not square, so a first frame read
 # with its sides swapped cannot pass
 WAN_I2V_BUCKETS = {"i2v": "32x32x5", "i2v_two_expert": "48x32x5"}
@@ -180,6 +212,25 @@ def built_wan_i2v(tiny_model_factory, tmp_path_factory):
 
 # Helpers shared by several test folders (the target conformance suite) live in tests/shared/.
 sys.path.insert(0, str(Path(__file__).parent / "shared"))
+
+
+# What a worker process and the processes it starts (Triton servers, CLI runs) may use when xdist runs several
+# workers: torch's OpenMP/MKL threads and the openvino runner's (TRT_DIFFUSION_OPENVINO_THREADS).
+THREAD_SHARE_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TRT_DIFFUSION_OPENVINO_THREADS")
+
+
+def pytest_configure(config):
+    """Under xdist each worker gets its share of the cores. Two workers each running two OpenMP threads on CI's two
+    cores cost CPU to oversubscription (two slow files run side by side: 230 -> 185 CPU-seconds, 141 -> 120 s wall
+    with one thread each). A variable the caller set is kept."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    share = str(max(1, len(os.sched_getaffinity(0)) // int(workers)))
+    for name in THREAD_SHARE_ENV:
+        os.environ.setdefault(name, share)
+    if "torch" in sys.modules:  # imported already: it read OMP_NUM_THREADS before this
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_xdist_make_scheduler(config, log):

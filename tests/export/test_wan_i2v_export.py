@@ -1,6 +1,7 @@
 """Wan image-to-video export: the CLIP image encoder (which caught graphsurgeon folding a sliced Shape to the
 whole shape), the whole-clip VAE encoder per frame count, the 36-channel transformer with image cross-attention,
-and (slow) every component of both I2V checkpoints exported and verified against PyTorch."""
+and (slow) every component of both I2V checkpoints exported and verified against PyTorch (the exports
+built_wan_i2v's build made, shared with the I2V parity, preflight and serving tests)."""
 
 from __future__ import annotations
 
@@ -65,27 +66,25 @@ def test_image_encoder_exports_and_matches_pytorch(wan21_i2v, tmp_path, write_en
     assert _io_dims(result.onnx_path) == {"pixel_values": ["batch", 3, 28, 28], "image_embeds": ["batch", 5, 32]}
 
 
-@pytest.mark.slow  # five dynamo exports per checkpoint (about 50 s each on 2 cores)
+@pytest.mark.slow  # five dynamo exports per checkpoint (about 50 s each on 2 cores): those built_wan_i2v's build made
 @pytest.mark.parametrize("variant", ["i2v", "i2v_two_expert"])
-def test_every_i2v_component_exports_and_matches_pytorch(tiny_model_factory, tmp_path, write_engines_yaml, variant):
-    model = tiny_model_factory("wan", variant=variant)
-    config = write_engines_yaml(tmp_path, model, "wan", buckets=["32x32x5"], workflows=["img2vid"],
-                                precision={"text_encoder": "fp32", "image_encoder": "fp32", "transformer": "fp32",
-                                           "vae_encoder": "fp32", "vae_decoder": "fp32"})
+def test_every_i2v_component_exports_and_matches_pytorch(built_wan_i2v, variant):
+    config = built_wan_i2v(variant)  # its build exported every component through api.export's path
     results = {r.group.name: r for r in api.export(config).results}
+    assert all(r.cached for r in results.values())  # the build's verified artifacts, found by their inputs' hash
     experts = ["transformer", "transformer_2"] if variant == "i2v_two_expert" else ["transformer"]
-    expected = {"wan-tiny.text_encoder.fp32", "wan-tiny.vae_encoder.5frames.fp32", "wan-tiny.vae_decoder.5frames.fp32",
-                *(f"wan-tiny.{e}.fp32" for e in experts)}
+    expected = {"wan.text_encoder.fp32", "wan.vae_encoder.5frames.fp32", "wan.vae_decoder.5frames.fp32",
+                *(f"wan.{e}.fp32" for e in experts)}
     if variant == "i2v":
-        expected.add("wan-tiny.image_encoder.fp32")
+        expected.add("wan.image_encoder.fp32")
     assert set(results) == expected
     for result in results.values():
         assert result.parity and all(c["passed"] for c in result.parity), result.parity
-    encoder = results["wan-tiny.vae_encoder.5frames.fp32"]
+    encoder = results["wan.vae_encoder.5frames.fp32"]
     assert _io_dims(encoder.onnx_path) == {"video": ["batch", 3, 5, "image_height", "image_width"],
                                            "latent": ["batch", 16, 2, "height", "width"]}
     for expert in experts:
-        dims = _io_dims(results[f"wan-tiny.{expert}.fp32"].onnx_path)
+        dims = _io_dims(results[f"wan.{expert}.fp32"].onnx_path)
         assert dims["hidden_states"] == ["batch", 36, "latent_frames", "height", "width"]
         assert ("encoder_hidden_states_image" in dims) == (variant == "i2v")
     assert np.isfinite([c["max_rel"] for c in encoder.parity]).all()

@@ -1,24 +1,21 @@
 """The pre-launch checklist on a Wan video model, in process (issue 24): every check that applies runs on clips at
 the bucket's frames and passes; the quality baseline stores clips losslessly (frames one under another) and the
-next run compares against them; the report shows clips as frame strips. Slow: it builds the tiny Wan engines."""
+next run compares against them; the report shows clips as frame strips. Slow: it runs on the tiny Wan engines of
+the session's `built_wan`."""
 
 from __future__ import annotations
 
 import pytest
 from PIL import Image
 
-from trt_diffusion import api
 from trt_diffusion.engines_file import load_engines_file
 from trt_diffusion.preflight.run import run_preflight
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_preflight_passes_on_a_video_model(tiny_model_factory, write_engines_yaml, tmp_path):
-    path = write_engines_yaml(tmp_path, tiny_model_factory("wan"), "wan", buckets=["32x32x5"], cfg=["split"])
-    report = api.build(path, target="onnxruntime")
-    assert not report.failed, [o.error for o in report.failed]
-    config = load_engines_file(path)
+def test_preflight_passes_on_a_video_model(built_wan, tmp_path):
+    config = load_engines_file(built_wan("split"))
     saved = run_preflight(config, save_baseline=True, in_process=True, target="onnxruntime", out_dir=tmp_path / "a")
     assert saved.baseline is not None
     stored = next(saved.baseline.glob("*.png"))

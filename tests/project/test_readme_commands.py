@@ -71,8 +71,15 @@ def test_a_wrong_option_in_the_readme_would_be_caught():
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
-def test_the_readme_main_command_runs_on_a_fresh_checkout(tmp_path):
-    """`make build-engines` in a copy of the tracked tree, with this venv (installing is CI's own first step)."""
+def test_the_readme_main_command_runs_on_a_fresh_checkout(tmp_path, capsys):
+    """`make build-engines` in a copy of the tracked tree, with this venv (installing is CI's own first step): every
+    engine of the repository's engines.yaml this machine can build is built, the others' targets are named as
+    skipped, and a second build has nothing to do (tests/project/test_repository_engines_yaml.py checks its plan)."""
+    from trt_diffusion.cli import main
+    from trt_diffusion.engines_file import expand, load_engines_file
+    from trt_diffusion.runtime.loader import built_engines
+    from trt_diffusion.targets import get_target
+
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for name in files:
         if (ROOT / name).is_file():
@@ -84,3 +91,16 @@ def test_the_readme_main_command_runs_on_a_fresh_checkout(tmp_path):
                           timeout=1500, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "0 failed" in done.stdout and (tmp_path / "build").is_dir()
+    out = " ".join(done.stdout.split())
+    config = load_engines_file(tmp_path / "engines.yaml")
+    (model,) = config.models
+    for target in dict.fromkeys(s.target for s in expand(config)):
+        reason = get_target(target).unavailable_reason()
+        if reason is None:
+            wanted = [s for s in expand(config) if s.target == target and s.lora_variant is None]
+            assert len(built_engines(config, model, target)) == len(wanted), target
+        else:
+            assert f"skipped target {target}" in out
+    capsys.readouterr()
+    assert main(["build", str(tmp_path / "engines.yaml")]) == 0
+    assert " 0 built," in " ".join(capsys.readouterr().out.split())  # the second build has nothing to do

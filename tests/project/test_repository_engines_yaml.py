@@ -1,6 +1,6 @@
 """The repository's own engines.yaml, as `make build-engines` runs it on a fresh clone: the tiny model written
-by `models tiny` next to a copy of the file, then `plan` (default suite) and `build` (slow: every export and
-engine of the release matrix)."""
+by `models tiny` next to a copy of the file, then `plan`. Its `build` (every export and engine of the release
+matrix) is the README's main command, run on a fresh checkout in tests/project/test_readme_commands.py (slow)."""
 
 from __future__ import annotations
 
@@ -47,23 +47,3 @@ def test_plan_lists_every_engine_the_file_asks_for(checkout, capsys):
             assert rows[(component, target)]["engines"] == buckets, (component, target)
     assert {t for _, t in rows} == set(targets)
     assert plan["total_engines"] == sum(r["engines"] for r in plan["rows"]) == len(targets) * (1 + 3 * buckets)
-
-
-@pytest.mark.slow
-def test_build_builds_every_engine_this_machine_can(checkout, capsys):
-    from trt_diffusion.engines_file import expand, load_engines_file
-    from trt_diffusion.runtime.loader import built_engines
-    from trt_diffusion.targets import get_target
-
-    assert main(["build", str(checkout)]) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    config = load_engines_file(checkout)
-    for target in dict.fromkeys(s.target for s in expand(config)):
-        reason = get_target(target).unavailable_reason()
-        if reason is None:
-            wanted = [s for s in expand(config) if s.target == target]
-            assert len(built_engines(config, "sd15-tiny", target)) == len([s for s in wanted
-                                                                           if s.lora_variant is None])
-        else:
-            assert f"skipped target {target}" in out
-    assert main(["build", str(checkout)]) == 0  # and a second build has nothing to do

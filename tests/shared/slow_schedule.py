@@ -3,8 +3,10 @@
 xdist's loadfile scheduling gives each worker whole files, the files with the most tests first. Two things that
 costs on this suite, which it cannot know from test counts:
 
-- Files that use the same session-built engines (`built_wan_i2v`, `built_qwen_image`: a minute or two of export
-  and build each) land on both workers, and each worker builds them. Here they are one unit: built once.
+- Files that use the same session-built engines (`built_wan`, `built_wan_i2v`, `built_qwen_image`,
+  `built_sd15_step_cache`: a minute or two of export and build each) land on both workers, and each worker builds
+  them. Here they are one unit: built once. (The I2V serving file also serves a `built_wan` model: where the two
+  units land on different workers, that worker builds it too.)
 - The soak is one test of minutes. Counted as one test it is among the last units handed out, where it can run
   alone while the other worker idles. Here it starts first, and the other units of minutes follow it (RUN_FIRST).
 """
@@ -14,9 +16,16 @@ from __future__ import annotations
 # file -> the unit it joins: files that share a session fixture's build run on one worker
 SHARED_BUILDS = {
     "tests/cli/test_generate_img2vid.py": "built_wan_i2v",
+    "tests/export/test_wan_i2v_export.py": "built_wan_i2v",
     "tests/parity/test_wan_i2v_parity.py": "built_wan_i2v",
     "tests/preflight/test_video_i2v_preflight.py": "built_wan_i2v",
     "tests/triton/test_wan_i2v_serving.py": "built_wan_i2v",
+    "tests/preflight/test_step_cache_preflight.py": "built_sd15_step_cache",
+    "tests/parity/test_step_cache_parity.py": "built_sd15_step_cache",
+    "tests/triton/test_step_cache_serving.py": "built_sd15_step_cache",
+    "tests/preflight/test_video_preflight.py": "built_wan",
+    "tests/triton/test_video_serving.py": "built_wan",
+    "tests/triton/test_cfg_parallel_serving.py": "built_wan",
     "tests/export/test_qwen_image_export.py": "built_qwen_image",
     "tests/runtime/test_qwen_image_reference.py": "built_qwen_image",
 }

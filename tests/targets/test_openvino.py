@@ -100,7 +100,8 @@ def test_an_engine_copied_to_a_cpu_without_its_precision_is_refused(tmp_path, ti
         target.runner(target.find(tmp_path, make_spec("openvino")))
 
 
-def test_triton_models_python_and_native(tmp_path, tiny_onnx):
+def test_triton_models_python_and_native(tmp_path, tiny_onnx, monkeypatch):
+    monkeypatch.delenv("TRT_DIFFUSION_OPENVINO_THREADS", raising=False)  # set for xdist workers (tests/conftest.py)
     target = get_target("openvino")
     target.build(request(tmp_path, tiny_onnx))
     engine = target.find(tmp_path, make_spec("openvino"))

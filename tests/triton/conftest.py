@@ -32,34 +32,6 @@ def sd15_engines(built_sd15) -> BuiltModel:
     return BuiltModel(built_sd15, name, model.source.path, model.family.value, built_engines(config, name, "onnxruntime"))
 
 
-WAN_SIZE, WAN_FRAMES = 32, 5  # the served Wan tests' bucket: 32x32x5
-
-
-@pytest.fixture(scope="module")
-def wan_workspace_for(tiny_model_factory, tmp_path_factory):
-    """`wan_workspace_for(cfg) -> engines.yaml`: tiny Wan 2.1 at 32x32x5, batch 1, CFG `cfg`, its onnxruntime engines
-    built (once per module and mode)."""
-    from trt_diffusion import api
-
-    built: dict[str, Path] = {}
-
-    def build(cfg: str) -> Path:
-        if cfg not in built:
-            root = tmp_path_factory.mktemp(f"wan-{cfg}")
-            model = {"source": str(tiny_model_factory("wan")), "family": "wan",
-                     "buckets": [f"{WAN_SIZE}x{WAN_SIZE}x{WAN_FRAMES}"], "batch": [1], "cfg": [cfg],
-                     "targets": ["onnxruntime"]}
-            path = root / "engines.yaml"
-            path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": str(root / "build")},
-                                            "models": {"wan": model}}, sort_keys=False))
-            report = api.build(path, target="onnxruntime")
-            assert not report.failed, [o.error for o in report.failed]
-            built[cfg] = path
-        return built[cfg]
-
-    return build
-
-
 QWEN_SIZE = 64  # the served Qwen-Image tests' bucket: 64x64
 QWEN_TEXT_LENGTH = {"min": 2, "opt": 64, "max": 256}  # below diffusers' 512: the entry must truncate where they end
 

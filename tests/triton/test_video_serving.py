@@ -22,12 +22,12 @@ from trt_diffusion.triton.client import ImageRequest
 pytestmark = [pytest.mark.triton, pytest.mark.slow, pytest.mark.timeout(900)]
 
 PROMPT = "a red fox running through snow"
-SIZE, FRAMES = 32, 5  # the bucket conftest.wan_workspace_for builds
+SIZE, FRAMES = 32, 5  # the bucket tests/conftest.py's built_wan builds
 
 
 @pytest.fixture(scope="module")
-def wan_workspace(wan_workspace_for) -> Path:
-    return wan_workspace_for("split")
+def wan_workspace(built_wan) -> Path:
+    return built_wan("split")
 
 
 @pytest.fixture(scope="module")

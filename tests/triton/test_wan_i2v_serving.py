@@ -24,7 +24,7 @@ from trt_diffusion.triton import client as triton_client
 from trt_diffusion.triton.client import ImageRequest
 
 PROMPT = "a red fox running through snow"
-SIZE, FRAMES = 32, 5  # built_wan_i2v's i2v bucket, and wan_workspace_for's
+SIZE, FRAMES = 32, 5  # built_wan_i2v's i2v bucket, and built_wan's
 FIRST = init_image(SIZE, SIZE, seed=3)
 T2V = "wan_t2v"  # the text-to-video entry served beside the I2V one
 
@@ -214,7 +214,7 @@ def local_pipeline(i2v_workspace):
 
 
 @pytest.fixture(scope="module")
-def server(i2v_workspace, wan_workspace_for, tmp_path_factory):
+def server(i2v_workspace, built_wan, tmp_path_factory):
     """The I2V model's repository (entry and stream: video has no ensemble) with a text-to-video entry, `wan_t2v`,
     added beside it, started with its first request timed (an img2vid one)."""
     from trt_diffusion.engines_file import load_engines_file
@@ -225,7 +225,7 @@ def server(i2v_workspace, wan_workspace_for, tmp_path_factory):
     root = tmp_path_factory.mktemp("wan-i2v-repo")
     report = stage.package_stage(i2v_workspace, root / "repo", options=PackageOptions(ensemble=True))
     assert report.ensemble is None and report.workflows == ["img2vid"]
-    t2v = load_engines_file(wan_workspace_for("split"), check_sources=True)
+    t2v = load_engines_file(built_wan("split"), check_sources=True)
     package(built_engines(t2v, "wan", "onnxruntime"), t2v.models["wan"].source.path, "wan", T2V, root / "t2v",
             PackageOptions(ensemble=False, stream=False), workflows=t2v.models["wan"].workflows)
     for folder in (root / "t2v").iterdir():
