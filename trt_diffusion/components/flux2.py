@@ -51,10 +51,6 @@ PATCH_COLS = SymbolicDim("patch_cols", "width", Fraction(1, 2))
 ID_AXES = 4  # FLUX.2's position ids: (time, row, column, text position)
 
 
-def _text_config(config: ModelConfig) -> Mapping[str, Any]:
-    return config.get("text_config") or config.component_config  # Mistral3 nests its language model's config
-
-
 class _StackedStatesWrapper(ExportWrapper):
     def __init__(self, model, input_names, layers: tuple[int, ...], compute_dtype=None):
         super().__init__(model, input_names, compute_dtype)
@@ -87,7 +83,7 @@ class Flux2TextEncoder(ComponentDef):
         return FLUX2_TEXT_LAYERS[self.family]
 
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
-        text = _text_config(config)
+        text = config.language_config
         depth = int(text["num_hidden_layers"])
         if max(self.layers) > depth:
             raise ModelError(f"the {self.family.value} text encoder has {depth} layers; the pipeline stacks the hidden "
@@ -105,7 +101,7 @@ class Flux2TextEncoder(ComponentDef):
     def dummy_inputs(self, config, options, geometry: Geometry, seed=0):
         gen = rng(seed, geometry)
         length = config.sequence_length
-        high = int(_text_config(config).get("vocab_size", 1000))
+        high = int(config.language_config.get("vocab_size", 1000))
         if config.get("image_token_index") is not None:  # below Mistral3's image placeholder
             high = min(high, int(config["image_token_index"]))
         ids = gen.integers(0, high, size=(geometry.batch, length), dtype=np.int64)

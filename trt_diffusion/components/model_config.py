@@ -46,6 +46,12 @@ class ModelConfig:
         value = self.component_config.get(key, default)
         return default if value is None else value
 
+    @property
+    def language_config(self) -> Mapping[str, Any]:
+        """A language-model text encoder's own config: a vision-language checkpoint's (transformers 5's Qwen2.5-VL,
+        Mistral 3) nests it under `text_config`; a plain language model's is the component's config."""
+        return self.get("text_config") or self.component_config
+
     def to_json(self) -> dict:
         data = {"component_config": dict(self.component_config), "vae_scale_factor": self.vae_scale_factor,
                 "latent_channels": self.latent_channels, "sequence_length": self.sequence_length}

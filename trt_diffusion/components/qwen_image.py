@@ -108,10 +108,11 @@ class QwenTextEncoder(ComponentDef):
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
         if _edit_options(options):
             return self._edit.io(config, options)
+        width = int(config.language_config["hidden_size"])
         return ComponentIO(
             inputs=(TensorDecl("input_ids", "int64", (BATCH, SEQUENCE)),
                     TensorDecl("attention_mask", "int64", (BATCH, SEQUENCE))),
-            outputs=(TensorDecl("hidden_states", "float32", (BATCH, SEQUENCE, _text_hidden(config))),),
+            outputs=(TensorDecl("hidden_states", "float32", (BATCH, SEQUENCE, width)),),
         )
 
     def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
@@ -165,16 +166,8 @@ def prompt_embeds(hidden_states: np.ndarray, attention_mask: np.ndarray,
     return embeds[:, :max_sequence_length], mask[:, :max_sequence_length]
 
 
-def _text_config(config: ModelConfig) -> Mapping[str, Any]:
-    return config.get("text_config") or config.component_config  # transformers 5 nests the LM's config
-
-
-def _text_hidden(config: ModelConfig) -> int:
-    return int(_text_config(config)["hidden_size"])
-
-
 def _text_vocab(config: ModelConfig) -> int:
-    return int(_text_config(config).get("vocab_size", 1000))
+    return int(config.language_config.get("vocab_size", 1000))
 
 
 class _QwenTransformerWrapper(ExportWrapper):

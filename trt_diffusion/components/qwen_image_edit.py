@@ -171,7 +171,7 @@ class QwenEditTextEncoder(ComponentDef):
         return False
 
     def io(self, config: ModelConfig, options: Mapping[str, Any]) -> ComponentIO:
-        width = _text_width(config)
+        width = int(config.language_config["hidden_size"])
         context = fixed_context(options)
         sequence, tokens = SEQUENCE, IMAGE_TOKENS
         if context is not None:
@@ -195,7 +195,7 @@ class QwenEditTextEncoder(ComponentDef):
         length = QWEN_EDIT_TEMPLATE_TOKENS + IMAGE_BLOCK + tokens + (geometry.text or 128)  # 128: the family's opt
         batch = geometry.batch
         return {"input_ids": (batch, length), "attention_mask": (batch, length), "position_ids": (3, batch, length),
-                "image_embeds": (tokens, _text_width(config))}
+                "image_embeds": (tokens, int(config.language_config["hidden_size"]))}
 
     def dummy_inputs(self, config, options, geometry, seed=0):
         """Random text ids around one run of image placeholders after the template's 64 positions, at the positions
@@ -226,10 +226,6 @@ def _merged_grid(config: ModelConfig, options: Mapping[str, Any], tokens: int) -
     grid_h, grid_w = vision_grid(context[0], context[1], config["processor"])
     merge = int(config["processor"]["merge_size"])
     return grid_h // merge, grid_w // merge
-
-
-def _text_width(config: ModelConfig) -> int:
-    return int((config.get("text_config") or config.component_config)["hidden_size"])
 
 
 def edit_prompt_embeds(hidden_states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
