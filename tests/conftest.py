@@ -142,7 +142,7 @@ WAN_BUCKET = "32x32x5"  # built_wan's: width x height x frames
 
 
 @pytest.fixture(scope="session")
-def built_wan(tiny_model_factory, tmp_path_factory):
+def built_wan(tiny_model_factory, tmp_path_factory, write_engines_yaml):
     """`built_wan(cfg="split") -> engines.yaml`: the tiny Wan 2.1 at 32x32x5, batch 1, CFG `cfg`, its default
     precisions, onnxruntime engines built. The modes' files share one workspace: `split` and `parallel` differ in how
     the runtime calls the transformer, not in its engines, so only the first mode builds (about 45 s on 2 cores).
@@ -154,12 +154,8 @@ def built_wan(tiny_model_factory, tmp_path_factory):
 
     def build(cfg: str = "split") -> Path:
         if cfg not in built:
-            model = {"source": str(tiny_model_factory("wan")), "family": "wan", "buckets": [WAN_BUCKET],
-                     "batch": [1], "cfg": [cfg], "targets": ["onnxruntime"]}
-            path = root / cfg / "engines.yaml"
-            path.parent.mkdir()
-            path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": str(root / "build")},
-                                            "models": {"wan": model}}, sort_keys=False))
+            path = write_engines_yaml(root / cfg, tiny_model_factory("wan"), "wan", name="wan",
+                                      workspace=str(root / "build"), buckets=[WAN_BUCKET], cfg=[cfg])
             report = api.build(path, target="onnxruntime")
             if report.failed:
                 raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
