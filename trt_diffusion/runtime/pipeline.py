@@ -195,6 +195,7 @@ class EnginePipeline:
     def __init__(self, model_dir: str | Path, family: Family | str, runners: RunnerTable,
                  workflows: tuple[Workflow | str, ...] | None = None, cfg: tuple[CfgMode | str, ...] | None = None,
                  text_lengths: tuple[int, int, int] | None = None, step_cache: StepCache | None = None):
+        from ..models.loading import read_model_index
         from ..models.quiet import quiet_libraries
 
         quiet_libraries()
@@ -203,7 +204,9 @@ class EnginePipeline:
         self.runners = runners
         self.cfg = cfg_modes(cfg)
         self.parallel_cfg = CfgMode.parallel in self.cfg
-        self.index = json.loads((self.model_dir / "model_index.json").read_text())
+        # every entry checked to name a diffusers or transformers class: the family loops hand entries on (a Wan
+        # image-to-video folder's image_processor is imported by the class it names)
+        self.index = read_model_index(self.model_dir)
         self.scheduler_config = json.loads((self.model_dir / "scheduler" / "scheduler_config.json").read_text())
         vae_config = json.loads((self.model_dir / "vae" / "config.json").read_text())
         self.vae_scale_factor = vae_scale_factor(vae_config)

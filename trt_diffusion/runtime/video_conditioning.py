@@ -94,9 +94,21 @@ def _clip_processor(model_dir: Path, index: dict):
     """The folder's image processor loaded as diffusers loads it: the class model_index.json names, from the
     library it names. Without torchvision transformers gives CLIPImageProcessor's PIL backend either way (a
     folder saved then names CLIPImageProcessorPil), so the pixels are those the pipeline computes."""
-    library, class_name = (index.get("image_processor") or [None, None])[:2]
+    from ..models.loading import LIBRARIES
+
+    entry = index.get("image_processor") or [None, None]
+    library, class_name = (list(entry) + [None, None])[:2] if isinstance(entry, list) else (entry, None)
     if not library or not class_name or not (model_dir / "image_processor").is_dir():
         raise ModelError("this Wan transformer attends to image embeddings (image_dim in its config.json), but the "
                          "model folder has no image_processor (model_index.json and image_processor/) to make "
                          "the CLIP image encoder's pixels")
-    return getattr(importlib.import_module(library), class_name).from_pretrained(model_dir / "image_processor")
+    # model_index.json is data: only a class of the two libraries the loaders allow is imported (never any module
+    # a folder names), and it must be a processor class (from_pretrained), not another attribute
+    refused = ModelError(f"{model_dir / 'model_index.json'}: image_processor names {entry!r}; only diffusers and "
+                         "transformers classes are loaded")
+    if library not in LIBRARIES or not isinstance(class_name, str) or not class_name.isidentifier():
+        raise refused
+    cls = getattr(importlib.import_module(library), class_name, None)
+    if not isinstance(cls, type) or not callable(getattr(cls, "from_pretrained", None)):
+        raise refused
+    return cls.from_pretrained(model_dir / "image_processor")
