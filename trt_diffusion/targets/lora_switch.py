@@ -16,6 +16,7 @@ Up to `capacity` sets stay applied (least recently used dropped first): a repeat
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -34,6 +35,10 @@ INDEX_FILE = "loras.json"
 BASE_FILE = "base.safetensors"
 SCHEMA_VERSION = 1
 DEFAULT_CAPACITY = 4
+# |scale| a set may give a LoRA: beyond this its delta swamps the weights, and inf/nan would poison them. The one
+# bound: triton/lora_sets.py checks the LORAS input against it, and an engine model called directly checks here.
+MAX_LORA_SCALE = 100.0
+MAX_SET_LORAS = 8  # LoRAs in one set (LORAS: MAX_LORAS_PER_REQUEST)
 
 SetKey = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name, no scale 0
 
@@ -146,12 +151,40 @@ class LoraSwitchingRunner:
             return self.current.run(feeds)
 
 
+def check_scale(value: object, where: str) -> float:
+    """A LoRA scale as a float: a number (not a bool), finite, |scale| <= MAX_LORA_SCALE. An int is compared
+    before it is converted (float() of a 400-digit int raises OverflowError)."""
+    bound = (f"{where} must be a finite number in [-{MAX_LORA_SCALE:g}, {MAX_LORA_SCALE:g}], got "
+             f"{str(value)[:40]}{'...' if len(str(value)) > 40 else ''}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RuntimeInputError(f"{where} must be a number, got {json.dumps(value)[:80]}")
+    if isinstance(value, int) and abs(value) > MAX_LORA_SCALE:
+        raise RuntimeInputError(bound)
+    scale = float(value)
+    if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+        raise RuntimeInputError(bound)
+    return scale
+
+
 def parse_set_parameter(text: Any) -> list[tuple[str, float]]:
-    """The canonical set the entry sends in its request parameter ([{"name", "scale"}, ...] as JSON)."""
+    """The canonical set the entry sends in its request parameter ([{"name", "scale"}, ...] as JSON). An engine
+    model can be called directly: every scale is checked as LORAS checks it (a NaN or 1e30 would give non-finite
+    images, and each distinct scale a refit that evicts the cached sets)."""
     if text is None or text == "":
         return []
     try:
         items = json.loads(text) if isinstance(text, str) else text
-        return [(str(item["name"]), float(item["scale"])) for item in items]
-    except (ValueError, TypeError, KeyError) as err:
-        raise RuntimeInputError(f"the LoRA set parameter {str(text)[:80]!r} is malformed ({err})") from None
+    except (ValueError, RecursionError) as err:
+        raise RuntimeInputError(f"the LoRA set parameter {str(text)[:80]!r} is malformed "
+                                f"({type(err).__name__})") from None
+    if not isinstance(items, list) or len(items) > MAX_SET_LORAS:
+        raise RuntimeInputError(f"the LoRA set parameter {str(text)[:80]!r} must be a list of at most "
+                                f"{MAX_SET_LORAS} {{\"name\", \"scale\"}} objects")
+    chosen = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or "scale" not in item:
+            raise RuntimeInputError(f"the LoRA set parameter's entry {index} must be {{\"name\": str, \"scale\": "
+                                    f"number}}, got {json.dumps(item)[:80]}")
+        chosen.append((item["name"], check_scale(item["scale"], f"the LoRA set parameter's {item['name'][:40]!r} "
+                                                                "scale")))
+    return chosen

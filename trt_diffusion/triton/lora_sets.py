@@ -10,16 +10,17 @@ value; a LoRA the repository does not serve is refused by name, listing the ones
 from __future__ import annotations
 
 import json
-import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import RuntimeInputError
+from ..targets.lora_switch import MAX_LORA_SCALE, MAX_SET_LORAS, check_scale  # noqa: F401  (the one bound)
 
 MAX_LORAS_BYTES = 4096  # the LORAS string, checked before it is parsed
-MAX_LORAS_PER_REQUEST = 8
-MAX_LORA_SCALE = 100.0  # |scale|: beyond this a LoRA's delta swamps the weights (and inf/nan would poison them)
+MAX_LORAS_PER_REQUEST = MAX_SET_LORAS
 KEYS = ("name", "scale")
+_CLI_SCALE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 DEFAULT_SCALE = 1.0
 
 
@@ -34,13 +35,7 @@ BASE: LoraSet = ()
 
 
 def _scale(value: object, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RuntimeInputError(f"{where}.scale must be a number, got {json.dumps(value)}")
-    scale = float(value)
-    if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
-        raise RuntimeInputError(f"{where}.scale must be a finite number in [-{MAX_LORA_SCALE:g}, "
-                                f"{MAX_LORA_SCALE:g}], got {value!r}")
-    return scale
+    return check_scale(value, f"{where}.scale")
 
 
 def _entry(item: object, index: int) -> LoraChoice:
@@ -87,6 +82,9 @@ def parse_loras(text: str | None, served: Sequence[str] | None = None) -> LoraSe
     except ValueError as err:
         raise RuntimeInputError(f'LORAS is not valid JSON ({err.msg} at character {err.pos}); expected '
                                 f'[{{"name": "style", "scale": 0.8}}, ...]') from None
+    except RecursionError:  # 4096 bytes of "[" nest past the decoder's recursion limit
+        raise RuntimeInputError('LORAS is nested too deeply; expected [{"name": "style", "scale": 0.8}, ...]') \
+            from None
     if not isinstance(items, list):
         raise RuntimeInputError(f'LORAS must be a JSON list like [{{"name": "style", "scale": 0.8}}], got '
                                 f"{json.dumps(items)[:80]}")
@@ -110,8 +108,8 @@ def parse_cli_lora(text: str) -> LoraChoice:
         raise RuntimeInputError(f"--lora {text!r}: expected NAME or NAME:SCALE (e.g. style:0.8)")
     if not scale:
         return LoraChoice(name, DEFAULT_SCALE)
-    try:
-        value = float(scale)
-    except ValueError:
-        raise RuntimeInputError(f"--lora {text!r}: the scale {scale!r} is not a number") from None
-    return LoraChoice(name, _scale(value, f"--lora {name}"))
+    # a plain decimal only: float() also reads "1_0" as 10 and other scripts' digits, not what the user typed
+    # ("nan"/"inf" pass on, to be refused as not finite)
+    if not _CLI_SCALE.fullmatch(scale) and scale.lower().lstrip("+-") not in ("nan", "inf", "infinity"):
+        raise RuntimeInputError(f"--lora {text!r}: the scale {scale!r} is not a number (write it like 0.8)")
+    return LoraChoice(name, _scale(float(scale), f"--lora {name}"))

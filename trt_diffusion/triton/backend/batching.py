@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,6 +35,9 @@ class _Answer:
     images: dict[int, np.ndarray] = field(default_factory=dict)
     timings: list = field(default_factory=list)  # StageTimings of its images
     lora_switch_s: float = 0.0  # engine models switching to its LoRA set, over the batches its images ran in
+
+
+MAX_SEED = 2**63 - 1  # SEED is INT64: the seed of every image must be one a request (or a PNG) can send again
 
 
 def num_images(request: Any, limit: int) -> int:
@@ -69,21 +73,23 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
     waited: set[int] = set()  # requests whose queue wait is observed (at their first batch)
     items: list[tuple[int, Any]] = []  # (request index, GenerationRequest of one image)
     for index, request in enumerate(requests):
+        # every request parsed here, before any batch: its mistake (or a bug its values hit) is its own answer
         try:
             generation_request = read_request(request, served_loras=context.served_loras)
             count = num_images(request, max_images)
-        except RuntimeInputError as err:
-            answers[index].error = pb.error_response(f"{name}: {err}")
+            check_seeds(generation_request.seed, count)
+        except Exception as err:  # noqa: BLE001 - a RuntimeInputError is the user's; anything else, a bug: logged
+            answers[index].error = _error(name, err)
             metrics.add("refusals_total", model=name)
             continue
         answers[index].count = count
         items += [(index, replace(generation_request, seed=generation_request.seed + k)) for k in range(count)]
 
-    errors, batches = pipeline.plan_batches([item for _, item in items])
+    errors, batches = _plan(pipeline, [item for _, item in items])
     for position, err in errors.items():
         owner = items[position][0]
         if answers[owner].error is None:
-            answers[owner].error = pb.error_response(f"{name}: {err}")
+            answers[owner].error = _error(name, err)
             metrics.add("refusals_total", model=name)
     work = deque(batches)
     while work:
@@ -153,8 +159,36 @@ def _bucket(item: Any) -> str:
     return f"{item.width}x{item.height}" + (f"x{item.frames}" if item.frames else "")
 
 
+def check_seeds(seed: int, count: int) -> None:
+    """The images of a request get seeds SEED, SEED + 1, ...: each must fit INT64 as SEED does, or the seed an
+    image reports (its PNG, the API's `seed`) could not be sent again. Refused rather than wrapped: a wrapped seed
+    would replay as a request of its own, but its neighbours would not follow it."""
+    last = seed + count - 1
+    if last > MAX_SEED:
+        raise RuntimeInputError(f"SEED {seed} with NUM_IMAGES {count} gives seeds up to {last}, beyond "
+                                f"{MAX_SEED} (SEED is INT64): use a SEED of at most {MAX_SEED - count + 1}")
+
+
+def _plan(pipeline: Any, requests: list) -> tuple[dict[int, BaseException], list[list[int]]]:
+    """plan_batches, with a bug one request's values hit in validation kept to that request: the batch is planned
+    again without it (validation refuses user mistakes itself, as RuntimeInputErrors by index)."""
+    try:
+        return pipeline.plan_batches(requests)
+    except Exception:  # noqa: BLE001 - found below, request by request
+        pass
+    errors: dict[int, BaseException] = {}
+    for index, request in enumerate(requests):
+        try:
+            errors.update({index: err for err in pipeline.plan_batches([request])[0].values()})
+        except Exception as err:  # noqa: BLE001 - that request's own answer
+            errors[index] = err
+    good = [i for i in range(len(requests)) if i not in errors]
+    _, batches = pipeline.plan_batches([requests[i] for i in good]) if good else ({}, [])
+    return errors, [[good[i] for i in batch] for batch in batches]
+
+
 def _replan(pipeline: Any, items: list, positions: list[int]) -> list[list[int]]:
-    _, batches = pipeline.plan_batches([items[p][1] for p in positions])
+    _, batches = _plan(pipeline, [items[p][1] for p in positions])
     return [[positions[i] for i in batch] for batch in batches]
 
 
@@ -163,7 +197,15 @@ def _error(name: str, err: BaseException):
         return pb.error_response(f"{name}: {err}")
     if isinstance(err, EngineCallError):
         return pb.error_response(f"{name}: {err}", "INTERNAL")
-    return pb.internal_error(name, err)
+    return internal_reply(name, err)
+
+
+def internal_reply(name: str, err: BaseException):
+    """A bug's answer: its kind only — a message can carry the server's paths, a traceback its code — and the
+    whole traceback in the server's log."""
+    pb.utils().Logger.log_error(f"{name}: {''.join(traceback.format_exception(err))}")
+    return pb.error_response(f"{name}: internal error ({type(err).__name__}); the server log has the details",
+                             "INTERNAL")
 
 
 def timing_json(timings: list, started: float, sent: int | None, started_ns: int, lora_switch_s: float = 0.0) -> str:

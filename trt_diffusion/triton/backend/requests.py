@@ -32,6 +32,8 @@ def _text(value: np.ndarray | None, name: str, max_bytes: int = MAX_NAME_BYTES) 
     if value is None:
         return None
     item = _only(value, name)
+    if not isinstance(item, (str, bytes)):  # BYTES on the wire; bytes(n) of another object would allocate n bytes
+        raise RuntimeInputError(f"{name} must be text, got {type(item).__name__}")
     size = len(item.encode("utf-8", "surrogatepass")) if isinstance(item, str) else len(bytes(item))
     if size > max_bytes:
         raise RuntimeInputError(f"{name} has {size} bytes (at most {max_bytes})")
