@@ -164,6 +164,10 @@ async def _generate(request, settings: ApiSettings, served: ServedModel, body, w
         raise bad_request(f"loras: {served.name} takes no LoRAs per request (its entry has no LORAS input)",
                           "loras")
     seed = body.seed if body.seed is not None else secrets.randbelow(MAX_RANDOM_SEED)
+    if seed + body.n - 1 > bodies.MAX_SEED:  # image i reports seed + i: each must be a seed a request can send
+        raise bad_request(f"seed {seed} with n={body.n} would give image seeds up to {seed + body.n - 1}, beyond "
+                          f"{bodies.MAX_SEED} (SEED is INT64): use a seed of at most {bodies.MAX_SEED - body.n + 1}",
+                          "seed")
     guidance = body.guidance_scale if body.guidance_scale is not None else DEFAULT_GUIDANCE
     image_request = ImageRequest(body.prompt, height, width, steps=body.num_inference_steps,
                                  guidance_scale=guidance, seed=seed, negative_prompt=body.negative_prompt,
