@@ -27,6 +27,9 @@ A1111_KEY = "parameters"
 JSON_KEY = "trt_diffusion"
 # Text chunks larger than this are not ours (a PNG's text is read into memory whole).
 MAX_TEXT_BYTES = 1 << 20
+# What a request's fields may hold, as the wire carries them (generate --from): sizes and steps INT32, SEED INT64
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -117,9 +120,47 @@ def _from_json(path: Path, text: str) -> ImageParameters:
         known = {f.name for f in fields(ImageParameters)}
         if not isinstance(data, dict):
             raise TypeError("not an object")
-        return ImageParameters(**{k: v for k, v in data.items() if k in known})
-    except (ValueError, TypeError) as exc:
+        parameters = ImageParameters(**{k: v for k, v in data.items() if k in known})
+    except (ValueError, TypeError, RecursionError) as exc:
         raise ConfigError(f"{path}: the '{JSON_KEY}' text chunk is not a request ({exc})") from None
+    return check_parameters(parameters, f"{path}: the '{JSON_KEY}' text chunk")
+
+
+# field -> (kind, low, high): what generate's options take, the PNG's chunk is held to (int: not a bool)
+_FIELD_RULES = {
+    "prompt": ("text", None, None), "negative_prompt": ("text?", None, None), "scheduler": ("text?", None, None),
+    "model": ("text?", None, None), "controlnet": ("text?", None, None), "workflow": ("text?", None, None),
+    "init_image": ("text?", None, None), "mask": ("text?", None, None),
+    "width": ("int", 0, MAX_INT32), "height": ("int", 0, MAX_INT32),  # 0: not recorded (the server's first size)
+    "steps": ("int", 1, MAX_INT32), "seed": ("int", 0, MAX_SEED),
+    "guidance_scale": ("number", None, None), "controlnet_scale": ("number?", None, None),
+    "strength": ("number?", None, None),
+}
+
+
+def check_parameters(parameters: ImageParameters, where: str) -> ImageParameters:
+    """Each field the type and range generate's own option takes; one ConfigError naming the first that is not
+    (a crafted PNG's request is data: nothing in it may crash the command or go out as another type)."""
+    import math
+
+    for name, (kind, low, high) in _FIELD_RULES.items():
+        value = getattr(parameters, name)
+        shown = json.dumps(value)[:60] if not isinstance(value, float) else repr(value)
+        if kind.endswith("?"):
+            if value is None:
+                continue
+            kind = kind[:-1]
+        if kind == "text" and not isinstance(value, str):
+            raise ConfigError(f"{where}: {name} must be text, got {shown}")
+        if kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{where}: {name} must be an integer, got {shown}")
+            if not low <= value <= high:
+                raise ConfigError(f"{where}: {name} must be in [{low}, {high}], got {shown}")
+        if kind == "number" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                 or not math.isfinite(value)):
+            raise ConfigError(f"{where}: {name} must be a finite number, got {shown}")
+    return parameters
 
 
 _SETTING = re.compile(r"\s*([A-Za-z][A-Za-z0-9 _-]*):\s*([^,]*)")
@@ -139,6 +180,12 @@ def parse_a1111(text: str, where: str = "parameters") -> ImageParameters:
             body = body[:i]
             break
     settings = {key.strip(): value.strip() for key, value in _SETTING.findall(settings_line)}
+    parameters = _a1111_parameters(body, negative, settings, settings_line, where)
+    return check_parameters(parameters, f"{where}: the '{A1111_KEY}' text")
+
+
+def _a1111_parameters(body: list[str], negative: str | None, settings: dict, settings_line: str,
+                      where: str) -> ImageParameters:
     try:
         width, height = (int(v) for v in settings.get("Size", "0x0").split("x"))
         sampler = settings.get("Sampler")

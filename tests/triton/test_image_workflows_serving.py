@@ -352,7 +352,7 @@ def test_generate_image_and_mask_write_the_served_image_and_record_the_request(s
     np.testing.assert_array_equal(np.asarray(Image.open(out)), expected)
     recorded = read_png_parameters(out)
     assert (recorded.workflow, recorded.strength, recorded.init_image, recorded.mask) == (
-        "inpaint", 0.75, str(image), str(mask))
+        "inpaint", 0.75, "photo.png", "mask.png")  # relative to the PNG's folder: what --from reads
     with Image.open(out) as written:
         assert "Workflow: inpaint, Denoising strength: 0.75" in written.text["parameters"]
     # --from repeats it, reading the input files it names

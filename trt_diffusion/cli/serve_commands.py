@@ -189,7 +189,7 @@ def generate_command(
     steps: Annotated[int, typer.Option("--steps", min=1)] = 20,
     guidance_scale: Annotated[float, typer.Option("--guidance-scale", help="<= 1: no CFG (distilled models)")]
     = 7.5,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, max=2**63 - 1, help="0 to 2^63-1 (SEED is INT64)")] = 0,
     scheduler: Annotated[str | None, typer.Option("--scheduler")] = None,
     controlnet: Annotated[str | None, typer.Option("--controlnet")] = None,
     control_image: Annotated[Path | None, typer.Option("--control-image", help="image for the ControlNet")]
@@ -252,10 +252,11 @@ def generate_command(
         width = width if "width" in given else recorded.width or None
         workflow = workflow if "workflow" in given else recorded.workflow
         strength = strength if "strength" in given else recorded.strength
-        image = image if "image" in given else _recorded_input(recorded.init_image, from_png)
-        mask = mask if "mask" in given else _recorded_input(recorded.mask, from_png)
+        image = image if "image" in given else _recorded_input("init_image", recorded.init_image, from_png)
+        mask = mask if "mask" in given else _recorded_input("mask", recorded.mask, from_png)
     if not prompt:
         ctx.fail("Missing option '--prompt' (what to draw), or --from PNG to repeat an image's request")
+    _check_seeds(seed, num_images)
     transport = _transport(url, protocol)
     init_image, mask_array = _input_images(image, mask, width, height)
     if init_image is not None:  # the image's size is the request's (never resized)
@@ -300,7 +301,7 @@ def generate_command(
             save_png(picture, path, ImageParameters(
                 prompt=prompt, width=width, height=height, steps=steps, guidance_scale=guidance_scale, seed=seed + i,
                 negative_prompt=negative_prompt, scheduler=scheduler, model=pipeline, controlnet=controlnet,
-                controlnet_scale=controlnet_scale, **_workflow_record(workflow, strength, image, mask)))
+                controlnet_scale=controlnet_scale, **_workflow_record(workflow, strength, image, mask, path)))
     timing = parameters.get("timing") or {}
     console.print(f"wrote {', '.join(map(str, paths))} ({size}, {steps} steps, seed {seed}) in "
                   f"{time.perf_counter() - start:.2f} s"
@@ -339,14 +340,43 @@ def _transport(url: str, protocol: Transport | None) -> Transport:
     return chosen
 
 
-def _recorded_input(name: str | None, png: Path) -> Path | None:
-    """An input file a PNG's request names (--from): as recorded (relative to here), else beside the PNG."""
+def _check_seeds(seed: int, num_images: int) -> None:
+    """Image i is written with seed SEED + i: each must be a seed a request (or the PNG's --from) can send."""
+    from ..errors import ConfigError
+
+    last, most = seed + num_images - 1, 2**63 - 1
+    if last > most:
+        raise ConfigError(f"--seed {seed} with --num-images {num_images} gives seeds up to {last}, beyond {most} "
+                          f"(SEED is INT64): use --seed {most - num_images + 1} or less")
+
+
+def _recorded_input(field: str, name: str | None, png: Path) -> Path | None:
+    """An input file a PNG's request names (--from), read only when it lies beside the PNG: a relative name,
+    inside the PNG's folder, no symlink on the way. A PNG is data (it may come from anyone): a name it records
+    must not make this command read and upload another file of this machine."""
+    from ..errors import ConfigError
+
     if not name:
         return None
     path = Path(name)
-    if not path.exists() and not path.is_absolute() and (png.parent / path).exists():
-        return png.parent / path
-    return path
+    refuse = (f"--from {png}: its request's {field} {name!r} is {{}}; only a file beside the PNG (a relative name "
+              f"inside its folder, not a symlink) is read: give --{'image' if field == 'init_image' else 'mask'} "
+              "to use another")
+    if path.is_absolute():
+        raise ConfigError(refuse.format("an absolute path"))
+    if ".." in path.parts:
+        raise ConfigError(refuse.format("outside the PNG's folder"))
+    step = png.parent
+    for part in path.parts:  # a link anywhere below the PNG's folder could lead out of it
+        step = step / part
+        if step.is_symlink():
+            raise ConfigError(refuse.format(f"a symlink ({step})"))
+    candidate = png.parent / path
+    if not candidate.resolve().is_relative_to(png.parent.resolve()):
+        raise ConfigError(refuse.format("outside the PNG's folder"))
+    if not candidate.is_file():
+        raise ConfigError(refuse.format(f"not a file beside it ({candidate})"))
+    return candidate
 
 
 def _input_images(image: Path | None, mask: Path | None, width: int | None, height: int | None):
@@ -387,9 +417,11 @@ def _image_size_hint(err, image: Path | None, init_image):
         return err
 
 
-def _workflow_record(workflow: str | None, strength: float | None, image: Path | None, mask: Path | None) -> dict:
+def _workflow_record(workflow: str | None, strength: float | None, image: Path | None, mask: Path | None,
+                     png: Path | None = None) -> dict:
     """What a PNG records of an image-conditioned request: the workflow and strength it ran with, the inputs'
-    names. A plain text-to-image request records nothing new (its PNG reads as before)."""
+    names: relative to the PNG's folder where they lie in it (what --from reads), else as given. A plain
+    text-to-image request records nothing new (its PNG reads as before)."""
     from ..workflows import DEFAULT_STRENGTH, request_workflow
 
     if image is None and workflow is None:
@@ -398,7 +430,21 @@ def _workflow_record(workflow: str | None, strength: float | None, image: Path |
     if strength is None and resolved.takes_strength:
         strength = DEFAULT_STRENGTH.get(resolved)
     return {"workflow": resolved.value, "strength": strength if resolved.takes_strength else None,
-            "init_image": None if image is None else str(image), "mask": None if mask is None else str(mask)}
+            "init_image": _input_name(image, png), "mask": _input_name(mask, png)}
+
+
+def _input_name(path: Path | None, png: Path | None) -> str | None:
+    """An input's name as the PNG records it: relative to the PNG's folder when inside it, else as given."""
+    import os
+
+    if path is None:
+        return None
+    if png is not None:
+        folder = Path(png).parent.resolve()
+        resolved = Path(path).resolve()
+        if resolved.is_relative_to(folder):
+            return os.path.relpath(resolved, folder)
+    return str(path)
 
 
 def _control_image(path: Path, width: int, height: int):
