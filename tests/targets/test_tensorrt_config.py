@@ -795,8 +795,44 @@ def test_refittable_builds_are_refused_on_tensorrt_11_3_unless_waived(monkeypatc
     check_refit_supported(make_spec("fp32", refittable=True, options=options), "11.3.0.7")
     default = trt_target.TensorRTTarget().build_options(SimpleNamespace(build=SimpleNamespace(
         tensorrt=TensorRTSettings())))
-    assert set(default) == {"tensorrt_optimization_level", "tensorrt_workspace_gb"}  # default keys unchanged
+    assert set(default) == {"tensorrt_optimization_level"}  # no workspace cap by default (#45 item 10)
     chosen = trt_target.TensorRTTarget().build_options(SimpleNamespace(build=SimpleNamespace(
         tensorrt=TensorRTSettings(version_compatible=True, strip_plan=True, weight_streaming=True, tf32=False))))
     flags = BuildFlags.for_spec(make_spec("fp32", options=chosen), False)
     assert (flags.version_compatible, flags.strip_plan, flags.weight_streaming, flags.tf32) == (True, True, True, False)
+
+
+def test_the_workspace_is_uncapped_by_default_and_an_explicit_cap_keeps_its_key(tmp_path, monkeypatch):
+    """#45 item 10: the builder's WORKSPACE pool was capped at 8 GiB by default (demo/Diffusion sets no cap), which
+    can exclude the large attention tactics of Wan 720p or 2K FLUX. No cap by default now; an engines.yaml that
+    sets workspace_gb keeps exactly the build option, so its engines keep their keys."""
+    import sys
+    from types import SimpleNamespace
+
+    from trt_diffusion.engines_file.schema import TensorRTSettings
+    from trt_diffusion.targets.tensorrt import engine
+    from trt_diffusion.targets.tensorrt import target as trt_target
+
+    def options(**settings):
+        return trt_target.TensorRTTarget().build_options(
+            SimpleNamespace(build=SimpleNamespace(tensorrt=TensorRTSettings(**settings))))
+
+    assert "tensorrt_workspace_gb" not in options()
+    assert options(workspace_gb=8)["tensorrt_workspace_gb"] == 8.0  # as every engine's options said before
+    spec = make_spec("fp32", options={})
+    uncapped = EngineSpec(**{**spec.__dict__, "build_options": (("tensorrt_optimization_level", 3),)})
+    assert BuildFlags.for_spec(uncapped, False).workspace_bytes is None
+    assert BuildFlags.for_spec(spec, False).workspace_bytes == 8 * GIB
+    limits = []
+    config = SimpleNamespace(set_flag=lambda flag: None, clear_flag=lambda flag: None,
+                             set_memory_pool_limit=lambda pool, size: limits.append((pool, size)),
+                             create_timing_cache=lambda data: object(), set_timing_cache=lambda c, ignore_mismatch: True,
+                             builder_optimization_level=0)
+    builder = SimpleNamespace(create_builder_config=lambda: config)
+    module = SimpleNamespace(MemoryPoolType=SimpleNamespace(WORKSPACE="WORKSPACE"),
+                             BuilderFlag=SimpleNamespace(TF32="TF32"))
+    monkeypatch.setitem(sys.modules, "tensorrt", module)
+    engine._create_config(builder, BuildFlags.for_spec(uncapped, False), [], tmp_path / "cache", "unet")
+    assert limits == []
+    engine._create_config(builder, BuildFlags.for_spec(spec, False), [], tmp_path / "cache", "unet")
+    assert limits == [("WORKSPACE", 8 * GIB)]

@@ -117,7 +117,8 @@ def test_time_embedding_and_rmsnorm_variance_stay_fp32_in_the_fp16_graph(int_tim
     np.testing.assert_allclose(got["emb"], reference["emb"], atol=2e-2 * scale)  # linear_1 runs in fp16
     by_name = {t.name: t.data_type for t in converted.graph.initializer}
     assert by_name["neg_log"] == by_name["two"] == by_name["eps"] == TensorProto.FLOAT  # island constants
-    assert by_name["w.scale"] == by_name["norm.weight"] == TensorProto.FLOAT16  # the rest is fp16
+    assert by_name["norm.weight"] == TensorProto.FLOAT16  # the rest is fp16
+    assert by_name["w.scale"] == TensorProto.FLOAT  # a weight's DQ scale stays exact, then a Cast (#45 item 7)
     matmul = next(n for n in converted.graph.node if n.op_type == "MatMul")
     cast = next(n for n in converted.graph.node if matmul.input[0] in n.output)
     assert cast.op_type == "Cast" and helper.get_attribute_value(cast.attribute[0]) == TensorProto.FLOAT16
@@ -152,7 +153,8 @@ def test_qdq_over_bf16_makes_a_valid_bf16_graph_with_fp32_io_and_islands():
     converted = qdq_over_precision(time_embedding_block(), "bf16")
     onnx.checker.check_model(converted, full_check=True)
     by_name = {t.name: t.data_type for t in converted.graph.initializer}
-    assert by_name["w.scale"] == by_name["norm.weight"] == TensorProto.BFLOAT16  # DQ yields bf16
+    assert by_name["norm.weight"] == TensorProto.BFLOAT16
+    assert by_name["w.scale"] == TensorProto.FLOAT  # the weight's DQ yields exact fp32, cast to bf16 (#45 item 7)
     assert by_name["neg_log"] == TensorProto.FLOAT  # the sinusoid island stays fp32 over bf16 too
     casts = {helper.get_attribute_value(a) for n in converted.graph.node if n.op_type == "Cast" for a in n.attribute}
     assert TensorProto.FLOAT16 not in casts and TensorProto.BFLOAT16 in casts

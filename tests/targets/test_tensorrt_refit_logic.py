@@ -329,6 +329,11 @@ def built_plan(tmp_path, monkeypatch):
     from trt_diffusion.targets.tensorrt.manifest import manifest_path
 
     monkeypatch.setattr(FakeEngine, "serialize", lambda self: PickledPlans.serialize(self), raising=False)
+    monkeypatch.setattr(FakeEngine, "create_serialization_config", lambda self: SerializationConfig(set()),
+                        raising=False)
+    monkeypatch.setattr(FakeEngine, "serialize_with_config", serialize_with_config, raising=False)
+    monkeypatch.setattr(sys.modules["tensorrt"], "SerializationFlag",
+                        types.SimpleNamespace(EXCLUDE_WEIGHTS="EXCLUDE_WEIGHTS"), raising=False)
     monkeypatch.setattr(target, "_deserialize", PickledPlans.deserialize)
     monkeypatch.setattr(target, "_require_tensorrt", lambda: sys.modules["tensorrt"])
     monkeypatch.setattr(target, "host_info", lambda device_index=0: ("10.13.0.35", (9, 0), "NVIDIA H200"))
@@ -407,3 +412,77 @@ def test_an_interrupted_refit_never_leaves_a_plan_that_passes_for_base(built_pla
     assert trt_target.refit(reload(), None, lambda: onnx_path) == 0
     assert reload().manifest.is_base
     assert_weights(target.load_engine(reload().path), engine_weights())
+
+
+# ---------------------------------------------------------------------------------------------
+# #45: stripped plans (STRIP_PLAN) and REFIT_IDENTICAL
+# ---------------------------------------------------------------------------------------------
+
+
+class SerializationConfig:
+    """`ISerializationConfig` as NvInferRuntime.h describes it: a stripped build's default config holds
+    EXCLUDE_WEIGHTS."""
+
+    def __init__(self, flags: set[str]):
+        self.flags = set(flags)
+
+    def clear_flag(self, flag: str) -> bool:
+        self.flags.discard(flag)
+        return True
+
+
+def serialize_with_config(self, config):
+    import pickle
+
+    weights = self.weights if "EXCLUDE_WEIGHTS" not in config.flags else {
+        n: np.zeros_like(a) for n, a in self.weights.items()}
+    return pickle.dumps(weights)
+
+
+def stripped_plans(monkeypatch):
+    """A stripped build's plans: `serialize()` and the default serialization config leave the weights out (zeros
+    here, the names kept); only a config with EXCLUDE_WEIGHTS cleared saves them."""
+    monkeypatch.setattr(FakeEngine, "create_serialization_config",
+                        lambda self: SerializationConfig({"EXCLUDE_WEIGHTS"}), raising=False)
+    monkeypatch.setattr(FakeEngine, "serialize", lambda self: serialize_with_config(
+        self, self.create_serialization_config()), raising=False)
+
+
+def test_a_lora_refitted_into_a_stripped_plan_is_saved_with_its_weights_and_survives_a_load(built_plan, monkeypatch):
+    """#45 item 1: `refit` saved a stripped plan stripped again (`serialize()` keeps EXCLUDE_WEIGHTS); the load then
+    refitted the base weights from the ONNX over it: the LoRA the manifest records was silently lost."""
+    from trt_diffusion.targets.tensorrt.manifest import EngineManifest, manifest_path
+
+    trt_target, reload, onnx_path = built_plan
+    stripped_plans(monkeypatch)
+    path = reload().path
+    manifest = EngineManifest.read(manifest_path(path))
+    manifest.model_copy(update={"flags": {"refit": True, "strip_plan": True}}).write(manifest_path(path))
+    lora = perturbed(engine_weights(), seed=1, names=["conv.weight", "conv.bias"])
+    assert trt_target.refit(reload(), lora, lambda: onnx_path) == 2
+    assert not reload().manifest.stripped  # the plan holds its weights now: loaded as it is
+    assert_weights(target.load_engine(path, weights_onnx=onnx_path), {**engine_weights(), **lora})  # as packaged
+    assert_weights(target.load_engine(path), {**engine_weights(), **lora})  # no ONNX needed any more
+
+    assert trt_target.refit(reload(), None, lambda: onnx_path) == 0  # refit --base: a stripped plan again
+    assert reload().manifest.stripped
+    with pytest.raises(BuildError, match="stripped plan"):
+        target.load_engine(path)
+    assert_weights(target.load_engine(path, weights_onnx=onnx_path), engine_weights())
+
+
+def test_a_refit_identical_stripped_plan_takes_its_own_weights_back_but_no_lora(tmp_path):
+    """#45 item 4: a stripped plan built without REFIT is REFIT_IDENTICAL (build_flags): refitting any other weights
+    is undefined in TensorRT, yet `_refitter` accepted `strip_plan` alone. Restoring its build weights from its
+    ONNX (what loading it does) stays allowed."""
+    engine = make_engine(refit=False)
+    engine.manifest = engine.manifest.model_copy(update={"flags": {"refit": False, "strip_plan": True}})
+    engine.engine = FakeEngine(engine_weights())
+    lora = perturbed(base_weights(), seed=1, names=["conv.weight", "conv.bias"])
+    for refit in (lambda: target.refit_engine(engine, lora),
+                  lambda: target.refit_from_base(engine, base_onnx(tmp_path / "m.onnx"), lora)):
+        with pytest.raises(RefitError, match="REFIT_IDENTICAL.*never a LoRA"):
+            refit()
+    assert_weights(engine, engine_weights())
+    target.refit_from_base(engine, base_onnx(tmp_path / "m.onnx"))  # its own weights: allowed
+    assert_weights(engine, engine_weights())

@@ -798,3 +798,117 @@ def test_a_group_on_gpu_n_makes_it_current_in_every_calling_thread(tmp_path):
     assert rig.cudart.current_device == 1 and rig.cudart.calls["cudaSetDevice"] >= 2
     with pytest.raises(RuntimeInputError, match="its group is on GPU 1, not GPU 0"):
         TensorRTRunner(runner.path, group=rig.group, device=0)
+
+
+# ---------------------------------------------------------------------------------------------- #45 fourth pass
+
+
+def test_every_in_process_refit_is_queued_on_the_stream_a_restore_to_base_too(async_rig, monkeypatch):
+    """#45 item 2: `refit(None, base_weights=...)` went through `refit_to_base`, which called the synchronous
+    `refit_cuda_engine` (no stream) while the engine still had runs queued: undefined in TensorRT."""
+    from trt_diffusion.targets.tensorrt import engine as trt_engine
+
+    rig = async_rig
+    runner = rig.runner("unet")
+    runner.run({"sample": rig.tensor(_sample()["sample"])})  # queued, not run
+    handles = []
+
+    def refit_engine(engine, weights, base_weights=None, stream_handle=None):
+        handles.append(stream_handle)
+        rig.cudart.enqueue(rig.group.stream if stream_handle is None else stream_handle, "refit", lambda: None)
+
+    monkeypatch.setattr(trt_engine, "refit_engine", refit_engine)
+    base = {"w": np.zeros(3, np.float32)}
+    runner.refit({"w": np.ones(3, np.float32)}, base_weights=base)
+    runner.engine.refitted_names = {"w"}
+    runner.refit(None, base_weights=base)  # back to base
+    assert handles == [int(rig.group.stream)] * 2
+
+
+def test_device_feeds_step_after_step_never_synchronize_the_host(async_rig):
+    """#45 item 9: every device-path call set `_pending`, so the next one synchronized the stream before starting:
+    a host round trip per denoising step, though no pinned buffer was in use."""
+    rig = async_rig
+    runner = rig.runner("unet")
+    runner.run({"sample": rig.tensor(_sample()["sample"])})  # activation (allocations, binding)
+    syncs = rig.cudart.calls["cudaStreamSynchronize"]
+    for seed in range(4):
+        sample = _sample(seed=seed)["sample"]
+        out = runner.run({"sample": rig.tensor(sample)})["out"]
+        np.testing.assert_array_equal(out.numpy_after(rig.torch_stream), sample * 2 + 1)
+    assert rig.cudart.calls["cudaStreamSynchronize"] == syncs
+
+
+def test_a_profile_tensorrt_refuses_by_raising_is_a_clear_runner_error(tmp_path, monkeypatch):
+    """#45 item 11: the bindings raise where `setOptimizationProfileAsync` returns false, so `if not ...` never
+    fired and the raw binding error escaped; it is the runner's error naming the profile."""
+    from trt_diffusion.targets.tensorrt.layout import profile_envelope
+
+    profiles = [{"sample": ((2, 4, 8, 8),) * 3}, {"sample": ((2, 4, 16, 16),) * 3}]
+    envelope = profile_envelope(profiles)
+    (low, opt, high), = envelope.values()
+    description = fake.EngineDescription(
+        inputs={"sample": ("FLOAT", low, opt, high)}, outputs={"out": "FLOAT"},
+        output_shape=lambda shapes: {"out": shapes["sample"]}, compute=lambda feeds: {"out": feeds["sample"] * 2 + 1},
+        profiles=profiles)
+    rig = Rig(tmp_path)
+    runner = rig.runner("unet", envelope, description=description, profiles=profiles)
+    runner.run(_sample((2, 4, 8, 8)))
+    context_class = type(rig.trt.contexts[0])
+
+    def refuse(self, profile_index, stream_handle):
+        raise RuntimeError("Error Code 3: API Usage Error (profile already in use by another context)")
+
+    monkeypatch.setattr(context_class, "set_optimization_profile_async", refuse)
+    with pytest.raises(RuntimeInputError, match=r"unet: TensorRT refused optimization profile 1 .*API Usage Error"):
+        runner.run(_sample((2, 4, 16, 16)))
+
+
+def test_hot_swaps_share_one_refitter_without_tensorrts_revalidation_and_refuse_non_finite_weights(
+        async_rig, monkeypatch):
+    """#45 item 11: each swap made a new Refitter and left `weights_validation` on (TensorRT reads every weight
+    again to look for NaN/inf on each swap). One Refitter per loaded engine now, validation off: the runner checks
+    the values once, on the host, when it uploads a set (NaN refused, naming the weight)."""
+    import sys
+
+    from trt_diffusion.errors import RefitError
+    from trt_diffusion.targets.tensorrt import engine as trt_engine
+
+    rig = async_rig
+    rig.refits = 0
+    rng = np.random.default_rng(0)
+    base = {"w": rng.standard_normal(64).astype(np.float32)}
+    stored = {name: array.copy() for name, array in base.items()}
+    module = _refit_tensorrt(rig, stored)
+    made, validation = [], []
+    init = module.Refitter.__init__
+
+    def counted(self, engine, logger):
+        made.append(engine)
+        init(self, engine, logger)
+
+    refit_async = module.Refitter.refit_cuda_engine_async
+
+    def recording(self, stream_handle):
+        validation.append(self.weights_validation)
+        return refit_async(self, stream_handle)
+
+    module.Refitter.__init__ = counted
+    module.Refitter.refit_cuda_engine_async = recording
+    monkeypatch.setitem(sys.modules, "tensorrt", module)
+    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: module)
+    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
+    plan = _plan(rig.tmp_path, "unet", STATIC, flags={"refit": True})
+    runner = TensorRTRunner(plan, name="unet", group=rig.group, trt_module=rig.trt, loader=lambda path: (
+        trt_engine.TensorRTEngine(path, EngineManifest.read(manifest_path(path)),
+                                  rig.trt.engine(_description(STATIC), rig.cudart))))
+    for weights in ({"w": base["w"] + 1}, {"w": base["w"] - 1}, {"w": base["w"] + 1}, None):
+        runner.refit(weights, base_weights=base, resident=True)
+    rig.cudart.run_stream(rig.group.stream)
+    np.testing.assert_array_equal(stored["w"], base["w"])
+    assert rig.refits == 4 and len(made) == 1 and validation == [False] * 4
+    bad = base["w"].copy()
+    bad[3] = np.nan
+    with pytest.raises(RefitError, match=r"weight\(s\) \['w'\] hold NaN or infinity"):
+        runner.refit({"w": bad}, base_weights=base, resident=True)
+    assert rig.refits == 4

@@ -160,7 +160,9 @@ class StepCacheSettings(Strict):
 
 class TensorRTSettings(Strict):
     optimization_level: int = Field(3, ge=0, le=5)
-    workspace_gb: float = Field(8.0, gt=0)
+    # the builder's workspace pool cap; None (default): no cap, as NVIDIA's demo/Diffusion builds (large attention
+    # tactics for Wan 720p or 2K FLUX need more than 8 GiB). Part of the engine keys only when set.
+    workspace_gb: float | None = Field(None, gt=0)
     # The GPU architectures a release serves: each becomes an engine of its own (its key and name change),
     # built on a host with that GPU (`build --ray` asks for a Ray resource of the same name). Empty: the
     # architecture of the GPU that builds.

@@ -22,8 +22,12 @@ def _option_int(spec: EngineSpec, name: str, default: int, low: int, high: int) 
     return value
 
 
-def _option_workspace_bytes(spec: EngineSpec) -> int:
-    value = spec.option("tensorrt_workspace_gb", 8)
+def _option_workspace_bytes(spec: EngineSpec) -> int | None:
+    """The builder's WORKSPACE pool limit; None (the default): no cap, as demo/Diffusion builds, so the large
+    attention tactics of Wan 720p or 2K FLUX are not excluded. An explicit workspace_gb keeps its engine key."""
+    value = spec.option("tensorrt_workspace_gb", None)
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise BuildError(f"{spec.name}: build option tensorrt_workspace_gb must be a positive number, got {value!r}")
     return int(value * GIB)
@@ -70,7 +74,7 @@ class BuildFlags:
     weight_streaming: bool = False
     version_compatible: bool = False
     builder_optimization_level: int = 3
-    workspace_bytes: int = 8 * GIB
+    workspace_bytes: int | None = None  # None: TensorRT's default, the device's memory (no cap)
 
     @classmethod
     def for_spec(cls, spec: EngineSpec, has_qdq: bool) -> BuildFlags:

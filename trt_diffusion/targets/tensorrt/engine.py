@@ -322,7 +322,8 @@ def _create_config(builder: trt.Builder, flags: BuildFlags, profiles: Sequence[P
     for name in flags.cleared_builder_flags():
         config.clear_flag(_builder_flag(name))
     config.builder_optimization_level = flags.builder_optimization_level
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, flags.workspace_bytes)
+    if flags.workspace_bytes is not None:  # only an explicit workspace_gb caps the tactics' scratch memory
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, flags.workspace_bytes)
     for index, shapes in enumerate(profiles):
         profile = builder.create_optimization_profile()
         for name, (min_shape, opt_shape, max_shape) in shapes.items():
@@ -485,12 +486,13 @@ def _engine_sizes(plan: trt.IHostMemory, version_compatible: bool, spec_name: st
 class TensorRTEngine:
     """A deserialized engine with its manifest; `refitted_names` are the weights that differ from the
     base ONNX's: those a refit saved into the plan (from its manifest, so a restore on load covers them)
-    and those refitted in this process since."""
+    and those refitted in this process since. `device_refitter`: the Refitter of its device-resident hot swaps."""
 
     plan_path: Path
     manifest: EngineManifest
     engine: trt.ICudaEngine
     refitted_names: set[str] = field(default_factory=set)
+    device_refitter: trt.Refitter | None = None
 
 
 def _check_plan_file(plan_path: Path, manifest: EngineManifest, for_refit: bool) -> None:
@@ -536,7 +538,7 @@ def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: En
     """
     plan_path = Path(plan_path)
     manifest = EngineManifest.read(manifest_path(plan_path))
-    stripped = bool(manifest.flags.get("strip_plan"))
+    stripped = manifest.stripped  # a stripped build refitted with a LoRA was saved with its weights
     if stripped and weights_onnx is None and not for_refit:  # `refit` restores every weight from the ONNX itself
         raise BuildError(f"engine plan {plan_path} is a stripped plan (STRIP_PLAN): load it with the ONNX it was "
                          "built from (weights_onnx), whose weights are refitted into it")
@@ -614,9 +616,20 @@ def run_engine(engine: TensorRTEngine | str | Path, feeds: Mapping[str, np.ndarr
 # ----------------------------------------------------------------------------------------------
 
 
-def _refitter(engine: TensorRTEngine) -> trt.Refitter:
-    if not (engine.manifest.flags.get("refit") or engine.manifest.flags.get("strip_plan")):
-        raise RefitError(f"engine {engine.manifest.spec_name} was not built refittable (refittable: false in its spec)")
+def _refitter(engine: TensorRTEngine, *, base_only: bool = False) -> trt.Refitter:
+    """A Refitter over the engine. A stripped plan built without REFIT is REFIT_IDENTICAL: TensorRT may refit it
+    only with the very weights it was built from (`base_only`: restoring them from its ONNX); anything else is
+    undefined behaviour there (NvInferRuntime.h, kREFIT_IDENTICAL), so a LoRA is refused."""
+    flags = engine.manifest.flags
+    if not flags.get("refit"):
+        if not flags.get("strip_plan"):
+            raise RefitError(f"engine {engine.manifest.spec_name} was not built refittable (refittable: false in its "
+                             "spec)")
+        if not base_only:
+            raise RefitError(
+                f"engine {engine.manifest.spec_name} is a stripped plan built REFIT_IDENTICAL (strip_plan without "
+                "refittable): TensorRT refits it only with the weights it was built from, never a LoRA; mark the "
+                "component refittable (REFIT) to refit other weights")
     _require_tensorrt()
     import tensorrt as trt
 
@@ -683,9 +696,41 @@ class DeviceWeights:
     nbytes: int
 
 
+def _device_refitter(engine: TensorRTEngine) -> trt.Refitter:
+    """One Refitter per loaded engine for its device-resident hot swaps (not one per swap): every weight name it
+    was ever given points at memory still held (a resident set or a base copy: each swap re-sets every name the
+    last one changed)."""
+    if engine.device_refitter is None:
+        refitter = _refitter(engine)
+        # the runner checked every value finite when it uploaded it (refit_weights.check_finite_weights):
+        # TensorRT's own validation would read the device weights again on every swap
+        refitter.weights_validation = False
+        engine.device_refitter = refitter
+    return engine.device_refitter
+
+
 def refit_prototypes(engine: TensorRTEngine, names: Iterable[str]) -> dict[str, tuple[str, int]]:
     """(dtype name, element count) of each named weight as the engine holds it (count -1: no such weight)."""
-    return _prototypes(_refitter(engine), names)
+    return _prototypes(_device_refitter(engine), names)
+
+
+def serialize_refitted(engine: TensorRTEngine, *, with_weights: bool) -> trt.IHostMemory:
+    """The plan of a refitted engine. A plan built with STRIP_PLAN keeps EXCLUDE_WEIGHTS in its default
+    serialization config (NvInferRuntime.h, SerializationFlag): `serialize()` would save it stripped again, and
+    its load would refit the base weights from the ONNX over the LoRA. `with_weights` (a LoRA was refitted):
+    the weights are saved in the plan (EXCLUDE_WEIGHTS cleared, as TensorRT-LLM and demo/Diffusion do); the
+    manifest's refit record then says the plan holds them (`EngineManifest.stripped` is False)."""
+    import tensorrt as trt
+
+    config = engine.engine.create_serialization_config()
+    if with_weights:
+        config.clear_flag(trt.SerializationFlag.EXCLUDE_WEIGHTS)
+    mark = _ERRORS.mark()
+    plan = engine.engine.serialize_with_config(config)
+    if plan is None:
+        raise RefitError(_with_trt_errors(f"TensorRT could not serialize the refitted engine "
+                                          f"{engine.manifest.spec_name}", mark))
+    return plan
 
 
 def refit_engine_on_device(
@@ -704,7 +749,7 @@ def refit_engine_on_device(
     import tensorrt as trt
 
     name = engine.manifest.spec_name
-    refitter = _refitter(engine)
+    refitter = _device_refitter(engine)
 
     def put(items: Mapping[str, DeviceWeights]) -> None:
         rejected = []
@@ -766,14 +811,17 @@ def refit_to_base(
     engine: TensorRTEngine,
     base_weights: Mapping[str, np.ndarray],
     names: Iterable[str] | None = None,
+    stream_handle: int | None = None,
 ) -> None:
     """Restore base weights: by default those refitted since the plan was built (its manifest's record
-    and this process's refits); pass `names=refittable_weight_names(engine)` to restore everything."""
+    and this process's refits); pass `names=refittable_weight_names(engine)` to restore everything.
+    `stream_handle`: queued on that stream (a serving runner's), as `refit_engine` does: the synchronous refit is
+    undefined while the engine has work queued (NvInferRuntime.h, IRefitter::refitCudaEngine)."""
     restore = sorted(engine.refitted_names if names is None else set(names))
     absent = [n for n in restore if n not in base_weights]
     if absent:
         raise RefitError(f"cannot restore engine {engine.manifest.spec_name}: the base weights lack {absent[:10]}")
-    refit_engine(engine, {n: base_weights[n] for n in restore}, base_weights)
+    refit_engine(engine, {n: base_weights[n] for n in restore}, base_weights, stream_handle=stream_handle)
     engine.refitted_names = set()
 
 
@@ -792,7 +840,7 @@ def refit_quantized_from_base(
     import tensorrt as trt
 
     name = engine.manifest.spec_name
-    refitter = _refitter(engine)
+    refitter = _refitter(engine, base_only=not weights)
     absent = sorted(set(weights) - set(refitter.get_all_weights()))
     if absent:
         raise RefitError(f"cannot refit the quantized engine {name}: TensorRT has no refittable weight named "
@@ -841,7 +889,7 @@ def refit_from_base(
     import tensorrt as trt
 
     name = engine.manifest.spec_name
-    refitter = _refitter(engine)
+    refitter = _refitter(engine, base_only=not weights)
     parser_refitter = trt.OnnxParserRefitter(refitter, _trt_logger())
     mark = _ERRORS.mark()
     if not parser_refitter.refit_from_file(str(base_onnx)):

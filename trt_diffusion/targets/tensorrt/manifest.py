@@ -96,7 +96,8 @@ class EngineManifest(BaseModel):
     # sha256 of the plan this manifest describes: checked before TensorRT deserializes it (plan_trust.py);
     # None only in manifests made in code, which nothing loads
     plan_sha256: str | None = None
-    # `device_memory_size_v2` of the engine (its activation memory, profile 0): the runner budgets the shared
+    # `device_memory_size_v2` of the engine: its activation memory, the largest over all its optimization profiles
+    # (NvInferRuntime.h; `get_device_memory_size_for_profile_v2` gives each one's): the runner budgets the shared
     # activation allocation with it before loading; None when the build could not read it back
     device_memory_bytes: int | None = None
     # `streamable_weights_size` of an engine built with weight streaming (None otherwise or unread)
@@ -138,6 +139,15 @@ class EngineManifest(BaseModel):
     def is_base(self) -> bool:
         """True when the plan holds its base weights; a refitted plan never passes for a built one."""
         return self.refit is None
+
+    @property
+    def stripped(self) -> bool:
+        """True when the plan on disk holds no weights (STRIP_PLAN) and takes them from its ONNX at load. A
+        stripped build whose LoRA refit completed was saved with its weights (engine.serialize_refitted): loading
+        it from the ONNX would put the base weights back over the LoRA."""
+        if not self.flags.get("strip_plan"):
+            return False
+        return self.refit is None or self.refit.in_progress or not self.refit.names
 
     def input(self, name: str) -> TensorSpec | None:
         return next((info for info in self.inputs if info.name == name), None)

@@ -8,6 +8,16 @@ families, bf16 for the DiTs, whose activations exceed fp16's range) while the I/
 weights, Q/DQ scales, Constant values and Cast targets become the base type (DequantizeLinear then yields it,
 as its scale's type decides), and casts at the graph inputs and outputs keep the engine's contract.
 
+Q/DQ scales. A weight's DequantizeLinear (its codes a constant) keeps its fp32 scale: DequantizeLinear-19 takes
+any float scale over integer/float8 codes and yields the scale's type, so the weight comes out exact in fp32 and a
+Cast gives the base type to its consumer. Lowered, an fp16 scale below 6.1e-5 (common for int8 weights of small
+magnitude) would become subnormal or zero, and a bf16 scale loses up to 0.4 % of every weight of its channel.
+An activation's QuantizeLinear must have its scale in the type of its input (opset 19), so activation scales are
+lowered; its Q and DQ share that one lowered value, so the grid stays consistent: the effect is a calibration
+amax changed by at most 2^-11 (fp16) or 2^-8 (bf16) relative, never a mismatch between Q and DQ. An fp16
+activation scale is kept at or above fp16's smallest normal (2^-14) so it never rounds to zero (a zero scale
+divides by zero in Q).
+
 What the project's fp16 export keeps in fp32 stays fp32 here too (`fp32_islands.py`: sinusoidal timestep /
 time-id / rotary embeddings, RMSNorm variances), with casts where an island meets the rest. Pure ONNX.
 """
@@ -33,16 +43,20 @@ FLOAT: int = onnx.TensorProto.FLOAT
 FLOAT16: int = onnx.TensorProto.FLOAT16
 BFLOAT16: int = onnx.TensorProto.BFLOAT16
 FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 2.0 ** -14  # smaller fp16 values are subnormal (fewer significant bits) or zero
 MIN_OPSET = 19  # QuantizeLinear/DequantizeLinear take float16/bfloat16 scales from opset 19 on
 # (op_type, input index) that the ONNX standard keeps float32 whatever the graph's precision
 FLOAT32_INPUTS = frozenset({("Resize", 2), ("Upsample", 1)})
 BASES: dict[str, int] = {Precision.fp16: FLOAT16, Precision.bf16: BFLOAT16}
-PASS_VERSION = "qdq-base-v2"  # v2: fp32 islands kept; bf16 bases
+PASS_VERSION = "qdq-base-v3"  # v2: fp32 islands kept; bf16 bases; v3: weight DQ scales stay fp32
 
 
-def _lowered(tensor: onnx.TensorProto, base_dir: str, low: int) -> onnx.TensorProto:
+def _lowered(tensor: onnx.TensorProto, base_dir: str, low: int, scale: bool = False) -> onnx.TensorProto:
+    """`tensor` in the low type; `scale`: a Q/DQ scale (positive), kept at or above fp16's smallest normal."""
     array = numpy_helper.to_array(tensor, base_dir=base_dir)
     if low == FLOAT16:
+        if scale:
+            array = np.maximum(array, FP16_MIN_NORMAL)
         return numpy_helper.from_array(np.clip(array, -FP16_MAX, FP16_MAX).astype(np.float16), tensor.name)
     import ml_dtypes
 
@@ -96,10 +110,18 @@ def qdq_over_precision(model: onnx.ModelProto, precision: str = Precision.fp16, 
     island_constants = {name for name in constants if consumers.get(name) and consumers[name] <= island}
     fp32 = ({out for i in island for out in graph.node[i].output if types.get(out) == FLOAT}
             | {v.name for v in graph.input if types.get(v.name) == FLOAT} | island_constants | keep32)
+    # a weight's DequantizeLinear (codes from a constant): its scale and its output stay fp32 (exact weights)
+    initializers = {t.name for t in graph.initializer} | constants
+    weight_dq = {index for index, node in enumerate(graph.node)
+                 if node.op_type == "DequantizeLinear" and node.input and node.input[0] in initializers
+                 and len(node.input) > 1 and types.get(node.input[1]) == FLOAT}
+    fp32 |= {name for i in weight_dq for name in (graph.node[i].input[1], graph.node[i].output[0])}
+    scales = {node.input[1] for node in graph.node
+              if node.op_type in ("QuantizeLinear", "DequantizeLinear") and len(node.input) > 1}
 
     for index, tensor in enumerate(graph.initializer):
         if tensor.data_type == FLOAT and tensor.name not in fp32:
-            graph.initializer[index].CopyFrom(_lowered(tensor, base, low))
+            graph.initializer[index].CopyFrom(_lowered(tensor, base, low, scale=tensor.name in scales))
     for index, node in enumerate(graph.node):
         if index in island:
             continue
@@ -108,7 +130,7 @@ def qdq_over_precision(model: onnx.ModelProto, precision: str = Precision.fp16, 
                 attribute.i = low
             elif attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == FLOAT:
                 if not any(out in fp32 for out in node.output):
-                    attribute.t.CopyFrom(_lowered(attribute.t, base, low))
+                    attribute.t.CopyFrom(_lowered(attribute.t, base, low, scale=any(o in scales for o in node.output)))
 
     # float outputs computed in the low type: the producer writes `<name>__<low>`, a Cast gives the fp32 output
     suffix = {FLOAT16: Precision.fp16, BFLOAT16: Precision.bf16}[low]
@@ -129,7 +151,8 @@ def qdq_over_precision(model: onnx.ModelProto, precision: str = Precision.fp16, 
                 continue
             if index in island and name not in fp32:
                 node.input[position] = casts.of(name, FLOAT)
-            elif index not in island and name in fp32 and (node.op_type, position) not in FLOAT32_INPUTS:
+            elif (index not in island and name in fp32 and (node.op_type, position) not in FLOAT32_INPUTS
+                  and not (index in weight_dq and position == 1)):
                 node.input[position] = casts.of(name, low)
         nodes += [*casts.flush(), node]
     del graph.node[:]

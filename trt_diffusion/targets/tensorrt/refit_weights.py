@@ -50,6 +50,16 @@ def prepare_refit_weights(
     return prepared
 
 
+def check_finite_weights(engine_name: str, weights: Mapping[str, np.ndarray]) -> None:
+    """RefitError naming the weights holding NaN or infinity: what TensorRT's `weights_validation` would refuse,
+    checked once when a weight set is uploaded for device-resident swaps (which skip that validation)."""
+    bad = sorted(name for name, array in weights.items()
+                 if array.dtype.kind == "f" or array.dtype.name == "bfloat16"
+                 if not np.isfinite(np.asarray(array, np.float32)).all())
+    if bad:
+        raise RefitError(f"cannot refit engine {engine_name}: weight(s) {bad[:5]} hold NaN or infinity")
+
+
 def weights_for_refit(
     engine_name: str,
     refitted_before: Iterable[str],

@@ -474,7 +474,11 @@ class TensorRTRunner(BaseRunner):
     def _select_profile(self, context: trt.IExecutionContext, index: int) -> None:
         """Make optimization profile `index` the context's (queued on the group's stream); every input shape must
         then be set again."""
-        if not context.set_optimization_profile_async(index, self.group.cuda.stream_handle(self.group.stream)):
+        try:  # the bindings raise where the C++ call returns false (pyCore.cpp); older ones returned False
+            accepted = context.set_optimization_profile_async(index, self.group.cuda.stream_handle(self.group.stream))
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise RuntimeInputError(f"{self.name}: TensorRT refused optimization profile {index} ({err})") from None
+        if not accepted:
             raise RuntimeInputError(f"{self.name}: TensorRT refused optimization profile {index}")
         self._profile = index
         self._shapes.clear()
@@ -565,8 +569,8 @@ class TensorRTRunner(BaseRunner):
             self.activate()
             assert self.engine is not None and group.stream is not None
             cuda = group.cuda
-            if self._pending:  # device outputs of the last call: their copies are queued before the refit anyway
-                self._pending = False
+            # `_pending` stays as it is: every refit below is queued on the stream after the runs already there
+            # (the pinned buffers those runs read are still the next host run's to wait for)
             self._drop_graph()
             handle = cuda.stream_handle(group.stream)
             arrays = dict(weights or {})
@@ -582,7 +586,7 @@ class TensorRTRunner(BaseRunner):
                     if base_weights is None:
                         raise RuntimeInputError(f"{self.name}: restoring the base weights needs base_onnx or "
                                                 "base_weights")
-                    trt_engine.refit_to_base(self.engine, base_weights)
+                    trt_engine.refit_to_base(self.engine, base_weights, stream_handle=handle)
                 else:
                     trt_engine.refit_engine(self.engine, arrays, base_weights, stream_handle=handle)
             record = (RefitRecord(weights_sha256=weights_digest(arrays), names=tuple(sorted(arrays)))
@@ -644,11 +648,12 @@ class TensorRTRunner(BaseRunner):
         """Cast to the engine's dtypes, copy to fresh device memory on the group's stream, synchronize once (the
         host arrays may go then), and count the bytes against the group's memory bound."""
         from . import engine as trt_engine
-        from .refit_weights import prepare_refit_weights
+        from .refit_weights import check_finite_weights, prepare_refit_weights
 
         assert self.engine is not None
         group, cuda = self.group, self.group.cuda
         prepared = prepare_refit_weights(self.name, trt_engine.refit_prototypes(self.engine, arrays), arrays)
+        check_finite_weights(self.name, prepared)  # once, on the host: the device swaps skip TensorRT's validation
         uploaded: dict[str, DeviceWeights] = {}
         held = 0
         try:
@@ -755,7 +760,9 @@ class TensorRTRunner(BaseRunner):
         self.stats.runs += 1
         if on_device:
             outputs = self._device_outputs(stream, torch_stream)
-            self._pending = True
+            # only a host feed among them went through the pinned buffers the next call rewrites: a step whose
+            # feeds are all on the device leaves nothing to wait for (the stream orders the device buffers)
+            self._pending = len(keep) < len(feeds)
             del keep
             return outputs
         return self._host_outputs(stream)

@@ -64,8 +64,9 @@ class TensorRTTarget(TargetBase):
 
     def build_options(self, config) -> dict:
         settings = config.build.tensorrt
-        options = {"tensorrt_optimization_level": settings.optimization_level,
-                   "tensorrt_workspace_gb": settings.workspace_gb}
+        options = {"tensorrt_optimization_level": settings.optimization_level}
+        if settings.workspace_gb is not None:  # set explicitly: its engines keep the key they had with it
+            options["tensorrt_workspace_gb"] = settings.workspace_gb
         # only where not the default: a default keeps every engine's key as it was
         for name, default in OPTIONAL_SETTINGS.items():
             value = getattr(settings, name, default)
@@ -171,7 +172,9 @@ class TensorRTTarget(TargetBase):
         else:
             arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
             trt_engine.refit_from_base(loaded, onnx_path, arrays)
-        save_refitted_plan(engine.path, loaded.manifest, loaded.engine.serialize(), arrays)
+        # a stripped plan refitted with a LoRA is saved with its weights (else its load restores the base ones)
+        plan = trt_engine.serialize_refitted(loaded, with_weights=bool(arrays))
+        save_refitted_plan(engine.path, loaded.manifest, plan, arrays)
         return len(arrays)
 
     def triton_model(self, engine: BuiltEngine, *, engine_backend: str) -> TritonEngineModel:
@@ -184,7 +187,7 @@ class TensorRTTarget(TargetBase):
         if problem:  # packaged files are hashed in full: a repository never carries a plan its manifest disowns
             raise BuildError(problem)
         files = {PACKAGED_PLAN: Path(engine.path), PACKAGED_MANIFEST: manifest_path(engine.path)}
-        if engine.manifest.flags.get("strip_plan"):  # no weights in the plan: the ONNX goes with it
+        if engine.manifest.stripped:  # no weights in the plan: the ONNX goes with it
             return self._stripped_triton_model(engine, files)
         # a multi-profile plan (engine_layout: profiles): every profile listed, Triton picks one by the shapes
         profiles = tuple(str(i) for i in range(len(engine.manifest.profiles or ())))
@@ -231,7 +234,7 @@ class TensorRTTarget(TargetBase):
         from .runner import TensorRTRunner
 
         plan = Path(folder) / PACKAGED_PLAN
-        stripped = bool(EngineManifest.read(manifest_path(plan)).flags.get("strip_plan"))
+        stripped = EngineManifest.read(manifest_path(plan)).stripped
         loader = functools.partial(load_engine, device=device or 0,
                                    weights_onnx=Path(folder) / PACKAGED_WEIGHTS_ONNX if stripped else None)
         return TensorRTRunner(plan, name=name, loader=loader, device=device)
