@@ -137,6 +137,8 @@ class WarmupReport:
 
 def port_is_free(port: int) -> bool:
     with socket.socket() as sock:
+        # as tritonserver binds: a port left in TIME_WAIT by the last run is free, one with a listener is not
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
