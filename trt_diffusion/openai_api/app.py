@@ -1,12 +1,16 @@
 """The routes: POST /v1/images/generations, POST /v1/images/edits, GET /v1/models[/{id}], GET /health.
 
 Every error leaves as OpenAI's error shape (errors.py); a bad request never costs Triton a call: the body, the
-model, the size and n are checked here against what the entry declares, the rest by the entry itself."""
+model, the size, n and the LoRAs are checked here against what the entry declares and the limits it documents,
+the rest by the entry itself. An uploaded image is checked by its header before it is decoded, and decoded in a
+worker thread, a few at a time (pngs.DecodeSlots): the event loop keeps answering meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
+import json
 import logging
 import secrets
 import time
@@ -15,15 +19,17 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..image_files import ImageParameters
 from ..triton.client import ImageRequest, parse_url
 from . import bodies, pngs
 from .catalog import Catalog, ServedModel, check_n, check_size
 from .errors import ApiError, bad_request
+from .guards import BrowserGuard
 from .limits import BodyLimit
 from .settings import ApiSettings
-from .triton_calls import infer_images, request_tensors, until_done_or_gone
+from .triton_calls import infer_images, until_done_or_gone
 
 log = logging.getLogger("trt_diffusion.openai_api")
 DEFAULT_GUIDANCE = 7.5  # the CLI's default (ImageRequest)
@@ -34,6 +40,7 @@ MAX_FORM_FIELDS = 32
 
 def create_app(settings: ApiSettings):
     settings.check()
+    decodes = pngs.DecodeSlots(settings.max_decodes)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -43,7 +50,7 @@ def create_app(settings: ApiSettings):
         client = grpc_aio.InferenceServerClient(address, ssl=tls, channel_args=[
             ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
         app.state.triton = client
-        app.state.catalog = Catalog(client)
+        app.state.catalog = Catalog(client, max_age_s=settings.catalog_max_age_s)
         try:
             yield
         finally:
@@ -69,6 +76,12 @@ def create_app(settings: ApiSettings):
         return JSONResponse(ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}").body(),
                             status_code=err.status_code)
 
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, err: ClientDisconnect):  # one line: nothing went wrong here
+        log.warning("%s %s: the client disconnected before its request arrived whole", request.method,
+                    request.url.path)
+        return JSONResponse(ApiError(499, "the client disconnected").body(), status_code=499)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
         log.exception("internal error on %s %s", request.method, request.url.path)
@@ -79,11 +92,11 @@ def create_app(settings: ApiSettings):
         live = await request.app.state.triton.is_server_live()
         if not live:
             raise ApiError(503, "Triton is not live")
-        return {"status": "ok"}
+        return {"status": "ok", "decodes": decodes.state()}
 
     @app.get("/v1/models")
     async def models(request: Request):
-        served = await request.app.state.catalog.models(refresh=True)
+        served = await request.app.state.catalog.models()
         return {"object": "list", "data": [_model_card(m) for m in served.values()]}
 
     @app.get("/v1/models/{name}")
@@ -92,6 +105,7 @@ def create_app(settings: ApiSettings):
 
     @app.post("/v1/images/generations")
     async def generations(request: Request):
+        _json_only(request)
         body = bodies.parse_generation(await request.body())
         served = await request.app.state.catalog.resolve(body.model)
         width, height = check_size(body.size, served)
@@ -102,17 +116,43 @@ def create_app(settings: ApiSettings):
         fields, files = await _read_form(request)
         body = bodies.parse_edit(fields)
         served = await request.app.state.catalog.resolve(body.model)
-        image, mask = pngs.read_edit_inputs(files["image"], files.get("mask"))
-        size = f"{image.shape[1]}x{image.shape[0]}"
-        if body.size is not None and body.size != size:
-            raise bad_request(f"size {body.size} differs from the image's {size}: images are not resized (send "
-                              "the image at a served size)", "size")
-        width, height = check_size(size, served)
+
+        def served_size(width: int, height: int) -> None:  # from the image's header, before its pixels
+            size = f"{width}x{height}"
+            if body.size is not None and body.size != size:
+                raise bad_request(f"size {body.size} differs from the image's {size}: images are not resized (send "
+                                  "the image at a served size)", "size")
+            check_size(size, served)
+
+        image, mask = await decodes.run(pngs.read_edit_inputs, files["image"], files.get("mask"), served_size)
+        height, width = image.shape[:2]
         workflow = _edit_workflow(served, mask is not None)
         return await _generate(request, settings, served, body, width, height, workflow=workflow,
                                init_image=image, mask=mask, strength=body.strength)
 
-    return BodyLimit(app, settings.max_body_bytes)
+    return BrowserGuard(BodyLimit(app, settings.max_body_bytes, settings.body_timeout_s), settings)
+
+
+def _json_only(request: Request) -> None:
+    """A JSON route reads only `application/json`: a browser may send text/plain (or a form) from any page without
+    asking first, so taking those as JSON would let any page drive the API (415 instead)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, f"{request.url.path} takes application/json, got "
+                            f"{content_type or 'no content type'!r}", code="unsupported_media_type")
+
+
+def _checked_loras(loras: list) -> str:
+    """The request's loras as the LORAS JSON the entry takes, checked here against the entry's own limits (its
+    bytes, count, names and scales: docs/triton.md) so a refused value never travels to Triton."""
+    from ..errors import RuntimeInputError
+    from ..triton import lora_sets
+
+    try:
+        return lora_sets.to_json(lora_sets.parse_loras(json.dumps(loras, allow_nan=False)))
+    except (RuntimeInputError, ValueError, OverflowError) as err:
+        message = str(err).replace("LORAS", "loras", 1)
+        raise bad_request(message if message.startswith("loras") else f"loras: {message}", "loras") from None
 
 
 def _model_card(model: ServedModel) -> dict:
@@ -123,7 +163,7 @@ def _model_card(model: ServedModel) -> dict:
 async def _read_form(request) -> tuple[dict[str, str], dict[str, bytes]]:
     """(text fields, files) of a multipart edit request: one image, an optional mask."""
     content_type = request.headers.get("content-type", "")
-    if not content_type.startswith("multipart/form-data"):
+    if content_type.partition(";")[0].strip().lower() != "multipart/form-data":
         raise ApiError(415, f"/v1/images/edits takes multipart/form-data (an image file and fields), got "
                             f"{content_type or 'no content type'!r}")
     form = await request.form(max_files=len(FORM_FILES), max_fields=MAX_FORM_FIELDS)
@@ -160,9 +200,12 @@ def _edit_workflow(served: ServedModel, has_mask: bool) -> str:
 async def _generate(request, settings: ApiSettings, served: ServedModel, body, width: int, height: int,
                     **image_inputs):
     check_n(body.n, served)
-    if body.loras is not None and not served.takes_loras:
-        raise bad_request(f"loras: {served.name} takes no LoRAs per request (its entry has no LORAS input)",
-                          "loras")
+    loras = None
+    if body.loras is not None:
+        if not served.takes_loras:
+            raise bad_request(f"loras: {served.name} takes no LoRAs per request (its entry has no LORAS input)",
+                              "loras")
+        loras = _checked_loras(body.loras)
     seed = body.seed if body.seed is not None else secrets.randbelow(MAX_RANDOM_SEED)
     if seed + body.n - 1 > bodies.MAX_SEED:  # image i reports seed + i: each must be a seed a request can send
         raise bad_request(f"seed {seed} with n={body.n} would give image seeds up to {seed + body.n - 1}, beyond "
@@ -171,8 +214,8 @@ async def _generate(request, settings: ApiSettings, served: ServedModel, body, w
     guidance = body.guidance_scale if body.guidance_scale is not None else DEFAULT_GUIDANCE
     image_request = ImageRequest(body.prompt, height, width, steps=body.num_inference_steps,
                                  guidance_scale=guidance, seed=seed, negative_prompt=body.negative_prompt,
-                                 num_images=body.n, **image_inputs)
-    tensors = request_tensors(image_request, body.loras)
+                                 num_images=body.n, loras=loras, **image_inputs)
+    tensors = image_request.tensors()
     images = await until_done_or_gone(
         request, infer_images(request.app.state.triton, served.name, tensors, settings.timeout_s))
     if images.shape[0] != body.n:

@@ -16,6 +16,7 @@ MAX_PROMPT_CHARS = 4096  # the entry's PROMPT limit (docs/triton.md)
 MAX_N = 10  # OpenAI's own bound; a served entry may allow fewer (its max_images)
 MAX_SEED = 2**63 - 1  # SEED is INT64
 DEFAULT_STEPS = 20
+MAX_JSON_DEPTH = 16  # our deepest field (loras: a list of objects) is 2 levels below the body
 
 
 class _Body(BaseModel):
@@ -85,12 +86,39 @@ def validation_message(err: ValidationError, model: type[BaseModel]) -> tuple[st
     return "; ".join(problems), first
 
 
-def parse_generation(raw: bytes) -> GenerationBody:
-    """The JSON body of a generation request; ApiError 400 naming what is wrong."""
+def load_json(raw: bytes | str, what: str = "the body", field: str | None = None) -> Any:
+    """JSON text as Python values; 400 for text that is not JSON or that nests deeper than MAX_JSON_DEPTH (the
+    decoder recurses per level: 100,000 `[` would be a RecursionError, and a deep value one later in pydantic or
+    json.dumps)."""
     try:
         data = json.loads(raw)
+    except RecursionError:
+        raise bad_request(f"{what} nests too deeply (at most {MAX_JSON_DEPTH} levels)", field) from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the body is not JSON: {exc}") from None
+        raise bad_request(f"{what} is not JSON: {exc}", field) from None
+    if _depth(data) > MAX_JSON_DEPTH:
+        raise bad_request(f"{what} nests too deeply (at most {MAX_JSON_DEPTH} levels)", field)
+    return data
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if level > MAX_JSON_DEPTH:
+            break
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def parse_generation(raw: bytes) -> GenerationBody:
+    """The JSON body of a generation request; ApiError 400 naming what is wrong."""
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
     return _validate(GenerationBody, data, strict=True)
@@ -101,10 +129,13 @@ def parse_edit(fields: dict[str, str]) -> EditBody:
     data: dict[str, Any] = dict(fields)
     if "loras" in data:  # a JSON list in a form field
         try:
-            data["loras"] = json.loads(data["loras"])
-        except ValueError:
+            data["loras"] = load_json(data["loras"], "loras", "loras")
+        except ApiError as err:
+            if "nests too deeply" in err.message:
+                raise
+            shown = data["loras"] if len(data["loras"]) <= 80 else data["loras"][:77] + "..."
             raise bad_request(f"loras must be a JSON list like [{{\"name\": \"style\", \"scale\": 0.8}}], got "
-                              f"{data['loras']!r}", "loras") from None
+                              f"{shown!r}", "loras") from None
     return _validate(EditBody, data, strict=False)
 
 

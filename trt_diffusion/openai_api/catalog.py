@@ -1,10 +1,14 @@
 """What the API serves: Triton's loaded trt-diffusion entries (role `entry`) of image families, read from the
-server itself (so `openai-api --triton-url` works from another host) and re-read when a request names a model
-the last reading lacked (a repository reloaded since)."""
+server itself (so `openai-api --triton-url` works from another host). The reading is kept for `max_age_s` and
+re-read when a request needs it after that: a request naming a model the reading lacks (a repository reloaded
+since) is answered from it meanwhile, so a stream of bad model names costs Triton one reading per `max_age_s`, not
+one per request."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..families import family_info
@@ -34,15 +38,29 @@ def _parameters(config) -> dict[str, str]:
 
 
 class Catalog:
-    def __init__(self, client):
+    def __init__(self, client, max_age_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.client = client  # tritonclient.grpc.aio.InferenceServerClient
+        self.max_age_s = max_age_s
+        self.clock = clock
         self._models: dict[str, ServedModel] | None = None
+        self._read_at = 0.0
         self._first_seen: dict[str, int] = {}
+        self._lock: asyncio.Lock | None = None  # made on first use, in the server's event loop
 
-    async def models(self, refresh: bool = False) -> dict[str, ServedModel]:
-        if self._models is None or refresh:
-            self._models = await self._read()
+    async def models(self) -> dict[str, ServedModel]:
+        """The served models: the last reading while it is younger than max_age_s, else a new one (one at a time:
+        requests arriving meanwhile share it)."""
+        if self._fresh():
+            return self._models
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            if not self._fresh():
+                self._models = await self._read()
+                self._read_at = self.clock()
         return self._models
+
+    def _fresh(self) -> bool:
+        return self._models is not None and self.clock() - self._read_at < self.max_age_s
 
     async def _read(self) -> dict[str, ServedModel]:
         index = await self.client.get_model_repository_index()
@@ -66,8 +84,6 @@ class Catalog:
     async def resolve(self, name: str | None) -> ServedModel:
         """The model a request names; 404 listing the served ones. No name: the only model, else 400."""
         models = await self.models()
-        if name is not None and name not in models:
-            models = await self.models(refresh=True)
         listed = ", ".join(sorted(models)) or "none"
         if name is None:
             if len(models) != 1:

@@ -9,6 +9,17 @@ from ..errors import ServeError
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # an edit's image and mask travel in the body: 16 MB holds 2048² PNGs
 DEFAULT_TIMEOUT_S = 600.0
+# The connection limits (docs/security.md, "Browsers and the API"): a slow or idle socket cannot hold the server.
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive whole within this of the connection (or of the
+# previous answer on a kept-alive one)
+DEFAULT_KEEP_ALIVE_S = 5  # an idle kept-alive connection is closed after this (uvicorn's timeout_keep_alive)
+DEFAULT_BODY_TIMEOUT_S = 60.0  # the whole body within this of the request's start (16 MB: 270 KB/s at least)
+DEFAULT_MAX_CONNECTIONS = 128  # open connections and running requests beyond this are answered 503 (uvicorn's
+# limit_concurrency); well above the entries' queues (8 by default), so Triton's 429 still speaks first
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024  # the request line and headers (h11_max_incomplete_event_size)
+DEFAULT_MAX_DECODES = 2  # uploaded images decoded at once (worker threads); more wait their turn
+DEFAULT_CATALOG_MAX_AGE_S = 5.0  # the served models are re-read from Triton at most this often
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # Host names always accepted (besides the bind address)
 
 
 @dataclass(frozen=True)
@@ -19,6 +30,17 @@ class ApiSettings:
     api_key: str | None = None  # set: every request needs `Authorization: Bearer <key>` (401 otherwise)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S  # one request to Triton at most (queue included)
+    # Browsers (docs/security.md): the Host names a request may carry besides the bind address and loopback's, and
+    # the web origins whose pages may call the API (a request with any other Origin header is refused, 403).
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    keep_alive_s: int = DEFAULT_KEEP_ALIVE_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_decodes: int = DEFAULT_MAX_DECODES
+    catalog_max_age_s: float = DEFAULT_CATALOG_MAX_AGE_S
 
     def check(self) -> ApiSettings:
         problems = []
@@ -39,6 +61,64 @@ class ApiSettings:
                 parse_url(self.triton_url, "grpc")
             except ServeError as err:
                 problems.append(str(err).replace("--url", "--triton-url", 1))
+        for name, value in (("header timeout", self.header_timeout_s), ("keep-alive", self.keep_alive_s),
+                            ("body timeout", self.body_timeout_s), ("catalog age", self.catalog_max_age_s)):
+            if not value > 0:
+                problems.append(f"the {name} must be positive, got {value}")
+        for name, value in (("connection limit", self.max_connections), ("header size limit", self.max_header_bytes),
+                            ("decode limit", self.max_decodes)):
+            if value < 1:
+                problems.append(f"the {name} must be at least 1, got {value}")
+        problems += [problem for host in self.allowed_hosts if (problem := host_problem(host))]
+        problems += [problem for origin in self.cors_origins if (problem := origin_problem(origin))]
         if problems:
             raise ServeError("; ".join(problems))
         return self
+
+    def host_names(self) -> frozenset[str]:
+        """The Host names a request may carry: loopback's, the bind address (unless a wildcard), --allowed-hosts."""
+        names = {*LOOPBACK_HOSTS, *(normal_host(host) for host in self.allowed_hosts)}
+        if self.host not in ("0.0.0.0", "::", ""):
+            names.add(normal_host(self.host))
+        return frozenset(names)
+
+    def origins(self) -> frozenset[str]:
+        return frozenset(normal_origin(origin) for origin in self.cors_origins)
+
+
+def normal_host(host: str) -> str:
+    """A host name as Host headers are compared: lower case, without IPv6 brackets or a trailing dot."""
+    host = host.strip().lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host.rstrip(".")
+
+
+def host_problem(host: str) -> str | None:
+    text = host.strip()
+    if not text or text in ("*", "0.0.0.0", "::") or any(c in text for c in "/@ ,") or "://" in text:
+        return (f"--allowed-hosts {host!r} is not a host name: give the name or address clients use, without "
+                "scheme, port or path (e.g. images.example.com)")
+    if ":" in text.strip("[]") and not text.startswith("[") and text.count(":") == 1:
+        return f"--allowed-hosts {host!r}: give the host without its port (every port of the name is accepted)"
+    return None
+
+
+def normal_origin(origin: str) -> str:
+    return origin.strip().lower().rstrip("/")
+
+
+def origin_problem(origin: str) -> str | None:
+    from urllib.parse import urlsplit
+
+    text = normal_origin(origin)
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query \
+            or parts.fragment or parts.username:
+        return (f"--cors-origin {origin!r} is not a web origin: give scheme://host[:port] as browsers send it "
+                "(e.g. https://app.example.com), one per option")
+    return None

@@ -4,24 +4,15 @@ HTTP client goes away, the gRPC call is cancelled and the entry stops at its nex
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import numpy as np
 
 from ..triton import contract
-from ..triton.client import ImageRequest, make_inputs
-from .catalog import LORAS_INPUT
+from ..triton.client import make_inputs
 from .errors import ApiError
 
 DISCONNECT_POLL_S = 0.2
-
-
-def request_tensors(request: ImageRequest, loras: list | None) -> dict[str, np.ndarray]:
-    tensors = request.tensors()
-    if loras is not None:
-        tensors[LORAS_INPUT] = np.array([[json.dumps(loras).encode("utf-8")]], dtype=object)
-    return tensors
 
 
 async def infer_images(client, model: str, tensors: dict[str, np.ndarray], timeout_s: float) -> np.ndarray:
