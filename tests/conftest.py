@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,33 @@ def built_sd15(tmp_path_factory, tiny_sd15_dir, write_engines_yaml) -> Path:
     if report.failed:
         raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
     return config
+
+
+@dataclass(frozen=True)
+class SealedRelease:
+    config: Path  # engines.yaml of a copy of `built_sd15`'s workspace, its engine release signed
+    private_key: Path
+    public_key: Path
+    repo: Path  # packaged with --verify and sealed with --sign: treat it as read-only, copy it to tamper
+
+
+@pytest.fixture(scope="session")
+def sealed_sd15(tmp_path_factory, built_sd15) -> SealedRelease:
+    """The tiny sd15 release as a release host makes it: `manifest --sign`, then `package --verify --sign`."""
+    import shutil
+
+    from trt_diffusion import api, signing
+    from trt_diffusion.triton import stage
+
+    root = tmp_path_factory.mktemp("sealed")
+    folder = root / "release"
+    shutil.copytree(built_sd15.parent, folder, ignore=shutil.ignore_patterns("triton_repo*"))
+    config = folder / "engines.yaml"
+    api.manifest(config)
+    private, public, _ = signing.generate_keys(root / "keys" / "release.pem")
+    signing.sign_release_file(folder / "build" / signing.RELEASE_FILE, private)
+    stage.package_stage(config, root / "sealed-repo", verify_keys=[public], sign_key=private)
+    return SealedRelease(config, private, public, root / "sealed-repo")
 
 
 @pytest.fixture(scope="session")

@@ -114,8 +114,14 @@ def sign_release(manifest: dict, private_key_path: str | os.PathLike) -> dict:
                              "rebuild or remove them before signing")
     if not manifest.get("engines"):
         raise SignatureError("the release manifest lists no engines; nothing to sign")
+    return sign_document(manifest, private_key_path)
+
+
+def sign_document(document: dict, private_key_path: str | os.PathLike) -> dict:
+    """`document` with a `signature` block over the canonical JSON of the rest (a release manifest, or the
+    repository manifest of triton/sealed_repository.py)."""
     key = load_private_key(private_key_path)
-    payload = {k: v for k, v in manifest.items() if k not in ("signature", "path")}
+    payload = {k: v for k, v in document.items() if k not in ("signature", "path")}
     value = key.sign(canonical(payload))
     return {**payload, "signature": {"algorithm": ALGORITHM, "key_id": key_id(key.public_key()),
                                      "value": base64.b64encode(value).decode()}}

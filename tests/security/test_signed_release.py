@@ -57,20 +57,20 @@ def test_keys_are_written_once_and_name_their_key_id(tmp_path):
 def test_a_signed_release_round_trip_and_a_resealed_engine(workspace):
     config, public, tmp_path = workspace
     out = tmp_path / "repo"
-    stage.package_stage(config, out, verify_keys=[public])
+    stage.package_stage(config, out, verify_keys=[public], sign_key=tmp_path / "keys" / "release.pem")
     verify_repository(out, [public])  # serve --verify's check
 
     # a flipped byte in the packaged repository is refused by serve --verify
     served = next(p for p in out.glob("*/1/model.onnx*") if p.stat().st_size > 1000)
     original = served.read_bytes()
     served.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-    with pytest.raises(SignatureError, match=r"differs from the signed release"):
+    with pytest.raises(SignatureError, match=r"differs from the signed repository"):
         verify_repository(out, [public])
     served.write_bytes(original)
     entry_code = next(out.glob("*/1/model.py"), None)
     pipeline_code = next(p for p in out.glob("*/1/model.py") if "pipeline_model" in p.read_text())
     pipeline_code.write_text(pipeline_code.read_text() + "\nimport os  # planted\n")
-    with pytest.raises(SignatureError, match=r"model.py is not the pipeline model package writes"):
+    with pytest.raises(SignatureError, match=r"model.py differs from the signed repository"):
         verify_repository(out, [public])
     assert entry_code is not None
 

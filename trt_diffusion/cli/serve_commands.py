@@ -71,6 +71,9 @@ def package_command(
                                          help="also write <pipeline>_stream (gRPC streaming, previews)")] = True,
     verify_keys: Annotated[list[Path] | None, typer.Option("--verify", help="public key: package only engines the "
                                                            "signed release manifest covers (repeatable)")] = None,
+    sign_key: Annotated[Path | None, typer.Option("--sign", help="private key (release host, with --verify): sign "
+                                                  "every file of the repository, which serve --verify requires")]
+    = None,
 ):
     """Write a Triton model repository serving the built engines of one model."""
     from .. import api
@@ -82,7 +85,8 @@ def package_command(
                              batch_requests=batch_requests, batch_delay_ms=batch_delay_ms, max_images=max_images,
                              stream=stream, lora_cache_sets=lora_cache_sets)
     report = api.package(config, out, check_target_name(target), model=model or None, options=options,
-                         verify_keys=verify_keys or (), all_models=all_models, memory_budget_gb=memory_budget_gb)
+                         verify_keys=verify_keys or (), all_models=all_models, memory_budget_gb=memory_budget_gb,
+                         sign_key=sign_key)
     table = Table(title=f"Triton repository {report.repo}")
     for column in ("model", "role", "backend", "component", "bucket", "batch", "warm-up shapes"):
         table.add_column(column)
@@ -119,8 +123,9 @@ def serve_command(
     admin_apis: Annotated[bool, typer.Option("--admin-apis", help="leave Triton's shared-memory, trace and logging "
                                              "APIs open to every client (restricted by default; docs/security.md)")]
     = False,
-    verify_keys: Annotated[list[Path] | None, typer.Option("--verify", help="public key: serve only a repository "
-                                                           "whose engines the signed release covers (repeatable)")]
+    verify_keys: Annotated[list[Path] | None, typer.Option("--verify", help="public key: serve a private copy of "
+                                                           "a repository signed with package --sign, every file "
+                                                           "checked (repeatable)")]
     = None,
     openai_port: Annotated[int | None, typer.Option("--openai-port", min=1, max=65535, help="also serve the "
                                                     "OpenAI Images API on this port (127.0.0.1)")] = None,

@@ -1,4 +1,5 @@
-"""`serve --verify`: a packaged Triton repository checked against the signed release copied into it."""
+"""`serve --verify`: a packaged Triton repository checked against its signed repository manifest and the signed
+engine release copied into it."""
 
 from __future__ import annotations
 
@@ -8,14 +9,23 @@ from collections.abc import Sequence
 from pathlib import Path, PurePath
 
 from ..signing import RELEASE_FILE, SignatureError, covered_files, read_release, verify_release
+from .sealed_repository import check_repository
 
 
 def verify_repository(repo: str | os.PathLike, public_keys: Sequence[str | os.PathLike]) -> None:
-    """`serve --verify`: the repository's copy of the signed release verifies, and every engine model's
-    version folder holds only files the release lists for its engine key (by name, sha256 checked), the
-    python-backend wrapper package writes, and an OpenVINO compiled blob its covered manifest names; every
-    pipeline model's `model.py` is the one package writes. (The pipeline models' copied configs and tokenizers
-    come from the model folder, which the release does not cover.)"""
+    """The repository in place: every file exactly as its signed repository manifest lists
+    (sealed_repository.check_repository), then the engine models against the signed engine release
+    (`verify_engine_models`). `serve --verify` runs the same checks on its private copy instead."""
+    check_repository(repo, public_keys)
+    verify_engine_models(repo, public_keys)
+
+
+def verify_engine_models(repo: str | os.PathLike, public_keys: Sequence[str | os.PathLike]) -> None:
+    """The repository's copy of the signed engine release verifies, and every engine model's version folder
+    holds only files the release lists for its engine key (by name, sha256 checked), the python-backend wrapper
+    package writes, and an OpenVINO compiled blob its covered manifest names; every pipeline model's `model.py`
+    is the one package writes. (The repository's own files — configs, tokenizers, code — are covered by the
+    signed repository manifest: sealed_repository.py.)"""
     from ..workspace.files import sha256_file
     from .configs import ROLE
     from .repository import ENGINE_MODEL_PY, PIPELINE_MODEL_PY, VERSION

@@ -20,9 +20,10 @@ from .. import signing
 from ..engines_file.engine_spec import Size
 from ..errors import ServeError
 from . import memory_budget, naming
-from .release_check import verify_repository
+from .release_check import verify_engine_models
 from .report import PackageReport
 from .repository import PackageOptions, PipelineSource, package_models
+from .sealed_repository import seal_repository, verified_copy
 from .server import ServerPorts, TritonServer, free_port
 from .signals import stop_signals_interrupt
 from .validate import validate_repository
@@ -39,7 +40,7 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
                   model: str | Sequence[str] | None = None, options: PackageOptions | None = None,
                   lora_variant: str | None = None, verify_keys: Sequence[str | Path] = (),
                   release: str | Path | None = None, all_models: bool = False,
-                  memory_budget_gb: float | None = None) -> PackageReport:
+                  memory_budget_gb: float | None = None, sign_key: str | Path | None = None) -> PackageReport:
     """Package the built engines of one model of engines.yaml — or several (`model` a list, or `all_models`) into
     one repository, an entry per model — as a Triton repository.
 
@@ -47,7 +48,8 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
     must fit it (triton/memory_budget.py). `verify_keys` (public keys; several for rotation), required when
     engines.yaml says `build.trust: signed`: every engine must be exactly what the signed release manifest
     (`release`, default <workspace>/release-manifest.json) lists; the verified release is copied into the
-    repository for serve."""
+    repository for serve. `sign_key` (the release host's private key; needs `verify_keys`): sign every file of
+    the repository once it is written (sealed_repository.py), which `serve --verify` requires."""
     from ..engines_file import load_engines_file
     from ..runtime.loader import built_engines
 
@@ -57,6 +59,11 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
     if config.build.trust == "signed" and not verify_keys:
         raise signing.SignatureError(f"{config.path}: build.trust is signed: give the release's public key with "
                                      "--verify PUBKEY")
+    if sign_key is not None and not verify_keys:
+        raise signing.SignatureError("--sign seals a repository of verified engines only: give the release's public "
+                                     "key with --verify PUBKEY too")
+    if sign_key is not None:
+        signing.load_private_key(sign_key)  # a wrong key fails now, not after the whole package
     # LoRA per request: engines.yaml's refit LoRAs, split into each refittable engine's part (issue 28)
     from .lora_parts import served_lora_names, write_parts
 
@@ -83,6 +90,8 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
         shutil.copyfile(release_path, Path(out_dir) / signing.RELEASE_FILE)  # serve --verify checks it again
     if config.build.trust == "signed":  # serve then requires --verify too
         (Path(out_dir) / TRUST_FILE).write_text(json.dumps({"trust": "signed"}) + "\n")
+    if sign_key is not None:  # last: the seal covers every file written above
+        seal_repository(out_dir, sign_key)
     return report
 
 
@@ -159,32 +168,44 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
           metrics_port: int | None = None, work_dir: str | Path | None = None, ready_timeout_s: float = 900.0,
           first_request: bool = True, protocol: str = "grpc",
           admin_apis: bool = False, verify_keys: Sequence[str | Path] = (),
-          memory_budget_gb: float | None = None) -> tuple[TritonServer, WarmupReport]:
+          memory_budget_gb: float | None = None,
+          after_verify: Callable[[], None] | None = None) -> tuple[TritonServer, WarmupReport]:
     """Start a server on `repo` (bound to 127.0.0.1) and wait until it is ready and warm.
 
     `admin_apis`: leave Triton's shared-memory, trace and logging APIs open to every client
-    (closed by default: see server.py). `verify_keys`: every engine model's files must be covered by the
-    repository's signed release manifest (signing.verify_repository), checked before the server starts.
+    (closed by default: see server.py). `verify_keys`: the repository must be signed (`package --sign`); its
+    files are copied into a private folder of the work folder, every byte checked against the signature, and the
+    server runs on that copy, so a change to `repo` after the check is never served (sealed_repository.py).
+    `after_verify` is a test seam: called once the copy is verified, before anything reads it.
     `memory_budget_gb`: the models' estimated memory recorded by `package` must fit this host's budget."""
     repo = Path(repo).resolve()
-    report = PackageReport.read(repo)
-    if memory_budget_gb is not None:  # this host's budget, against what `package` estimated
-        memory_budget.check([memory_budget.MemoryShare(**share) for share in report.memory], memory_budget_gb)
-    validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
     if (repo / TRUST_FILE).is_file() and not verify_keys:
         raise signing.SignatureError(f"{repo} was packaged from a workspace with build.trust: signed; serve it "
                                      "with --verify PUBKEY")
-    if verify_keys:
-        verify_repository(repo, verify_keys)
     temporary = work_dir is None  # a folder made here is removed when the server stops (or fails to start)
     work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="trt-diffusion-serve-"))
     try:
-        server, seconds = start_server(repo, work_dir, (http_port, grpc_port, metrics_port), ready_timeout_s,
-                                        admin_apis)
+        if verify_keys:  # from here on `repo` is the verified private copy: nothing reads the original again
+            repo = verified_copy(repo, verify_keys, work_dir)
+            verify_engine_models(repo, verify_keys)
+            if after_verify is not None:
+                after_verify()
+        return _start_checked(repo, work_dir, temporary, (http_port, grpc_port, metrics_port), ready_timeout_s,
+                              first_request, protocol, admin_apis, memory_budget_gb)
     except BaseException:
         if temporary:
             shutil.rmtree(work_dir, ignore_errors=True)
         raise
+
+
+def _start_checked(repo: Path, work_dir: Path, temporary: bool, ports: tuple[int | None, int | None, int | None],
+                   ready_timeout_s: float, first_request: bool, protocol: str, admin_apis: bool,
+                   memory_budget_gb: float | None) -> tuple[TritonServer, WarmupReport]:
+    report = PackageReport.read(repo)
+    if memory_budget_gb is not None:  # this host's budget, against what `package` estimated
+        memory_budget.check([memory_budget.MemoryShare(**share) for share in report.memory], memory_budget_gb)
+    validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
+    server, seconds = start_server(repo, work_dir, ports, ready_timeout_s, admin_apis)
     server.remove_work_dir = temporary
     try:
         warmup = WarmupReport(str(repo), server.http_url, server.grpc_url, seconds, models_ready(server, report),
