@@ -141,3 +141,14 @@ class TargetBase:
         request (targets/lora_switch.py). `base`: the instance's base runner (its threads, cache, device).
         Targets that cannot refit at serve time say so here, and `package` refuses LoRAs for them."""
         raise NotImplementedError(f"the {self.name} target cannot switch LoRAs per request")
+
+    def lora_unservable_reason(self, spec: EngineSpec) -> str | None:
+        """Why this refittable engine cannot switch LoRAs per request although the target can (TensorRT: an fp8/int8
+        engine, whose LoRA needs recomputed weight scales); None: it can."""
+        return None
+
+    def lora_triton_model(self, engine: BuiltEngine, served: TritonEngineModel) -> TritonEngineModel:
+        """How the engine is served when it switches LoRAs per request: `served` (what `triton_model` gave) by
+        default; TensorRT serves it with the python backend (Triton's TensorRT backend cannot refit) and adds its
+        refit map."""
+        return served

@@ -108,6 +108,8 @@ def unservable_reason(built: Sequence[Any], parts: Mapping[str, ComponentParts])
             problems.append(f"{engine.spec.name} is not refittable")
         elif type(get_target(engine.spec.target)).lora_runner is TargetBase.lora_runner:
             problems.append(f"the {engine.spec.target} target cannot switch LoRAs per request ({engine.spec.name})")
+        elif reason := get_target(engine.spec.target).lora_unservable_reason(engine.spec):
+            problems.append(reason)
     if not problems:
         return None
     return ("LoRAs are not served per request (LORAS naming one is refused): " + "; ".join(dict.fromkeys(problems)))

@@ -357,6 +357,8 @@ def _engine_plan(pipeline: str, engine: Any, options: PackageOptions, cfg: Seque
     spec, manifest = engine.spec, engine.manifest
     name = naming.engine_model_name(pipeline, spec)
     served = get_target(spec.target).triton_model(engine, engine_backend=options.engine_backend)
+    if loras:  # LoRA per request: the target may serve it otherwise (TensorRT: python backend, refit map)
+        served = get_target(spec.target).lora_triton_model(engine, served)
     warmup = _warmup_samples(name, manifest, spec)
     instances, gpus = _instance_group(spec, served.instance_kind, options, cfg)
     outputs = _tensor_decls(manifest.outputs, name) + ([contract.LORA_SWITCH_S] if loras else [])

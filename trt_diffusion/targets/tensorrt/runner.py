@@ -322,6 +322,11 @@ class TensorRTRunner(BaseRunner):
         self._resident = ResidentSets(resident_lora_sets)
         self._resident_sets: dict[str, dict[str, DeviceWeights]] = {}
         self._resident_base: dict[str, DeviceWeights] = {}
+        # LoRA per request (serve_loras): the base values of every weight a served set changes; the set each run
+        # asks for (None: the base) and the set the engine holds now (its digest; None: the base)
+        self._lora_base: dict[str, np.ndarray] | None = None
+        self._wanted_set: tuple[str, Mapping[str, np.ndarray]] | None = None
+        self._applied_set: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -530,6 +535,9 @@ class TensorRTRunner(BaseRunner):
             group.budget.unpin(self.key)
         self._refit_pinned = False
         self._free_resident_weights()  # the stream is synchronized above: no refit still reads them
+        if self._lora_base is not None:  # serving LoRAs: the next load is the base plan; a run re-applies its set
+            self._applied_set = None
+            self.manifest = self._disk_manifest
         for buffer in self._buffers.values():
             self._free(buffer)
         self._buffers.clear()
@@ -711,9 +719,46 @@ class TensorRTRunner(BaseRunner):
             assert group.budget is not None
             group.budget.pin(self.key)
             try:
+                if self._lora_base is not None:  # serving LoRAs: this run's set first, queued before its copies
+                    self._apply_set(self._wanted_set)
                 yield
             finally:
                 group.budget.unpin(self.key)
+
+    # ------------------------------------------------------------------ LoRA per request (TensorRTTarget.lora_runner)
+
+    @property
+    def serving_loras(self) -> bool:
+        return self._lora_base is not None
+
+    def serve_loras(self, base_weights: Mapping[str, np.ndarray], resident_sets: int | None = None) -> None:
+        """Serve LoRA sets per request (a Triton engine model): `base_weights` (ONNX initializer names) are the base
+        values of every weight a served set changes. From now on each run holds the set it asks for: `run` the
+        base weights, `run_with_set` a LoRA set; a swap is a device-resident refit queued on the runner's stream
+        before the run's copies (`refit(..., resident=True)`: each set uploaded once, `resident_sets` kept: the
+        LoRA set cache's size, so the GPU keeps the sets the cache does)."""
+        with self.group.lock:
+            if self._lora_base is None:
+                self._lora_base = dict(base_weights)
+            if resident_sets is not None:
+                self._resident.capacity = max(1, int(resident_sets))
+
+    def run_with_set(self, feeds: Mapping[str, Any], digest: str, weights: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """One run with LoRA set `weights` (its content digest `digest`) in the engine."""
+        with self.group.lock:  # the set and the run it is for, under one hold of the lock: never another's batch
+            self._wanted_set = (digest, weights)
+            try:
+                return self.run(feeds)
+            finally:
+                self._wanted_set = None
+
+    def _apply_set(self, wanted: tuple[str, Mapping[str, np.ndarray]] | None) -> None:
+        digest, weights = wanted if wanted is not None else (None, None)
+        if digest == self._applied_set:
+            return
+        self._applied_set = None  # until the refit below is queued: a failed swap leaves nothing assumed
+        self.refit(dict(weights) if weights else None, base_weights=self._lora_base, resident=True)
+        self._applied_set = digest
 
     def _run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         group, cuda = self.group, self.group.cuda

@@ -195,6 +195,39 @@ class TensorRTTarget(TargetBase):
             "platform tensorrt_plan needs NVIDIA's Triton containers with the TensorRT version and GPU the plans "
             "were built for",), profiles=profiles)
 
+    def lora_unservable_reason(self, spec) -> str | None:
+        from .lora_serving import lora_unservable_reason
+
+        return lora_unservable_reason({"precision": spec.precision, "refit": spec.refittable}, spec.name)
+
+    def lora_triton_model(self, engine: BuiltEngine, served: TritonEngineModel) -> TritonEngineModel:
+        """LoRA per request: a python-backend model running this target's runner, which swaps device-resident weight
+        sets per request (lora_serving.py; Triton's TensorRT backend cannot refit), with the refit map beside the
+        plan (torch parameter names -> the engine's weight names)."""
+        import dataclasses
+
+        from ...errors import BuildError
+        from ...lora.refit_map import REFIT_MAP_FILE
+
+        refit_map = Path(engine.manifest.refit_map) if engine.manifest.refit_map else None
+        if refit_map is None or not refit_map.is_file():
+            raise BuildError(f"cannot serve LoRAs per request with {engine.spec.name}: its refit map "
+                             f"{'is not recorded' if refit_map is None else f'{refit_map} is gone'}; rebuild it")
+        files = {**served.files, REFIT_MAP_FILE: refit_map}
+        note = ("TensorRT engines serving LoRAs per request are python-backend models running trt-diffusion's "
+                "TensorRT runner (device-resident LoRA sets swapped by refit_cuda_engine_async on its stream): the "
+                "Triton image needs trt-diffusion with its tensorrt extra in the python backend's environment")
+        if served.backend == "python":
+            return dataclasses.replace(served, files=files, notes=(*served.notes, note))
+        return TritonEngineModel("python", "KIND_GPU", files, notes=(note,))
+
+    def lora_runner(self, folder: Path, name: str, weights, *, base=None):
+        """A LoRA set's runner: a view of the instance's base runner that holds the set during its runs
+        (lora_serving.py)."""
+        from .lora_serving import lora_runner
+
+        return lora_runner(Path(folder), name, weights, base)
+
     @staticmethod
     def _stripped_triton_model(engine: BuiltEngine, files: dict[str, Path]) -> TritonEngineModel:
         """A stripped plan (STRIP_PLAN) is served by a python-backend model running this target's runner, which
