@@ -275,11 +275,12 @@ def package(config_path: str | Path, out_dir: str | Path = "triton_repo", target
 
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
           metrics_port: int | None = 8002, first_request: bool = True, on_ready=None, admin_apis: bool = False,
-          verify_keys: Sequence[str | Path] = (), openai=None, memory_budget_gb: float | None = None):
+          verify_keys: Sequence[str | Path] = (), openai=None, memory_budget_gb: float | None = None,
+          triton_http: bool = True):
     """tritonserver on a packaged repository (127.0.0.1) until Ctrl-C or SIGTERM: `on_ready(report)` once every
     model is ready and warm; the warm-up report, or None when stopped before the server was ready. `openai`
     (openai_api.settings.ApiSettings): also the OpenAI Images API, started once Triton is ready, talking to its
-    gRPC port, stopped with it."""
+    gRPC port, stopped with it. `triton_http=False`: tritonserver without its HTTP and metrics ports (gRPC only)."""
     from dataclasses import replace
 
     from .triton import stage
@@ -299,7 +300,7 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
     try:
         return stage.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                            first_request=first_request, on_ready=ready, admin_apis=admin_apis,
-                           verify_keys=verify_keys, memory_budget_gb=memory_budget_gb)
+                           verify_keys=verify_keys, memory_budget_gb=memory_budget_gb, triton_http=triton_http)
     finally:
         for server in started:
             server.stop()

@@ -16,6 +16,18 @@ ApiKey = Annotated[str | None, typer.Option(
     "prefer the environment variable to the command line")]
 MaxBody = Annotated[int, typer.Option("--max-body-bytes", min=1024, help="request bodies beyond this are refused "
                                       "(413)")]
+AllowedHosts = Annotated[list[str] | None, typer.Option(
+    "--allowed-hosts", help="a Host name clients may call the API by, besides the address it listens on, localhost, "
+    "127.0.0.1 and [::1] (repeatable or comma-separated); any other Host is refused (403: DNS rebinding, "
+    "docs/security.md)")]
+CorsOrigins = Annotated[list[str] | None, typer.Option(
+    "--cors-origin", help="a web origin whose pages may call the API, as browsers send it (https://app.example.com; "
+    "repeatable or comma-separated); a request from any other Origin is refused (403)")]
+
+
+def names(values: list[str] | None) -> tuple[str, ...]:
+    """--allowed-hosts / --cors-origin values: each option may hold several, comma-separated."""
+    return tuple(name.strip() for value in values or () for name in value.split(",") if name.strip())
 
 
 def openai_api_command(
@@ -26,12 +38,15 @@ def openai_api_command(
     port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8080,
     api_key: ApiKey = None,
     max_body_bytes: MaxBody = DEFAULT_MAX_BODY,
+    allowed_hosts: AllowedHosts = None,
+    cors_origins: CorsOrigins = None,
 ):
     """Serve the OpenAI Images API (/v1/images/generations, /v1/images/edits, /v1/models) in front of Triton."""
     from .. import api
     from ..openai_api.settings import ApiSettings
 
-    settings = ApiSettings(triton_url, host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes).check()
+    settings = ApiSettings(triton_url, host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
+                           allowed_hosts=names(allowed_hosts), cors_origins=names(cors_origins)).check()
     console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {triton_url}; Ctrl-C stops it)", highlight=False)
     api.openai_api(settings)
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from ..targets import check_target_name, target_names
 from ..video_files import DEFAULT_FPS
 from .console import console
-from .openai_commands import DEFAULT_MAX_BODY, ApiKey, MaxBody
+from .openai_commands import DEFAULT_MAX_BODY, AllowedHosts, ApiKey, CorsOrigins, MaxBody, names
 from .options import Transport
 
 
@@ -131,6 +131,12 @@ def serve_command(
                                                     "OpenAI Images API on this port (127.0.0.1)")] = None,
     api_key: ApiKey = None,
     max_body_bytes: MaxBody = DEFAULT_MAX_BODY,
+    allowed_hosts: AllowedHosts = None,
+    cors_origins: CorsOrigins = None,
+    triton_http: Annotated[bool, typer.Option("--triton-http/--no-triton-http", help="--no-triton-http: start "
+                                              "tritonserver without its HTTP and metrics ports, gRPC only (what "
+                                              "--openai-port and `generate --url grpc://` use): no port a web page "
+                                              "can send requests to but the guarded API (docs/security.md)")] = True,
     memory_budget_gb: Annotated[float | None, typer.Option(
         "--memory-budget-gb", min=0.001, help="refuse to start when the models' estimated memory (recorded by "
         "package) exceeds this host's budget")] = None,
@@ -143,17 +149,25 @@ def serve_command(
         from ..openai_api.settings import ApiSettings
 
         openai = ApiSettings(f"127.0.0.1:{grpc_port}", port=openai_port, api_key=api_key,
-                             max_body_bytes=max_body_bytes)
+                             max_body_bytes=max_body_bytes, allowed_hosts=names(allowed_hosts),
+                             cors_origins=names(cors_origins)).check()
+    elif allowed_hosts or cors_origins:
+        from ..errors import ServeError
+
+        raise ServeError("--allowed-hosts and --cors-origin guard the OpenAI API: give --openai-port too (Triton's "
+                         "own ports stay on 127.0.0.1; see --no-triton-http)")
 
     def announce(report) -> None:
         console.print(f"ready in {report.seconds_to_ready:.1f} s ({len(report.models_ready)} models, all warm)")
         for first in report.first_requests:
             console.print(f"first request at {first.size}: {first.seconds * 1000:.0f} ms ({first.protocol})")
-        console.print(f"HTTP  {report.http_url}\ngRPC  {report.grpc_url}\nlog   {report.log}")
+        console.print(f"HTTP  {report.http_url or 'off (--no-triton-http)'}\ngRPC  {report.grpc_url}\n"
+                      f"log   {report.log}")
         if openai is not None:
             console.print(f"OpenAI  http://{openai.host}:{openai.port}/v1  (images/generations, images/edits, models"
                           + (", Bearer key required" if openai.api_key else "") + ")", highlight=False)
-        console.print(f"try: trt-diffusion generate --url {report.http_url} --prompt \"a lighthouse\" -o out.png")
+        url = report.http_url or f"grpc://{report.grpc_url}"
+        console.print(f"try: trt-diffusion generate --url {url} --prompt \"a lighthouse\" -o out.png")
         console.print("Ctrl-C stops the server.")
 
     console.print(f"starting tritonserver on {repo} …")
@@ -162,7 +176,8 @@ def serve_command(
                       "client that reaches the ports")
     warmup = api.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                        first_request=first_request, on_ready=announce, admin_apis=admin_apis,
-                       verify_keys=verify_keys or (), openai=openai, memory_budget_gb=memory_budget_gb)
+                       verify_keys=verify_keys or (), openai=openai, memory_budget_gb=memory_budget_gb,
+                       triton_http=triton_http)
     console.print("stopped" if warmup else "stopped before the server was ready (tritonserver and its stubs too)")
 
 

@@ -5,6 +5,10 @@ binary bundled in `nvidia-pytriton` runs, whose only backend is python (see shar
 folder is copied to a work folder with the python stub of this interpreter, and the stub finds this
 interpreter through PATH, so the venv's bin goes first.
 
+`http=False` starts it without its HTTP and metrics ports (`--allow-http=false`): gRPC only, what the OpenAI API talks to. A
+web page can send requests to a loopback HTTP port (docs/security.md, "Browsers and the API"); it cannot speak
+gRPC, which needs HTTP/2 with trailers that browsers do not expose.
+
 Triton's administrative APIs (shared memory, trace and log settings) are closed unless asked
 for (`admin_apis=True`): they need a header whose value is a random key made at each start. Any local client
 could otherwise register shared memory, turn on tracing into files or change the log settings.
@@ -88,6 +92,7 @@ class TritonServer:
     extra_args: list[str] = field(default_factory=list)
     admin_apis: bool = False  # True: leave the shared-memory, trace and logging APIs open to every client
     admin_key: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    http: bool = True  # False: no HTTP and no metrics port (--allow-http=false --allow-metrics=false), gRPC only
     process: subprocess.Popen | None = None
     started_s: float | None = None
     remove_work_dir: bool = False  # True: stop() deletes work_dir (a temporary folder made for this server)
@@ -109,12 +114,12 @@ class TritonServer:
             binary, backends, extra_env = _bundled_server(self.work_dir)
             env.update(extra_env)
             backend_args = [f"--backend-directory={backends}"]
+        http_args = ["--http-address=127.0.0.1", f"--http-port={self.ports.http}",
+                     "--metrics-address=127.0.0.1", f"--metrics-port={self.ports.metrics}", "--allow-metrics=true"] \
+            if self.http else ["--allow-http=false", "--allow-metrics=false"]  # metrics are HTTP too
         args = [
-            str(binary), f"--model-repository={self.repo}", *backend_args,
-            "--http-address=127.0.0.1", f"--http-port={self.ports.http}",
-            "--grpc-address=127.0.0.1", f"--grpc-port={self.ports.grpc}",
-            "--metrics-address=127.0.0.1", f"--metrics-port={self.ports.metrics}",
-            "--allow-metrics=true", "--allow-gpu-metrics=false", "--strict-readiness=true",
+            str(binary), f"--model-repository={self.repo}", *backend_args, *http_args,
+            "--grpc-address=127.0.0.1", f"--grpc-port={self.ports.grpc}", "--allow-gpu-metrics=false", "--strict-readiness=true",
             "--exit-on-error=true", "--log-verbose=0", *self.restriction_args(), *tensorrt_args(self.repo),
             *self.extra_args,
         ]
@@ -124,8 +129,8 @@ class TritonServer:
         if self.admin_apis:
             return []
         apis = ",".join(RESTRICTED_APIS)
-        return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
-                f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
+        return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}"] * self.http + \
+            [f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
 
     def admin_headers(self, protocol: str = "http") -> dict[str, str]:
         """The header (HTTP) / metadata (gRPC: Triton prefixes the name) that opens the restricted APIs."""
@@ -157,23 +162,46 @@ class TritonServer:
         return self.started_s
 
     def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        grpc_client = None
+        if not self.http:
+            import tritonclient.grpc as grpc
+
+            grpc_client = grpc.InferenceServerClient(self.grpc_url)
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise ServeError(f"tritonserver exited with {self.process.returncode} before it was ready:\n"
+                                     f"{self.log_tail()}")
+                if self._http_ready() if grpc_client is None else _grpc_ready(grpc_client):
+                    return
+                time.sleep(0.25)
+        finally:
+            if grpc_client is not None:
+                grpc_client.close()
+        raise ServeError(f"tritonserver was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def _http_ready(self) -> bool:
         import urllib.error
         import urllib.request
 
-        deadline = time.monotonic() + timeout_s
-        url = f"http://{self.http_url}/v2/health/ready"
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServeError(f"tritonserver exited with {self.process.returncode} before it was ready:\n"
-                                 f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.25)
-        raise ServeError(f"tritonserver was not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def models_ready(self, names) -> dict[str, bool]:
+        """Whether each named model is ready, over HTTP, or gRPC for a server without HTTP."""
+        if self.http:
+            import tritonclient.http as client_module
+        else:
+            import tritonclient.grpc as client_module
+        client = client_module.InferenceServerClient(self.http_url if self.http else self.grpc_url)
+        try:
+            return {name: bool(client.is_model_ready(name)) for name in names}
+        finally:
+            client.close()
 
     def log_tail(self, lines: int = 30) -> str:
         if not self.log_path or not self.log_path.exists():
@@ -206,6 +234,15 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _grpc_ready(client) -> bool:
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return bool(client.is_server_ready(client_timeout=2))
+    except InferenceServerException:
+        return False
 
 
 # Servers started and not yet stopped by this process (id -> server): `serve` stops what it started even when

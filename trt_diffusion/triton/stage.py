@@ -169,7 +169,8 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
           first_request: bool = True, protocol: str = "grpc",
           admin_apis: bool = False, verify_keys: Sequence[str | Path] = (),
           memory_budget_gb: float | None = None,
-          after_verify: Callable[[], None] | None = None) -> tuple[TritonServer, WarmupReport]:
+          after_verify: Callable[[], None] | None = None,
+          triton_http: bool = True) -> tuple[TritonServer, WarmupReport]:
     """Start a server on `repo` (bound to 127.0.0.1) and wait until it is ready and warm.
 
     `admin_apis`: leave Triton's shared-memory, trace and logging APIs open to every client
@@ -177,7 +178,8 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
     files are copied into a private folder of the work folder, every byte checked against the signature, and the
     server runs on that copy, so a change to `repo` after the check is never served (sealed_repository.py).
     `after_verify` is a test seam: called once the copy is verified, before anything reads it.
-    `memory_budget_gb`: the models' estimated memory recorded by `package` must fit this host's budget."""
+    `memory_budget_gb`: the models' estimated memory recorded by `package` must fit this host's budget.
+    `triton_http=False`: no HTTP and no metrics port, gRPC only (what the OpenAI API talks to; docs/security.md)."""
     repo = Path(repo).resolve()
     if (repo / TRUST_FILE).is_file() and not verify_keys:
         raise signing.SignatureError(f"{repo} was packaged from a workspace with build.trust: signed; serve it "
@@ -191,7 +193,7 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
             if after_verify is not None:
                 after_verify()
         return _start_checked(repo, work_dir, temporary, (http_port, grpc_port, metrics_port), ready_timeout_s,
-                              first_request, protocol, admin_apis, memory_budget_gb)
+                              first_request, protocol, admin_apis, memory_budget_gb, triton_http)
     except BaseException:
         if temporary:
             shutil.rmtree(work_dir, ignore_errors=True)
@@ -200,15 +202,15 @@ def start(repo: str | Path, *, http_port: int | None = None, grpc_port: int | No
 
 def _start_checked(repo: Path, work_dir: Path, temporary: bool, ports: tuple[int | None, int | None, int | None],
                    ready_timeout_s: float, first_request: bool, protocol: str, admin_apis: bool,
-                   memory_budget_gb: float | None) -> tuple[TritonServer, WarmupReport]:
+                   memory_budget_gb: float | None, triton_http: bool = True) -> tuple[TritonServer, WarmupReport]:
     report = PackageReport.read(repo)
     if memory_budget_gb is not None:  # this host's budget, against what `package` estimated
         memory_budget.check([memory_budget.MemoryShare(**share) for share in report.memory], memory_budget_gb)
     validate_repository(repo)  # hand edits since `package` fail here, with names, not in the server's log
-    server, seconds = start_server(repo, work_dir, ports, ready_timeout_s, admin_apis)
+    server, seconds = start_server(repo, work_dir, ports, ready_timeout_s, admin_apis, http=triton_http)
     server.remove_work_dir = temporary
     try:
-        warmup = WarmupReport(str(repo), server.http_url, server.grpc_url, seconds, models_ready(server, report),
+        warmup = WarmupReport(str(repo), server.http_url if triton_http else "", server.grpc_url, seconds, models_ready(server, report),
                               log=str(server.log_path))
         if not warmup.all_ready:
             raise ServeError(f"models not ready after the server said ready: "
@@ -227,11 +229,12 @@ PORT_ATTEMPTS = 4
 
 
 def start_server(repo: Path, work_dir: Path, wanted: tuple[int | None, int | None, int | None],
-                  ready_timeout_s: float, admin_apis: bool) -> tuple[TritonServer, float]:
+                  ready_timeout_s: float, admin_apis: bool, http: bool = True) -> tuple[TritonServer, float]:
     """Start on the wanted ports, picking free ones for those not given; when tritonserver finds a port it was
     given by us already taken, pick again (a port the user chose and lost is their error, reported as is)."""
     for attempt in range(1, PORT_ATTEMPTS + 1):
-        server = TritonServer(repo, work_dir, ports=_ports(*wanted), extra_args=SERVER_ARGS, admin_apis=admin_apis)
+        server = TritonServer(repo, work_dir, ports=_ports(*wanted), extra_args=SERVER_ARGS, admin_apis=admin_apis,
+                              http=http)
         try:
             return server, server.start(timeout_s=ready_timeout_s)
         except ServeError as err:
@@ -242,13 +245,7 @@ def start_server(repo: Path, work_dir: Path, wanted: tuple[int | None, int | Non
 
 
 def models_ready(server: TritonServer, report: PackageReport) -> dict[str, bool]:
-    import tritonclient.http as http
-
-    client = http.InferenceServerClient(server.http_url)
-    try:
-        return {model.name: bool(client.is_model_ready(model.name)) for model in report.models}
-    finally:
-        client.close()
+    return server.models_ready([model.name for model in report.models])
 
 
 def first_requests(server: TritonServer, report: PackageReport, protocol: str = "grpc") -> list[FirstRequest]:
@@ -285,7 +282,7 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
           metrics_port: int | None = 8002, work_dir: str | Path | None = None, first_request: bool = True,
           ready_timeout_s: float = 900.0, on_ready: Callable[[WarmupReport], None] | None = None,
           admin_apis: bool = False, verify_keys: Sequence[str | Path] = (),
-          memory_budget_gb: float | None = None) -> WarmupReport | None:
+          memory_budget_gb: float | None = None, triton_http: bool = True) -> WarmupReport | None:
     """Start, report, then block until Ctrl-C / SIGTERM, and stop cleanly.
 
     A stop while starting, while the first requests are timed or while serving stops tritonserver and its stubs
@@ -300,7 +297,8 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
         try:
             server, warmup = start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                                    work_dir=work_dir, ready_timeout_s=ready_timeout_s, first_request=first_request,
-                                   admin_apis=admin_apis, verify_keys=verify_keys, memory_budget_gb=memory_budget_gb)
+                                   admin_apis=admin_apis, verify_keys=verify_keys, memory_budget_gb=memory_budget_gb,
+                                   triton_http=triton_http)
             if on_ready:
                 on_ready(warmup)
             while server.is_alive():
