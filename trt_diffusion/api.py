@@ -316,11 +316,12 @@ def openai_api(settings) -> None:
 
 def generate(request, *, url: str = "127.0.0.1:8000", protocol: str = "http", pipeline: str | None = None,
              timeout_s: float = 300.0, config: str | Path | None = None, model: str | None = None,
-             target: str = "onnxruntime", on_preview=None, preview_every: int = 5):
+             target: str = "onnxruntime", on_preview=None, preview_every: int = 5, deadline=None):
     """Images for one `triton.client.ImageRequest`: (images uint8 [N, H, W, 3] or videos [N, F, H, W, 3], the
     server's response parameters, the pipeline's name). From the server at `url` (`pipeline`: its model, default the only one); with
     `on_preview(step, image)`, streamed over gRPC from `<pipeline>_stream`, one image, a preview every
-    `preview_every` steps; with `config` (engines.yaml), from its built engines in this process (no parameters)."""
+    `preview_every` steps; with `config` (engines.yaml), from its built engines in this process (no parameters).
+    `deadline` (triton.client_limits.Deadline): the caller's, shared with what it asked the server before."""
     if config is not None:
         images, name = generate_in_process(config, request, model=model, target=target)
         return images, {}, name
@@ -328,15 +329,17 @@ def generate(request, *, url: str = "127.0.0.1:8000", protocol: str = "http", pi
         from .triton.client import connect, find_pipeline, stream
 
         if pipeline is None:
-            client = connect(url, "grpc", 60.0)
+            client = connect(url, "grpc", 60.0, deadline=deadline)
             try:
-                pipeline = find_pipeline(client, url)
+                pipeline = find_pipeline(client, url, deadline=deadline, protocol="grpc")
             finally:
                 client.close()
         image, _, parameters = stream(url, request, model=f"{pipeline}_stream", preview_every=preview_every,
-                                      timeout_s=timeout_s, on_preview=on_preview)
+                                      timeout_s=timeout_s if deadline is None else deadline.left(),
+                                      on_preview=on_preview)
         return image[None], parameters, pipeline
     from .triton.client import generate_images
 
-    images, parameters = generate_images(url, request, pipeline=pipeline, protocol=protocol, timeout_s=timeout_s)
+    images, parameters = generate_images(url, request, pipeline=pipeline, protocol=protocol, timeout_s=timeout_s,
+                                         deadline=deadline)
     return images, parameters, pipeline

@@ -226,7 +226,8 @@ def generate_command(
     workflow: Annotated[str | None, typer.Option("--workflow", help="txt2img | img2img | inpaint | edit | img2vid "
                                                  "(default: what --image and --mask imply; --image with --frames: "
                                                  "img2vid)")] = None,
-    timeout_s: Annotated[float, typer.Option("--timeout", help="seconds to wait for the image")] = 300.0,
+    timeout_s: Annotated[float, typer.Option("--timeout", help="seconds the whole command may wait for the server "
+                                             "(its sizes, connecting, the image)")] = 300.0,
     num_images: Annotated[int, typer.Option("--num-images", min=1, help="images for this prompt, seeds SEED, "
                                             "SEED+1, ...; written as OUTPUT-0.png, OUTPUT-1.png, ... when > 1")] = 1,
     preview: Annotated[Path | None, typer.Option("--preview", help="save live previews in this folder "
@@ -278,6 +279,7 @@ def generate_command(
         ctx.fail("Missing option '--prompt' (what to draw), or --from PNG to repeat an image's request")
     _check_seeds(seed, num_images)
     transport = _transport(url, protocol)
+    deadline = _deadline(timeout_s, url) if config is None else None  # one for every call below, from here
     init_image, mask_array = _input_images(image, mask, width, height)
     if init_image is not None:  # the image's size is the request's (never resized)
         height, width = init_image.shape[0], init_image.shape[1]
@@ -285,7 +287,7 @@ def generate_command(
         from ..engines_file.engine_spec import Size
         from ..triton.client import served_sizes
 
-        pipeline, sizes = served_sizes(url, pipeline, transport.value)
+        pipeline, sizes = served_sizes(url, pipeline, transport.value, deadline=deadline)
         first = Size.parse(sizes[0])
         height, width = height or first.height, width or first.width
         frames = frames or first.frames or None  # a video server's first bucket: its frames too
@@ -308,7 +310,8 @@ def generate_command(
     try:
         images, parameters, pipeline = api.generate(request, url=url, protocol=transport.value, pipeline=pipeline,
                                                     timeout_s=timeout_s, config=config, model=model, target=target,
-                                                    on_preview=on_preview, preview_every=preview_every)
+                                                    on_preview=on_preview, preview_every=preview_every,
+                                                    deadline=deadline)
     except TrtDiffusionError as err:
         raise _image_size_hint(err, image, init_image) from None
     size = f"{width}x{height}"
@@ -358,6 +361,18 @@ def _transport(url: str, protocol: Transport | None) -> Transport:
     chosen = protocol or (Transport.grpc if scheme in ("grpc", "grpcs") else Transport.http)
     parse_url(url, chosen.value)  # refuses a scheme that contradicts --protocol, with the reason
     return chosen
+
+
+def _deadline(timeout_s: float, url: str):
+    """--timeout as one deadline for the whole command (size discovery, connect, every call)."""
+    import math
+
+    from ..errors import ConfigError
+    from ..triton.client_limits import Deadline
+
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
+    return Deadline(timeout_s, url)
 
 
 def _check_seeds(seed: int, num_images: int) -> None:

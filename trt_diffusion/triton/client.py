@@ -11,6 +11,7 @@ from ..errors import ServeError
 from . import contract
 from .client_limits import (  # noqa: F401  (RequestRejected, RequestCancelled, deadline, malformed: re-exported)
     MAX_RESPONSE_BYTES,
+    Deadline,
     RequestCancelled,
     RequestRejected,
     cap_responses,
@@ -156,9 +157,14 @@ def make_inputs(module, tensors: dict[str, np.ndarray]) -> list:
     return inputs
 
 
-def connect(url: str, protocol: str = "http", timeout_s: float = 300.0, max_response_bytes: int = MAX_RESPONSE_BYTES):
+def connect(url: str, protocol: str = "http", timeout_s: float = 300.0, max_response_bytes: int = MAX_RESPONSE_BYTES,
+            *, deadline: Deadline | None = None):
+    """An open client. `deadline`: the HTTP client's connect and reads get at most what is left of it (a gRPC
+    channel connects lazily, within each call's own client_timeout)."""
     module = client_module(protocol)
     address, tls = parse_url(url, protocol)
+    if deadline is not None:
+        timeout_s = deadline.left("connecting")
     if protocol == "http":
         tls_options = {}
         if tls:  # verify the certificate and the host name (tritonclient's bare default wraps without a context)
@@ -229,11 +235,24 @@ def _answers_http(url: str) -> bool:
         return False
 
 
-def unknown_pipeline(client, url: str, pipeline: str) -> ServeError | None:
+def _timeout(deadline: Deadline | None, protocol: str | None, what: str = "the request") -> dict:
+    """The keyword a call takes its share of the deadline by: gRPC's client_timeout (HTTP is bounded by
+    Deadline.bounded's timer). Raises the deadline's error once nothing is left: no call is made then."""
+    if deadline is None:
+        return {}
+    left = deadline.left(what)
+    return {"client_timeout": left} if protocol == "grpc" else {}
+
+
+def unknown_pipeline(client, url: str, pipeline: str, *, deadline: Deadline | None = None,
+                     protocol: str | None = None) -> ServeError | None:
     """When `pipeline` is not a model the server has, the message that lists the pipelines it serves."""
+    timeout = _timeout(deadline, protocol)
     try:
-        index = client.get_model_repository_index()
+        index = client.get_model_repository_index(**timeout)
     except Exception:  # noqa: BLE001 - the original error stands
+        if deadline is not None and deadline.passed():
+            raise deadline.expired() from None
         return None
     try:
         names = _model_names(index, url)
@@ -241,7 +260,7 @@ def unknown_pipeline(client, url: str, pipeline: str) -> ServeError | None:
         return None
     if pipeline in names:
         return None
-    entries = [name for name in names if _role(client, name) == "entry"]
+    entries = [name for name in names if _role(client, name, deadline, protocol) == "entry"]
     return ServeError(f"Triton at {url} serves no pipeline {pipeline!r}; it serves: {', '.join(entries) or 'none'}")
 
 
@@ -253,12 +272,15 @@ def infer(client, module, pipeline: str, request: ImageRequest, *, protocol: str
 
 
 def infer_images(client, module, pipeline: str, request: ImageRequest, *, protocol: str, timeout_s: float,
-                 url: str = "", timing: bool = True) -> tuple[np.ndarray, dict]:
+                 url: str = "", timing: bool = True, deadline: Deadline | None = None) -> tuple[np.ndarray, dict]:
     """(images uint8 [N, H, W, 3] with N = NUM_IMAGES — videos [N, F, H, W, 3] for a FRAMES request — the
     response parameters: `timing` decoded from JSON).
-    `timing`: also ask for the TIMING output (models without it, the ensemble, are asked again without)."""
+    `timing`: also ask for the TIMING output (models without it, the ensemble, are asked again without).
+    `deadline`: a gRPC call gets what is left of it (each call, the retry without TIMING too)."""
     import time
 
+    if deadline is not None:
+        timeout_s = deadline.left()
     inputs = make_inputs(module, request.tensors())
     result_name = request.result
     names = [result_name, "TIMING"] if timing else [result_name]
@@ -277,7 +299,7 @@ def infer_images(client, module, pipeline: str, request: ImageRequest, *, protoc
                              "4k+1 for Wan)") from None
         if timing and "unexpected inference output 'TIMING'" in str(err):
             return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url,
-                                timing=False)
+                                timing=False, deadline=deadline)
         if isinstance(err, (ValueError, KeyError, TypeError)):
             raise malformed(url, f"the request to {pipeline}", err) from None
         raise server_error(err, url, pipeline) from None
@@ -330,33 +352,36 @@ def generate(url: str, *, pipeline: str | None = None, prompt: str, height: int,
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler,
                            controlnet, control_image, controlnet_scale, workflow=workflow, init_image=init_image,
                            mask=mask, strength=strength)
-    client = connect(url, protocol, timeout_s)
+    bound = Deadline(timeout_s, url)
+    client = connect(url, protocol, deadline=bound)
     try:
-        with deadline(timeout_s, url) as end:
-            pipeline = pipeline or find_pipeline(client, url)
-            return infer(client, module, pipeline, request, protocol=protocol, timeout_s=remaining(end, timeout_s),
-                         url=url)
+        with bound.bounded():
+            pipeline = pipeline or find_pipeline(client, url, deadline=bound, protocol=protocol)
+            return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s, url=url,
+                                timing=False, deadline=bound)[0][0]
     finally:
         client.close()
 
 
 def generate_images(url: str, request: ImageRequest, *, pipeline: str | None = None, protocol: str = "http",
-                    timeout_s: float = 300.0) -> tuple[np.ndarray, dict]:
-    """(images uint8 [N, H, W, 3], response parameters with `timing`) for one request (NUM_IMAGES = N)."""
+                    timeout_s: float = 300.0, deadline: Deadline | None = None) -> tuple[np.ndarray, dict]:
+    """(images uint8 [N, H, W, 3], response parameters with `timing`) for one request (NUM_IMAGES = N).
+    `deadline`: the command's, shared with what it did before (size discovery); else one of `timeout_s`."""
     module = client_module(protocol)
-    client = connect(url, protocol, timeout_s)
+    bound = deadline or Deadline(timeout_s, url)
+    client = connect(url, protocol, deadline=bound)
     try:
         named = pipeline is not None
-        with deadline(timeout_s, url) as end:
-            pipeline = pipeline or find_pipeline(client, url)
+        with bound.bounded():
+            pipeline = pipeline or find_pipeline(client, url, deadline=bound, protocol=protocol)
             try:
-                return infer_images(client, module, pipeline, request, protocol=protocol,
-                                    timeout_s=remaining(end, timeout_s), url=url)
+                return infer_images(client, module, pipeline, request, protocol=protocol, timeout_s=timeout_s,
+                                    url=url, deadline=bound)
             except RequestCancelled:
                 raise
             except ServeError as err:
-                unknown = unknown_pipeline(client, url, pipeline) if named and "unknown model" in str(err).lower() \
-                    else None
+                unknown = unknown_pipeline(client, url, pipeline, deadline=bound, protocol=protocol) \
+                    if named and "unknown model" in str(err).lower() else None
                 if unknown is not None:
                     raise unknown from None
                 raise
@@ -422,14 +447,18 @@ def stream(url: str, request: ImageRequest, *, model: str, preview_every: int | 
         client.close()
 
 
-def find_pipeline(client, url: str) -> str:
-    """The one entry model (parameter trt_diffusion_role = entry) the server has loaded."""
+def find_pipeline(client, url: str, *, deadline: Deadline | None = None, protocol: str | None = None) -> str:
+    """The one entry model (parameter trt_diffusion_role = entry) the server has loaded. `deadline` with
+    `protocol` grpc: each call's client_timeout is what is left of it."""
+    timeout = _timeout(deadline, protocol)
     try:
-        index = client.get_model_repository_index()
+        index = client.get_model_repository_index(**timeout)
     except Exception as err:  # noqa: BLE001
+        if deadline is not None and deadline.passed():
+            raise deadline.expired() from None
         raise server_error(err, url, "(repository index)") from None
     names = _model_names(index, url)
-    entries = [name for name in names if _role(client, name) == "entry"]
+    entries = [name for name in names if _role(client, name, deadline, protocol) == "entry"]
     if len(entries) != 1:
         listed = ", ".join(entries) or "none"
         raise ServeError(f"Triton at {url} serves {len(entries)} trt-diffusion pipelines ({listed})"
@@ -452,10 +481,13 @@ def _model_names(index: Any, url: str) -> list[str]:
     return names
 
 
-def _parameter(client, model: str, key: str) -> str:
+def _parameter(client, model: str, key: str, deadline: Deadline | None = None, protocol: str | None = None) -> str:
+    timeout = _timeout(deadline, protocol)
     try:
-        config = client.get_model_config(model)
+        config = client.get_model_config(model, **timeout)
     except Exception:  # noqa: BLE001 - a model that failed to load has no config to read
+        if deadline is not None and deadline.passed():  # not a model without config: no answer in time
+            raise deadline.expired() from None
         return ""
     if isinstance(config, dict):  # HTTP: JSON
         parameters = config.get("parameters", {})
@@ -466,19 +498,23 @@ def _parameter(client, model: str, key: str) -> str:
     return parameters[key].string_value if key in parameters else ""
 
 
-def _role(client, name: str) -> str:
-    return _parameter(client, name, ROLE)
+def _role(client, name: str, deadline: Deadline | None = None, protocol: str | None = None) -> str:
+    return _parameter(client, name, ROLE, deadline, protocol)
 
 
-def served_sizes(url: str, pipeline: str | None = None, protocol: str = "http") -> tuple[str, list[str]]:
-    """(pipeline, sizes to ask for: one per bucket) as the server's entry model declares them."""
-    client = connect(url, protocol, 60.0)
+def served_sizes(url: str, pipeline: str | None = None, protocol: str = "http", *,
+                 deadline: Deadline | None = None) -> tuple[str, list[str]]:
+    """(pipeline, sizes to ask for: one per bucket) as the server's entry model declares them. `deadline`: the
+    command's (generate --timeout), which the request after this shares; else 60 s."""
+    bound = deadline or Deadline(60.0, url)
+    client = connect(url, protocol, deadline=bound)
     try:
-        with deadline(60.0, url, "reading the served sizes"):
-            if pipeline is not None and (unknown := unknown_pipeline(client, url, pipeline)) is not None:
+        with bound.bounded("reading the served sizes"):
+            if pipeline is not None and (unknown := unknown_pipeline(client, url, pipeline, deadline=bound,
+                                                                     protocol=protocol)) is not None:
                 raise unknown
-            pipeline = pipeline or find_pipeline(client, url)
-            sizes = [s for s in _parameter(client, pipeline, "request_sizes").split(";") if s]
+            pipeline = pipeline or find_pipeline(client, url, deadline=bound, protocol=protocol)
+            sizes = [s for s in _parameter(client, pipeline, "request_sizes", bound, protocol).split(";") if s]
     finally:
         client.close()
     if not sizes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..errors import ServeError
 
@@ -73,25 +73,60 @@ def cap_responses(client, url: str, limit: int) -> None:
     client._get, client._post = capped(client._get), capped(client._post)
 
 
+class Deadline:
+    """One deadline for a whole command (`generate --timeout`): size discovery, connect and every call are given
+    what is left of it (`left()`), on one clock (injectable: tests count time without waiting for it).
+
+    HTTP: `bounded()` also arms a gevent timer for what is left, since the HTTP client's own timeout is per read
+    (a server sending a byte a second would hold it forever). gRPC: its blocking calls do not yield to gevent;
+    each gets `client_timeout=left()`, its own deadline, which also bounds the channel's connect."""
+
+    def __init__(self, timeout_s: float, url: str, *, clock: Callable[[], float] = time.monotonic):
+        self.timeout_s, self.url, self.clock = timeout_s, url, clock
+        self.end = clock() + timeout_s
+
+    def passed(self) -> bool:
+        return self.clock() >= self.end
+
+    def left(self, what: str = "the request") -> float:
+        """Seconds left, to hand a call as its timeout; RequestCancelled once none are (no call is made then)."""
+        left = self.end - self.clock()
+        if left <= 0:
+            raise self.expired(what)
+        return left
+
+    def expired(self, what: str = "the request") -> RequestCancelled:
+        return RequestCancelled(f"Triton at {self.url}: no answer within {self.timeout_s:g} s: {what} did not "
+                                f"complete within its {self.timeout_s:g} s deadline (--timeout)")
+
+    @contextlib.contextmanager
+    def bounded(self, what: str = "the request") -> Iterator[Deadline]:
+        """The exchange inside within what is left; a call that failed because the deadline passed (gRPC's
+        DEADLINE_EXCEEDED, a connect cut short) says so as the deadline, not as its own error."""
+        import gevent
+
+        timer = gevent.Timeout(self.left(what))
+        timer.start()
+        try:
+            yield self
+        except gevent.Timeout as exc:
+            if exc is not timer:
+                raise
+            raise self.expired(what) from None
+        except Exception as exc:
+            if self.passed() and not isinstance(exc, ResponseTooLarge):
+                raise self.expired(what) from None
+            raise
+        finally:
+            timer.close()
+
+
 @contextlib.contextmanager
 def deadline(timeout_s: float, url: str, what: str = "the request") -> Iterator[float]:
-    """The whole exchange within `timeout_s` (the HTTP client's own timeout is per read: a server sending a
-    byte a second would hold it forever). Yields the monotonic time it ends at; gRPC calls pass what is left
-    as their own deadline (`remaining`)."""
-    import gevent
-
-    end = time.monotonic() + timeout_s
-    timer = gevent.Timeout(timeout_s)
-    timer.start()
-    try:
-        yield end
-    except gevent.Timeout as exc:
-        if exc is not timer:
-            raise
-        raise RequestCancelled(f"Triton at {url}: {what} did not complete within its {timeout_s:g} s deadline "
-                               "(--timeout)") from None
-    finally:
-        timer.close()
+    """The whole exchange within `timeout_s` (Deadline.bounded). Yields the monotonic time it ends at; gRPC calls
+    pass what is left as their own deadline (`remaining`)."""
+    with Deadline(timeout_s, url).bounded(what) as bound:
+        yield bound.end
 
 
 def remaining(end: float | None, default: float) -> float:
