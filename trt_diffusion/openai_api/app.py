@@ -7,7 +7,6 @@ worker thread, a few at a time (pngs.DecodeSlots): the event loop keeps answerin
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hmac
 import json

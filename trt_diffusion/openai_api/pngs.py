@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -100,7 +101,7 @@ class DecodeSlots:
         self.limit = limit
         self.running = 0
         self.waiting = 0
-        self._slots = None  # an asyncio.Semaphore, made in the server's event loop
+        self._slots: Any = None  # an asyncio.Semaphore, made in the server's event loop
 
     def state(self) -> dict[str, int]:
         return {"running": self.running, "waiting": self.waiting, "limit": self.limit}
@@ -108,10 +109,10 @@ class DecodeSlots:
     async def run(self, function, *args):
         import asyncio
 
-        self._slots = self._slots or asyncio.Semaphore(self.limit)
+        slots = self._slots = self._slots or asyncio.Semaphore(self.limit)
         self.waiting += 1
         try:
-            await self._slots.acquire()
+            await slots.acquire()
         finally:
             self.waiting -= 1
         self.running += 1
@@ -119,4 +120,4 @@ class DecodeSlots:
             return await asyncio.to_thread(function, *args)
         finally:
             self.running -= 1
-            self._slots.release()
+            slots.release()
