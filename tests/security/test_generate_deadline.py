@@ -12,7 +12,6 @@ good) and the HTTP deadline started after size discovery.
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 from types import SimpleNamespace

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ServeError
 from . import contract
-from .client_limits import (  # noqa: F401  (RequestRejected, RequestCancelled, deadline, malformed: re-exported)
+from .client_limits import (  # noqa: F401  (RequestRejected, RequestCancelled, malformed: re-exported)
     MAX_RESPONSE_BYTES,
     Deadline,
     RequestCancelled,
@@ -17,13 +17,18 @@ from .client_limits import (  # noqa: F401  (RequestRejected, RequestCancelled, 
     cap_responses,
     check_input_image,
     check_served_size,
-    deadline,
     malformed,
     remaining,
 )
+from .client_limits import deadline as deadline_context
 from .configs import ROLE
 
 PROTOCOLS = ("http", "grpc")
+
+
+def deadline(timeout_s: float, url: str, what: str = "the request"):
+    """client_limits.deadline, as preflight imports it from here (functions below take a Deadline as `deadline`)."""
+    return deadline_context(timeout_s, url, what)
 _WORKFLOW_INPUTS = tuple(t.name for t in contract.WORKFLOW_INPUTS)
 _TYPES = {t.name: contract.TRITON_TO_WIRE[t.data_type]
           for t in (*contract.request_inputs(True), contract.NUM_IMAGES, contract.PREVIEW_EVERY)}
