@@ -159,6 +159,14 @@ def test_both_cli_paths_take_the_guard_options(monkeypatch, capsys):
         assert settings.cors_origins == (ORIGIN,)
 
 
+def test_a_wildcard_bind_says_which_names_it_answers(monkeypatch, capsys):
+    monkeypatch.setattr(api_module, "openai_api", lambda settings: None)
+    code, text = run(["openai-api", "--host", "0.0.0.0"], capsys)
+    assert code == 0 and "list the names other clients use with --allowed-hosts" in text, text
+    code, text = run(["openai-api", "--host", "0.0.0.0", "--allowed-hosts", "gpu-box"], capsys)
+    assert code == 0 and "--allowed-hosts" not in text, text
+
+
 @pytest.mark.parametrize("argv, words", [
     (["openai-api", "--cors-origin", "*"], "--cors-origin '*' is not a web origin"),
     (["serve", "--openai-port", "8085", "--allowed-hosts", "a.example:80"], "give the host without its port"),

@@ -48,6 +48,10 @@ def openai_api_command(
     settings = ApiSettings(triton_url, host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
                            allowed_hosts=names(allowed_hosts), cors_origins=names(cors_origins)).check()
     console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {triton_url}; Ctrl-C stops it)", highlight=False)
+    if host in ("0.0.0.0", "::") and not settings.allowed_hosts:  # every interface, but only loopback's names
+        console.print(f"[yellow]note:[/yellow] --host {host}: requests must name this server as localhost or "
+                      "127.0.0.1 (403 otherwise); list the names other clients use with --allowed-hosts",
+                      highlight=False)
     api.openai_api(settings)
 
 
