@@ -27,6 +27,9 @@ class PlanRow:
     runs_as: str = ""  # what the target computes for this precision, here and on other hosts
     not_here: str | None = None  # why this machine cannot build the row's engines (None: it can)
     layouts: dict[str, int] | None = None  # device weight bytes per engine layout, where the target has several
+    # TensorRT: activation memory per served instance (contexts, and bytes once built), under Triton's TensorRT
+    # backend and under trt-diffusion's runner (targets/tensorrt/served_memory.py)
+    activations: dict[str, int | None] | None = None
 
     @property
     def disk_bytes(self) -> int | None:
@@ -94,7 +97,8 @@ def make_plan(config: EnginesConfig, count_parameters: bool = True) -> Plan:
         why = [r for s in members for r in s.reasons]
         rows.append(PlanRow(model_name, label, target, precision, len(members), params, per_engine, why,
                             formula=_formula(members), runs_as=_runs_as(target, precision),
-                            not_here=_not_here(target), layouts=_layouts(target, members, per_engine)))
+                            not_here=_not_here(target), layouts=_layouts(target, members, per_engine),
+                            activations=_activations(config, target, members)))
     return Plan(config, specs, rows, {name: workflow_notes(model, specs) for name, model in config.models.items()})
 
 
@@ -142,6 +146,16 @@ def _layouts(target: str, members: list[EngineSpec], per_engine: int | None) -> 
         return None
     try:
         return get_target(target).layout_memory(members, per_engine)
+    except TrtDiffusionError:  # a target that cannot load is reported by `build`, not here
+        return None
+
+
+def _activations(config: EnginesConfig, target: str, members: list[EngineSpec]) -> dict[str, int | None] | None:
+    """The activation memory per served instance of a row's engines, where the target reports it (TensorRT)."""
+    from .targets import get_target
+
+    try:
+        return get_target(target).activation_memory(members, Path(config.workspace))
     except TrtDiffusionError:  # a target that cannot load is reported by `build`, not here
         return None
 

@@ -178,7 +178,8 @@ def test_the_build_adds_every_profile_to_the_builder_config_and_the_manifest_rec
     monkeypatch.setattr(trt_engine, "_parse_onnx", lambda onnx_path, version, name: (builder, network, None))
     monkeypatch.setattr(trt_engine, "_build_plan", lambda b, n, config, name: memoryview(b"PLAN" * 8))
     monkeypatch.setattr(trt_engine, "_save_timing_cache", lambda config, path: None)
-    monkeypatch.setattr(trt_engine, "_engine_sizes", lambda plan, vc, name: (1 << 20, None))
+    monkeypatch.setattr(trt_engine, "_engine_sizes", lambda plan, vc, name, profiles, onnx_weights: (
+        trt_engine.EngineSizes(1 << 20, None, tuple((i + 1) << 18 for i in range(profiles)), onnx_weights)))
     members = [EngineSpec(model="m", family="sd15", source="s", component="unet", target="tensorrt",
                           precision="fp32", batch=batch, bucket=Bucket.static(Size(side, side)))
                for side, batch in ((64, 2), (128, 2), (64, 4))]
@@ -193,6 +194,7 @@ def test_the_build_adds_every_profile_to_the_builder_config_and_the_manifest_rec
     assert manifest.profiles == tuple(validate_profile(p) for p in profiles)
     assert manifest.profile_shapes == profile_envelope(profiles)
     assert manifest.profile_labels == ("bucket 64x64 × batch 2", "bucket 128x128 × batch 2", "bucket 64x64 × batch 4")
+    assert manifest.profile_device_memory_bytes == (1 << 18, 2 << 18, 3 << 18)  # each profile's own (#45 item 3)
     assert EngineManifest.read(manifest_path(tmp_path / "e.plan")) == manifest
     flags = trt_engine.BuildFlags.for_spec(spec, False)
     current = dict(onnx_digest=manifest.onnx_sha256, flags=flags, trt_version=HOST[0], compute_capability=HOST[1])

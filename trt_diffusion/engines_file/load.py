@@ -54,6 +54,7 @@ from .schema import (
     Precision,
     QuantizationSettings,
     RangeBucket,
+    ServingSettings,
     StepCacheSettings,
 )
 from .yaml_lines import LocatedYaml, load_located_yaml
@@ -93,6 +94,7 @@ class ResolvedModel:
     checkpoint: CheckpointKind | None = None  # what the folder's denoiser is for (None: not read)
     text_lengths: tuple[int, int, int] | None = None  # engines.yaml's text_length (min, opt, max); None: the family's
     step_cache: StepCache | None = None  # engines.yaml's step_cache (step_cache.py); None: every step runs in full
+    serving: ServingSettings = field(default_factory=ServingSettings)  # engines.yaml's serving: (else defaults')
 
     def precision_of(self, component: Component) -> Precision:
         return self.precision[component]
@@ -229,8 +231,22 @@ def load_engines_file(path: str | Path, *, check_sources: bool = True) -> Engine
     for name, entry in parsed.models.items():
         models[name] = _resolve_model(name, entry, parsed, path.parent, problems, check_sources)
     _check_preflight(parsed, models, problems)
+    _check_serving(parsed, models, problems)
     problems.raise_if_any()
     return EnginesConfig(path=path.resolve(), build=parsed.build, models=models, preflight=parsed.preflight)
+
+
+def _check_serving(parsed: EnginesFile, models: dict[str, ResolvedModel], problems: _Problems) -> None:
+    """A TensorRT weight budget needs engines built with weight streaming."""
+    for name, model in models.items():
+        if model.serving.tensorrt_weight_budget_gb is None:
+            continue
+        own = parsed.models[name].serving is not None
+        where = ("models", name, "serving", "tensorrt_weight_budget_gb") if own else (
+            "defaults", "serving", "tensorrt_weight_budget_gb")
+        if not parsed.build.tensorrt.weight_streaming:
+            problems.add(where, "a TensorRT weight budget needs engines built with weight streaming: set "
+                                "build: tensorrt: weight_streaming: true (or leave the budget out)")
 
 
 def _check_preflight(parsed: EnginesFile, models: dict[str, ResolvedModel], problems: _Problems) -> None:
@@ -510,6 +526,7 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         controlnets=controlnets, loras=loras,
         quantization=entry.quantization or defaults.quantization or QuantizationSettings(), parity=parity,
         workflows=workflows, checkpoint=checkpoint, text_lengths=text_lengths, step_cache=step_cache,
+        serving=entry.serving or defaults.serving or ServingSettings(),
     )
 
 

@@ -210,6 +210,15 @@ class BuildSettings(Strict):
 PrecisionMap = dict[Component, Precision]
 
 
+class ServingSettings(Strict):
+    """`serving:` of a model: how its engines are run when served, not how they are built (no engine key changes)."""
+
+    # a TensorRT engine built with weight streaming (build: tensorrt: weight_streaming: true) keeps this many GB of
+    # its streamable weights on the GPU (weight_streaming_budget_v2) where trt-diffusion's runner loads it
+    # (in-process pipelines, python-backend Triton models); None: every weight resident. docs/tensorrt.md
+    tensorrt_weight_budget_gb: float | None = Field(None, ge=0)
+
+
 class ModelSettings(Strict):
     """Fields a model may set and `defaults` may supply."""
 
@@ -227,6 +236,7 @@ class ModelSettings(Strict):
     parity: dict[Precision, ParityThresholds] | None = None
     text_length: TextLength | None = None  # qwen_image only: the text encoder's and transformer's token range
     step_cache: StepCacheSettings | None = None  # deepcache (sd15, sdxl) or first_block (flux): docs/step-cache.md
+    serving: ServingSettings | None = None  # how the engines are run when served (ServingSettings)
 
     @field_validator("cfg", "targets", "batch", "components", "buckets", "workflows", mode="before")
     @classmethod

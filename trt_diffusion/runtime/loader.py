@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from ..engines_file import EnginesConfig, EngineSpec, expand
@@ -34,8 +35,9 @@ def built_engines(config: EnginesConfig, model_name: str, target: str, *, lora_v
         found = _find(config, spec)
         if found is None:
             missing.append(spec.name)
-        else:
-            engines.append(found)
+        else:  # with the model's serving settings: how its runners run it (a TensorRT weight budget)
+            serving = getattr(config.models[model_name], "serving", None)
+            engines.append(dataclasses.replace(found, serving=serving) if isinstance(found, BuiltEngine) else found)
     if missing:
         raise BuildError(f"{len(missing)} {target} engine(s) of {model_name} are not built ({', '.join(missing[:4])}"
                          f"{', …' if len(missing) > 4 else ''}); run `trt-diffusion build {config.path} "

@@ -42,6 +42,9 @@ class BuiltEngine:
     spec: EngineSpec
     path: Path  # what the target stores: a folder or a single file
     manifest: Any  # the target's own manifest model
+    # engines.yaml's `serving:` of its model (ServingSettings) when found through the config (runtime.loader); how it
+    # is run, not built: a TensorRT weight budget
+    serving: Any = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,16 @@ class TargetBase:
         request (targets/lora_switch.py). `base`: the instance's base runner (its threads, cache, device).
         Targets that cannot refit at serve time say so here, and `package` refuses LoRAs for them."""
         raise NotImplementedError(f"the {self.name} target cannot switch LoRAs per request")
+
+    def activation_memory(self, specs: list[EngineSpec], workspace: Path) -> dict[str, int | None] | None:
+        """What `plan` shows of these specs' activation memory once served (TensorRT: contexts per instance, and
+        bytes once built); None where the target reports none."""
+        return None
+
+    def served_activation_bytes(self, model_folder: Path, backend: str) -> int:
+        """Activation memory one instance of a packaged engine model holds (TensorRT: from its manifest and the
+        allocation strategy of its config.pbtxt), for the served-memory estimate; 0 where unknown."""
+        return 0
 
     def lora_unservable_reason(self, spec: EngineSpec) -> str | None:
         """Why this refittable engine cannot switch LoRAs per request although the target can (TensorRT: an fp8/int8

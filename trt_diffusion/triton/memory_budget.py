@@ -5,8 +5,11 @@ recorded estimate again on the host that serves it).
 The estimate is what loading costs: every engine model's packaged bytes once per instance (weights are resident
 whatever the runtime), plus each python-backend instance (a stub process with torch imported, about 250 MB:
 docs/triton.md), plus, for an engine serving LoRAs per request, a copy of its weights per LoRA set its instance may
-keep applied (`--lora-cache-sets`; measured about one weight copy per set: docs/benchmarks.md). Activations come
-on top; preflight's load check measures the real peak."""
+keep applied (`--lora-cache-sets`; measured about one weight copy per set: docs/benchmarks.md), plus a TensorRT
+engine's activation memory per instance as it is served: one context per listed optimization profile under Triton's
+TensorRT backend (each its own profile's size with ON_PROFILE_CHANGE, the largest of all with STATIC), one context
+in trt-diffusion's runner (targets/tensorrt/served_memory.py; the manifest records the sizes). Other targets'
+activations come on top; preflight's load check measures the real peak."""
 
 from __future__ import annotations
 
@@ -28,10 +31,12 @@ class MemoryShare:
     engines_gb: float  # engine bytes x engine instances
     processes: int  # python-backend instances
     total_gb: float
+    activations_gb: float = 0.0  # TensorRT activation memory x engine instances (in total_gb)
 
     def describe(self) -> str:
-        return (f"{self.model} {self.total_gb:.2f} GB (engines {self.engines_gb:.2f} GB + {self.processes} python "
-                f"processes x {PYTHON_PROCESS_GB} GB)")
+        activations = f" + activations {self.activations_gb:.2f} GB" if self.activations_gb else ""
+        return (f"{self.model} {self.total_gb:.2f} GB (engines {self.engines_gb:.2f} GB{activations} + "
+                f"{self.processes} python processes x {PYTHON_PROCESS_GB} GB)")
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -46,6 +51,25 @@ def _engine_bytes(folder: Path, options: Any) -> int:
     if not parts:
         return total
     return total + (total - sum(parts)) * options.lora_cache_sets
+
+
+def _activation_bytes(folder: Path, backend: str) -> int:
+    """An engine model's activation memory per instance, as its target (config.pbtxt's `target`) counts it."""
+    import re
+
+    from ..targets import get_target
+
+    try:
+        config = (folder / "config.pbtxt").read_text()
+    except OSError:
+        return 0
+    found = re.search(r'key:\s*"target"\s*value\s*:?\s*\{\s*string_value:\s*"([\w.-]+)"', config)
+    if not found:
+        return 0
+    try:
+        return get_target(found.group(1)).served_activation_bytes(folder, backend)
+    except Exception:  # noqa: BLE001 - a target this host cannot load: its activations are not estimated
+        return 0
 
 
 def _instances(model: Any, options: Any) -> int:
@@ -64,9 +88,13 @@ def shares(repo: Path, reports: Sequence[Any], options: Any) -> list[MemoryShare
     for report in reports:
         engine_bytes = sum(_engine_bytes(Path(repo) / m.name, options) for m in report.models if m.role == "engine")
         engines_gb = engine_bytes * options.engine_instances / GB
+        activation_bytes = sum(_activation_bytes(Path(repo) / m.name, m.backend) for m in report.models
+                               if m.role == "engine")
+        activations_gb = activation_bytes * options.engine_instances / GB
         processes = sum(_instances(m, options) for m in report.models)
         result.append(MemoryShare(report.entry, round(engines_gb, 4), processes,
-                                  round(engines_gb + processes * PYTHON_PROCESS_GB, 4)))
+                                  round(engines_gb + activations_gb + processes * PYTHON_PROCESS_GB, 4),
+                                  round(activations_gb, 4)))
     return result
 
 

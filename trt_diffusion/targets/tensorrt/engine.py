@@ -55,6 +55,7 @@ from .plan_stream import (
     stream_reader,
 )
 from .plan_trust import check_plan_bytes, host_code_allowed, interrupted_refit_problem, plan_sha256
+from .served_memory import onnx_weight_bytes
 from .precision import check_onnx_precision
 from .refit_weights import prepare_refit_weights, weights_for_refit
 from .timing_cache import timing_cache_lock, timing_cache_path
@@ -432,7 +433,8 @@ def build_engine(
     except OSError as err:  # the engine is good; a cache is only a speed-up
         LOG.warning("could not update timing cache %s: %s", cache_path, err)
 
-    device_memory_bytes, streamable = _engine_sizes(plan, flags.version_compatible, spec.name)
+    sizes = _engine_sizes(plan, flags.version_compatible, spec.name, len(profiles),
+                          onnx_weight_bytes(onnx_path) if flags.strip_plan else None)
     manifest = EngineManifest(
         spec_key=spec.key,
         spec_name=spec.name,
@@ -450,8 +452,10 @@ def build_engine(
         refit_map=str(refit_map) if refit_map is not None else None,
         plan_bytes=plan.nbytes,
         plan_sha256=plan_sha256(plan),
-        device_memory_bytes=device_memory_bytes,
-        streamable_weights_bytes=streamable if flags.weight_streaming else None,
+        device_memory_bytes=sizes.activation_bytes,
+        profile_device_memory_bytes=sizes.profile_activation_bytes,
+        weights_bytes=sizes.weights_bytes,
+        streamable_weights_bytes=sizes.streamable_bytes if flags.weight_streaming else None,
         build_seconds=round(build_seconds, 3),
     )
     manifest.write(manifest_file)
@@ -459,10 +463,37 @@ def build_engine(
     return manifest
 
 
-def _engine_sizes(plan: trt.IHostMemory, version_compatible: bool, spec_name: str) -> tuple[int | None, int | None]:
-    """(activation memory `device_memory_size_v2`, `streamable_weights_size`) of the plan just built, read back
-    once at build time so runners budget them before loading (the builder reports neither). Our own plan, just
-    built: its host code (version-compatible) may run. (None, None), with a warning, when they cannot be read."""
+@dataclass(frozen=True)
+class EngineSizes:
+    """What a runner and `package` budget before loading a plan, read back once at build time (the builder
+    reports none of them)."""
+
+    activation_bytes: int | None = None  # device_memory_size_v2: the largest over the profiles
+    streamable_bytes: int | None = None  # streamable_weights_size
+    profile_activation_bytes: tuple[int, ...] | None = None  # get_device_memory_size_for_profile_v2, per profile
+    weights_bytes: int | None = None  # the weights the engine holds once loaded (and refitted, when stripped)
+
+
+def total_weights_bytes(engine: trt.ICudaEngine) -> int | None:
+    """`get_engine_stat(EngineStat.TOTAL_WEIGHTS_SIZE)` where this TensorRT has it (11.x; not in 10.13, whose stubs
+    the type check reads: hence the guarded getattr); None otherwise."""
+    import tensorrt as trt
+
+    stat = getattr(getattr(trt, "EngineStat", None), "TOTAL_WEIGHTS_SIZE", None)
+    getter = getattr(engine, "get_engine_stat", None)
+    if stat is None or getter is None:
+        return None
+    try:
+        return int(getter(stat))
+    except Exception:  # noqa: BLE001 - a figure for budgeting only
+        return None
+
+
+def _engine_sizes(plan: trt.IHostMemory, version_compatible: bool, spec_name: str, profiles: int = 1,
+                  onnx_weights: int | None = None) -> EngineSizes:
+    """The sizes of the plan just built (our own plan: its host code, if version-compatible, may run). Weights:
+    TensorRT's own count where it has one, else `onnx_weights` (the ONNX's weight bytes: what a stripped plan
+    holds once refitted, which its file size is not). Empty, with a warning, when they cannot be read."""
     import tensorrt as trt
 
     try:
@@ -470,11 +501,14 @@ def _engine_sizes(plan: trt.IHostMemory, version_compatible: bool, spec_name: st
         runtime.engine_host_code_allowed = version_compatible
         engine = runtime.deserialize_cuda_engine(plan)
         if engine is None:
-            return None, None
-        return int(engine.device_memory_size_v2), int(engine.streamable_weights_size)
+            return EngineSizes(weights_bytes=onnx_weights)
+        per_profile = tuple(int(engine.get_device_memory_size_for_profile_v2(i)) for i in range(profiles))
+        weights = total_weights_bytes(engine)
+        return EngineSizes(int(engine.device_memory_size_v2), int(engine.streamable_weights_size),
+                           per_profile if profiles > 1 else None, weights if weights is not None else onnx_weights)
     except Exception as err:  # noqa: BLE001 - the plan is good; the figures are only for budgeting
         LOG.warning("%s: could not read the engine's memory sizes back (%s)", spec_name, err)
-        return None, None
+        return EngineSizes(weights_bytes=onnx_weights)
 
 
 # ----------------------------------------------------------------------------------------------

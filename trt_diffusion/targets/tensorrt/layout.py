@@ -69,8 +69,10 @@ class LayoutMemory:
 
 
 def layout_memory(specs: Sequence[EngineSpec], weight_bytes_per_engine: int) -> LayoutMemory:
-    """Weights held on the GPU when every engine of `specs` is loaded, per layout. Activation memory is shared by
-    all engines of a pipeline either way (the largest profile's), so it is the same in both and left out."""
+    """Weights held on the GPU when every engine of `specs` is loaded, per layout. Activations are not here: they
+    differ by who runs the engine, not by layout alone (served_memory.py: trt-diffusion's runner shares one
+    allocation among a group's engines; Triton's TensorRT backend holds one per context, a context per listed
+    profile), and `plan` reports them per row (`PlanRow.activations`)."""
     groups = profile_groups(specs)
     return LayoutMemory(len(specs), len(groups), len(specs) * weight_bytes_per_engine,
                         len(groups) * weight_bytes_per_engine)

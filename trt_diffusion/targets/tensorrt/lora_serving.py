@@ -15,7 +15,6 @@ REFIT_IDENTICAL: only its own weights may go back in).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,12 +55,10 @@ class TensorRTLoraRunner:
 
 def cache_sets(model_folder: Path, default: int) -> int:
     """The model's `lora_cache_sets` parameter (its config.pbtxt, one folder above the version), else `default`."""
-    try:
-        text = (Path(model_folder) / "config.pbtxt").read_text()
-    except OSError:
-        return default
-    found = re.search(r'key:\s*"' + CACHE_SETS_PARAMETER + r'"\s*value\s*:?\s*\{\s*string_value:\s*"(\d+)"', text)
-    return max(1, int(found.group(1))) if found else default
+    from .served_memory import config_parameter
+
+    value = config_parameter(model_folder, CACHE_SETS_PARAMETER)
+    return max(1, int(value)) if value and value.isdigit() else default
 
 
 def lora_runner(folder: Path, name: str, weights: Mapping[str, Any], base: Any) -> TensorRTLoraRunner:

@@ -100,6 +100,12 @@ class EngineManifest(BaseModel):
     # (NvInferRuntime.h; `get_device_memory_size_for_profile_v2` gives each one's): the runner budgets the shared
     # activation allocation with it before loading; None when the build could not read it back
     device_memory_bytes: int | None = None
+    # a multi-profile engine's activation memory per profile (`get_device_memory_size_for_profile_v2`): what a
+    # context fixed to one profile holds under Triton's ON_PROFILE_CHANGE strategy (served_memory.py)
+    profile_device_memory_bytes: tuple[int, ...] | None = None
+    # the weights the engine holds on the GPU once loaded: TensorRT's TOTAL_WEIGHTS_SIZE (11.x) or, for a stripped
+    # plan (whose file holds none), the ONNX's weight bytes; None when unknown (the plan's size stands for them)
+    weights_bytes: int | None = None
     # `streamable_weights_size` of an engine built with weight streaming (None otherwise or unread)
     streamable_weights_bytes: int | None = None
     build_seconds: float
@@ -148,6 +154,13 @@ class EngineManifest(BaseModel):
         if not self.flags.get("strip_plan"):
             return False
         return self.refit is None or self.refit.in_progress or not self.refit.names
+
+    @property
+    def device_weights_bytes(self) -> int:
+        """The GPU memory its weights take once loaded: a stripped plan's file size is not that (it holds none)."""
+        if self.stripped and self.weights_bytes is not None:
+            return max(self.weights_bytes, self.plan_bytes)
+        return self.plan_bytes
 
     def input(self, name: str) -> TensorSpec | None:
         return next((info for info in self.inputs if info.name == name), None)

@@ -416,7 +416,8 @@ class TensorRTRunner(BaseRunner):
         streamable = self.manifest.streamable_weights_bytes
         budget = weight_streaming_budget(self.weight_budget_bytes, streamable,
                                          bool(self.manifest.flags.get("weight_streaming")), self.name)
-        group.admit(self, resident_bytes(self.manifest.plan_bytes, streamable, budget),
+        # a stripped plan's weights come from its ONNX at load: counted as they are on the GPU, not as its file
+        group.admit(self, resident_bytes(self.manifest.device_weights_bytes, streamable, budget),
                     self.manifest.device_memory_bytes)
         try:
             if self._loader is None:

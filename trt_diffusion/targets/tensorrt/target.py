@@ -147,8 +147,12 @@ class TensorRTTarget(TargetBase):
         if weights:
             raise RefitError("LoRA refit at load time is not implemented for the tensorrt target; apply it with "
                              "`trt-diffusion refit --target tensorrt`")
-        # the spec goes with the load: host code only where the spec asks for version compatibility
-        return TensorRTRunner(engine.path, name=engine.spec.name, loader=functools.partial(load_engine, spec=engine.spec))
+        from .served_memory import serving_weight_budget
+
+        # the spec goes with the load: host code only where the spec asks for version compatibility; the model's
+        # serving: tensorrt_weight_budget_gb (weight streaming) where engines.yaml sets one
+        return TensorRTRunner(engine.path, name=engine.spec.name, loader=functools.partial(load_engine, spec=engine.spec),
+                              weight_budget_bytes=serving_weight_budget(engine.serving))
 
     def refit(self, engine: BuiltEngine, weights, source_onnx) -> int:
         """Refit the plan from its base ONNX (so no earlier LoRA stays behind), then `weights` over it, and
@@ -181,6 +185,7 @@ class TensorRTTarget(TargetBase):
         from ...errors import BuildError
         from .manifest import PACKAGED_MANIFEST, PACKAGED_PLAN, manifest_path
         from .plan_trust import interrupted_refit_problem, plan_file_problem
+        from .served_memory import triton_parameters
 
         problem = interrupted_refit_problem(engine.manifest) or plan_file_problem(engine.manifest, engine.path,
                                                                                    cached=False)
@@ -188,12 +193,29 @@ class TensorRTTarget(TargetBase):
             raise BuildError(problem)
         files = {PACKAGED_PLAN: Path(engine.path), PACKAGED_MANIFEST: manifest_path(engine.path)}
         if engine.manifest.stripped:  # no weights in the plan: the ONNX goes with it
-            return self._stripped_triton_model(engine, files)
+            return self._stripped_triton_model(engine, files, self._budget_parameters(engine))
         # a multi-profile plan (engine_layout: profiles): every profile listed, Triton picks one by the shapes
         profiles = tuple(str(i) for i in range(len(engine.manifest.profiles or ())))
-        return TritonEngineModel("tensorrt_plan", "KIND_GPU", files, "model.plan", notes=(
-            "platform tensorrt_plan needs NVIDIA's Triton containers with the TensorRT version and GPU the plans "
-            "were built for",), profiles=profiles)
+        notes = ["platform tensorrt_plan needs NVIDIA's Triton containers with the TensorRT version and GPU the plans "
+                 "were built for"]
+        if self._budget_parameters(engine):
+            notes.append(f"{engine.spec.name}: serving: tensorrt_weight_budget_gb is not applied by Triton's TensorRT "
+                         "backend (it has no weight budget parameter: every weight stays on the GPU); it applies "
+                         "where trt-diffusion's runner loads the plan (in-process pipelines, python-backend models)")
+        # Triton makes a context per listed profile; ON_PROFILE_CHANGE: each holds its own profile's activations,
+        # not the largest over all of them (served_memory.py)
+        return TritonEngineModel("tensorrt_plan", "KIND_GPU", files, "model.plan", notes=tuple(notes),
+                                 profiles=profiles, parameters=triton_parameters(len(profiles)))
+
+    def activation_memory(self, specs, workspace: Path) -> dict:
+        from .served_memory import plan_activations
+
+        return plan_activations(workspace, specs)
+
+    def served_activation_bytes(self, model_folder: Path, backend: str) -> int:
+        from .served_memory import packaged_activation_bytes
+
+        return packaged_activation_bytes(model_folder, backend)
 
     def lora_unservable_reason(self, spec) -> str | None:
         from .lora_serving import lora_unservable_reason
@@ -219,7 +241,15 @@ class TensorRTTarget(TargetBase):
                 "Triton image needs trt-diffusion with its tensorrt extra in the python backend's environment")
         if served.backend == "python":
             return dataclasses.replace(served, files=files, notes=(*served.notes, note))
-        return TritonEngineModel("python", "KIND_GPU", files, notes=(note,))
+        return TritonEngineModel("python", "KIND_GPU", files, notes=(note,), parameters=self._budget_parameters(engine))
+
+    @staticmethod
+    def _budget_parameters(engine: BuiltEngine) -> dict[str, str]:
+        """engines.yaml's serving: tensorrt_weight_budget_gb for the python-backend model's runner (config.pbtxt)."""
+        from .served_memory import WEIGHT_BUDGET_PARAMETER, serving_weight_budget
+
+        budget = serving_weight_budget(engine.serving)
+        return {} if budget is None else {WEIGHT_BUDGET_PARAMETER: str(budget)}
 
     def lora_runner(self, folder: Path, name: str, weights, *, base=None):
         """A LoRA set's runner: a view of the instance's base runner that holds the set during its runs
@@ -229,7 +259,8 @@ class TensorRTTarget(TargetBase):
         return lora_runner(Path(folder), name, weights, base)
 
     @staticmethod
-    def _stripped_triton_model(engine: BuiltEngine, files: dict[str, Path]) -> TritonEngineModel:
+    def _stripped_triton_model(engine: BuiltEngine, files: dict[str, Path],
+                               parameters: dict[str, str]) -> TritonEngineModel:
         """A stripped plan (STRIP_PLAN) is served by a python-backend model running this target's runner, which
         refits every weight from the packaged ONNX at load (Triton's TensorRT backend cannot refit a plan): the
         ONNX the plan was built from, checked against the manifest's sha256, as weights.onnx with its external data."""
@@ -255,7 +286,7 @@ class TensorRTTarget(TargetBase):
             "stripped TensorRT plans (strip_plan: true) are served by python-backend models running trt-diffusion's "
             "TensorRT runner, which refits each plan from the weights.onnx beside it when the model loads: the "
             "Triton image needs trt-diffusion with its tensorrt extra (TensorRT and cuda-python) in the python "
-            "backend's environment",), parameters={"weights_onnx": PACKAGED_WEIGHTS_ONNX})
+            "backend's environment",), parameters={"weights_onnx": PACKAGED_WEIGHTS_ONNX, **parameters})
 
     def runner_from_files(self, folder: Path, name: str, *, device: int | None = None):
         """The runner of a packaged plan (model.plan, manifest.json); a stripped one refits from the weights.onnx
@@ -266,11 +297,15 @@ class TensorRTTarget(TargetBase):
         from .manifest import PACKAGED_PLAN, PACKAGED_WEIGHTS_ONNX, EngineManifest, manifest_path
         from .runner import TensorRTRunner
 
+        from .served_memory import packaged_weight_budget
+
         plan = Path(folder) / PACKAGED_PLAN
         stripped = EngineManifest.read(manifest_path(plan)).stripped
         loader = functools.partial(load_engine, device=device or 0,
                                    weights_onnx=Path(folder) / PACKAGED_WEIGHTS_ONNX if stripped else None)
-        return TensorRTRunner(plan, name=name, loader=loader, device=device)
+        # engines.yaml's serving: tensorrt_weight_budget_gb, as `package` wrote it in the model's config.pbtxt
+        return TensorRTRunner(plan, name=name, loader=loader, device=device,
+                              weight_budget_bytes=packaged_weight_budget(Path(folder).parent))
 
 
 def profile_labels(spec) -> tuple[str, ...] | None:
