@@ -231,3 +231,13 @@ def test_an_engine_model_refuses_a_scale_that_is_not_finite_or_in_range(lora_eng
     assert good.error is None and after.error is None
     assert float(dict(good.tensors)["noise"].reshape(-1)[0]) == 1.25  # base 1 + 0.5 * delta 0.5
     assert len(lora_engine.refits) == 1  # the good set once; the refused scale made no refit and evicted nothing
+
+
+def test_every_models_internal_reply_names_the_kind_only(monkeypatch):
+    """The pipeline's stage models (stream, encode, denoise, decode) answer a bug through pb.internal_error too:
+    before, its reply carried the error's text (`internal error ValueError: <message with a path>`)."""
+    monkeypatch.setattr(pb, "utils", lambda: FakeUtils)
+    reply = pb.internal_error("sd15-tiny_decode", ValueError("cannot open /srv/secret/vae/config.json"))
+    assert reply.error.code == "INTERNAL"
+    assert reply.error.message == "sd15-tiny_decode: internal error (ValueError); the server log has the details"
+    assert any("/srv/secret" in text for text in FakeUtils.logged)

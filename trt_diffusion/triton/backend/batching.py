@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -197,15 +196,7 @@ def _error(name: str, err: BaseException):
         return pb.error_response(f"{name}: {err}")
     if isinstance(err, EngineCallError):
         return pb.error_response(f"{name}: {err}", "INTERNAL")
-    return internal_reply(name, err)
-
-
-def internal_reply(name: str, err: BaseException):
-    """A bug's answer: its kind only — a message can carry the server's paths, a traceback its code — and the
-    whole traceback in the server's log."""
-    pb.utils().Logger.log_error(f"{name}: {''.join(traceback.format_exception(err))}")
-    return pb.error_response(f"{name}: internal error ({type(err).__name__}); the server log has the details",
-                             "INTERNAL")
+    return pb.internal_error(name, err)
 
 
 def timing_json(timings: list, started: float, sent: int | None, started_ns: int, lora_switch_s: float = 0.0) -> str:

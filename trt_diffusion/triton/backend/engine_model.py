@@ -65,9 +65,7 @@ class TritonPythonModel:
             except RuntimeInputError as err:
                 responses.append(pb.error_response(str(err)))
             except Exception as err:  # noqa: BLE001 - one bad request must not take the model down
-                from .batching import internal_reply  # its kind only in the reply (no path), the traceback logged
-
-                responses.append(internal_reply(self.name, err))
+                responses.append(pb.internal_error(self.name, err))  # its kind only, no path
         return responses
 
 

@@ -19,8 +19,11 @@ def error_response(message: str, code: str = "INVALID_ARG") -> Any:
 
 
 def internal_error(what: str, err: BaseException) -> Any:
+    """A bug's answer: its kind only (a message can carry the server's paths, a traceback its code), and the whole
+    traceback in the server's log."""
     utils().Logger.log_error(f"{what}: {''.join(traceback.format_exception(err))}")
-    return error_response(f"{what}: internal error {type(err).__name__}: {err}", "INTERNAL")
+    return error_response(f"{what}: internal error ({type(err).__name__}); the server log has the details",
+                          "INTERNAL")
 
 
 def input_array(request: Any, name: str):
