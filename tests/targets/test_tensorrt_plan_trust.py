@@ -267,3 +267,63 @@ def test_a_stripped_plan_loads_only_with_the_onnx_it_was_built_from(tmp_path, fa
     assert refits == [onnx_path]
     with pytest.raises(RefitError, match="not the ONNX the plan was built from"):
         trt_engine.load_engine(plan, host=HOST, spec=stripped, weights_onnx=tiny_onnx(tmp_path / "b.onnx", 3.0))
+
+
+class SeekingRuntime(StreamingRuntime):
+    """Reads out of order, as nothing forbids TensorRT to (the reader exposes seek): the first 100 bytes, a jump past
+    the next 100, the rest, then back for the skipped part."""
+
+    def deserialize_cuda_engine(self, plan):
+        if not hasattr(plan, "read"):
+            return super().deserialize_cuda_engine(plan)
+        FakeRuntime.seen.append(self.engine_host_code_allowed)
+
+        def read_all(limit=None):
+            data = b""
+            while limit is None or len(data) < limit:
+                chunk = bytes(plan.read(min(1 << 30, (limit or 1 << 30) - len(data)), 0))
+                if not chunk:
+                    break
+                data += chunk
+            return data
+
+        head = read_all(100)
+        assert plan.seek(100, "CUR") and plan.seek(-10, "END") and plan.seek(200, "SET")
+        tail = read_all()
+        assert plan.seek(100, "SET")
+        middle = read_all(100)
+        if StreamingRuntime.overwrite is not None:
+            with open(StreamingRuntime.overwrite, "r+b") as handle:
+                handle.seek(50)
+                handle.write(b"\xff")
+            StreamingRuntime.overwrite = None
+            assert plan.seek(50, "SET") and read_all(10) == b""  # read again from disk, changed: nothing handed out
+        return types.SimpleNamespace(plan=head + middle + tail)
+
+
+def test_a_streamed_load_in_any_read_and_seek_order_is_accepted_and_a_change_still_caught(tmp_path, streaming_runtime,
+                                                                                         monkeypatch):
+    """#45 item 6: the stream was accepted only if TensorRT read it exactly once front to back; a seek past bytes
+    read later failed every such load with "changed while loading". Each chunk is now checked when read again, in
+    any order."""
+    monkeypatch.setattr(sys.modules["tensorrt"], "Runtime", SeekingRuntime)
+    onnx_path = tiny_onnx(tmp_path / "model.onnx")
+    the_spec = spec()
+    plan = built(tmp_path, the_spec, onnx_path, plan=bytes(range(256)) * 4)
+    engine = trt_engine.load_engine(plan, host=HOST, spec=the_spec, stream=True)
+    assert engine.engine.plan == plan.read_bytes()
+    StreamingRuntime.overwrite = plan
+    with pytest.raises(BuildError, match="changed while it was being loaded"):
+        trt_engine.load_engine(plan, host=HOST, spec=the_spec, stream=True)
+
+
+def test_a_chunk_source_refuses_seeks_outside_the_plan():
+    import io
+
+    from trt_diffusion.targets.tensorrt.plan_stream import ChunkSource
+
+    data = bytes(range(250))
+    digests = [hashlib.sha256(data[i:i + 100]).digest() for i in range(0, 250, 100)]
+    source = ChunkSource(io.BytesIO(data), digests, len(data), chunk_bytes=100)
+    assert not source.seek(251, 0) and not source.seek(-1, 0) and source.seek(-50, 2)
+    assert source.read(1000) == data[200:] and source.read(10) == b"" and source.verdict()

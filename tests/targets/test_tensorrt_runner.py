@@ -912,3 +912,25 @@ def test_hot_swaps_share_one_refitter_without_tensorrts_revalidation_and_refuse_
     with pytest.raises(RefitError, match=r"weight\(s\) \['w'\] hold NaN or infinity"):
         runner.refit({"w": bad}, base_weights=base, resident=True)
     assert rig.refits == 4
+
+
+def test_a_cuda_failure_is_internal_and_an_allocation_the_gpu_has_no_room_for_names_the_engine_and_bytes(
+        async_rig, monkeypatch):
+    """#45: CudaError was a user error (exit 1, no traceback) though only a bug or a broken driver causes one; it is
+    internal now (exit 3, with the traceback). Out of GPU memory is the user's to act on: a ServeError naming the
+    engine and the bytes it needed."""
+    import typer
+
+    from trt_diffusion.errors import InternalError, ServeError, TrtDiffusionError
+    from trt_diffusion.targets.tensorrt.cudart import CudaError
+
+    assert issubclass(CudaError, InternalError) and not issubclass(CudaError, TrtDiffusionError)
+    cli_main = importlib.import_module("trt_diffusion.cli.main")
+    monkeypatch.setattr(typer.main, "get_command", lambda app: SimpleNamespace(
+        main=lambda **kwargs: (_ for _ in ()).throw(CudaError("CUDA call cudaStreamSynchronize failed: x"))))
+    assert cli_main.main(["build"]) == cli_main.EXIT_INTERNAL
+
+    rig = async_rig
+    rig.cudart.fail_malloc(2)  # the activation allocation, and its retry
+    with pytest.raises(ServeError, match=r"unet: the GPU has no room for 9216 more bytes .*cudaErrorMemoryAllocation"):
+        rig.runner("unet", activation_bytes=9000).run(_sample())

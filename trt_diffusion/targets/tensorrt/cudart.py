@@ -15,14 +15,27 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import MissingDependencyError, TrtDiffusionError
+from ...errors import InternalError, MissingDependencyError
 
 CUDA_HINT = ("the TensorRT runner needs cuda-python (cuda.bindings): "
              "pip install 'trt-diffusion[tensorrt]' --extra-index-url https://pypi.nvidia.com")
 
 
-class CudaError(TrtDiffusionError):
-    """A CUDA runtime call failed."""
+class CudaError(InternalError):
+    """A CUDA runtime call failed: a bug or a broken driver, not the user's to fix (the CLI exits 3). The one failure
+    a user can act on, an allocation the GPU has no room for, is `CudaOutOfMemory`, which the runner turns into a
+    ServeError naming the engine and the bytes."""
+
+
+class CudaOutOfMemory(CudaError):
+    """cudaMalloc/cudaMallocHost of `nbytes` failed for lack of memory."""
+
+    def __init__(self, message: str, nbytes: int):
+        super().__init__(message)
+        self.nbytes = nbytes
+
+
+OUT_OF_MEMORY = "cudaErrorMemoryAllocation"
 
 
 def import_cudart() -> Any:
@@ -72,15 +85,23 @@ class Cuda:
         self._check(self._rt.cudaSetDevice(index), "cudaSetDevice")
 
     # memory
+    def _allocated(self, result: Any, call: str, nbytes: int) -> int:
+        try:
+            return int(self._check(result, call))
+        except CudaError as err:
+            if OUT_OF_MEMORY in str(err):
+                raise CudaOutOfMemory(f"{err} ({nbytes} bytes)", nbytes) from None
+            raise
+
     def malloc(self, nbytes: int) -> int:
-        return int(self._check(self._rt.cudaMalloc(nbytes), "cudaMalloc"))
+        return self._allocated(self._rt.cudaMalloc(nbytes), "cudaMalloc", nbytes)
 
     def free(self, pointer: int) -> None:
         self._check(self._rt.cudaFree(pointer), "cudaFree")
 
     def malloc_host(self, nbytes: int) -> int:
         """Page-locked host memory: asynchronous copies from it do not stage through a pageable buffer."""
-        return int(self._check(self._rt.cudaMallocHost(nbytes), "cudaMallocHost"))
+        return self._allocated(self._rt.cudaMallocHost(nbytes), "cudaMallocHost", nbytes)
 
     def free_host(self, pointer: int) -> None:
         self._check(self._rt.cudaFreeHost(pointer), "cudaFreeHost")

@@ -48,7 +48,6 @@ from .layout import profile_envelope
 from .manifest import REBUILD_COMMAND, EngineManifest, manifest_path
 from .plan_stream import (
     STREAM_THRESHOLD_BYTES,
-    ChunkSource,
     load_mode,
     open_verified,
     privately_writable,
@@ -609,17 +608,17 @@ def load_engine(plan_path: str | Path, host: HostInfo | None = None, *, spec: En
 
 def _deserialize_streamed(trt_mod: ModuleType, plan_path: Path, manifest: EngineManifest, host_code: bool,
                           for_refit: bool) -> trt.ICudaEngine:
-    """Verify through one open handle, then let TensorRT pull the plan from it in chunks; an engine whose bytes
-    differed on the second read is dropped."""
+    """Verify through one open handle, then let TensorRT pull the plan from it in chunks, in any order it reads and
+    seeks; an engine given a chunk that differed on the second read is dropped."""
     mark = _ERRORS.mark()
-    handle, digest = open_verified(plan_path, manifest, for_refit=for_refit)
-    with handle:
-        source = ChunkSource(handle)
+    verified = open_verified(plan_path, manifest, for_refit=for_refit)
+    with verified.handle:
+        source = verified.source()
         runtime = trt_mod.Runtime(_trt_logger())
         if host_code:
             runtime.engine_host_code_allowed = True
         engine = runtime.deserialize_cuda_engine(stream_reader(source))
-        if engine is not None and not source.verdict(digest, manifest.plan_bytes):
+        if engine is not None and not source.verdict():
             del engine
             raise BuildError(f"engine plan {plan_path} changed while it was being loaded: rebuild or reload it")
     if engine is None:

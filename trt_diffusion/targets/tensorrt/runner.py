@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import RuntimeInputError
+from ...errors import RuntimeInputError, ServeError
 from ...tensors import TensorSpec, is_fixed
 from ..runner_base import ROUTED_PROFILE, BaseRunner
-from .cudart import Cuda, CudaError, host_array
+from .cudart import Cuda, CudaError, CudaOutOfMemory, host_array
 from .device_memory import (
     MEMORY_ENV,
     EngineBudget,
@@ -408,7 +408,20 @@ class TensorRTRunner(BaseRunner):
                 if group.budget is not None:
                     group.budget.touch(self.key)
                 return
-            super().activate()
+            with self._gpu_memory():
+                super().activate()
+
+    @contextlib.contextmanager
+    def _gpu_memory(self) -> Iterator[None]:
+        """An allocation the GPU has no room for is the user's to act on: a ServeError naming the engine and the bytes
+        (every other CUDA failure stays a CudaError: internal, exit 3)."""
+        try:
+            yield
+        except CudaOutOfMemory as err:
+            raise ServeError(
+                f"{self.name}: the GPU has no room for {err.nbytes} more bytes ({err.nbytes / (1 << 30):.2f} GiB; "
+                f"{err}): free GPU memory, load fewer engines at once, lower {MEMORY_ENV} or a weight budget "
+                "(serving: tensorrt_weight_budget_gb), or use a larger GPU") from None
 
     def _activate(self) -> None:
         group = self.group
@@ -574,7 +587,7 @@ class TensorRTRunner(BaseRunner):
         from .refit_weights import weights_digest
 
         group = self.group
-        with group.lock:
+        with group.lock, self._gpu_memory():
             self.activate()
             assert self.engine is not None and group.stream is not None
             cuda = group.cuda
@@ -720,9 +733,10 @@ class TensorRTRunner(BaseRunner):
             assert group.budget is not None
             group.budget.pin(self.key)
             try:
-                if self._lora_base is not None:  # serving LoRAs: this run's set first, queued before its copies
-                    self._apply_set(self._wanted_set)
-                yield
+                with self._gpu_memory():
+                    if self._lora_base is not None:  # serving LoRAs: this run's set first, queued before its copies
+                        self._apply_set(self._wanted_set)
+                    yield
             finally:
                 group.budget.unpin(self.key)
 
