@@ -67,7 +67,8 @@ def test_no_module_outside_targets_compares_a_target_name():
     names = _target_names()
     found = []
     for path in PACKAGE.rglob("*.py"):
-        if (PACKAGE / "targets") in path.parents or path == PACKAGE / "target_registry.py":
+        # extras.py is keyed by pyproject's extras, two of which are spelled like the targets they provide
+        if (PACKAGE / "targets") in path.parents or path in (PACKAGE / "target_registry.py", PACKAGE / "extras.py"):
             continue
         for line, name in _compared_names(ast.parse(path.read_text()), names):
             found.append(f"{path.relative_to(ROOT)}:{line}: {name!r}")

@@ -83,6 +83,15 @@ def build(config_path: str | Path, *, target: str | None = None, model: str | No
     from .engine_builds.stage import build_engines
     from .engines_file.selection import select_specs
 
+    # the extras asked for by name fail now, with the pip line, before engines.yaml is read or anything exported
+    if target is not None:
+        from .target_registry import require_target_extra
+
+        require_target_extra(target)
+    if ray is not None:
+        from .extras import require
+
+        require("farm", "`build --ray`", ("ray",))
     config = load_engines_file(config_path, check_sources=True)
     return build_engines(config, select_specs(config, model, component), prepare=engine_sources, target=target,
                          narrowed=bool(model or component), jobs=jobs, shard=shard, ray=ray, progress=progress)
@@ -287,6 +296,9 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
 
     started = []
     if openai is not None:
+        from .extras import require
+
+        require("openai", "--openai-port")  # before tritonserver starts, not once it is ready
         from .openai_api.server import ApiServer, check_port
 
         check_port(openai.check())  # a taken port fails now, not after the models have loaded
@@ -309,6 +321,9 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
 def openai_api(settings) -> None:
     """The OpenAI Images API alone, in the foreground, in front of the Triton at `settings.triton_url` (gRPC);
     until Ctrl-C or SIGTERM."""
+    from .extras import require
+
+    require("openai", "openai-api")
     from .openai_api.server import run
 
     run(settings)

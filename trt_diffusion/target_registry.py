@@ -24,13 +24,15 @@ if TYPE_CHECKING:
 class _Entry:
     locator: str | Target  # "package.module:Class", or an instance (targets defined at run time, e.g. tests)
     in_default: bool  # part of engines.yaml's default `targets` when a file lists none
+    extra: str | None = None  # the pyproject extra its backend comes from (extras.py), checked when asked for
 
 
 _REGISTRY: dict[str, _Entry] = {
-    "tensorrt": _Entry("trt_diffusion.targets.tensorrt.target:TensorRTTarget", in_default=True),
+    "tensorrt": _Entry("trt_diffusion.targets.tensorrt.target:TensorRTTarget", in_default=True,
+                       extra="tensorrt"),
     "onnxruntime": _Entry("trt_diffusion.targets.onnxruntime:OnnxRuntimeTarget", in_default=True),
     # The `openvino` extra: skipped with the reason where OpenVINO is not installed, like tensorrt.
-    "openvino": _Entry("trt_diffusion.targets.openvino:OpenVINOTarget", in_default=True),
+    "openvino": _Entry("trt_diffusion.targets.openvino:OpenVINOTarget", in_default=True, extra="openvino"),
 }
 _instances: dict[str, Target] = {}
 _lock = threading.Lock()
@@ -52,10 +54,14 @@ def check_target_name(name: str) -> str:
     return name
 
 
-def register_target(name: str, target: str | Target, *, in_default: bool = False) -> None:
-    """Register a target by `"module:Class"` (imported on first use) or as an instance."""
+def register_target(name: str, target: str | Target, *, in_default: bool = False, extra: str | None = None) -> None:
+    """Register a target by `"module:Class"` (imported on first use) or as an instance. A name already taken is
+    refused: a second registration would silently replace the first target's engines (unregister it first)."""
     with _lock:
-        _REGISTRY[name] = _Entry(target, in_default)
+        if name in _REGISTRY:
+            raise ConfigError(f"target {name!r} is already registered ({_REGISTRY[name].locator!r}); "
+                              "unregister_target it first to replace it")
+        _REGISTRY[name] = _Entry(target, in_default, extra)
         _instances.pop(name, None)
 
 
@@ -63,6 +69,16 @@ def unregister_target(name: str) -> None:
     with _lock:
         _REGISTRY.pop(name, None)
         _instances.pop(name, None)
+
+
+def require_target_extra(name: str, feature: str | None = None) -> None:
+    """For a target asked for by name (`--target NAME`): MissingDependencyError with the pip line when the extra its
+    backend comes from is missing (extras.require). Targets listed only in engines.yaml are skipped instead."""
+    from .extras import require
+
+    extra = _REGISTRY[check_target_name(name)].extra
+    if extra is not None:
+        require(extra, feature or f"--target {name}")
 
 
 def get_target(name: str) -> Target:
@@ -94,4 +110,4 @@ def availability() -> dict[str, str | None]:
 
 
 __all__ = ["availability", "check_target_name", "default_target_names", "get_target", "register_target",
-           "target_names", "unregister_target"]
+           "require_target_extra", "target_names", "unregister_target"]

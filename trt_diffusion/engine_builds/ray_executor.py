@@ -19,10 +19,11 @@ from typing import Any
 
 from ..engines_file import EnginesConfig, EngineSpec
 from ..errors import BuildError, MissingDependencyError, TrtDiffusionError
+from ..extras import install_line
 from ..workspace.files import tool_versions
 from .report import EngineOutcome, Failure
 
-INSTALL_HINT = "install the farm extra: pip install 'trt-diffusion[farm]'"
+INSTALL_HINT = f"install the farm extra: {install_line('farm')}"
 # (config, specs) -> (spec -> the ONNX its engine is built from), exporting and quantizing first
 SourcesFor = Callable[[EnginesConfig, list[EngineSpec]], Callable[[EngineSpec], Path]]
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, MissingDependencyError, TrtDiffusionError
+from ..extras import install_line
 from .files import sha256_file
 from .locks import heartbeat
 from .urls import mask_url
@@ -53,7 +54,7 @@ from .urls import mask_url
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-INSTALL_HINT = "install the store extra: pip install 'trt-diffusion[store]'"
+INSTALL_HINT = f"install the store extra: {install_line('store')}"
 SOURCE_KINDS = ("onnx", "quantized", "calibration")  # artifacts engines are built from (store.py folders)
 LOCK_STALE_AFTER_S = 600.0  # a remote lock nobody has touched for this long belongs to a dead builder
 LOCK_HEARTBEAT_S = 10.0

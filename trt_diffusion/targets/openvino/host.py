@@ -15,9 +15,11 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 
+from ...extras import install_line
+
 PACKAGE = "openvino"
 PINNED_VERSION = "2026.4.1"
-INSTALL_HINT = f'pip install "trt-diffusion[openvino]" (openvino=={PINNED_VERSION})'
+INSTALL_HINT = f"{install_line('openvino')} (openvino=={PINNED_VERSION})"
 
 # The flags that decide what OpenVINO's CPU plugin can do fast (x86 and ARM spellings).
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16",
