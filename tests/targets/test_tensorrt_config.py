@@ -23,6 +23,7 @@ from trt_diffusion.onnx_facts import (
     read_base_weights,
     validate_profile,
 )
+from trt_diffusion.targets.tensorrt import builder, host_probe
 from trt_diffusion.targets.tensorrt.build_flags import GIB, BuildFlags, network_creation_flags
 from trt_diffusion.targets.tensorrt.feeds import check_feeds
 from trt_diffusion.targets.tensorrt.host_gates import check_engine_compatible, check_hardware
@@ -730,9 +731,9 @@ def test_hardware_gate_runs_before_tensorrt_is_started(monkeypatch, qdq_onnx, tm
         if tensor.data_type == TensorProto.FLOAT:
             tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float16), tensor.name))
     onnx_path = save(fp16_qdq, tmp_path / "fp16_qdq.onnx")
-    monkeypatch.setattr(engine, "_probe_cuda_device", lambda: (engine.CudaDevice((8, 6), "NVIDIA RTX A6000"), ()))
+    monkeypatch.setattr(host_probe, "probe_cuda_device", lambda: (host_probe.CudaDevice((8, 6), "NVIDIA RTX A6000"), ()))
     started = []
-    monkeypatch.setattr(engine, "_require_tensorrt", lambda: started.append(True))
+    monkeypatch.setattr(host_probe, "require_tensorrt", lambda: started.append(True))
     profile = {"sample": ((2, 4, 8, 8),) * 3}
     with pytest.raises(BuildError, match="precision fp8 needs a GPU of compute capability 8.9"):
         engine.build_engine(onnx_path, make_spec("fp8"), profile, tmp_path / "e.plan", tmp_path / "cache")
@@ -775,11 +776,11 @@ def test_refittable_builds_are_refused_on_tensorrt_11_3_unless_waived(monkeypatc
     from trt_diffusion.targets.tensorrt.host_gates import check_refit_supported
 
     onnx_path = save(conv_model(), tmp_path / "conv.onnx")
-    monkeypatch.setattr(engine, "check_can_build", lambda spec: None)
-    monkeypatch.setattr(engine, "_require_tensorrt", lambda: None)
-    monkeypatch.setattr(engine, "host_info", lambda: ("11.3.0.7", (9, 0), "NVIDIA H200"))
+    monkeypatch.setattr(builder, "check_can_build", lambda spec: None)
+    monkeypatch.setattr(host_probe, "require_tensorrt", lambda: None)
+    monkeypatch.setattr(host_probe, "host_info", lambda: ("11.3.0.7", (9, 0), "NVIDIA H200"))
     parsed = []
-    monkeypatch.setattr(engine, "_parse_onnx", lambda *a: parsed.append(a) or pytest.fail("TensorRT was started"))
+    monkeypatch.setattr(builder, "_parse_onnx", lambda *a: parsed.append(a) or pytest.fail("TensorRT was started"))
     profile = {"sample": ((2, 4, 8, 8),) * 3}
     with pytest.raises(BuildError, match=r"refused on TensorRT 11.3.0.7: .*drop the bias of a GEMM.*known issue"
                                          r".*allow_refit_on_11_3: true"):
@@ -810,7 +811,6 @@ def test_the_workspace_is_uncapped_by_default_and_an_explicit_cap_keeps_its_key(
     from types import SimpleNamespace
 
     from trt_diffusion.engines_file.schema import TensorRTSettings
-    from trt_diffusion.targets.tensorrt import engine
     from trt_diffusion.targets.tensorrt import target as trt_target
 
     def options(**settings):
@@ -828,11 +828,11 @@ def test_the_workspace_is_uncapped_by_default_and_an_explicit_cap_keeps_its_key(
                              set_memory_pool_limit=lambda pool, size: limits.append((pool, size)),
                              create_timing_cache=lambda data: object(), set_timing_cache=lambda c, ignore_mismatch: True,
                              builder_optimization_level=0)
-    builder = SimpleNamespace(create_builder_config=lambda: config)
+    fake_builder = SimpleNamespace(create_builder_config=lambda: config)
     module = SimpleNamespace(MemoryPoolType=SimpleNamespace(WORKSPACE="WORKSPACE"),
                              BuilderFlag=SimpleNamespace(TF32="TF32"))
     monkeypatch.setitem(sys.modules, "tensorrt", module)
-    engine._create_config(builder, BuildFlags.for_spec(uncapped, False), [], tmp_path / "cache", "unet")
+    builder._create_config(fake_builder, BuildFlags.for_spec(uncapped, False), [], tmp_path / "cache", "unet")
     assert limits == []
-    engine._create_config(builder, BuildFlags.for_spec(spec, False), [], tmp_path / "cache", "unet")
+    builder._create_config(fake_builder, BuildFlags.for_spec(spec, False), [], tmp_path / "cache", "unet")
     assert limits == [("WORKSPACE", 8 * GIB)]

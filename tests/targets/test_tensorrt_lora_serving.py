@@ -27,6 +27,7 @@ import pytest
 from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.targets.base import BuiltEngine
 from trt_diffusion.targets.tensorrt import engine as trt_engine
+from trt_diffusion.targets.tensorrt import engine_group, host_probe, plan_load, trt_log
 from trt_diffusion.targets.tensorrt.build_flags import BuildFlags
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, engine_path, manifest_path
 from trt_diffusion.tensors import TensorSpec
@@ -234,10 +235,10 @@ def served(tmp_path, tiny_model_factory, monkeypatch):
     log: list[str] = []
     module = _refitter_module(trt, cudart, stored, log)
     monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: trt)  # the stub-generated enums
-    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
+    monkeypatch.setattr(host_probe, "require_tensorrt", lambda: trt)  # the stub-generated enums
+    monkeypatch.setattr(trt_log, "trt_logger", lambda: None)
     group = trt_runner.EngineGroup(cuda=Cuda(cudart), bound_bytes=1 << 30)
-    monkeypatch.setattr(trt_runner, "default_group", lambda device=None: group)
+    monkeypatch.setattr(engine_group, "default_group", lambda device=None: group)
 
     def compute(feeds):  # runs when the stream runs: after every refit queued before it
         log.append("run")
@@ -250,7 +251,7 @@ def served(tmp_path, tiny_model_factory, monkeypatch):
         return trt_engine.TensorRTEngine(Path(plan), EngineManifest.read(manifest_path(plan)),
                                          trt.engine(description, cudart))
 
-    monkeypatch.setattr(trt_engine, "load_engine", load_engine)
+    monkeypatch.setattr(plan_load, "load_engine", load_engine)
     monkeypatch.setattr(pb, "utils", lambda: _Utils)
     monkeypatch.setattr(pb, "input_array", lambda request, name: request[name])
     _Utils.counts = {}

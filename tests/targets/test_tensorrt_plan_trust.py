@@ -25,6 +25,8 @@ from trt_diffusion.errors import BuildError, RefitError
 from trt_diffusion.onnx_facts import onnx_sha256, validate_profile
 from trt_diffusion.targets.base import BuildRequest, BuiltEngine
 from trt_diffusion.targets.tensorrt import engine as trt_engine
+from trt_diffusion.targets.tensorrt import host_probe, plan_load, trt_log
+from trt_diffusion.targets.tensorrt import refit as trt_refit
 from trt_diffusion.targets.tensorrt.build_flags import BuildFlags
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, RefitRecord, engine_path, manifest_path
 from trt_diffusion.tensors import TensorSpec
@@ -75,7 +77,7 @@ def tamper(path: Path) -> None:
 
 @pytest.fixture
 def host(monkeypatch):
-    monkeypatch.setattr(trt_engine, "host_info", lambda device_index=0: HOST)
+    monkeypatch.setattr(host_probe, "host_info", lambda device_index=0: HOST)
 
 
 class FakeRuntime:
@@ -96,7 +98,7 @@ def fake_runtime(monkeypatch):
     module = types.ModuleType("tensorrt")
     module.__version__, module.Builder, module.Runtime = HOST[0], object, FakeRuntime
     monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
+    monkeypatch.setattr(trt_log, "trt_logger", lambda: None)
     FakeRuntime.seen = []
     return FakeRuntime
 
@@ -158,7 +160,7 @@ def test_refit_refuses_a_fresh_export_that_is_not_the_plans_onnx(tmp_path, monke
     plan = built(tmp_path, the_spec, onnx_path)
     other = tiny_onnx(tmp_path / "other.onnx", value=2.0)  # the model changed since the build
     loads = []
-    monkeypatch.setattr(trt_engine, "load_engine", lambda *a, **k: loads.append(a) or pytest.fail("loaded"))
+    monkeypatch.setattr(plan_load, "load_engine", lambda *a, **k: loads.append(a) or pytest.fail("loaded"))
     lora = types.ModuleType("trt_diffusion.lora")
     lora.RefitMap = types.SimpleNamespace(load=lambda path, onnx_path: None)
     lora.refit_weights_for_tensorrt = lambda refit_map, weights, precision: dict(weights)
@@ -260,7 +262,7 @@ def test_a_stripped_plan_loads_only_with_the_onnx_it_was_built_from(tmp_path, fa
     assert flags.strip_plan and {"STRIP_PLAN", "REFIT_IDENTICAL"} <= set(flags.builder_flags())
     plan = built(tmp_path, stripped, onnx_path)
     refits = []
-    monkeypatch.setattr(trt_engine, "refit_from_base", lambda engine, onnx, weights=None: refits.append(onnx))
+    monkeypatch.setattr(trt_refit, "refit_from_base", lambda engine, onnx, weights=None: refits.append(onnx))
     with pytest.raises(BuildError, match="stripped plan .*weights_onnx"):
         trt_engine.load_engine(plan, host=HOST, spec=stripped)
     trt_engine.load_engine(plan, host=HOST, spec=stripped, weights_onnx=onnx_path)

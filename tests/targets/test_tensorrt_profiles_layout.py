@@ -22,7 +22,9 @@ from trt_diffusion.runtime.engines import ProfileRunner, RunnerTable
 from trt_diffusion.runtime.loader import table_from_engines
 from trt_diffusion.targets.base import BuiltEngine
 from trt_diffusion.targets.runner_base import routed_profile
+from trt_diffusion.targets.tensorrt import builder as trt_builder
 from trt_diffusion.targets.tensorrt import engine as trt_engine
+from trt_diffusion.targets.tensorrt import host_probe
 from trt_diffusion.targets.tensorrt.layout import profile_envelope
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, manifest_is_current, manifest_path
 from trt_diffusion.tensors import TensorSpec
@@ -172,13 +174,13 @@ def test_the_build_adds_every_profile_to_the_builder_config_and_the_manifest_rec
                                                                   shape=(-1, 4, -1, -1)),
                               get_output=lambda i: SimpleNamespace(name="out", dtype=SimpleNamespace(name="FLOAT"),
                                                                    shape=(-1, 4, -1, -1)))
-    monkeypatch.setattr(trt_engine, "check_can_build", lambda spec: None)
-    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: module)
-    monkeypatch.setattr(trt_engine, "host_info", lambda device_index=0: HOST)
-    monkeypatch.setattr(trt_engine, "_parse_onnx", lambda onnx_path, version, name: (builder, network, None))
-    monkeypatch.setattr(trt_engine, "_build_plan", lambda b, n, config, name: memoryview(b"PLAN" * 8))
-    monkeypatch.setattr(trt_engine, "_save_timing_cache", lambda config, path: None)
-    monkeypatch.setattr(trt_engine, "_engine_sizes", lambda plan, vc, name, profiles, onnx_weights: (
+    monkeypatch.setattr(trt_builder, "check_can_build", lambda spec: None)
+    monkeypatch.setattr(host_probe, "require_tensorrt", lambda: module)
+    monkeypatch.setattr(host_probe, "host_info", lambda device_index=0: HOST)
+    monkeypatch.setattr(trt_builder, "_parse_onnx", lambda onnx_path, version, name: (builder, network, None))
+    monkeypatch.setattr(trt_builder, "_build_plan", lambda b, n, config, name: memoryview(b"PLAN" * 8))
+    monkeypatch.setattr(trt_builder, "_save_timing_cache", lambda config, path: None)
+    monkeypatch.setattr(trt_builder, "_engine_sizes", lambda plan, vc, name, profiles, onnx_weights: (
         trt_engine.EngineSizes(1 << 20, None, tuple((i + 1) << 18 for i in range(profiles)), onnx_weights)))
     members = [EngineSpec(model="m", family="sd15", source="s", component="unet", target="tensorrt",
                           precision="fp32", batch=batch, bucket=Bucket.static(Size(side, side)))
@@ -196,7 +198,7 @@ def test_the_build_adds_every_profile_to_the_builder_config_and_the_manifest_rec
     assert manifest.profile_labels == ("bucket 64x64 × batch 2", "bucket 128x128 × batch 2", "bucket 64x64 × batch 4")
     assert manifest.profile_device_memory_bytes == (1 << 18, 2 << 18, 3 << 18)  # each profile's own (#45 item 3)
     assert EngineManifest.read(manifest_path(tmp_path / "e.plan")) == manifest
-    flags = trt_engine.BuildFlags.for_spec(spec, False)
+    flags = trt_builder.BuildFlags.for_spec(spec, False)
     current = dict(onnx_digest=manifest.onnx_sha256, flags=flags, trt_version=HOST[0], compute_capability=HOST[1])
     assert manifest_is_current(manifest, spec, profile_shapes=profiles[0], extra_profiles=tuple(profiles[1:]),
                                **current)
@@ -217,10 +219,10 @@ def test_the_build_stage_hands_the_target_every_members_profile(tmp_path, tiny_s
     assert [request.profile, *request.extra_profiles] == [profile_for(config, m) for m in unet.members]
     assert [p["sample"][0][0] for p in (request.profile, *request.extra_profiles)] == [2, 4, 2, 4]
     calls = []
-    monkeypatch.setattr(trt_engine, "check_can_build", lambda spec: None)
+    monkeypatch.setattr(trt_builder, "check_can_build", lambda spec: None)
     monkeypatch.setattr(TensorRTTarget, "is_current", lambda self, request: False)
     monkeypatch.setattr(TensorRTTarget, "engine_onnx", lambda self, request: request.onnx_path)
-    monkeypatch.setattr(trt_engine, "build_engine", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(trt_builder, "build_engine", lambda *args, **kwargs: calls.append((args, kwargs)))
     TensorRTTarget().build(request)
     (args, kwargs), = calls
     assert args[1] is unet and args[2] == request.profile and kwargs["extra_profiles"] == request.extra_profiles

@@ -22,6 +22,7 @@ from onnx import helper, numpy_helper
 
 from trt_diffusion.errors import BuildError, RefitError
 from trt_diffusion.targets.tensorrt import engine as target
+from trt_diffusion.targets.tensorrt import host_probe, plan_load, trt_log
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest
 from trt_diffusion.tensors import TensorSpec
 
@@ -140,7 +141,7 @@ def fake_tensorrt() -> types.ModuleType:
 @pytest.fixture(autouse=True)
 def tensorrt_stand_in(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt())
-    monkeypatch.setattr(target, "_LOGGER", None)
+    monkeypatch.setattr(trt_log, "_LOGGER", None)
 
 
 def base_weights() -> dict[str, np.ndarray]:
@@ -334,9 +335,9 @@ def built_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(FakeEngine, "serialize_with_config", serialize_with_config, raising=False)
     monkeypatch.setattr(sys.modules["tensorrt"], "SerializationFlag",
                         types.SimpleNamespace(EXCLUDE_WEIGHTS="EXCLUDE_WEIGHTS"), raising=False)
-    monkeypatch.setattr(target, "_deserialize", PickledPlans.deserialize)
-    monkeypatch.setattr(target, "_require_tensorrt", lambda: sys.modules["tensorrt"])
-    monkeypatch.setattr(target, "host_info", lambda device_index=0: ("10.13.0.35", (9, 0), "NVIDIA H200"))
+    monkeypatch.setattr(plan_load, "_deserialize", PickledPlans.deserialize)
+    monkeypatch.setattr(host_probe, "require_tensorrt", lambda: sys.modules["tensorrt"])
+    monkeypatch.setattr(host_probe, "host_info", lambda device_index=0: ("10.13.0.35", (9, 0), "NVIDIA H200"))
     lora = types.ModuleType("trt_diffusion.lora")  # the LoRA -> initializer mapping is tested in tests/lora
     lora.RefitMap = types.SimpleNamespace(load=lambda path, onnx_path: None)
     lora.refit_weights_for_tensorrt = lambda refit_map, weights, precision: dict(weights)

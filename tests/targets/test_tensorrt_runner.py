@@ -23,6 +23,8 @@ import pytest
 
 from trt_diffusion.errors import RuntimeInputError
 from trt_diffusion.targets.tensorrt import device_memory as dm
+from trt_diffusion.targets.tensorrt import host_probe, trt_log
+from trt_diffusion.targets.tensorrt import refit as trt_refit
 from trt_diffusion.targets.tensorrt.cudart import Cuda
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, manifest_path
 from trt_diffusion.tensors import TensorSpec
@@ -540,7 +542,6 @@ def test_in_process_refit_is_queued_on_the_stream_and_drops_the_captured_graph(a
     """#27 item 7 and the hot-swap design: `runner.refit` queues `refit_cuda_engine_async` on the runner's stream
     (after the runs already queued, before later ones), drops the captured graph and records the LoRA in the
     in-memory manifest."""
-    from trt_diffusion.targets.tensorrt import engine as trt_engine
     from trt_diffusion.targets.tensorrt.refit_weights import weights_digest
 
     rig = async_rig
@@ -553,7 +554,7 @@ def test_in_process_refit_is_queued_on_the_stream_and_drops_the_captured_graph(a
         calls.append((stream_handle, rig.cudart.pending(rig.group.stream)))
         rig.cudart.enqueue(stream_handle, "refit", lambda: None)
 
-    monkeypatch.setattr(trt_engine, "refit_engine", refit_engine)
+    monkeypatch.setattr(trt_refit, "refit_engine", refit_engine)
     lora = {"w": np.ones(3, np.float32)}
     runner.refit(lora)
     assert calls == [(int(rig.group.stream), calls[0][1])] and calls[0][1] > 0  # queued behind the pending runs
@@ -639,8 +640,8 @@ def test_hot_swap_uploads_each_lora_set_once_keeps_it_on_the_device_and_frees_it
     stored = {name: array.copy() for name, array in base.items()}  # what the engine holds
     module = _refit_tensorrt(rig, stored)
     monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: module)
-    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
+    monkeypatch.setattr(host_probe, "require_tensorrt", lambda: module)
+    monkeypatch.setattr(trt_log, "trt_logger", lambda: None)
     plan = _plan(rig.tmp_path, "unet", STATIC, flags={"refit": True})
 
     def load(path):
@@ -706,8 +707,8 @@ def test_a_resident_refit_refuses_to_leave_residue_and_base_onnx(async_rig, monk
     stored = {"w": np.zeros(8, np.float32)}
     module = _refit_tensorrt(rig, stored)
     monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: module)
-    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
+    monkeypatch.setattr(host_probe, "require_tensorrt", lambda: module)
+    monkeypatch.setattr(trt_log, "trt_logger", lambda: None)
     plan = _plan(rig.tmp_path, "unet", STATIC, flags={"refit": True})
     runner = TensorRTRunner(plan, name="unet", group=rig.group, trt_module=rig.trt, loader=lambda path: (
         trt_engine.TensorRTEngine(path, EngineManifest.read(manifest_path(path)),
@@ -806,7 +807,6 @@ def test_a_group_on_gpu_n_makes_it_current_in_every_calling_thread(tmp_path):
 def test_every_in_process_refit_is_queued_on_the_stream_a_restore_to_base_too(async_rig, monkeypatch):
     """#45 item 2: `refit(None, base_weights=...)` went through `refit_to_base`, which called the synchronous
     `refit_cuda_engine` (no stream) while the engine still had runs queued: undefined in TensorRT."""
-    from trt_diffusion.targets.tensorrt import engine as trt_engine
 
     rig = async_rig
     runner = rig.runner("unet")
@@ -817,7 +817,7 @@ def test_every_in_process_refit_is_queued_on_the_stream_a_restore_to_base_too(as
         handles.append(stream_handle)
         rig.cudart.enqueue(rig.group.stream if stream_handle is None else stream_handle, "refit", lambda: None)
 
-    monkeypatch.setattr(trt_engine, "refit_engine", refit_engine)
+    monkeypatch.setattr(trt_refit, "refit_engine", refit_engine)
     base = {"w": np.zeros(3, np.float32)}
     runner.refit({"w": np.ones(3, np.float32)}, base_weights=base)
     runner.engine.refitted_names = {"w"}
@@ -896,8 +896,8 @@ def test_hot_swaps_share_one_refitter_without_tensorrts_revalidation_and_refuse_
     module.Refitter.__init__ = counted
     module.Refitter.refit_cuda_engine_async = recording
     monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: module)
-    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
+    monkeypatch.setattr(host_probe, "require_tensorrt", lambda: module)
+    monkeypatch.setattr(trt_log, "trt_logger", lambda: None)
     plan = _plan(rig.tmp_path, "unet", STATIC, flags={"refit": True})
     runner = TensorRTRunner(plan, name="unet", group=rig.group, trt_module=rig.trt, loader=lambda path: (
         trt_engine.TensorRTEngine(path, EngineManifest.read(manifest_path(path)),

@@ -22,7 +22,8 @@ from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
 from trt_diffusion.errors import BuildError, RefitError
 from trt_diffusion.onnx_facts import onnx_sha256
 from trt_diffusion.targets.base import BuiltEngine
-from trt_diffusion.targets.tensorrt import engine as trt_engine
+from trt_diffusion.targets.tensorrt import engine_group, host_probe, plan_load, trt_log
+from trt_diffusion.targets.tensorrt import refit as trt_refit
 from trt_diffusion.targets.tensorrt.build_flags import BuildFlags
 from trt_diffusion.targets.tensorrt.manifest import EngineManifest, engine_path, manifest_path
 from trt_diffusion.targets.tensorrt.target import TensorRTTarget
@@ -95,10 +96,10 @@ def fake_tensorrt(monkeypatch):
     module.__version__, module.Builder, module.Runtime = HOST[0], object, FakeRuntime
     module.__spec__ = importlib.machinery.ModuleSpec("tensorrt", None)  # torch's import probes ask for one
     monkeypatch.setitem(sys.modules, "tensorrt", module)
-    monkeypatch.setattr(trt_engine, "_trt_logger", lambda: None)
-    monkeypatch.setattr(trt_engine, "host_info", lambda device_index=0: HOST)
+    monkeypatch.setattr(trt_log, "trt_logger", lambda: None)
+    monkeypatch.setattr(host_probe, "host_info", lambda device_index=0: HOST)
     refits = []
-    monkeypatch.setattr(trt_engine, "refit_from_base", lambda engine, onnx_path, weights=None: refits.append(
+    monkeypatch.setattr(trt_refit, "refit_from_base", lambda engine, onnx_path, weights=None: refits.append(
         (engine.engine.plan, Path(onnx_path))))
     return refits
 
@@ -220,7 +221,7 @@ def test_a_gpu_instance_runs_its_runner_on_the_gpu_triton_gave_it(tmp_path, tiny
             PackageOptions(ensemble=False, stream=False, gpus=(1,)))
     trt, cudart = fake.FakeTensorRT(), fake.FakeCudart()
     groups = {}
-    monkeypatch.setattr(trt_runner, "default_group", lambda device=None: groups.setdefault(
+    monkeypatch.setattr(engine_group, "default_group", lambda device=None: groups.setdefault(
         device, trt_runner.EngineGroup(cuda=Cuda(cudart), bound_bytes=1 << 30, device=device)))
     loads = []
 
@@ -232,8 +233,8 @@ def test_a_gpu_instance_runs_its_runner_on_the_gpu_triton_gave_it(tmp_path, tiny
         return types.SimpleNamespace(engine=trt.engine(description, cudart), manifest=EngineManifest.read(
             manifest_path(plan)))
 
-    monkeypatch.setattr(trt_engine, "load_engine", load_engine)
-    monkeypatch.setattr(trt_engine, "_require_tensorrt", lambda: trt)  # the stub-generated enums
+    monkeypatch.setattr(plan_load, "load_engine", load_engine)
+    monkeypatch.setattr(host_probe, "require_tensorrt", lambda: trt)  # the stub-generated enums
     monkeypatch.setattr(pb, "utils", lambda: _Utils)
     monkeypatch.setattr(pb, "input_array", lambda request, name: request[name])
     name = "tiny__unet__64x64__b1"

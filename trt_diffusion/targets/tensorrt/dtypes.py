@@ -34,3 +34,9 @@ def numpy_dtype_for(dtype_name: str) -> np.dtype | None:
         return np.dtype(dtype_name)
     except TypeError:
         return None
+
+
+def trt_dtype_name(trt_dtype: object) -> str:
+    """The manifest's dtype name of a TensorRT `DataType` member."""
+    name = str(getattr(trt_dtype, "name", trt_dtype))
+    return TRT_DTYPE_NAMES.get(name, name.lower())

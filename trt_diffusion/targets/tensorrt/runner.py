@@ -1,4 +1,4 @@
-"""The production runner over one TensorRT plan, and the group the engines of one pipeline share.
+"""The production runner over one TensorRT plan (the group the engines of one pipeline share: engine_group.py).
 
 As NVIDIA's demo/Diffusion and the TensorRT developer guide run engines: one execution context per loaded
 engine, created once; device and pinned host buffers allocated once at the profile's largest shapes and
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,10 +27,10 @@ import numpy as np
 from ...errors import RuntimeInputError, ServeError
 from ...tensors import TensorSpec, is_fixed
 from ..runner_base import ROUTED_PROFILE, BaseRunner
-from .cudart import Cuda, CudaError, CudaOutOfMemory, host_array
+from . import engine_group
+from .cudart import CudaOutOfMemory, host_array
 from .device_memory import (
     MEMORY_ENV,
-    EngineBudget,
     GraphKey,
     IOTensor,
     ResidentSets,
@@ -41,16 +40,15 @@ from .device_memory import (
     graph_capture_reason,
     graph_is_valid,
     max_input_shapes,
-    memory_bound_bytes,
     needs_new_buffer,
     outputs_on_device,
     resident_bytes,
-    shared_activation_bytes,
     tensor_bytes,
     torch_dtype_name,
     weight_streaming_budget,
 )
 from .dtypes import numpy_dtype_for
+from .engine_group import EngineGroup
 from .feeds import check_feeds
 from .layout import select_profile
 from .manifest import EngineManifest, manifest_path
@@ -58,7 +56,8 @@ from .manifest import EngineManifest, manifest_path
 if TYPE_CHECKING:
     import tensorrt as trt
 
-    from .engine import DeviceWeights, TensorRTEngine
+    from .plan_load import TensorRTEngine
+    from .refit import DeviceWeights
 
 Loader = Callable[[Path], "TensorRTEngine"]
 CUDA_GRAPH_ENV = "TRT_DIFFUSION_TENSORRT_CUDA_GRAPH"  # 1: runners the target hands out replay CUDA graphs
@@ -66,183 +65,6 @@ CUDA_GRAPH_ENV = "TRT_DIFFUSION_TENSORRT_CUDA_GRAPH"  # 1: runners the target ha
 
 def _dims(dims: trt.Dims) -> Shape:
     return tuple(int(dims[i]) for i in range(len(dims)))
-
-
-class EngineGroup:
-    """The engines of one pipeline on one GPU: one stream, one shared activation allocation, one bound on
-    the GPU memory loaded engines hold, one lock (so two of them never run at once)."""
-
-    def __init__(self, *, cuda: Cuda | None = None, bound_bytes: int | None = None, device: int | None = None):
-        self.lock = threading.RLock()
-        # the GPU this group's engines live on (a Triton instance group on GPU N); None: the thread's current one
-        self.device = device
-        self._cuda = cuda
-        self._bound_bytes = bound_bytes
-        self.stream: Any = None
-        self.budget: EngineBudget | None = None
-        self.activation_pointer = 0
-        self.activation_bytes = 0
-        self.activation_generation = 0
-        self._needs: dict[str, int] = {}  # member key -> activation bytes it needs
-        self._members: dict[str, TensorRTRunner] = {}
-        self._event: Any = None
-        self.stats: Counter[str] = Counter()
-
-    @property
-    def cuda(self) -> Cuda:
-        if self._cuda is None:
-            self._cuda = Cuda()
-        return self._cuda
-
-    def use_device(self) -> None:
-        """Make the group's GPU current in the calling thread: CUDA's current device is per thread, and a runner
-        is called from whichever thread serves a request."""
-        if self.device is not None:
-            self.cuda.set_device(self.device)
-
-    def _open(self) -> EngineBudget:
-        self.use_device()
-        if self.budget is None:
-            if self._bound_bytes is None:
-                _, total = self.cuda.mem_get_info()
-                self._bound_bytes = memory_bound_bytes(total, os.environ.get(MEMORY_ENV))
-            self.budget = EngineBudget(self._bound_bytes)
-        if self.stream is None:
-            self.stream = self.cuda.stream_create()
-            self.stats["streams_created"] += 1
-        return self.budget
-
-    def event(self) -> Any:
-        if self._event is None:
-            self._event = self.cuda.event_create()
-        return self._event
-
-    @property
-    def members(self) -> list[str]:
-        return list(self._members)
-
-    def admit(self, runner: TensorRTRunner, resident_bytes: int, activation_bytes: int | None = None) -> None:
-        """Make room for `runner` (unloading least recently used lazily loaded engines) before it loads.
-        `activation_bytes` (its manifest's `device_memory_bytes`) is what it adds to the shared activation
-        allocation: budgeted now, before the load, not discovered after it."""
-        budget = self._open()
-        needs = {**self._needs, runner.key: activation_bytes} if activation_bytes is not None else None
-        shared_after = shared_activation_bytes(needs) if needs is not None else None
-        evict = budget.admit(runner.key, resident_bytes, shared_after=shared_after)
-        self._members[runner.key] = runner  # first, so the group stays open while others leave
-        for key in evict:
-            self._members[key].deactivate()
-
-    def bind_activation(self, runner: TensorRTRunner, context: trt.IExecutionContext, needed: int) -> None:
-        """Give `context` the shared activation memory, growing it (and rebinding every member) when
-        `needed` is more than it holds.
-
-        The new allocation is made before the old one is freed, so a failed cudaMalloc leaves every member
-        bound to memory that is still allocated. Where both do not fit at once, the old one is freed first:
-        then every member is unbound and the generation bumped before the second try, so no context and no
-        captured graph is left pointing at freed memory whatever that try gives."""
-        self._needs[runner.key] = needed
-        size = shared_activation_bytes(self._needs)
-        if size > self.activation_bytes:
-            self.cuda.synchronize(self.stream)  # nothing may still run in the old allocation
-            try:
-                pointer = self.cuda.malloc(size)
-            except CudaError:
-                if not self.activation_pointer:
-                    self._needs.pop(runner.key, None)
-                    raise
-                held = self.activation_bytes
-                self._release_activation()  # not both at once: free first, nothing left bound to it
-                try:
-                    pointer = self.cuda.malloc(size)
-                except CudaError:
-                    self._needs.pop(runner.key, None)
-                    self._restore_activation(held)  # the members that fitted get memory again, then the error
-                    raise
-            if self.activation_pointer:
-                self._release_activation()
-            self.activation_pointer, self.activation_bytes = pointer, size
-            self.activation_generation += 1
-            self.stats["activation_allocations"] += 1
-            for key, member in self._members.items():
-                if key != runner.key and member.context is not None:
-                    member.context.set_device_memory(self.activation_pointer, self.activation_bytes)
-                    member.bound_generation = self.activation_generation
-        if self.budget is not None:
-            self.budget.set_shared(self.activation_bytes)
-        context.set_device_memory(self.activation_pointer, self.activation_bytes)
-        runner.bound_generation = self.activation_generation
-
-    def _restore_activation(self, nbytes: int) -> None:
-        """After a failed growth: an allocation of the size the earlier members fitted in, every one rebound (a new
-        generation: their graphs recapture). Left unbound when even that fails; they rebind before running."""
-        try:
-            self.activation_pointer = self.cuda.malloc(nbytes)
-        except CudaError:
-            return
-        self.activation_bytes = nbytes
-        self.activation_generation += 1
-        for member in self._members.values():
-            if member.context is not None and member.key in self._needs:
-                member.context.set_device_memory(self.activation_pointer, self.activation_bytes)
-                member.bound_generation = self.activation_generation
-
-    def _release_activation(self) -> None:
-        """Free the shared allocation; the generation moves on, so no member runs or replays into it unbound."""
-        self.cuda.free(self.activation_pointer)
-        self.stats["activation_frees"] += 1
-        self.activation_pointer, self.activation_bytes = 0, 0
-        self.activation_generation += 1
-        for member in self._members.values():
-            member.bound_generation = -1
-
-    def grow(self, runner: TensorRTRunner, nbytes: int) -> None:
-        """`runner` holds `nbytes` more GPU memory (device-resident refit weights; fewer when negative): least
-        recently used lazily loaded engines are unloaded first where the bound needs it."""
-        if self.budget is None:
-            return
-        for key in self.budget.grow(runner.key, nbytes):
-            self._members[key].deactivate()
-
-    def leave(self, runner: TensorRTRunner) -> None:
-        self._members.pop(runner.key, None)
-        self._needs.pop(runner.key, None)
-        if self.budget is not None:
-            self.budget.release(runner.key)
-        if not self._members:
-            self.close()
-
-    def close(self) -> None:
-        """Free the shared allocation, the event and the stream once no engine is loaded."""
-        for member in list(self._members.values()):
-            member.deactivate()
-        if self.stream is not None:
-            self.cuda.synchronize(self.stream)
-        if self.activation_pointer:
-            self.cuda.free(self.activation_pointer)
-            self.stats["activation_frees"] += 1
-        self.activation_pointer, self.activation_bytes = 0, 0
-        self._needs.clear()
-        if self._event is not None:
-            self.cuda.event_destroy(self._event)
-            self._event = None
-        if self.stream is not None:
-            self.cuda.stream_destroy(self.stream)
-            self.stream = None
-        if self.budget is not None:
-            self.budget.set_shared(0)
-
-
-_DEFAULT_GROUPS: dict[int | None, EngineGroup] = {}
-_DEFAULT_LOCK = threading.Lock()
-
-
-def default_group(device: int | None = None) -> EngineGroup:
-    """The process's group for a GPU: the runners a target hands out for one pipeline on one GPU share it."""
-    with _DEFAULT_LOCK:
-        if device not in _DEFAULT_GROUPS:
-            _DEFAULT_GROUPS[device] = EngineGroup(device=device)
-        return _DEFAULT_GROUPS[device]
 
 
 @dataclass
@@ -367,7 +189,7 @@ class TensorRTRunner(BaseRunner):
     @property
     def group(self) -> EngineGroup:
         if self._group is None:
-            self._group = default_group(self._device)
+            self._group = engine_group.default_group(self._device)
         return self._group
 
     @property
@@ -393,9 +215,9 @@ class TensorRTRunner(BaseRunner):
 
     def _trt_mod(self) -> Any:
         if self._trt is None:
-            from .engine import _require_tensorrt
+            from .host_probe import require_tensorrt
 
-            self._trt = _require_tensorrt()
+            self._trt = require_tensorrt()
         return self._trt
 
     def activate(self) -> None:
@@ -436,7 +258,7 @@ class TensorRTRunner(BaseRunner):
             if self._loader is None:
                 import functools
 
-                from .engine import load_engine
+                from .plan_load import load_engine
 
                 # the compatibility check reads the group's GPU (hosts may mix GPU architectures)
                 self._loader = functools.partial(load_engine, device=group.device or 0)
@@ -469,12 +291,12 @@ class TensorRTRunner(BaseRunner):
         """Every I/O tensor at its largest shape: inputs from the profile, outputs as TensorRT infers
         them with every input at its largest shape. A multi-profile engine (engine_layout: profiles): each
         profile in turn at its largest shapes, every buffer sized for the largest of them; profile 0 stays set."""
-        from .engine import _dtype_name
+        from .dtypes import trt_dtype_name
 
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         inputs = [n for n in names if engine.get_tensor_mode(n) == trt_mod.TensorIOMode.INPUT]
         profiles = list(self.manifest.profiles or [self.manifest.profile_shapes])
-        dtypes = {name: _dtype_name(engine.get_tensor_dtype(name)) for name in names}
+        dtypes = {name: trt_dtype_name(engine.get_tensor_dtype(name)) for name in names}
         biggest: dict[str, Shape] = {}
         for index in reversed(range(len(profiles))):  # profile 0 last: the one left active
             if len(profiles) > 1:
@@ -582,7 +404,7 @@ class TensorRTRunner(BaseRunner):
         `resident_lora_sets` sets (least recently used freed first; each counts against the GPU memory bound) and
         frees all of them when the engine unloads. Restoring needs `base_weights` here (the ONNX refitter reads
         host memory)."""
-        from . import engine as trt_engine
+        from . import refit as trt_refit
         from .manifest import RefitRecord
         from .refit_weights import weights_digest
 
@@ -602,15 +424,15 @@ class TensorRTRunner(BaseRunner):
                                             "base_onnx (the ONNX refitter reads host memory)")
                 self._refit_resident(arrays, base_weights, handle)
             elif base_onnx is not None:
-                trt_engine.refit_from_base(self.engine, base_onnx, arrays or None, stream_handle=handle)
+                trt_refit.refit_from_base(self.engine, base_onnx, arrays or None, stream_handle=handle)
             elif arrays or self.engine.refitted_names:
                 if not arrays:
                     if base_weights is None:
                         raise RuntimeInputError(f"{self.name}: restoring the base weights needs base_onnx or "
                                                 "base_weights")
-                    trt_engine.refit_to_base(self.engine, base_weights, stream_handle=handle)
+                    trt_refit.refit_to_base(self.engine, base_weights, stream_handle=handle)
                 else:
-                    trt_engine.refit_engine(self.engine, arrays, base_weights, stream_handle=handle)
+                    trt_refit.refit_engine(self.engine, arrays, base_weights, stream_handle=handle)
             record = (RefitRecord(weights_sha256=weights_digest(arrays), names=tuple(sorted(arrays)))
                       if arrays else None)
             self.manifest = self.manifest.model_copy(update={"refit": record})
@@ -622,7 +444,7 @@ class TensorRTRunner(BaseRunner):
 
     def _refit_resident(self, arrays: dict[str, np.ndarray], base_weights: Mapping[str, np.ndarray] | None,
                         handle: int) -> None:
-        from . import engine as trt_engine
+        from . import refit as trt_refit
         from .refit_weights import weights_for_refit
 
         assert self.engine is not None
@@ -637,7 +459,7 @@ class TensorRTRunner(BaseRunner):
             return self._resident_base_weights([n for n in names if base_weights and n in base_weights],
                                                base_weights)
 
-        trt_engine.refit_engine_on_device(self.engine, {**base, **lora}, handle, changed=list(arrays), fill=fill)
+        trt_refit.refit_engine_on_device(self.engine, {**base, **lora}, handle, changed=list(arrays), fill=fill)
 
     def _resident_set(self, arrays: dict[str, np.ndarray]) -> dict[str, DeviceWeights]:
         """The device copy of one LoRA set: uploaded the first time, reused after (least recently used first out)."""
@@ -669,12 +491,12 @@ class TensorRTRunner(BaseRunner):
     def _upload(self, arrays: Mapping[str, np.ndarray]) -> dict[str, DeviceWeights]:
         """Cast to the engine's dtypes, copy to fresh device memory on the group's stream, synchronize once (the
         host arrays may go then), and count the bytes against the group's memory bound."""
-        from . import engine as trt_engine
+        from . import refit as trt_refit
         from .refit_weights import check_finite_weights, prepare_refit_weights
 
         assert self.engine is not None
         group, cuda = self.group, self.group.cuda
-        prepared = prepare_refit_weights(self.name, trt_engine.refit_prototypes(self.engine, arrays), arrays)
+        prepared = prepare_refit_weights(self.name, trt_refit.refit_prototypes(self.engine, arrays), arrays)
         check_finite_weights(self.name, prepared)  # once, on the host: the device swaps skip TensorRT's validation
         uploaded: dict[str, DeviceWeights] = {}
         held = 0
@@ -683,7 +505,7 @@ class TensorRTRunner(BaseRunner):
             held = sum(max(a.nbytes, 1) for a in prepared.values())
             for weight, array in prepared.items():
                 pointer = cuda.malloc(max(array.nbytes, 1))
-                uploaded[weight] = trt_engine.DeviceWeights(pointer, int(array.size), max(array.nbytes, 1))
+                uploaded[weight] = trt_refit.DeviceWeights(pointer, int(array.size), max(array.nbytes, 1))
                 cuda.copy_to_device(pointer, array.ctypes.data, array.nbytes, group.stream)
             cuda.synchronize(group.stream)  # once per upload: every copy has read its host array
         except BaseException:

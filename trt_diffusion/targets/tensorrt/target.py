@@ -38,7 +38,7 @@ class TensorRTTarget(TargetBase):
 
     def spec_unavailable_reason(self, spec) -> str | None:
         """A plan for another GPU architecture is built on a host that has it (`build --ray`), not here."""
-        from .engine import host_info
+        from .host_probe import host_info
         from .versions import architecture_mismatch
 
         wanted = spec.option("architecture")
@@ -51,7 +51,7 @@ class TensorRTTarget(TargetBase):
         return [{**options, "architecture": a} for a in architectures] if architectures else [options]
 
     def unavailable_reason(self) -> str | None:
-        from .engine import tensorrt_available
+        from .host_probe import tensorrt_available
 
         ok, reason = tensorrt_available()
         return None if ok else reason
@@ -75,7 +75,7 @@ class TensorRTTarget(TargetBase):
         return options
 
     def build(self, request: BuildRequest) -> tuple[Path, bool]:
-        from . import engine
+        from . import builder as engine
         from .manifest import engine_path
 
         engine.check_can_build(request.spec)  # the hardware gate, before TensorRT is started
@@ -104,7 +104,7 @@ class TensorRTTarget(TargetBase):
         plan is never taken for a build)."""
         from ...onnx_facts import onnx_has_qdq, onnx_sha256
         from .build_flags import BuildFlags
-        from .engine import host_info
+        from .host_probe import host_info
         from .manifest import EngineManifest, engine_path, manifest_is_current, manifest_path
         from .plan_trust import plan_file_problem
 
@@ -141,7 +141,7 @@ class TensorRTTarget(TargetBase):
         import functools
 
         from ...errors import RefitError
-        from .engine import load_engine
+        from .plan_load import load_engine
         from .runner import TensorRTRunner
 
         if weights:
@@ -159,7 +159,8 @@ class TensorRTTarget(TargetBase):
         save it in place with the manifest recording what it now holds (`refit`: None means base again)."""
         from ...lora import RefitMap, refit_weights_for_tensorrt
         from ...precision import is_quantized
-        from . import engine as trt_engine
+        from . import plan_load
+        from . import refit as trt_refit
         from .precision import qdq_base_precision
 
         onnx_path = source_onnx()
@@ -168,16 +169,16 @@ class TensorRTTarget(TargetBase):
         base_onnx = _engine_onnx(engine.spec, Path(onnx_path), Path(engine.path).parents[2])
         check_refit_base(engine.manifest, base_onnx)
         refit_map = RefitMap.load(engine.manifest.refit_map, onnx_path=onnx_path)
-        loaded = trt_engine.load_engine(engine.path, spec=engine.spec, for_refit=True)
+        loaded = plan_load.load_engine(engine.path, spec=engine.spec, for_refit=True)
         if is_quantized(engine.spec.precision):  # weights with their recomputed scales, over the Q/DQ base
             arrays = (refit_weights_for_tensorrt(refit_map, weights, precision=qdq_base_precision(engine.spec))
                       if weights else {})
-            trt_engine.refit_quantized_from_base(loaded, base_onnx, arrays)
+            trt_refit.refit_quantized_from_base(loaded, base_onnx, arrays)
         else:
             arrays = refit_weights_for_tensorrt(refit_map, weights, precision=engine.spec.precision) if weights else {}
-            trt_engine.refit_from_base(loaded, onnx_path, arrays)
+            trt_refit.refit_from_base(loaded, onnx_path, arrays)
         # a stripped plan refitted with a LoRA is saved with its weights (else its load restores the base ones)
-        plan = trt_engine.serialize_refitted(loaded, with_weights=bool(arrays))
+        plan = trt_refit.serialize_refitted(loaded, with_weights=bool(arrays))
         save_refitted_plan(engine.path, loaded.manifest, plan, arrays)
         return len(arrays)
 
@@ -293,10 +294,9 @@ class TensorRTTarget(TargetBase):
         packaged beside it when it loads. `device`: the GPU of the Triton instance (`model_instance_device_id`)."""
         import functools
 
-        from .engine import load_engine
         from .manifest import PACKAGED_PLAN, PACKAGED_WEIGHTS_ONNX, EngineManifest, manifest_path
+        from .plan_load import load_engine
         from .runner import TensorRTRunner
-
         from .served_memory import packaged_weight_budget
 
         plan = Path(folder) / PACKAGED_PLAN
