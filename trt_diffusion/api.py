@@ -30,6 +30,13 @@ def make_tiny_model(out_dir: str | Path, family: str, *, seed: int = 0, size: st
                             overwrite=overwrite, variant=variant)
 
 
+def make_micro_model(out_dir: str | Path, family: str = "sd15", *, overwrite: bool = False) -> Path:
+    """Write the trained micro-model of `family` as a diffusers folder, upcast to fp32 (see models/micro.py)."""
+    from .models.micro import write_micro_model
+
+    return write_micro_model(family, out_dir, overwrite=overwrite)
+
+
 def export(config_path: str | Path, model: str | None = None, component: str | None = None,
            progress: ProgressCallback | None = None) -> ExportReport:
     """Export every component engines.yaml needs to ONNX, verified against PyTorch, reusing verified artifacts.

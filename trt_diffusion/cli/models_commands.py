@@ -1,4 +1,5 @@
-"""`models tiny`: seeded reference pipeline folders (the embedded default and the tests' models)."""
+"""`models tiny` and `models micro`: seeded reference pipeline folders (the tests' models) and the trained
+micro-models."""
 
 from __future__ import annotations
 
@@ -42,4 +43,23 @@ def models_tiny(
     console.print(f"wrote {family.value} ({size}{', ' + variant if variant else ''}) model to {path}")
 
 
-COMMANDS = {"tiny": models_tiny}
+def models_micro(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="folder to write (default models/micro-FAMILY)")]
+    = None,
+    family: Annotated[str, typer.Option("--family", help="a family with a trained micro-model: sd15")] = "sd15",
+    overwrite: bool = False,
+    if_missing: Annotated[bool, typer.Option("--if-missing", help="do nothing when <out> already exists")] = False,
+):
+    """Write a trained micro-model (it draws the synthetic world's prompts: "a red circle on a blue background")
+    as a diffusers folder, its shipped fp16 weights upcast to fp32."""
+    from .. import api
+
+    out = out or Path("models") / f"micro-{family}"
+    if if_missing and (out / "model_index.json").is_file():
+        console.print(f"{out} exists; left as it is")
+        return
+    path = api.make_micro_model(out, family, overwrite=overwrite)
+    console.print(f"wrote the {family} micro-model to {path}")
+
+
+COMMANDS = {"tiny": models_tiny, "micro": models_micro}

@@ -27,6 +27,7 @@ from ..runtime.reference import reference_runners
 from ..sample_inputs import workflow_inputs
 from ..step_cache import PIECES, StepCache, StepCacheMode
 from ..workflows import Workflow
+from .prompt_gate import judge_prompt_following, parity_prompts
 from .report import ComponentDiff, ParityReport, ReportFiles, compare_image, judge_report, judge_variant, write_report
 
 DEFAULT_PROMPTS = (
@@ -41,7 +42,7 @@ COMPONENT_TOLERANCE = {Precision.fp32: 1e-3, Precision.fp16: 2e-2, Precision.bf1
 
 @dataclass
 class ParityOptions:
-    prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    prompts: tuple[str, ...] | None = None  # None: the synthetic world's grid for a micro-model, else DEFAULT_PROMPTS
     seeds: tuple[int, ...] = (0,)
     steps: int = 4
     guidance_scale: float = 7.5
@@ -180,7 +181,9 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     comparisons, pngs = [], {}
     first_request = first_candidate = None
     schedule = None
-    for p, prompt in enumerate(options.prompts):
+    prompts = options.prompts or parity_prompts(model.source.path, DEFAULT_PROMPTS)
+    asked, expected_images, candidate_images = [], [], []
+    for p, prompt in enumerate(prompts):
         for seed in options.seeds:
             inputs = workflow_inputs(workflow, size.height, size.width, seed)
             request = GenerationRequest(
@@ -208,6 +211,11 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
                     shown[f"{name}_png"] = f"{stem}_{name}.png"
                     pngs[f"{stem}_{name}.png"] = inputs[key]
             comparisons.append(comparison.model_copy(update=shown))
+            asked.append(prompt)
+            expected_images.append(expected)
+            candidate_images.append(candidate)
+    following, following_failures = judge_prompt_following(model.source.path, asked, expected_images,
+                                                           candidate_images)
     reproducible = bool(np.array_equal(first_candidate, engine_pipe.generate(first_request).images))
     batch_independent = _batch_independent(engine_pipe, first_request, table, denoiser.value)
     diffs, failures, failing_engines = [], [], []
@@ -216,9 +224,9 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     result = judge_variant(
         variant_id=label, model=model_name, target=target, precision=precision, bucket=bucket.label,
         thresholds=thresholds, images=comparisons, components=diffs, reproducible=reproducible,
-        batch_independent=batch_independent, lora=lora, controlnet=controlnet, extra_failures=failures,
-        failing_engines=failing_engines)
-    update = {"workflow": workflow.value, "strength": strength}
+        batch_independent=batch_independent, lora=lora, controlnet=controlnet,
+        extra_failures=failures + following_failures, failing_engines=failing_engines)
+    update = {"workflow": workflow.value, "strength": strength, "prompt_following": following}
     if step_cache is not None:
         update.update(step_cache=step_cache.describe(), step_schedule=schedule)
     return result.model_copy(update=update), pngs

@@ -158,6 +158,17 @@ class ComponentDiff(_ReportModel):
         )
 
 
+class PromptFollowing(_ReportModel):
+    """Does the engine still draw the prompt? The synthetic world's reading of the variant's images (percent of
+    images whose background, shape colour, shape class and style match the prompt), for the reference and the
+    engine; the engine fails when an aspect is more than `margin` points below the reference's."""
+
+    reference: dict[str, float]
+    engine: dict[str, float]
+    margin: float = Field(description="points an aspect of the engine may fall below the reference's")
+    images: int
+
+
 class VariantResult(_ReportModel):
     """Everything compared for one engine variant (model x target x precision x bucket x lora/controlnet)."""
 
@@ -183,6 +194,9 @@ class VariantResult(_ReportModel):
     batch_independent: bool | None = Field(
         default=None, description="images do not change with their batch; null: not checked"
     )
+    prompt_following: PromptFollowing | None = Field(
+        default=None, description="for a model that declares the synthetic world (a micro-model): whether the engine "
+        "still draws the prompt; null: not applicable (a user's checkpoint)")
     passed: bool
     failure_reasons: list[str] = Field(default_factory=list, description="empty exactly when passed")
     failing_engines: list[str] = Field(

@@ -63,10 +63,28 @@ def run(ctx: CheckContext) -> Outcome:
     outcome.figures = {"images": len(images), "size": str(size), "steps": settings.steps,
                        "min_psnr_db": worst_psnr, "min_ssim": worst_ssim,
                        "baseline": str(ctx.baseline.folder), "baseline_created_at": ctx.baseline.created_at}
+    _still_draws_the_prompt(ctx, images, outcome)
     psnr = "∞" if worst_psnr == float("inf") else f"{worst_psnr:.1f}"
     outcome.summary = (f"{sum(r['passed'] for r in outcome.rows)}/{len(images)} images match the baseline: worst "
                        f"PSNR {psnr} dB (min {settings.min_psnr_db:g}), SSIM {worst_ssim:.4f} (min {settings.min_ssim:g})")
     return outcome
+
+
+def _still_draws_the_prompt(ctx: CheckContext, images: dict, outcome: Outcome) -> None:
+    """For a micro-model (its folder declares the synthetic world) and prompts of that world: the txt2img images'
+    prompt-following figures against the baseline's, within parity's margin (issue 43); else a note."""
+    from ...parity.prompt_gate import judge_prompt_following
+
+    keys = [key for key in images if key[0] == Workflow.txt2img.value]
+    following, failures = judge_prompt_following(
+        ctx.resolved_model.source.path, [key[1] for key in keys], [ctx.baseline.images[key] for key in keys],
+        [images[key] for key in keys])
+    if following is None:
+        outcome.notes.append("still draws the prompt: not applicable (not a synthetic-world micro-model, or "
+                             "prompts outside its vocabulary)")
+        return
+    outcome.figures["prompt_following"] = {"baseline": following.reference, "engine": following.engine}
+    outcome.failures += failures
 
 
 CHECK = Check("quality", "Quality regression", run)

@@ -1,0 +1,205 @@
+"""Train a micro-model on the synthetic world (issue 43): `python scripts/train_micro.py --family sd15`.
+
+Seeded and deterministic on one machine (fixed seeds, fixed thread count). Stages, each checkpointed in --work so
+an interrupted run resumes at the stage it was in:
+
+1. vae:  SD1.5's AutoencoderKL layout (small widths) on drawn scenes, MSE + a tiny KL, cosine-decayed rate.
+2. unet: SD1.5's UNet layout (small widths) and a CLIP text encoder trained together (DDPM, epsilon, SD1.5's
+         scaled_linear betas, 10 % empty captions for classifier-free guidance) on the frozen VAE's latents; the
+         tokenizer is the project's character-level CLIP tokenizer, so the encoder learns the words.
+3. save: the pipeline as fp16 safetensors in --out (default trt_diffusion/data/micro/<family>/), with the
+         script's version, seed, steps, time and the fp32 grid figures in trt_diffusion_micro.json.
+
+`--evaluate-only` samples the fixed grid (36 prompts x 4 seeds, Euler 20 steps, CFG 5) from --out and prints the
+prompt-following figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from trt_diffusion import synthetic_world as world  # noqa: E402
+from trt_diffusion.models import micro  # noqa: E402
+from trt_diffusion.prompt_following import grid_figures  # noqa: E402
+
+SCRIPT_VERSION = 1
+GRID_SEEDS = (0, 1, 2, 3)
+GRID_STEPS = 20
+GRID_CFG = 5.0
+
+
+def scenes(rng: np.random.Generator, count: int, style: str = "plain") -> tuple[torch.Tensor, list[str]]:
+    """A batch of drawn scenes as [-1, 1] float images, and their captions."""
+    drawn = [world.random_scene(rng, style=style) for _ in range(count)]
+    images = np.stack([world.draw(scene) for scene in drawn]).astype(np.float32) / 127.5 - 1
+    return torch.from_numpy(images).permute(0, 3, 1, 2), [scene.caption for scene in drawn]
+
+
+def cosine_rate(step: int, steps: int, peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return 1e-2 * peak + 0.99 * peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1)))
+
+
+def train_vae(work: Path, steps: int, seed: int):
+    path = work / "vae"
+    if (path / "config.json").is_file():
+        return type(micro.sd15_vae()).from_pretrained(path)
+    torch.manual_seed(seed)
+    vae = micro.sd15_vae()
+    rng = np.random.default_rng(seed)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
+    start = time.time()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_rate(step, steps, 1e-3)
+        images, _ = scenes(rng, 16)
+        posterior = vae.encode(images).latent_dist
+        reconstruction = vae.decode(posterior.sample()).sample
+        loss = torch.nn.functional.mse_loss(reconstruction, images) + 1e-6 * posterior.kl().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            psnr = 10 * math.log10(4 / max(torch.nn.functional.mse_loss(reconstruction, images).item(), 1e-10))
+            print(f"vae {step}/{steps} loss {loss.item():.5f} psnr {psnr:.1f} dB  {time.time() - start:.0f} s",
+                  flush=True)
+    vae.save_pretrained(path)
+    return vae
+
+
+def scaling_factor(vae, seed: int) -> float:
+    with torch.no_grad():
+        images, _ = scenes(np.random.default_rng(seed + 1), 256)
+        return float(1.0 / vae.encode(images).latent_dist.sample().std())
+
+
+def train_unet(work: Path, vae, steps: int, seed: int):
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    from trt_diffusion.models.tiny import _clip_tokenizer
+
+    path = work / "unet"
+    tokenizer = _clip_tokenizer()
+    if (path / "unet" / "config.json").is_file():
+        return (UNet2DConditionModel.from_pretrained(path / "unet"),
+                CLIPTextModel.from_pretrained(path / "text_encoder"), tokenizer)
+    torch.manual_seed(seed)
+    unet, text_encoder = micro.sd15_unet(), micro.sd15_text_encoder()
+    noise_schedule = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                   num_train_timesteps=1000)
+    factor = vae.config.scaling_factor
+    rng = np.random.default_rng(seed + 2)
+    parameters = [*unet.parameters(), *text_encoder.parameters()]
+    optimizer = torch.optim.AdamW(parameters, lr=5e-4, weight_decay=1e-2)
+    vae.requires_grad_(False)
+    start = time.time()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_rate(step, steps, 5e-4)
+        images, captions = scenes(rng, 32)
+        captions = [c if rng.random() >= 0.1 else "" for c in captions]  # unconditional rows for CFG
+        with torch.no_grad():
+            latents = vae.encode(images).latent_dist.sample() * factor
+        ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids
+        noise = torch.randn_like(latents)
+        timesteps = torch.randint(0, 1000, (latents.shape[0],))
+        noisy = noise_schedule.add_noise(latents, noise, timesteps)
+        prediction = unet(noisy, timesteps, text_encoder(ids)[0]).sample
+        loss = torch.nn.functional.mse_loss(prediction, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"unet {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+    unet.save_pretrained(path / "unet")
+    text_encoder.save_pretrained(path / "text_encoder")
+    return unet, text_encoder, tokenizer
+
+
+def sample_grid(pipe) -> tuple[list[np.ndarray], list[str]]:
+    images, prompts = [], []
+    for prompt in world.prompt_grid():  # a prompt's seeds in one call: each image's noise from its own seed
+        generators = [torch.Generator().manual_seed(seed) for seed in GRID_SEEDS]
+        out = pipe(prompt, num_inference_steps=GRID_STEPS, guidance_scale=GRID_CFG, generator=generators,
+                   num_images_per_prompt=len(GRID_SEEDS), height=world.SIZE, width=world.SIZE, output_type="np")
+        images += [np.round(image * 255).astype(np.uint8) for image in out.images]
+        prompts += [prompt] * len(GRID_SEEDS)
+    return images, prompts
+
+
+def evaluate(folder: Path, picture: Path | None = None) -> dict[str, float]:
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, safety_checker=None,
+                                                   requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    images, prompts = sample_grid(pipe)
+    if picture is not None:
+        from PIL import Image
+
+        rows = [np.concatenate(images[i:i + 12], axis=1) for i in range(0, len(images), 12)]
+        Image.fromarray(np.concatenate(rows, axis=0)).save(picture)
+    return grid_figures(images, prompts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=micro.MICRO_FAMILIES, default="sd15")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vae-steps", type=int, default=1500)
+    parser.add_argument("--unet-steps", type=int, default=4000)
+    parser.add_argument("--threads", type=int, default=2, help="fixed for reproducible sums")
+    parser.add_argument("--work", type=Path, default=ROOT / "build" / "micro-train")
+    parser.add_argument("--out", type=Path, default=None, help="default trt_diffusion/data/micro/FAMILY")
+    parser.add_argument("--evaluate-only", action="store_true")
+    parser.add_argument("--picture", type=Path, default=None, help="also save the grid as a PNG here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    out = args.out or micro.DATA / args.family
+    if args.evaluate_only:
+        print(json.dumps(evaluate(out, args.picture), indent=2))
+        return
+    from diffusers import StableDiffusionPipeline
+
+    work = args.work / args.family
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    vae = train_vae(work, args.vae_steps, args.seed)
+    vae.register_to_config(scaling_factor=scaling_factor(vae, args.seed))
+    unet, text_encoder, tokenizer = train_unet(work, vae, args.unet_steps, args.seed)
+    seconds = time.time() - start
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                   scheduler=micro.sd15_scheduler(), safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    staging = out.with_name(f".{out.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    pipe.to(torch.float16).save_pretrained(staging, safe_serialization=True)
+    figures = evaluate(staging, args.picture)  # fp16 weights upcast on load: the reference users get
+    record = {"script_version": SCRIPT_VERSION, "family": args.family, "vocabulary": micro.VOCABULARY, "seed": args.seed,
+              "vae_steps": args.vae_steps, "unet_steps": args.unet_steps, "threads": args.threads,
+              "train_seconds": round(seconds), "grid": {"prompts": len(world.prompt_grid()), "seeds": list(GRID_SEEDS),
+                                                        "steps": GRID_STEPS, "cfg": GRID_CFG, "figures": figures}}
+    (staging / micro.TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Trained micro-models (issue 43): real block layouts with small widths, trained here on the synthetic world
+(synthetic_world.py) by scripts/train_micro.py, shipped as fp16 safetensors in trt_diffusion/data/micro/<family>/
+and written out, upcast to fp32 (the reference), as a normal diffusers folder by `models micro`.
+
+The architectures live here so that the training script and the tests build the same modules: SD1.5's UNet keeps
+its four levels, two layers per block and cross-attention on the three upper levels (DeepCache's figures depend
+on that layout); only the widths shrink.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import ConfigError
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "micro"
+MICRO_FAMILIES = ("sd15",)
+TRAINING_RECORD = "trt_diffusion_micro.json"  # the script's version, seed and figures, beside the weights
+TEXT_HIDDEN = 64
+VOCABULARY = "synthetic-world/1"  # what a folder's training record declares when it draws the synthetic world
+
+
+def draws_synthetic_world(model_dir: str | os.PathLike) -> bool:
+    """Whether the model folder declares the synthetic world's vocabulary (its prompts then have a reading:
+    prompt_following.py). A user's checkpoint has no record: False."""
+    record = Path(model_dir) / TRAINING_RECORD
+    try:
+        return json.loads(record.read_text()).get("vocabulary") == VOCABULARY
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def sd15_text_encoder():
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(CLIPTextConfig(
+        bos_token_id=512, eos_token_id=513, pad_token_id=513, hidden_size=TEXT_HIDDEN, intermediate_size=128,
+        layer_norm_eps=1e-5, num_attention_heads=4, num_hidden_layers=3, vocab_size=1000, hidden_act="gelu",
+        max_position_embeddings=77))
+
+
+def sd15_vae():
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(block_out_channels=[32, 64, 64, 64], in_channels=3, out_channels=3,
+                         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                         latent_channels=4, norm_num_groups=16, layers_per_block=2, sample_size=64)
+
+
+def sd15_unet():
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64, 64, 64), layers_per_block=2,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=TEXT_HIDDEN, attention_head_dim=8, norm_num_groups=16)
+
+
+def sd15_scheduler():
+    from diffusers import EulerDiscreteScheduler
+
+    return EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                  num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading")
+
+
+def write_micro_model(family: str, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """The shipped micro-model of `family` as a diffusers folder at `out_dir`, weights upcast to fp32; written to
+    a temporary sibling and renamed (an interrupted run leaves no half model)."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from .quiet import quiet_libraries
+    from .tiny import MARKER_FILE, _check_replaceable
+
+    if family not in MICRO_FAMILIES:
+        raise ConfigError(f"no micro-model of family {family!r}; trained ones: {', '.join(MICRO_FAMILIES)}")
+    source = DATA / family
+    if not (source / "model_index.json").is_file():
+        raise ConfigError(f"{source} holds no micro-model: train it with scripts/train_micro.py --family {family}")
+    out = Path(out_dir)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise ConfigError(f"{out} already exists (use --overwrite to replace it)")
+        _check_replaceable(out)
+    quiet_libraries()
+    pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        for extra in ("controlnet", "lora"):
+            if (source / extra).is_dir():
+                shutil.copytree(source / extra, tmp / extra)
+        record = json.loads((source / TRAINING_RECORD).read_text())
+        shutil.copyfile(source / TRAINING_RECORD, tmp / TRAINING_RECORD)
+        (tmp / MARKER_FILE).write_text(json.dumps({"family": family, "micro": True, "seed": record.get("seed"),
+                                                   "controlnet": None, "lora": None}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
