@@ -12,24 +12,23 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .. import progress as live
 from ..components import ExportWrapper, get_component, load_model_config
-from ..engines_file.engine_spec import EngineSpec
 from ..engines_file.load import EnginesConfig
 from ..memory import release_memory, return_large_blocks_to_os
 from ..precision import Precision
 from ..workspace.files import tool_versions
-from ..workspace.store import Artifact, ArtifactStore, hash_inputs
+from ..workspace.store import ArtifactStore, hash_inputs
 from .artifact_key import describe_inputs
 from .graph_passes import finalize_graph
 from .grouping import ExportGroup
 from .modules import load_group_module, lora_files, weights_folder
 from .parity import TOLERANCES, check_parity, reference_outputs
+from .results import ExportEvent, ExportResult, ProgressCallback
 from .shapes import ExportShapes, export_shapes
 from .torch_export import export_module
 
@@ -38,67 +37,6 @@ log = logging.getLogger(__name__)
 ARTIFACT_KIND = "onnx"
 ONNX_NAME = "model.onnx"
 COMPUTE_DTYPES = {Precision.fp32: torch.float32, Precision.fp16: torch.float16, Precision.bf16: torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ExportEvent:
-    """Progress of one group: stage is hashing, reference, exporting, cleaning, parity, cached or done."""
-
-    group: ExportGroup
-    stage: str
-    index: int
-    total: int
-    result: ExportResult | None = None
-
-
-ProgressCallback = Callable[[ExportEvent], None]
-
-
-@dataclass(frozen=True)
-class ExportResult:
-    group: ExportGroup
-    artifact: Artifact
-    cached: bool
-    seconds: float
-
-    @property
-    def onnx_path(self) -> Path:
-        return self.artifact.file(self.artifact.manifest["onnx"])
-
-    @property
-    def parity(self) -> list[dict]:
-        return self.artifact.manifest["parity"]["checks"]
-
-    @property
-    def max_rel_error(self) -> float | None:
-        values = [c["max_rel"] for c in self.parity if c.get("max_rel") is not None]
-        return max(values) if values else None
-
-    @property
-    def dynamic_ranges(self) -> dict[str, list[int]]:
-        return self.artifact.manifest["dynamic_ranges"]
-
-    @property
-    def shapes_label(self) -> str:
-        return self.artifact.manifest["shapes"]["label"]
-
-    @property
-    def specs(self) -> tuple[EngineSpec, ...]:
-        return self.group.specs
-
-
-@dataclass(frozen=True)
-class ExportReport:
-    results: list[ExportResult] = field(default_factory=list)
-
-    @property
-    def by_spec(self) -> dict[str, ExportResult]:
-        """EngineSpec key -> the export its engine is built from."""
-        return {spec.key: result for result in self.results for spec in result.specs}
-
-    def artifact_for(self, spec: EngineSpec) -> Path:
-        """The ONNX file `spec`'s engine is built from."""
-        return self.by_spec[spec.key].onnx_path
 
 
 _STAGE_LINES = {
