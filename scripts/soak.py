@@ -173,7 +173,7 @@ class Soak:
         try:
             image = (self.openai(model, lora_set, seed) if protocol == "openai"
                      else self.triton(model, lora_set, seed, protocol))
-        except Exception as exc:  # every failure of a good request is counted, never raised
+        except Exception as exc:  # noqa: BLE001 - every failure of a good request is counted, never raised
             self.tally.add(kind, "failed", f"{model} {lora_set} seed {seed}: {type(exc).__name__}: {exc}")
             return
         if np.array_equal(image, self.references[(model, lora_set, seed)]):
@@ -208,7 +208,7 @@ class Soak:
             else:
                 self.tally.add(f"bad-{name}", "failed", f"refused without naming {words!r}: {exc}")
             return
-        except Exception as exc:  # refused, but not as the API promises
+        except Exception as exc:  # noqa: BLE001 - refused, but not as the API promises
             self.tally.add(f"bad-{name}", "failed", f"{type(exc).__name__}: {exc}")
             return
         self.tally.add(f"bad-{name}", "failed", "served")
@@ -223,7 +223,7 @@ class Soak:
                 self.openai(model, "base", 0, steps=LONG_STEPS, timeout_s=CANCEL_AFTER_S)
             else:
                 self.triton(model, "base", 0, "grpc", steps=LONG_STEPS, timeout_s=CANCEL_AFTER_S)
-        except Exception:  # the deadline is the expected end, whatever type the client raises for it
+        except Exception:  # noqa: BLE001 - the deadline is the expected end, whatever type the client raises for it
             elapsed = time.monotonic() - start
             outcome = "cancelled" if elapsed < HANG_GUARD_S else "failed"
             self.tally.add(f"cancel-{protocol}", outcome, f"ended after {elapsed:.1f} s")

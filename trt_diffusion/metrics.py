@@ -225,7 +225,7 @@ def _lpips_unavailable_reason(weights: Path) -> str | None:
         )
     try:
         import lpips  # noqa: F401  (optional dependency)
-    except Exception as error:  # lpips also fails when torchvision does not import beside torch
+    except Exception as error:  # noqa: BLE001 - lpips also fails when torchvision does not import beside torch
         return f"LPIPS not computed: the optional `lpips` package does not import ({error}); pip install lpips"
     return None
 
@@ -289,7 +289,7 @@ def lpips_distance(
         model = _lpips_model(weights)
         with torch.no_grad():
             value = model(_to_lpips_tensor(ref, data_range), _to_lpips_tensor(cand, data_range))
-    except Exception as error:  # a corrupt cache file or an lpips API change: report, don't crash parity
+    except Exception as error:  # noqa: BLE001 - a corrupt cache file or an lpips API change: report, don't crash parity
         return LpipsResult(value=None, reason=f"LPIPS not computed: loading or running it failed ({error})")
     return LpipsResult(value=float(value.reshape(-1)[0]))
 

@@ -127,7 +127,7 @@ def load_onnx_structure(onnx_path: str | Path, *, error: type[Exception] = Build
         raise error(f"ONNX file not found: {path}")
     try:
         return onnx.load(str(path), load_external_data=False)
-    except Exception as err:  # protobuf raises several unrelated types on a corrupt file
+    except Exception as err:  # noqa: BLE001 - protobuf raises several unrelated types on a corrupt file
         raise error(f"could not read ONNX file {path}: {err}") from None
 
 

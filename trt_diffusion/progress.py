@@ -144,7 +144,7 @@ class _PlainLines(logging.Handler):
             stream = self._stream or sys.stderr
             stream.write(record.getMessage() + "\n")
             stream.flush()
-        except Exception:  # logging must never take the command down
+        except Exception:  # noqa: BLE001 - logging must never take the command down
             self.handleError(record)
 
 

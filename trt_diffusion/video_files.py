@@ -121,7 +121,7 @@ def read_video(path: str | Path) -> np.ndarray:
         frames = _read_gif(path) if suffix == ".gif" else _read_mp4(path)
     except ConfigError:
         raise
-    except Exception as exc:  # PyAV and Pillow raise their own kinds for a corrupt or foreign file
+    except Exception as exc:  # noqa: BLE001 - PyAV and Pillow raise their own kinds for a corrupt or foreign file
         raise ConfigError(f"{path}: not a readable {suffix} video ({exc})") from None
     if not frames:
         raise ConfigError(f"{path}: holds no video frames")

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return EXIT_INTERRUPTED
-    except Exception:  # a bug in trt-diffusion, not the user's input
+    except Exception:  # noqa: BLE001 - a bug in trt-diffusion, not the user's input
         traceback.print_exc()
         err_console.print("[bold red]internal error[/bold red]: this is a bug in trt-diffusion; please report it "
                           "with the traceback above")

@@ -62,7 +62,7 @@ def build_specs(config: EnginesConfig, specs: list[EngineSpec], onnx_for: Callab
         except TrtDiffusionError as exc:  # bad input or a tool's refusal: the message says what to change
             outcome = EngineOutcome(spec, None, seconds=time.perf_counter() - start,
                                     failure=Failure(spec.name, spec.key, str(exc)))
-        except Exception as exc:  # a bug: keep the traceback, the CLI exits 3 with it
+        except Exception as exc:  # noqa: BLE001 - a bug: keep the traceback, the CLI exits 3 with it
             detail = traceback.format_exception_only(type(exc), exc)[-1].strip()
             outcome = EngineOutcome(spec, None, seconds=time.perf_counter() - start, failure=Failure(
                 spec.name, spec.key, detail, internal=True, traceback=traceback.format_exc()))

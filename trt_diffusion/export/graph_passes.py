@@ -292,13 +292,13 @@ def _fold_and_clean(model: onnx.ModelProto, label: str) -> None:
         if fold_shapes is not None:
             try:
                 graph.fold_constants(fold_shapes=fold_shapes, error_ok=True)
-            except Exception as exc:  # folding is an optimisation: a graph it cannot fold is still correct
+            except Exception as exc:  # noqa: BLE001 - folding is an optimisation: a graph it cannot fold is still correct
                 log.warning("%s: constant folding failed (%s)", label, exc)
                 continue
         candidate = gs.export_onnx(graph.cleanup(remove_unused_graph_inputs=False).toposort())
         try:
             onnx.shape_inference.infer_shapes(candidate, check_type=True, strict_mode=True)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any checker error means this fold is unusable: try the next
             log.info("%s: folding with fold_shapes=%s gives an ill-typed graph (%s); retrying", label, fold_shapes,
                      str(exc).splitlines()[0])
             continue

@@ -72,7 +72,7 @@ def onnxruntime_session(
     try:
         session = ort.InferenceSession(str(onnx_path), sess_options=options,
                                        providers=list(providers or DEFAULT_PROVIDERS))
-    except Exception as exc:  # ORT raises its own types (Fail, InvalidArgument, ...) for a bad replacement
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own types (Fail, InvalidArgument, ...) for a bad replacement
         raise RefitError(f"onnxruntime refused the refitted weights for {onnx_path}: {exc}") from None
     setattr(session, _KEEPALIVE_ATTRIBUTE, (buffers, values, options))
     return session

@@ -124,7 +124,7 @@ def onnxruntime_session(onnx_path: Path):
     options.enable_cpu_mem_arena = False
     try:
         return ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # ORT raises its own exception types; any of them means the artifact is unusable
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types; any of them means the artifact is unusable
         raise QuantizeError(f"ONNX Runtime cannot load {onnx_path}: {str(exc).strip().splitlines()[0]}") from None
 
 

@@ -94,7 +94,7 @@ def _import_modelopt(failure: list[BaseException]) -> None:
             warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
             import modelopt.torch.opt  # noqa: F401
             import modelopt.torch.quantization  # noqa: F401
-    except BaseException as exc:  # re-raised on the caller's thread
+    except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
         failure.append(exc)
 
 
@@ -255,7 +255,7 @@ def restore_state(module: torch.nn.Module, path: Path) -> torch.nn.Module:
         # weights_only: tensors, dtypes and plain containers, never code. Whoever can write the workspace (a
         # restored cache, a shared volume) must not get to run a pickle's code here.
         saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated, foreign or code-carrying file: recalibrate instead
+    except Exception as exc:  # noqa: BLE001 - a truncated, foreign or code-carrying file: recalibrate instead
         raise QuantizeError(f"{path}: unreadable calibration state ({exc})") from None
     if not isinstance(saved, dict):
         raise QuantizeError(f"{path}: not a calibration state")

@@ -298,7 +298,7 @@ def infer_images(client, module, pipeline: str, request: ImageRequest, *, protoc
             result = client.infer(pipeline, inputs, outputs=outputs, parameters=parameters)
     except ServeError:
         raise
-    except Exception as err:  # tritonclient raises InferenceServerException, sockets raise OS errors
+    except Exception as err:  # noqa: BLE001 - tritonclient raises InferenceServerException, sockets raise OS errors
         if not request.frames and f"unexpected inference output '{contract.IMAGE.name}'" in str(err):
             raise ServeError(f"Triton at {url}, model {pipeline} serves video: send FRAMES (generate --frames; "
                              "4k+1 for Wan)") from None

@@ -22,7 +22,7 @@ def import_tensorrt() -> tuple[ModuleType | None, str]:
     """(the tensorrt module, "") or (None, why it cannot be used)."""
     try:
         import tensorrt as trt
-    except Exception as err:  # ImportError, or OSError when its shared libraries are missing
+    except Exception as err:  # noqa: BLE001 - ImportError, or OSError when its shared libraries are missing
         return None, f"the tensorrt module cannot be imported ({type(err).__name__}: {err})"
     if not hasattr(trt, "Builder"):
         # a namespace package left by type stubs, or NVIDIA's placeholder package without the libraries

@@ -111,7 +111,7 @@ class TensorRTTarget(TargetBase):
         plan = engine_path(request.workspace, request.spec)
         try:
             manifest = EngineManifest.read(manifest_path(plan))
-        except Exception:  # missing or unreadable: build
+        except Exception:  # noqa: BLE001 - missing or unreadable: build
             return False
         if plan_file_problem(manifest, plan) is not None:  # missing, resized or changed: build
             return False
@@ -131,7 +131,7 @@ class TensorRTTarget(TargetBase):
         plan = engine_path(workspace, spec)
         try:
             manifest = EngineManifest.read(manifest_path(plan))
-        except Exception:  # missing or unreadable manifest: not built
+        except Exception:  # noqa: BLE001 - missing or unreadable manifest: not built
             return None
         if manifest.spec_key != spec.key or plan_file_problem(manifest, plan, for_refit=True) is not None:
             return None
