@@ -265,7 +265,7 @@ def _fake_lpips_module(torch) -> types.ModuleType:
 
 def test_lpips_call_contract_with_a_stand_in_module(tmp_path, monkeypatch):
     """A check of the call contract only, not of LPIPS: real LPIPS needs the AlexNet backbone weights, which
-    cannot be had offline (shared FACTS). A stand-in `lpips` module with LPIPS's layout checks what our side
+    cannot be had offline (torchvision downloads them at first use). A stand-in `lpips` module with LPIPS's layout checks what our side
     does: LPIPS built without torchvision's download (pnet_rand), the cached backbone checkpoint's
     `features.*` weights loaded into its slices (others ignored), uint8 images mapped to [-1, 1], the
     distance read back as a float."""

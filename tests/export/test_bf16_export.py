@@ -1,6 +1,6 @@
 """The bf16 export path (issue 11): a bf16 TensorRT engine is built strongly typed from a bf16 graph with
 fp32 I/O, exported from torch (ModelOpt AutoCast is the migration guide's other route; it needs `lief` and
-fails on this project's dynamic-shape graphs, see FACTS).
+fails on this project's dynamic-shape graphs: its reference run feeds 1 for every symbolic dim).
 
 ONNX Runtime has no bf16 kernels on CPU, so the bf16 arithmetic of the graph is checked with ONNX's
 reference evaluator (numpy with ml_dtypes' bfloat16, every op in bf16 as written) against torch's own bf16

@@ -122,7 +122,7 @@ def test_every_wan_component_exports_and_matches_pytorch(wan_export):
 
 @pytest.mark.slow  # one dynamo export of the tiny VAE over two frame counts (about 40 s)
 def test_a_frames_axis_the_exporter_freezes_is_refused(wan22, tmp_path):
-    """FACTS.md: the whole-clip decode exports with a dynamic frames axis, but dynamo freezes it to the example's
+    """docs/video.md: the whole-clip decode exports with a dynamic frames axis, but dynamo freezes it to the example's
     count without an error. Exported so anyway, the read-back of the raw graph's inputs refuses it."""
     from trt_diffusion.export.graph_passes import finalize_graph
     from trt_diffusion.export.torch_export import export_module

@@ -1,6 +1,6 @@
 """`build --ray` on a real Ray cluster started by the test: a head and two worker nodes with different
 custom resources, in a network namespace that holds only loopback (Ray otherwise talks over the machine's
-interface address, FACTS.md). Every engine is built once, on a node that has the resource engines.yaml
+interface address even when told 127.0.0.1: docs/farm.md). Every engine is built once, on a node that has the resource engines.yaml
 asks for, and its files equal a local build's. Needs root for `unshare -n` (CI and this machine run as
 root); skipped with the reason where the namespace cannot be made."""
 

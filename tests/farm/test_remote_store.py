@@ -1,4 +1,4 @@
-"""build.workspace as a URL: an S3-protocol server on loopback started by the test (moto_server, FACTS.md), and a
+"""build.workspace as a URL: an S3-protocol server on loopback started by the test (moto_server; docs/farm.md), and a
 shared directory (file://). Build hosts publish into the store, a fresh host (its own empty cache) builds
 nothing and packages what they made; a pull verifies every file against its record, and nothing the store does
 not vouch for is trusted; two hosts publishing one unit leave one whole record; a stale lock object expires."""

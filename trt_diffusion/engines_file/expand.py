@@ -35,7 +35,7 @@ from .schema import CfgMode, LoraMode
 def fixed_frames(family: Family | str, component: Component | str) -> bool:
     """Whether this component's graph fixes the frame count: a video VAE decoder (and encoder) runs the whole clip in one
     call, and its causal cache, run frame by frame, is unrolled by the exporter over the latent frames, whose count
-    it then freezes (dynamo does so silently: FACTS.md). So it gets one ONNX and one engine per frame count, the
+    it then freezes (dynamo does so silently: docs/video.md). So it gets one ONNX and one engine per frame count, the
     way TensorRT's Wan demo builds it, while the transformer takes a frame range."""
     return Component(component).is_vae and family_info(Family(family)).is_video
 

@@ -197,7 +197,7 @@ class BuildSettings(Strict):
     workspace: str = "build"
     cache: str | None = None  # a URL workspace's local cache; default ~/.cache/trt-diffusion/<hash of the URL>
     timing_cache: str | None = None  # default: <workspace>/timing-cache
-    opset: int = Field(20, ge=18, le=23)  # dynamo export: 17 gives graphs ORT rejects (FACTS.md)
+    opset: int = Field(20, ge=18, le=23)  # dynamo export: opset 17 gives graphs ORT rejects; 18-23 work
     jobs: int = Field(1, ge=1)
     memory_budget_gb: float = Field(16.0, gt=0)
     # manifest: package/serve check each engine against its own manifest's sha256 (any writer of the workspace

@@ -2,7 +2,7 @@
 
 1. Initializers get the component's own parameter names (the wrapper's `model.` prefix is stripped).
    First, every input dim declared dynamic must be dynamic in the raw graph: torch.onnx.export(dynamo=True)
-   can freeze a dim to the example's size without an error (FACTS.md), and the renaming would hide it.
+   can freeze a dim to the example's size without an error (docs/video.md), and the renaming would hide it.
 2. Inputs and outputs get the declared dim names (`batch`, `height`, `image_height`...) instead of the
    exporter's `s53` / `2*height_units`. Intermediate shapes are *not* stored: ONNX shape inference gives
    every element of a sequence the first element's shape (FLUX splits text and image tokens through

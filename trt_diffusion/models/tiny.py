@@ -88,7 +88,7 @@ def _t5_encoder(d_model: int):
         d_model=d_model, d_ff=37, d_kv=8, num_heads=4, num_layers=2, vocab_size=1000,
         relative_attention_num_buckets=8, dropout_rate=0.0, is_encoder_decoder=False, use_cache=False,
     )
-    # eager attention: the dynamo exporter cannot trace T5's sdpa path (see FACTS.md)
+    # eager attention: the dynamo exporter cannot trace T5's sdpa path
     config._attn_implementation = "eager"
     return T5EncoderModel(config)
 

@@ -41,7 +41,7 @@ def _umt5_encoder(d_model: int = 32):
         d_model=d_model, d_ff=37, d_kv=8, num_heads=4, num_layers=2, vocab_size=1000,
         relative_attention_num_buckets=8, dropout_rate=0.0, is_encoder_decoder=False, use_cache=False,
     )
-    config._attn_implementation = "eager"  # the dynamo exporter cannot trace T5's sdpa path (FACTS.md)
+    config._attn_implementation = "eager"  # the dynamo exporter cannot trace T5's sdpa path
     return UMT5EncoderModel(config)
 
 

@@ -1,7 +1,7 @@
 """Export a ModelOpt-quantized denoiser to ONNX with Q/DQ nodes.
 
 The legacy TorchScript exporter is the one ModelOpt's quantizer symbolics target (dynamo fails on the
-quantizers' data-dependent branches, see FACTS.md), so this is the one place that uses `dynamo=False`.
+quantizers' data-dependent branches: `GuardOnDataDependentSymNode`), so this is the one place that uses `dynamo=False`.
 What the legacy exporter cannot lower as the fp32 export does is handled here: `aten::rms_norm` gets an ONNX
 decomposition (FLUX, Wan), and `trace_patches` rewrites Wan's rotary embedding so the graph stays dynamic.
 """

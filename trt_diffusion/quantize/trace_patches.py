@@ -3,7 +3,7 @@
 Wan's attention applies its rotary embedding by writing into slices of `torch.empty_like(query)`
 (`out[..., 0::2] = ...`). The legacy exporter lowers that in-place slice write to a ScatterND whose data is a
 zeros constant of the traced size: the graph then runs only at the calibration shape (batch, frames, height,
-width), which is the "static-only" FACTS.md reports for Wan. (FP8 hides it by accident: ModelOpt's custom FP8
+width): the legacy exporter's Wan graph is static-only (docs/quantize.md). (FP8 hides it by accident: ModelOpt's custom FP8
 ops carry no shape, so the exporter keeps the shape ops.) `functional_rotary` computes the same rotation with
 `torch.stack(...).flatten(-2)` — the same products and sums in the same order, bit-identical (tested) — so the
 INT8 and FP8 graphs keep their declared dynamic axes.

@@ -1,7 +1,7 @@
 """Start and stop a `tritonserver` bound to 127.0.0.1.
 
 A system `tritonserver` on PATH is used when present (NVIDIA's containers: all backends). Otherwise the
-binary bundled in `nvidia-pytriton` runs, whose only backend is python (see shared FACTS): its backend
+binary bundled in `nvidia-pytriton` runs, whose only backend is python (docs/triton.md): its backend
 folder is copied to a work folder with the python stub of this interpreter, and the stub finds this
 interpreter through PATH, so the venv's bin goes first.
 
