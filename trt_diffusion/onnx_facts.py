@@ -183,19 +183,20 @@ def _file_identity(path: Path) -> tuple:
     return (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev)
 
 
-def onnx_sha256(onnx_path: str | Path) -> str:
-    """Hash of the model file and every external-data file it references: the build's input identity.
+def onnx_sha256(onnx_path: str | Path, *, error: type[Exception] = BuildError) -> str:
+    """Hash of the model file and every external-data file it references: the build's input identity, and the
+    ONNX a refit map was made for. A missing or corrupt file is one `error` (BuildError, RefitError for a refit).
 
     Computed once per process for a given set of files (keyed on each file's path, size, mtime and inode),
-    so a multi-GB ONNX that many engines are built from is read once per run, not twice per engine.
+    so a multi-GB ONNX that many engines are built from, or every refit checks, is read once per run.
     """
     path = Path(onnx_path)
-    model = load_onnx_structure(path)
+    model = load_onnx_structure(path, error=error)
     files = [(None, path)]
     for location in _external_data_files(model):
         data_path = path.parent / location
         if not data_path.is_file():
-            raise BuildError(f"{path} references external data {location!r}, which is missing from {path.parent}")
+            raise error(f"{path} references external data {location!r}, which is missing from {path.parent}")
         files.append((location, data_path))
     key = tuple((location, _file_identity(file)) for location, file in files)
     with _DIGESTS_LOCK:

@@ -63,26 +63,6 @@ def load_structure(onnx_path: str | Path) -> onnx.ModelProto:
     return load_onnx_structure(onnx_path, error=RefitError)
 
 
-_HASH_CACHE: dict[tuple, str] = {}
-
-
-def onnx_sha256(onnx_path: str | Path) -> str:
-    """Hash of the model file and every external-data file it references (the build's input identity).
-
-    Same digest as `targets.onnx_facts.onnx_sha256`; cached per file size and mtime because a
-    full-size UNet takes seconds to hash and every refit checks it.
-    """
-    from ..onnx_facts import onnx_sha256 as full_hash
-
-    path = Path(onnx_path).resolve()
-    model = load_structure(path)
-    files = [path] + [path.parent / location for location in external_data_files(model)]
-    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists())
-    if key not in _HASH_CACHE:
-        _HASH_CACHE[key] = full_hash(path)
-    return _HASH_CACHE[key]
-
-
 class OnnxGraph:
     """An ONNX model's structure, with initializer values read from external data only on demand."""
 

@@ -23,9 +23,10 @@ import onnx
 import torch
 
 from ..errors import RefitError
+from ..onnx_facts import onnx_sha256
 from ..workspace.files import atomic_write_bytes
 from .deltas import base_parameter_name
-from .onnx_graph import OnnxGraph, onnx_sha256
+from .onnx_graph import OnnxGraph
 from .quantized_refit import annotate_quantized
 from .refit_records import MatchedBy, RefitTarget, Shape, WeightQuantization
 
@@ -60,7 +61,7 @@ class RefitMap:
 
     def check_onnx(self, onnx_path: str | Path) -> None:
         """Refuse an ONNX other than the one the map was built for (RefitError)."""
-        self.check_onnx_sha256(onnx_sha256(onnx_path), str(onnx_path))
+        self.check_onnx_sha256(onnx_sha256(onnx_path, error=RefitError), str(onnx_path))
 
     # -- JSON ------------------------------------------------------------------------------------
 
@@ -295,5 +296,5 @@ def build_refit_map(onnx_path: str | Path, params: ParamSpecs, *, by_value: bool
         builder.by_value()
     annotate_quantized(graph, builder.targets, builder.unmapped, builder.params, builder.prefix)
     builder.finish(unused)
-    return RefitMap(onnx_sha256=onnx_sha256(onnx_path), targets=builder.targets, unmapped=builder.unmapped,
-                    prefix=builder.prefix, onnx_file=Path(onnx_path).name)
+    return RefitMap(onnx_sha256=onnx_sha256(onnx_path, error=RefitError), targets=builder.targets,
+                    unmapped=builder.unmapped, prefix=builder.prefix, onnx_file=Path(onnx_path).name)
