@@ -1,4 +1,4 @@
-"""Seeded input images and masks for the image-conditioned workflows: what parity, preflight, the server's
+"""Seeded input images, masks and ControlNet edge maps for the image-conditioned workflows: what parity, preflight, the server's
 warm-up and the tests feed img2img, inpaint, edit and img2vid requests (img2vid's init image is the clip's first
 frame). Generated, never downloaded, the same on every machine (numpy's PCG64)."""
 
@@ -22,6 +22,18 @@ def init_image(height: int, width: int, seed: int = 0) -> np.ndarray:
         inside = (y - cy) ** 2 + (x - cx) ** 2 < r * r
         image[inside] = rng.uniform(0, 1, 3)
     return (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
+
+
+def control_image(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """uint8 [H, W, 3]: a synthetic edge map (six full-length white lines), what a canny ControlNet sees; the one
+    parity and preflight feed."""
+    rng = np.random.default_rng(seed)
+    image = np.zeros((height, width, 3), np.uint8)
+    for _ in range(6):
+        y, x = rng.integers(0, height), rng.integers(0, width)
+        image[y, :, :] = 255
+        image[:, x, :] = 255
+    return image
 
 
 def inpaint_mask(height: int, width: int, seed: int = 0) -> np.ndarray:

@@ -24,7 +24,7 @@ from ..runtime.engines import RunnerTable
 from ..runtime.loader import BuiltEngine, built_engines, runner_for, table_from_engines
 from ..runtime.pipeline import EnginePipeline, GenerationRequest
 from ..runtime.reference import reference_runners
-from ..sample_inputs import workflow_inputs
+from ..sample_inputs import control_image, workflow_inputs
 from ..step_cache import PIECES, StepCache, StepCacheMode
 from ..workflows import Workflow
 from .prompt_gate import judge_prompt_following, parity_prompts
@@ -138,17 +138,6 @@ def _reference(config: EnginesConfig, model_name: str, lora: str | None) -> Runn
     return table
 
 
-def _control_image(height: int, width: int, seed: int) -> np.ndarray:
-    """A synthetic edge map: what a canny ControlNet sees."""
-    rng = np.random.default_rng(seed)
-    image = np.zeros((height, width, 3), np.uint8)
-    for _ in range(6):
-        y, x = rng.integers(0, height), rng.integers(0, width)
-        image[y, :, :] = 255
-        image[:, x, :] = 255
-    return image
-
-
 def judged_precision(model) -> Precision:
     """The precision whose bar a variant's images are judged on: the denoiser's, or, in front of a denoiser that is
     not quantized, a quantized text encoder's (a language-model encoder in int8 beside an fp32 transformer)."""
@@ -189,7 +178,7 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
             request = GenerationRequest(
                 prompt=prompt, height=size.height, width=size.width, steps=options.steps,
                 guidance_scale=options.guidance_scale, seed=seed, frames=size.frames, controlnet=controlnet,
-                control_image=_control_image(size.height, size.width, seed) if controlnet else None,
+                control_image=control_image(size.height, size.width, seed) if controlnet else None,
                 workflow=workflow.value, strength=strength, negative_prompt=_negative_prompt(family), **inputs,
                 step_cache=None if step_cache is None else StepCacheMode.on.value)
             generation = engine_pipe.generate(request)

@@ -113,17 +113,6 @@ def workflow_label(workflow: Workflow) -> str:
     return "" if workflow is Workflow.txt2img else f" ({workflow.value})"
 
 
-def control_image(height: int, width: int, seed: int = 0) -> np.ndarray:
-    """A synthetic edge map (what a canny ControlNet sees), as parity uses."""
-    rng = np.random.default_rng(seed)
-    image = np.zeros((height, width, 3), np.uint8)
-    for _ in range(6):
-        y, x = rng.integers(0, height), rng.integers(0, width)
-        image[y, :, :] = 255
-        image[:, x, :] = 255
-    return image
-
-
 def mean_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).mean())
 

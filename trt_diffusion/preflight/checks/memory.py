@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from ...sample_inputs import control_image
 from ..deployment import MemorySampler
-from .base import Check, CheckContext, Outcome, control_image, not_applicable
+from .base import Check, CheckContext, Outcome, not_applicable
 
 GB = 1024 ** 3
 

@@ -8,7 +8,8 @@ import numpy as np
 
 from ...errors import TrtDiffusionError
 from ...families import family_info
-from .base import Check, CheckContext, Outcome, control_image, mean_abs_diff, workflow_fields, workflow_label
+from ...sample_inputs import control_image
+from .base import Check, CheckContext, Outcome, mean_abs_diff, workflow_fields, workflow_label
 
 
 def run(ctx: CheckContext) -> Outcome:
