@@ -3,8 +3,8 @@ was made from or wrote has changed.
 
 The record (`<workspace>/.build-state.json`) holds a fingerprint of the inputs — engines.yaml's bytes, the
 keys of the engines wanted (which hash every spec field; a target that becomes available adds keys), the
-installed tool versions, and the size and mtime of every file under each model,
-ControlNet, LoRA and calibration source — plus the size and mtime of every engine file and of every
+installed tool versions, and the inode, size and mtime of every file under each model,
+ControlNet, LoRA and calibration source — plus the inode, size and mtime of every engine file and of every
 manifest. When all of that matches, the engines are reported unchanged without importing torch,
 diffusers or onnx; any difference (a touched weight, an upgraded onnxruntime, an edited engine) falls
 back to the full check, which verifies content hashes through the manifests. This is how make, ninja
@@ -18,54 +18,28 @@ import json
 from pathlib import Path
 
 from ..engines_file import EnginesConfig, EngineSpec
-from ..workspace.files import atomic_write_bytes, tool_versions
+from ..export.export_state import source_paths
+from ..workspace.files import atomic_write_bytes, stat_rows, tool_versions
 from .report import BuildReport, EngineOutcome
 
 STATE_FILE = ".build-state.json"
 SCHEMA_VERSION = 1
-def _stats(path: Path) -> list[tuple[str, int, int]]:
-    path = Path(path)
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    else:
-        return [(str(path), -1, -1)]
-    result = []
-    for file in files:
-        stat = file.stat()
-        result.append((str(file), stat.st_size, stat.st_mtime_ns))
-    return result
-
-
-def _source_paths(config: EnginesConfig) -> list[Path]:
-    paths: list[Path] = []
-    for model in config.models.values():
-        paths.append(model.source.path)
-        paths += [source.path for source in model.controlnets.values()]
-        paths += [lora.path for lora in model.loras.values()]
-        prompts = getattr(model.quantization.calibration, "prompts", None)
-        if prompts:
-            paths.append(config.root / str(prompts))
-    return paths
-
-
 def fingerprint(config: EnginesConfig, specs: list[EngineSpec]) -> str:
     payload = {
         "schema": SCHEMA_VERSION,
         "engines_yaml": hashlib.sha256(Path(config.path).read_bytes()).hexdigest(),
         "engines": sorted(spec.key for spec in specs),
         "tools": tool_versions("build"),
-        "sources": [_stats(path) for path in _source_paths(config)],
+        "sources": [stat_rows(path) for path in source_paths(config)],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _engine_stats(path: Path) -> list:
-    stats = _stats(path)
+    stats = stat_rows(path)
     if Path(path).is_file():  # a single-file engine keeps its manifest beside it
         stats += [s for sibling in sorted(Path(path).parent.glob(Path(path).name.split(".plan")[0] + ".*"))
-                  if sibling != Path(path) for s in _stats(sibling)]
+                  if sibling != Path(path) for s in stat_rows(sibling)]
     return stats
 
 

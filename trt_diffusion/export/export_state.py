@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ..engines_file import EnginesConfig
-from ..workspace.files import atomic_write_bytes, tool_versions
+from ..workspace.files import atomic_write_bytes, stat_rows, tool_versions
 from ..workspace.store import MANIFEST_NAME, Artifact
 from .grouping import ExportGroup
 from .results import ExportEvent, ExportReport, ExportResult, ProgressCallback
@@ -30,29 +30,18 @@ SCHEMA_VERSION = 1
 PACKAGE = Path(__file__).resolve().parents[1]
 
 
-def _rows(path: Path) -> list[list]:
-    """[name, inode, size, mtime_ns] of a file, or of every file under a folder (hidden ones left out)."""
-    path = Path(path)
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    else:
-        return [[str(path), -1, -1, -1]]
-    rows = []
-    for file in files:
-        stat = file.stat()
-        rows.append([str(file), stat.st_ino, stat.st_size, stat.st_mtime_ns])
-    return rows
-
-
-def _source_paths(config: EnginesConfig, groups: list[ExportGroup]) -> list[Path]:
+def source_paths(config: EnginesConfig, models: list[str] | None = None) -> list[Path]:
+    """The files engines.yaml's models (or `models` of them) are made from: model, ControlNet and LoRA sources and
+    calibration prompts. The no-op build's fingerprint (engine_builds/build_state.py) stats the same."""
     paths: list[Path] = []
-    for name in dict.fromkeys(group.model for group in groups):
+    for name in dict.fromkeys(config.models if models is None else models):
         model = config.models[name]
         paths.append(model.source.path)
         paths += [source.path for source in model.controlnets.values()]
         paths += [lora.path for lora in model.loras.values()]
+        prompts = getattr(model.quantization.calibration, "prompts", None)
+        if prompts:
+            paths.append(config.root / str(prompts))
     return paths
 
 
@@ -62,8 +51,8 @@ def fingerprint(config: EnginesConfig, groups: list[ExportGroup]) -> str:
         "engines_yaml": hashlib.sha256(Path(config.path).read_bytes()).hexdigest(),
         "groups": sorted([group.name, group.key] for group in groups),
         "tools": tool_versions("export"),
-        "sources": [_rows(path) for path in _source_paths(config, groups)],
-        "code": [row for path in sorted(PACKAGE.rglob("*.py")) for row in _rows(path)],
+        "sources": [stat_rows(path) for path in source_paths(config, [group.model for group in groups])],
+        "code": [row for path in sorted(PACKAGE.rglob("*.py")) for row in stat_rows(path)],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -80,7 +69,7 @@ def record(config: EnginesConfig, groups: list[ExportGroup], report: ExportRepor
         return
     state = {"fingerprint": fingerprint(config, groups),
              "groups": {group.key: {"path": str(by_key[group.key].artifact.path),
-                                    "files": _rows(by_key[group.key].artifact.path)} for group in groups}}
+                                    "files": stat_rows(by_key[group.key].artifact.path)} for group in groups}}
     atomic_write_bytes(_state_path(config), json.dumps(state).encode())
 
 
@@ -100,7 +89,7 @@ def unchanged_report(config: EnginesConfig, groups: list[ExportGroup],
         if entry is None:
             return None
         folder = Path(entry["path"])
-        if _rows(folder) != entry["files"]:
+        if stat_rows(folder) != entry["files"]:
             return None
         try:
             artifacts.append(Artifact(folder, json.loads((folder / MANIFEST_NAME).read_text())))

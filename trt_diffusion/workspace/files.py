@@ -1,4 +1,5 @@
-"""File mechanics every stage shares: one atomic write, one sha256, one list of tool versions per purpose.
+"""File mechanics every stage shares: one atomic write, one sha256, one stat verdict, one list of tool versions per
+purpose.
 
 An artifact is written to a unique temporary name beside its place, flushed to disk and renamed, so a reader
 (or a later run) never sees half a file; a hash is read in chunks, never the whole file at once.
@@ -29,6 +30,24 @@ def update_digest(digest: Any, path: str | os.PathLike, chunk_size: int = CHUNK_
     with open(path, "rb") as handle:
         while block := handle.read(chunk_size):
             digest.update(block)
+
+
+def stat_rows(path: str | Path) -> list[list]:
+    """[name, inode, size, mtime_ns] of a file, or of every file under a folder (hidden ones left out); a missing
+    path is one row of -1s. What the no-op build and export compare instead of hashing: a file rewritten in place
+    changes its mtime, one renamed over changes its inode (make's, ninja's and git's index's verdict)."""
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    else:
+        return [[str(path), -1, -1, -1]]
+    rows = []
+    for file in files:
+        stat = file.stat()
+        rows.append([str(file), stat.st_ino, stat.st_size, stat.st_mtime_ns])
+    return rows
 
 
 def atomic_write_bytes(path: str | Path, data: Any) -> None:
