@@ -114,6 +114,19 @@ class EngineFolders(Generic[Manifest]):
         self.verify(folder, manifest, where=spec.name, full=False)
         return BuiltEngine(spec, folder, manifest)
 
+    def build(self, workspace: str | Path, spec: EngineSpec, built_from: str,
+              make: Callable[[Path, Path, float], Manifest]) -> tuple[Path, Manifest, bool]:
+        """The build skeleton every folder target shares: (folder, manifest, cached). The engine already built from
+        exactly `built_from` is found; otherwise `make(staging, final, started)` fills a staging folder beside the
+        final place and `seal`s it (returning the manifest), and a `make` that raises leaves nothing behind."""
+        final, manifest = self.current(workspace, spec, built_from)
+        if manifest is not None:
+            return final, manifest, True
+        started = time.perf_counter()
+        with self.staging(final) as staging:
+            manifest = make(staging, final, started)
+        return final, manifest, False
+
     @contextlib.contextmanager
     def staging(self, final: Path) -> Iterator[Path]:
         """A temporary folder beside `final` to build the engine in; removed when the block raises (`seal`

@@ -7,7 +7,6 @@ built and sealed as every folder engine is (targets/engine_folder.py).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,11 +67,8 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
     profile = validate_profile(profile)
     source_sha = onnx_sha256(onnx_path)
     built_from = build_input_hash(source_sha, spec)
-    final, manifest = FOLDERS.current(workspace, spec, built_from)
-    if manifest is not None:
-        return final, manifest, True
-    start = time.perf_counter()
-    with FOLDERS.staging(final) as tmp:
+
+    def make(tmp: Path, final: Path, start: float) -> OrtEngineManifest:
         try:
             model = onnx.load(str(onnx_path), load_external_data=True)
             if is_static(profile):
@@ -93,13 +89,14 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             if before_commit is not None:
                 before_commit(tmp)
             inputs, outputs = onnx_io(tmp / MODEL_FILE)
-            manifest = FOLDERS.seal(tmp, final, spec=spec, built_from=built_from, onnx_sha256=source_sha,
-                                    profile=profile, inputs=inputs, outputs=outputs, started=start,
-                                    onnxruntime_version=onnxruntime.__version__,
-                                    offline_optimization=None if spec.refittable else SAVED_OPTIMIZATION)
+            return FOLDERS.seal(tmp, final, spec=spec, built_from=built_from, onnx_sha256=source_sha,
+                                profile=profile, inputs=inputs, outputs=outputs, started=start,
+                                onnxruntime_version=onnxruntime.__version__,
+                                offline_optimization=None if spec.refittable else SAVED_OPTIMIZATION)
         except onnx.checker.ValidationError as exc:
             raise BuildError(f"{spec.name}: the ONNX is invalid: {exc}") from None
-    return final, manifest, False
+
+    return FOLDERS.build(workspace, spec, built_from, make)
 
 
 def fix_dimensions(model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]]) -> None:

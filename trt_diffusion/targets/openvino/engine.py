@@ -149,11 +149,8 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
     source_sha = onnx_sha256(onnx_path)
     source_inputs, source_outputs = onnx_io(onnx_path)
     built_from = build_input_hash(source_sha, spec, facts)
-    final, manifest = FOLDERS.current(workspace, spec, built_from)
-    if manifest is not None:
-        return final, manifest, True
-    start = time.perf_counter()
-    with FOLDERS.staging(final) as tmp:
+
+    def make(tmp: Path, final: Path, start: float) -> OpenVINOEngineManifest:
         try:
             model = ov.convert_model(str(onnx_path))
         except Exception as exc:  # noqa: BLE001 - the frontend raises its own types
@@ -185,11 +182,12 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
         outputs = tensor_specs(compiled.outputs, [t.name for t in source_outputs])
         runtime_precisions = precision.runtime_precisions(compiled)
         del compiled
-        manifest = FOLDERS.seal(
+        return FOLDERS.seal(
             tmp, final, spec=spec, built_from=built_from, onnx_sha256=source_sha, profile=profile, inputs=inputs,
             outputs=outputs, started=start, precision=spec.precision, openvino_version=facts.openvino_version,
             cpu=facts.device_name, cpu_architecture=facts.architecture, cpu_capabilities=facts.capabilities,
             cpu_isa_flags=facts.isa_flags, cpu_fingerprint=facts.fingerprint(), inference_precision_hint=compute.hint,
             quantized=compute.quantized, compute=compute.summary, runtime_precisions=runtime_precisions,
             refit_constants=tuple(refit_constants), cache_blob=cache_blob, compile_seconds=compile_seconds)
-    return final, manifest, False
+
+    return FOLDERS.build(workspace, spec, built_from, make)
