@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-
 from trt_diffusion import synthetic_world as world
 from trt_diffusion.models.micro import TRAINING_RECORD, VOCABULARY
 from trt_diffusion.parity.prompt_gate import judge_prompt_following, parity_prompts
