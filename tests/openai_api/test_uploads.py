@@ -113,3 +113,36 @@ def test_health_answers_while_decodes_run_and_decodes_are_bounded(stub_triton, m
         assert "stub triton: no engine here" in second.result(timeout=GUARD_S)
     assert decodes.calls == [(64, 64), (64, 64)]
     assert stub_triton.calls["ModelInfer"] == 2
+
+
+def _broken_chunk_png() -> bytes:
+    """A 64x64 PNG whose pixel data continues in a chunk with a malformed type: its header reads, its decode makes
+    Pillow raise SyntaxError ('broken PNG file'), not OSError."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+
+    buffer = io.BytesIO()
+    Image.effect_noise((64, 64), 64).convert("RGB").save(buffer, format="PNG")
+    data, out, position = buffer.getvalue(), buffer.getvalue()[:8], 8
+    while position < len(data):
+        (length,) = struct.unpack(">I", data[position:position + 4])
+        kind, body = data[position + 4:position + 8], data[position + 8:position + 8 + length]
+        position += 12 + length
+        half = len(body) // 2
+        out += chunk(kind, body) if kind != b"IDAT" else chunk(b"IDAT", body[:half]) + chunk(b"\x01\x02\x03\x04",
+                                                                                             body[half:])
+    return out
+
+
+def test_an_upload_pillow_finds_broken_while_decoding_is_a_400_not_an_internal_error(stub_triton):
+    import openai
+
+    with ApiServer(ApiSettings(stub_triton.url, port=0)) as api:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client(api).images.edit(model=stub_triton.entry, prompt="a fox",
+                                    image=("broken.png", _broken_chunk_png(), "image/png"))
+    assert "image is not a readable image" in caught.value.body["message"], caught.value.body
+    assert stub_triton.calls["ModelInfer"] == 0

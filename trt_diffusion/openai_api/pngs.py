@@ -53,7 +53,8 @@ def _decode(image, field: str):
 
     try:
         image.load()
-    except (OSError, Image.DecompressionBombError, ValueError) as exc:
+    except (OSError, SyntaxError, Image.DecompressionBombError, ValueError) as exc:  # SyntaxError: Pillow's
+        # parsers report a broken chunk met while decoding ("broken PNG file") as one
         raise bad_request(f"{field} is not a readable image ({exc})", field) from None
     return image
 
