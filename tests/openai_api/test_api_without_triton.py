@@ -71,5 +71,6 @@ def test_unknown_routes_and_methods_answer_in_openai_shape(api):
 
 def test_triton_unreachable_is_503_and_the_api_stays_up(api):
     status, body = call(api, "/v1/models")
-    assert status in (500, 503), body
+    assert status == 503 and body["error"]["message"] == "Triton is unavailable", body  # docs/triton.md's 503
+    assert call(api, "/health")[0] == 503
     assert call(api, "/v1/images/generations", b'{"prompt": "a", "n": 0}')[0] == 400  # still serving

@@ -204,3 +204,23 @@ def test_connections_beyond_the_limit_are_answered_503():
             with connect(api) as second:
                 second.sendall(b"GET /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 assert read_response(second)[0] == 503
+
+
+# -- a bug's answer ------------------------------------------------------------------------------------------------
+
+
+def test_a_bug_is_a_500_naming_its_kind_only_not_its_message(monkeypatch, caplog):
+    """The catch-all answers a bug with its kind (as Triton's models do, docs/security.md): an exception's text can
+    carry the server's paths; the whole traceback goes to the log."""
+
+    def bug(raw):
+        raise FileNotFoundError(2, "No such file or directory", "/srv/secret/models/unet.onnx")
+
+    monkeypatch.setattr(bodies, "parse_generation", bug)
+    with caplog.at_level(logging.ERROR, logger="trt_diffusion.openai_api"):
+        with ApiServer(ApiSettings(UNREACHABLE, port=0)) as api:
+            status, answer = post(api, "/v1/images/generations", b'{"prompt": "a fox"}')
+    assert status == 500, answer
+    assert "FileNotFoundError" in answer["error"]["message"], answer
+    assert "/srv/secret" not in json.dumps(answer), answer
+    assert "/srv/secret" in caplog.text  # the log keeps what the reply leaves out

@@ -81,10 +81,22 @@ def create_app(settings: ApiSettings):
                     request.url.path)
         return JSONResponse(ApiError(499, "the client disconnected").body(), status_code=499)
 
+    from tritonclient.utils import InferenceServerException
+
+    @app.exception_handler(InferenceServerException)
+    async def triton_error(request: Request, err: InferenceServerException):
+        if "UNAVAILABLE" in str(err.status() or ""):  # Triton unreachable (a catalog read, /health): 503 as
+            # docs/triton.md says, one log line, not a bug of ours
+            log.warning("%s %s: Triton is unavailable (%s)", request.method, request.url.path, err.message())
+            return JSONResponse(ApiError(503, "Triton is unavailable").body(), status_code=503)
+        return await internal_error(request, err)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return JSONResponse(ApiError(500, f"internal error: {type(err).__name__}: {err}").body(), status_code=500)
+        # its kind only, as Triton's models answer (docs/security.md): a message can carry the server's paths
+        return JSONResponse(ApiError(500, f"internal error ({type(err).__name__}); the server log has the "
+                                          "details").body(), status_code=500)
 
     @app.get("/health")
     async def health(request: Request):
