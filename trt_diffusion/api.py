@@ -53,21 +53,23 @@ def export(config_path: str | Path, model: str | None = None, component: str | N
 def export_specs(config, specs, progress: ProgressCallback | None = None) -> ExportReport:
     """Export the ONNX graphs these specs' engines are built from (verified artifacts are reused)."""
     from .export import ExportReport, group_specs
-    from .export.export_state import record, unchanged_report
+    from .export.export_state import fingerprint, record, unchanged_report
     from .workspace import store_sync
     from .workspace.store import ArtifactStore
 
     groups = group_specs(specs)
     store_sync.pull_sources(config)  # a URL workspace: what other hosts exported is reused
-    # nothing changed since the last complete export (stats only): no file hashed, torch not imported
-    report = unchanged_report(config, groups, progress)
+    # nothing changed since the last complete export (stats only): no file hashed, torch not imported. The stats
+    # are taken once, before the export: what changes while it runs is not recorded as what it read
+    inputs = fingerprint(config, groups)
+    report = unchanged_report(config, groups, progress, inputs)
     if report is None:
         from .export import export_group
 
         store = ArtifactStore(config.workspace)
         report = ExportReport([export_group(group, config, store, index=i, total=len(groups), progress=progress)
                                for i, group in enumerate(groups)])
-        record(config, groups, report)
+        record(config, groups, report, inputs)
     store_sync.publish_sources(config)
     return report
 

@@ -61,27 +61,30 @@ def _state_path(config: EnginesConfig) -> Path:
     return Path(config.workspace) / STATE_FILE
 
 
-def record(config: EnginesConfig, groups: list[ExportGroup], report: ExportReport) -> None:
-    """Save the state of an export that gave every group its artifact (else forget any earlier one)."""
+def record(config: EnginesConfig, groups: list[ExportGroup], report: ExportReport, inputs: str) -> None:
+    """Save the state of an export that gave every group its artifact (else forget any earlier one). `inputs`:
+    the `fingerprint` taken before the export ran — one taken now would vouch for a source changed while it ran
+    (a weight replaced, engines.yaml edited), whose new bytes the artifact was never made from."""
     by_key = {result.group.key: result for result in report.results}
     if not groups or any(group.key not in by_key for group in groups):
         _state_path(config).unlink(missing_ok=True)
         return
-    state = {"fingerprint": fingerprint(config, groups),
+    state = {"fingerprint": inputs,
              "groups": {group.key: {"path": str(by_key[group.key].artifact.path),
                                     "files": stat_rows(by_key[group.key].artifact.path)} for group in groups}}
     atomic_write_bytes(_state_path(config), json.dumps(state).encode())
 
 
-def unchanged_report(config: EnginesConfig, groups: list[ExportGroup],
-                     progress: ProgressCallback | None = None) -> ExportReport | None:
-    """The report of an export with nothing to do, when the saved state proves it; None to run the full check."""
+def unchanged_report(config: EnginesConfig, groups: list[ExportGroup], progress: ProgressCallback | None = None,
+                     inputs: str | None = None) -> ExportReport | None:
+    """The report of an export with nothing to do, when the saved state proves it; None to run the full check.
+    `inputs`: the `fingerprint` of now, when the caller took it already."""
     started = time.perf_counter()
     try:
         state = json.loads(_state_path(config).read_text())
     except (OSError, ValueError):
         return None
-    if not groups or state.get("fingerprint") != fingerprint(config, groups):
+    if not groups or state.get("fingerprint") != (inputs or fingerprint(config, groups)):
         return None
     artifacts = []
     for group in groups:
