@@ -21,6 +21,7 @@ MAX_LORAS_BYTES = 4096  # the LORAS string, checked before it is parsed
 MAX_LORAS_PER_REQUEST = MAX_SET_LORAS
 KEYS = ("name", "scale")
 _CLI_SCALE = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_CLI_NON_FINITE = re.compile(r"[+-]?(?:nan|inf|infinity)", re.IGNORECASE)  # read, then refused as not finite
 DEFAULT_SCALE = 1.0
 
 
@@ -110,6 +111,7 @@ def parse_cli_lora(text: str) -> LoraChoice:
         return LoraChoice(name, DEFAULT_SCALE)
     # a plain decimal only: float() also reads "1_0" as 10 and other scripts' digits, not what the user typed
     # ("nan"/"inf" pass on, to be refused as not finite)
-    if not _CLI_SCALE.fullmatch(scale) and scale.lower().lstrip("+-") not in ("nan", "inf", "infinity"):
+    if not _CLI_SCALE.fullmatch(scale) and not _CLI_NON_FINITE.fullmatch(scale):  # one sign at most: float()
+        # refuses "+-nan" with a ValueError, which would leave the command as a traceback
         raise RuntimeInputError(f"--lora {text!r}: the scale {scale!r} is not a number (write it like 0.8)")
     return LoraChoice(name, _scale(float(scale), f"--lora {name}"))
