@@ -112,6 +112,19 @@ def test_links_missing_files_other_keys_and_old_releases_are_refused(repo, relea
         stage.package_stage(config, tmp_path / "unverified", sign_key=private)
 
 
+def test_bytecode_a_plain_serve_compiled_is_neither_refused_nor_copied(repo, release, tmp_path):
+    """A smoke test of the published folder with plain `serve` leaves `1/__pycache__/*.pyc` (the python backend
+    writes it whatever PYTHONDONTWRITEBYTECODE says): a later `serve --verify` must still serve it, and the copy
+    must not hold a byte of it."""
+    public = release[2]
+    cache = _pipeline_model(repo) / "1" / "__pycache__"
+    cache.mkdir()
+    (cache / "model.cpython-311.pyc").write_bytes(b"planted bytecode")
+    check_repository(repo, [public])
+    copy = verified_copy(repo, [public], tmp_path / "work")
+    assert not any("__pycache__" in p.parts for p in copy.rglob("*"))
+
+
 def test_the_verified_copy_is_private_and_unmoved_by_later_changes(repo, release, tmp_path):
     public = release[2]
     copy = verified_copy(repo, [public], tmp_path / "work")

@@ -120,7 +120,10 @@ def test_build_trust_signed_on_a_file_workspace_requires_verify(workspace):
     config.write_text(yaml.safe_dump(data))
     with pytest.raises(SignatureError, match=r"build.trust is signed: give the release's public key with --verify"):
         stage.package_stage(config, tmp_path / "a")
+    with pytest.raises(SignatureError, match=r"serves only a signed repository; package on the release host with "
+                       r"--sign KEY too"):
+        stage.package_stage(config, tmp_path / "unsigned", verify_keys=[public])  # no serve could take it
     out = tmp_path / "b"
-    stage.package_stage(config, out, verify_keys=[public])
+    stage.package_stage(config, out, verify_keys=[public], sign_key=tmp_path / "keys" / "release.pem")
     with pytest.raises(SignatureError, match=r"build.trust: signed; serve it with --verify"):
         stage.start(out)

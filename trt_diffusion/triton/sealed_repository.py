@@ -38,16 +38,21 @@ KIND = "triton-repository"
 VERIFIED_COPY = "verified-repository"  # the private copy's folder in the server's work folder
 _FICLONE = 0x40049409  # linux/fs.h: share the source's extents (btrfs, XFS with reflink, overlayfs on those)
 _CHUNK = 1 << 20
+# Python's bytecode cache: the python backend writes it beside each model.py it imports (PYTHONDONTWRITEBYTECODE
+# does not reach the stub), so a release host's smoke test of the repository leaves it there
+BYTECODE = "__pycache__"
 
 
 def repository_files(repo: Path) -> tuple[dict[str, Path], list[str]]:
-    """Every regular file under `repo` (its repository manifest aside) by relative POSIX name, and every folder
-    (an ensemble's version folder is empty, and Triton needs it); a symbolic link, or anything else that is not a
-    file or a folder, is refused (SignatureError naming it)."""
+    """Every regular file under `repo` (its repository manifest and Python's `__pycache__` folders aside) by
+    relative POSIX name, and every folder (an ensemble's version folder is empty, and Triton needs it); a symbolic
+    link, or anything else that is not a file or a folder, is refused (SignatureError naming it)."""
     found: dict[str, Path] = {}
     folders: list[str] = []
     for path in sorted(repo.rglob("*")):
         relative = path.relative_to(repo).as_posix()
+        if BYTECODE in path.relative_to(repo).parts:
+            continue  # what a plain `serve` of this folder compiled: never copied, so never run by `serve --verify`
         if path.is_symlink():
             raise SignatureError(f"{repo}: {relative} is a symbolic link; a signed repository holds only files")
         if path.is_dir():

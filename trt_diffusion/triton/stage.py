@@ -59,6 +59,9 @@ def package_stage(config_path: str | Path, out_dir: str | Path = "triton_repo", 
     if config.build.trust == "signed" and not verify_keys:
         raise signing.SignatureError(f"{config.path}: build.trust is signed: give the release's public key with "
                                      "--verify PUBKEY")
+    if config.build.trust == "signed" and sign_key is None:  # its repository is served only with --verify
+        raise signing.SignatureError(f"{config.path}: build.trust is signed: serve --verify serves only a signed "
+                                     "repository; package on the release host with --sign KEY too")
     if sign_key is not None and not verify_keys:
         raise signing.SignatureError("--sign seals a repository of verified engines only: give the release's public "
                                      "key with --verify PUBKEY too")
