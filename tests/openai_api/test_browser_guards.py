@@ -133,6 +133,7 @@ def test_the_openai_client_passes_the_guards(api):
     (dict(allowed_hosts=("*",)), "--allowed-hosts '*' is not a host name"),
     (dict(allowed_hosts=("https://images.example.com",)), "--allowed-hosts 'https://images.example.com'"),
     (dict(allowed_hosts=("images.example.com:8080",)), "give the host without its port"),
+    (dict(allowed_hosts=("[::1]:8080",)), "give the host without its port"),  # never matched a Host header
 ])
 def test_bad_guard_settings_are_refused_by_name(settings, words):
     with pytest.raises(ServeError, match=None) as caught:

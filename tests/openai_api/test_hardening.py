@@ -154,7 +154,7 @@ def test_the_catalog_is_reread_once_it_is_older_than_its_max_age(stub_triton):
 # -- LoRA limits at the API -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("loras, words", [
-    ([{"name": "x" * (2 << 20)}], "loras has 2097166 bytes (at most 4096)"),
+    ([{"name": "x" * (2 << 20)}], "loras has 2097165 bytes (at most 4096)"),  # counted compact, as Triton gets it
     ([{"name": f"l{i}"} for i in range(9)], "loras lists 9 LoRAs (at most 8)"),
     ([{"name": "style", "scale": 1e30}], "loras[0].scale must be a finite number in [-100, 100], got 1e+30"),
     ([{"name": "style", "weight": 1}], "loras[0] has unknown key(s) ['weight']"),
@@ -224,3 +224,14 @@ def test_a_bug_is_a_500_naming_its_kind_only_not_its_message(monkeypatch, caplog
     assert "FileNotFoundError" in answer["error"]["message"], answer
     assert "/srv/secret" not in json.dumps(answer), answer
     assert "/srv/secret" in caplog.text  # the log keeps what the reply leaves out
+
+
+def test_a_lora_list_triton_would_take_is_not_refused_for_the_api_own_spacing(stub_triton):
+    """The byte limit applies to the compact LORAS Triton receives: 8 names that fit it compact (4096 bytes at
+    most) but not with json.dumps' default spaces were refused before."""
+    names = [{"name": f"{i}" + "n" * 486, "scale": 1} for i in range(8)]
+    compact = json.dumps([{"name": n["name"], "scale": 1.0} for n in names], separators=(",", ":"))
+    assert len(compact) <= 4096 < len(json.dumps(names))
+    with ApiServer(ApiSettings(stub_triton.url, port=0)) as api:
+        status, body = post(api, "/v1/images/generations", json.dumps({"prompt": "a", "loras": names}).encode())
+        assert status == 400 and "stub triton" in body["error"]["message"], body  # reached Triton

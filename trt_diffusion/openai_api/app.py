@@ -160,7 +160,8 @@ def _checked_loras(loras: list) -> str:
     from ..triton import lora_sets
 
     try:
-        return lora_sets.to_json(lora_sets.parse_loras(json.dumps(loras, allow_nan=False)))
+        # compact, as Triton will get it: the byte limit is the entry's, on the same string
+        return lora_sets.to_json(lora_sets.parse_loras(json.dumps(loras, allow_nan=False, separators=(",", ":"))))
     except (RuntimeInputError, ValueError, OverflowError) as err:
         message = str(err).replace("LORAS", "loras", 1)
         raise bad_request(message if message.startswith("loras") else f"loras: {message}", "loras") from None

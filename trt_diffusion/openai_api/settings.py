@@ -99,7 +99,8 @@ def host_problem(host: str) -> str | None:
     if not text or text in ("*", "0.0.0.0", "::") or any(c in text for c in "/@ ,") or "://" in text:
         return (f"--allowed-hosts {host!r} is not a host name: give the name or address clients use, without "
                 "scheme, port or path (e.g. images.example.com)")
-    if ":" in text.strip("[]") and not text.startswith("[") and text.count(":") == 1:
+    bracketed_port = text.startswith("[") and not text.endswith("]")  # [::1]:8080
+    if bracketed_port or (":" in text.strip("[]") and not text.startswith("[") and text.count(":") == 1):
         return f"--allowed-hosts {host!r}: give the host without its port (every port of the name is accepted)"
     return None
 
