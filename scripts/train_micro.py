@@ -8,6 +8,7 @@ an interrupted run resumes at the stage it was in:
 2. unet: SD1.5's UNet layout (small widths) and a CLIP text encoder trained together (DDPM, epsilon, SD1.5's
          scaled_linear betas, 10 % empty captions for classifier-free guidance) on the frozen VAE's latents; the
          tokenizer is the project's character-level CLIP tokenizer, so the encoder learns the words.
+   refine: the same, continued from the unet stage's weights with a lower rate (--refine-steps).
 3. save: the pipeline as fp16 safetensors in --out (default trt_diffusion/data/micro/<family>/), with the
          script's version, seed, steps, time and the fp32 grid figures in trt_diffusion_micro.json.
 
@@ -91,30 +92,37 @@ def scaling_factor(vae, seed: int) -> float:
         return float(1.0 / vae.encode(images).latent_dist.sample().std())
 
 
-def train_unet(work: Path, vae, steps: int, seed: int):
+def train_unet(work: Path, vae, steps: int, seed: int, *, phase: str = "unet", start_from: str | None = None,
+               peak: float = 5e-4):
+    """One phase of UNet + text encoder training, checkpointed in work/<phase>: from scratch, or continued from
+    an earlier phase's checkpoint (`start_from`) with a fresh cosine schedule peaking at `peak`."""
     from diffusers import DDPMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel
 
     from trt_diffusion.models.tiny import _clip_tokenizer
 
-    path = work / "unet"
+    path = work / phase
     tokenizer = _clip_tokenizer()
     if (path / "unet" / "config.json").is_file():
         return (UNet2DConditionModel.from_pretrained(path / "unet"),
                 CLIPTextModel.from_pretrained(path / "text_encoder"), tokenizer)
     torch.manual_seed(seed)
-    unet, text_encoder = micro.sd15_unet(), micro.sd15_text_encoder()
+    if start_from is None:
+        unet, text_encoder = micro.sd15_unet(), micro.sd15_text_encoder()
+    else:
+        unet = UNet2DConditionModel.from_pretrained(work / start_from / "unet")
+        text_encoder = CLIPTextModel.from_pretrained(work / start_from / "text_encoder")
     noise_schedule = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                    num_train_timesteps=1000)
     factor = vae.config.scaling_factor
-    rng = np.random.default_rng(seed + 2)
+    rng = np.random.default_rng(seed + 2 + (start_from is not None))  # new scenes for a continued phase
     parameters = [*unet.parameters(), *text_encoder.parameters()]
-    optimizer = torch.optim.AdamW(parameters, lr=5e-4, weight_decay=1e-2)
+    optimizer = torch.optim.AdamW(parameters, lr=peak, weight_decay=1e-2)
     vae.requires_grad_(False)
     start = time.time()
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = cosine_rate(step, steps, 5e-4)
+            group["lr"] = cosine_rate(step, steps, peak)
         images, captions = scenes(rng, 32)
         captions = [c if rng.random() >= 0.1 else "" for c in captions]  # unconditional rows for CFG
         with torch.no_grad():
@@ -131,7 +139,7 @@ def train_unet(work: Path, vae, steps: int, seed: int):
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         if step % 100 == 0 or step == steps - 1:
-            print(f"unet {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+            print(f"{phase} {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
     unet.save_pretrained(path / "unet")
     text_encoder.save_pretrained(path / "text_encoder")
     return unet, text_encoder, tokenizer
@@ -163,12 +171,22 @@ def evaluate(folder: Path, picture: Path | None = None) -> dict[str, float]:
     return grid_figures(images, prompts)
 
 
+def weights_sha256(folder: Path) -> dict[str, str]:
+    """relative name -> sha256 of every weight file: what a later check (tests/micro) holds the shipped files to."""
+    import hashlib
+
+    return {path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*.safetensors"))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=micro.MICRO_FAMILIES, default="sd15")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vae-steps", type=int, default=3000)
     parser.add_argument("--unet-steps", type=int, default=3000)
+    parser.add_argument("--refine-steps", type=int, default=3000, help="a second UNet phase from the first's "
+                        "weights, at a lower rate")
     parser.add_argument("--threads", type=int, default=2, help="fixed for reproducible sums")
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "micro-train")
     parser.add_argument("--out", type=Path, default=None, help="default trt_diffusion/data/micro/FAMILY")
@@ -188,6 +206,9 @@ def main() -> None:
     vae = train_vae(work, args.vae_steps, args.seed)
     vae.register_to_config(scaling_factor=scaling_factor(vae, args.seed))
     unet, text_encoder, tokenizer = train_unet(work, vae, args.unet_steps, args.seed)
+    if args.refine_steps:  # the first phase's shapes follow the prompt's words only loosely (circle ~ square)
+        unet, text_encoder, tokenizer = train_unet(work, vae, args.refine_steps, args.seed, phase="refine",
+                                                   start_from="unet", peak=2e-4)
     seconds = time.time() - start
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                    scheduler=micro.sd15_scheduler(), safety_checker=None, feature_extractor=None,
@@ -197,9 +218,10 @@ def main() -> None:
     pipe.to(torch.float16).save_pretrained(staging, safe_serialization=True)
     figures = evaluate(staging, args.picture)  # fp16 weights upcast on load: the reference users get
     record = {"script_version": SCRIPT_VERSION, "family": args.family, "vocabulary": micro.VOCABULARY, "seed": args.seed,
-              "vae_steps": args.vae_steps, "unet_steps": args.unet_steps, "threads": args.threads,
+              "vae_steps": args.vae_steps, "unet_steps": args.unet_steps, "refine_steps": args.refine_steps, "threads": args.threads,
               "train_seconds": round(seconds), "grid": {"prompts": len(world.prompt_grid()), "seeds": list(GRID_SEEDS),
                                                         "steps": GRID_STEPS, "cfg": GRID_CFG, "figures": figures}}
+    record["weights_sha256"] = weights_sha256(staging)
     (staging / micro.TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
