@@ -188,13 +188,13 @@ def test_img2img_with_a_controlnet_equals_diffusers(tiny_model_factory):
     """img2img + ControlNet (sd15) against diffusers' StableDiffusionControlNetImg2ImgPipeline."""
     from diffusers import ControlNetModel, StableDiffusionControlNetImg2ImgPipeline
 
-    from trt_diffusion.parity.stage import _control_image
+    from trt_diffusion.sample_inputs import control_image
 
     folder = tiny_model_factory("sd15", controlnet=True)
     table = reference_runners(folder, "sd15", components=_components(folder, "sd15"),
                               controlnets={"canny": folder / "controlnet"})
     mine_pipe = EnginePipeline(folder, "sd15", table)
-    control = _control_image(SIZE, SIZE, 4)
+    control = control_image(SIZE, SIZE, 4)
     args = dict(steps=5, strength=0.6, guidance_scale=5.0, seed=4)
     mine = mine_pipe.generate(request("img2img", controlnet="canny", control_image=control, controlnet_scale=0.7,
                                       **args)).images
