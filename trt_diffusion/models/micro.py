@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..workspace.files import staged_folder
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "micro"
 MICRO_FAMILIES = ("sd15",)
@@ -91,9 +91,7 @@ def write_micro_model(family: str, out_dir: str | os.PathLike, *, overwrite: boo
         _check_replaceable(out)
     quiet_libraries()
     pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=torch.float32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         for extra in ("controlnet", "lora"):
             if (source / extra).is_dir():
@@ -102,10 +100,4 @@ def write_micro_model(family: str, out_dir: str | os.PathLike, *, overwrite: boo
         shutil.copyfile(source / TRAINING_RECORD, tmp / TRAINING_RECORD)
         (tmp / MARKER_FILE).write_text(json.dumps({"family": family, "micro": True, "seed": record.get("seed"),
                                                    "controlnet": None, "lora": None}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

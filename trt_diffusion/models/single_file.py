@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from ..errors import ModelError
-from ..workspace.files import sha256_file
+from ..workspace.files import sha256_file, staged_folder
 
 SINGLE_FILE_MANIFEST = "trt_diffusion_single_file.json"
 UNET_PREFIX = "model.diffusion_model."
@@ -133,17 +131,9 @@ def convert_single_file(file: str | os.PathLike, out: str | os.PathLike, *, fami
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelError(f"cannot load checkpoint {file} with the {family} config {config_dir}: "
                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         (tmp / SINGLE_FILE_MANIFEST).write_text(json.dumps(wanted, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
 from ..families import Family, family_of_pipeline_class
+from ..workspace.files import staged_folder
 from .quiet import quiet_libraries
 
 FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl, Family.wan, Family.qwen_image, Family.flux2, Family.flux2_klein)
@@ -354,9 +353,7 @@ def write_tiny_model(
         _check_replaceable(out)
     family = Family(family)
     pipe = build_tiny_pipeline(family, seed=seed, size=size, variant=variant)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True, max_shard_size=SHARD_SIZE)
         if variant == "edit":
             from .tiny_qwen import fix_processor_entry
@@ -379,10 +376,4 @@ def write_tiny_model(
             pipe_cls.save_lora_weights(lora_dir, **{key: state}, safe_serialization=True)
             extras["lora"] = "lora/pytorch_lora_weights.safetensors"
         (tmp / MARKER_FILE).write_text(json.dumps(extras, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

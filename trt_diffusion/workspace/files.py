@@ -1,4 +1,4 @@
-"""File mechanics every stage shares: one atomic write, one sha256, one stat verdict, one list of tool versions per
+"""File mechanics every stage shares: one atomic write, one staged folder, one sha256, one stat verdict, one list of tool versions per
 purpose.
 
 An artifact is written to a unique temporary name beside its place, flushed to disk and renamed, so a reader
@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -81,6 +84,24 @@ TOOL_DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "provenance": _ENGINE_TOOLS,
     "parity": (*_ENGINE_TOOLS, "numpy", "scikit-image", "lpips"),
 }
+
+
+@contextmanager
+def staged_folder(out: str | os.PathLike) -> Iterator[Path]:
+    """A temporary sibling of `out` to fill; renamed over `out` (replacing a folder there) when the block ends,
+    removed if it raises: an interrupted writer never leaves half a folder at `out`. Callers decide beforehand
+    whether an existing `out` may be replaced."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield staging
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def tool_versions(purpose: str) -> dict[str, str | None]:
