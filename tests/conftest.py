@@ -95,18 +95,12 @@ class SealedRelease:
 @pytest.fixture(scope="session")
 def sealed_sd15(tmp_path_factory, built_sd15) -> SealedRelease:
     """The tiny sd15 release as a release host makes it: `manifest --sign`, then `package --verify --sign`."""
-    import shutil
+    from signed_release import signed_workspace_copy
 
-    from trt_diffusion import api, signing
     from trt_diffusion.triton import stage
 
     root = tmp_path_factory.mktemp("sealed")
-    folder = root / "release"
-    shutil.copytree(built_sd15.parent, folder, ignore=shutil.ignore_patterns("triton_repo*"))
-    config = folder / "engines.yaml"
-    api.manifest(config)
-    private, public, _ = signing.generate_keys(root / "keys" / "release.pem")
-    signing.sign_release_file(folder / "build" / signing.RELEASE_FILE, private)
+    config, private, public = signed_workspace_copy(built_sd15, root)
     stage.package_stage(config, root / "sealed-repo", verify_keys=[public], sign_key=private)
     return SealedRelease(config, private, public, root / "sealed-repo")
 

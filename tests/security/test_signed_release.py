@@ -6,12 +6,12 @@ file:// workspace makes package require --verify. Real engines (the session's ti
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import yaml
+from signed_release import signed_workspace_copy
 
-from trt_diffusion import api, signing
+from trt_diffusion import signing
 from trt_diffusion.onnx_facts import onnx_sha256
 from trt_diffusion.signing import SignatureError
 from trt_diffusion.triton import stage
@@ -22,12 +22,7 @@ from trt_diffusion.workspace.files import sha256_file
 @pytest.fixture
 def workspace(tmp_path, built_sd15):
     """A copy of the built tiny workspace, its release manifest made (verified) and signed."""
-    folder = tmp_path / "release"
-    shutil.copytree(built_sd15.parent, folder, ignore=shutil.ignore_patterns("triton_repo*"))
-    config = folder / "engines.yaml"
-    api.manifest(config)
-    private, public, _ = signing.generate_keys(tmp_path / "keys" / "release.pem")
-    signing.sign_release_file(folder / "build" / signing.RELEASE_FILE, private)
+    config, _, public = signed_workspace_copy(built_sd15, tmp_path)
     return config, public, tmp_path
 
 
