@@ -1,4 +1,5 @@
-"""The routes: POST /v1/images/generations, POST /v1/images/edits, GET /v1/models[/{id}], GET /health.
+"""The routes: POST /v1/images/generations, POST /v1/images/edits, GET /v1/models[/{id}], GET /health; the Files
+and Batch routes (batch_routes.py) whose lines run through the same entry as generations (generation_response).
 
 Every error leaves as OpenAI's error shape (errors.py); a bad request never costs Triton a call: the body, the
 model, the size, n and the LoRAs are checked here against what the entry declares and the limits it documents,
@@ -14,6 +15,7 @@ import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -22,10 +24,11 @@ from starlette.requests import ClientDisconnect
 
 from ..image_files import ImageParameters
 from ..triton.client import ImageRequest, parse_url
-from . import bodies, pngs
+from . import batch_routes, bodies, pngs
 from .catalog import Catalog, ServedModel, check_n, check_size
 from .errors import ApiError, bad_request
 from .guards import BrowserGuard
+from .job_runner import JobRunner
 from .limits import BodyLimit
 from .settings import ApiSettings
 from .triton_calls import infer_images, until_done_or_gone
@@ -40,6 +43,11 @@ MAX_FORM_FIELDS = 32
 def create_app(settings: ApiSettings):
     settings.check()
     decodes = pngs.DecodeSlots(settings.max_decodes)
+    jobs = _open_job_store(settings)
+
+    async def run_job_line(endpoint: str, body: dict) -> dict:
+        """A batch line, through the online route's entry (batch_routes.BATCH_ENDPOINTS)."""
+        return await generation_response(app.state, settings, json.dumps(body).encode())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -50,9 +58,13 @@ def create_app(settings: ApiSettings):
             ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
         app.state.triton = client
         app.state.catalog = Catalog(client, max_age_s=settings.catalog_max_age_s)
+        if jobs is not None:  # the batches left by the last run go on first
+            app.state.runner = JobRunner(jobs, run_job_line).start()
         try:
             yield
         finally:
+            if jobs is not None:
+                await app.state.runner.stop()
             await client.close()
 
     async def authorize(request: Request) -> None:
@@ -117,10 +129,8 @@ def create_app(settings: ApiSettings):
     @app.post("/v1/images/generations")
     async def generations(request: Request):
         _json_only(request)
-        body = bodies.parse_generation(await request.body())
-        served = await request.app.state.catalog.resolve(body.model)
-        width, height = check_size(body.size, served)
-        return await _generate(request, settings, served, body, width, height)
+        return await generation_response(request.app.state, settings, await request.body(),
+                                         wait=partial(until_done_or_gone, request))
 
     @app.post("/v1/images/edits")
     async def edits(request: Request):
@@ -138,9 +148,17 @@ def create_app(settings: ApiSettings):
         image, mask = await decodes.run(pngs.read_edit_inputs, files["image"], files.get("mask"), served_size)
         height, width = image.shape[:2]
         workflow = _edit_workflow(served, mask is not None)
-        return await _generate(request, settings, served, body, width, height, workflow=workflow,
-                               init_image=image, mask=mask, strength=body.strength)
+        return await _generate(request.app.state, settings, served, body, width, height,
+                               wait=partial(until_done_or_gone, request), workflow=workflow, init_image=image,
+                               mask=mask, strength=body.strength)
 
+    def job_store():
+        if jobs is None:
+            raise ApiError(404, "jobs are off: this API was started without a state folder (--state-dir)",
+                           code="jobs_off")
+        return jobs
+
+    batch_routes.add_routes(app, job_store, lambda: app.state.runner)
     return BrowserGuard(BodyLimit(app, settings.max_body_bytes, settings.body_timeout_s), settings)
 
 
@@ -209,7 +227,31 @@ def _edit_workflow(served: ServedModel, has_mask: bool) -> str:
                       "(package it with `workflows:` in engines.yaml listing it)", "mask" if has_mask else "image")
 
 
-async def _generate(request, settings: ApiSettings, served: ServedModel, body, width: int, height: int,
+def _open_job_store(settings: ApiSettings):
+    """The job store under settings.state_dir (None: jobs are off); ServeError naming the folder when it cannot be
+    used (a corrupt store is never replaced silently)."""
+    if settings.state_dir is None:
+        return None
+    from ..errors import ServeError
+    from .job_store import SqliteJobStore, StateError
+
+    try:
+        return SqliteJobStore(settings.state_dir, settings.state_max_bytes, settings.state_retention_s)
+    except StateError as err:
+        raise ServeError(err.message) from None
+
+
+async def generation_response(state, settings: ApiSettings, raw: bytes, wait=None) -> dict:
+    """POST /v1/images/generations' answer to the JSON body `raw`: the one entry of the online route and of the
+    batch lines (job_runner), so both check, refuse and answer alike. `wait` wraps the Triton call (the online
+    route: cancelled when its client goes away)."""
+    body = bodies.parse_generation(raw)
+    served = await state.catalog.resolve(body.model)
+    width, height = check_size(body.size, served)
+    return await _generate(state, settings, served, body, width, height, wait=wait)
+
+
+async def _generate(state, settings: ApiSettings, served: ServedModel, body, width: int, height: int, wait=None,
                     **image_inputs):
     check_n(body.n, served)
     loras = None
@@ -228,8 +270,8 @@ async def _generate(request, settings: ApiSettings, served: ServedModel, body, w
                                  guidance_scale=guidance, seed=seed, negative_prompt=body.negative_prompt,
                                  num_images=body.n, loras=loras, **image_inputs)
     tensors = image_request.tensors()
-    images = await until_done_or_gone(
-        request, infer_images(request.app.state.triton, served.name, tensors, settings.timeout_s))
+    work = infer_images(state.triton, served.name, tensors, settings.timeout_s)
+    images = await (wait(work) if wait is not None else work)
     if images.shape[0] != body.n:
         raise ApiError(502, f"Triton's {served.name} answered {images.shape[0]} images for n={body.n}")
     strength = image_inputs.get("strength")

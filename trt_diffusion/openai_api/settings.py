@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import ServeError
 
@@ -19,6 +20,8 @@ DEFAULT_MAX_CONNECTIONS = 128  # open connections and running requests beyond th
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024  # the request line and headers (h11_max_incomplete_event_size)
 DEFAULT_MAX_DECODES = 2  # uploaded images decoded at once (worker threads); more wait their turn
 DEFAULT_CATALOG_MAX_AGE_S = 5.0  # the served models are re-read from Triton at most this often
+DEFAULT_STATE_MAX_BYTES = 10 * 1024**3  # --state-max-gb 10: the job store's files and results at most
+DEFAULT_STATE_RETENTION_S = 7 * 24 * 3600.0  # files and finished batches are deleted a week after they were made
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # Host names always accepted (besides the bind address)
 
 
@@ -41,6 +44,11 @@ class ApiSettings:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_decodes: int = DEFAULT_MAX_DECODES
     catalog_max_age_s: float = DEFAULT_CATALOG_MAX_AGE_S
+    # The job store (batches; docs/deploy.md): None serves no jobs (a library caller's default; the CLI passes
+    # job_store.default_state_dir() unless --state-dir names another folder).
+    state_dir: Path | None = None
+    state_max_bytes: int = DEFAULT_STATE_MAX_BYTES
+    state_retention_s: float = DEFAULT_STATE_RETENTION_S
 
     def check(self) -> ApiSettings:
         problems = []
@@ -69,6 +77,10 @@ class ApiSettings:
                             ("decode limit", self.max_decodes)):
             if value < 1:
                 problems.append(f"the {name} must be at least 1, got {value}")
+        if self.state_max_bytes < 1024 * 1024:
+            problems.append(f"--state-max-gb must allow at least 1 MiB, got {self.state_max_bytes} bytes")
+        if not self.state_retention_s > 0:
+            problems.append(f"the job retention must be positive, got {self.state_retention_s}")
         problems += [problem for host in self.allowed_hosts if (problem := host_problem(host))]
         problems += [problem for origin in self.cors_origins if (problem := origin_problem(origin))]
         if problems:

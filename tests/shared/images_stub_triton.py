@@ -1,0 +1,116 @@
+"""A stand-in Triton that answers ModelInfer, for the job tests of the OpenAI API: a real gRPC server (grpcio,
+Triton's own service definition) serving two image entries, whose IMAGE is a deterministic function of the request
+(model, prompt, negative prompt, steps, guidance, LoRAs, size and each image's seed). So a batch line's image can be
+compared with the same request sent online, image for image, without an engine; every inference is logged, and a
+test can hold inferences at a gate (to cancel one, or to kill the API in the middle of a batch)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ENTRIES = {"sd15-tiny": "64x64;32x48", "sdxl-tiny": "64x64"}  # name -> request_sizes
+INPUTS = ("PROMPT", "NEGATIVE_PROMPT", "HEIGHT", "WIDTH", "STEPS", "GUIDANCE_SCALE", "SEED", "NUM_IMAGES",
+          "WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH", "LORAS")
+_DTYPES = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "UINT8": np.uint8}
+
+
+def expected_image(model: str, prompt: str, seed: int, height: int, width: int, steps: int = 20,
+                   guidance: float = 7.5, negative: str | None = None, loras: str | None = None) -> np.ndarray:
+    """The image the stub makes for one seed of a request."""
+    key = repr((model, prompt, negative, steps, round(float(guidance), 4), loras, height, width, seed)).encode()
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+    return rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def _decode(tensor, raw: bytes):
+    if tensor.datatype == "BYTES":
+        values, offset = [], 0
+        while offset < len(raw):
+            (size,) = struct.unpack_from("<I", raw, offset)
+            values.append(raw[offset + 4: offset + 4 + size].decode())
+            offset += 4 + size
+        return values[0]
+    return np.frombuffer(raw, _DTYPES[tensor.datatype]).reshape(list(tensor.shape))
+
+
+@dataclass
+class ImagesStub:
+    url: str = ""
+    infers: list = field(default_factory=list)  # (model, prompt, seed) of every inference that answered
+    gate: threading.Semaphore | None = None  # set: each inference takes a permit first (a test releases them)
+    entered: threading.Event = field(default_factory=threading.Event)  # an inference reached the gate
+    cancelled: threading.Event = field(default_factory=threading.Event)  # a held inference's client cancelled it
+    unavailable: int = 0  # the next this many inferences answer UNAVAILABLE (Triton went away)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    server: object = None
+
+    def stop(self) -> None:
+        if self.gate is not None:
+            self.gate.release(1000)  # let held calls end so the server stops at once
+        self.server.stop(grace=None)
+
+
+def start_images_stub() -> ImagesStub:
+    import grpc
+    from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+    from trt_diffusion.triton.configs import ROLE
+
+    stub = ImagesStub()
+
+    class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+        def ServerLive(self, request, context):
+            return service_pb2.ServerLiveResponse(live=True)
+
+        def RepositoryIndex(self, request, context):
+            return service_pb2.RepositoryIndexResponse(models=[
+                service_pb2.RepositoryIndexResponse.ModelIndex(name=name, version="1", state="READY")
+                for name in ENTRIES])
+
+        def ModelConfig(self, request, context):
+            parameters = {ROLE: "entry", "family": "sd15", "request_sizes": ENTRIES[request.name], "max_images": "4",
+                          "workflows": "txt2img"}
+            config = model_config_pb2.ModelConfig(
+                name=request.name, input=[model_config_pb2.ModelInput(name=name) for name in INPUTS],
+                parameters={k: model_config_pb2.ModelParameter(string_value=v) for k, v in parameters.items()})
+            return service_pb2.ModelConfigResponse(config=config)
+
+        def ModelInfer(self, request, context):
+            stub.entered.set()
+            if stub.gate is not None:
+                while not stub.gate.acquire(timeout=0.05):
+                    if not context.is_active():  # the client cancelled while held: nothing is answered
+                        stub.cancelled.set()
+                        return service_pb2.ModelInferResponse()
+            with stub.lock:
+                if stub.unavailable > 0:
+                    stub.unavailable -= 1
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "stub triton: the server went away")
+            values = {t.name: _decode(t, raw) for t, raw in zip(request.inputs, request.raw_input_contents,
+                                                                 strict=True)}
+            scalar = {name: value.reshape(-1)[0].item() for name, value in values.items()
+                      if isinstance(value, np.ndarray)}
+            height, width, seed = scalar["HEIGHT"], scalar["WIDTH"], scalar["SEED"]
+            images = np.stack([expected_image(request.model_name, values["PROMPT"], seed + i, height, width,
+                                              scalar["STEPS"], scalar["GUIDANCE_SCALE"], values.get("NEGATIVE_PROMPT"),
+                                              values.get("LORAS")) for i in range(scalar.get("NUM_IMAGES", 1))])
+            with stub.lock:
+                stub.infers.append((request.model_name, values["PROMPT"], seed))
+            output = service_pb2.ModelInferResponse.InferOutputTensor(name="IMAGE", datatype="UINT8",
+                                                                     shape=list(images.shape))
+            return service_pb2.ModelInferResponse(model_name=request.model_name, outputs=[output],
+                                                  raw_output_contents=[images.tobytes()])
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stub.server = server
+    stub.url = f"127.0.0.1:{port}"
+    return stub

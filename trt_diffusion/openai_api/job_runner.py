@@ -1,0 +1,144 @@
+"""The job runner: a background task of the API process (no other service) that runs the stored batches, oldest
+first, one line at a time, each through the same entry the online route uses (`run_line`).
+
+A line's answer is recorded before the next starts, so a killed process loses at most the line it was running,
+which the next start runs again with its stored seed. Triton busy (429) or unavailable (503) is not the line's
+failure: the line waits and is tried again. A cancelled batch's running line is cancelled (its gRPC call with it,
+which frees Triton's queue); a batch past its completion window stops, its lines not run going to the error file
+as `batch_expired`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from .errors import ApiError
+from .job_store import JobStore, Line, StateError
+
+log = logging.getLogger("trt_diffusion.openai_api.jobs")
+RETRY_STATUSES = (429, 503)  # Triton's queue full or Triton away: try the line again later
+EXPIRED = {"code": "batch_expired",
+           "message": "This request could not be executed before the completion window expired."}
+
+
+def _record(line: Line, status: int, body: dict) -> dict:
+    """One line of OpenAI's batch output (or error) file."""
+    request_id = f"batch_req_{line.batch_id}_{line.index}"
+    return {"id": request_id, "custom_id": line.custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+
+
+class JobRunner:
+    def __init__(self, store: JobStore, run_line: Callable[[str, dict], Awaitable[dict]], *,
+                 poll_s: float = 5.0, retry_s: float = 2.0):
+        self.store = store
+        self.run_line = run_line  # (endpoint, body) -> the online route's answer; ApiError as the route's refusal
+        self.poll_s = poll_s  # how often an idle runner looks for expiries and the retention
+        self.retry_s = retry_s
+        self._wake = asyncio.Event()  # bound to a loop at first use (Python 3.10+)
+        self._running: tuple[str, asyncio.Task] | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> JobRunner:
+        self._task = asyncio.ensure_future(self._loop())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """Stop the line of `batch_id` that is running now, if one is (its batch is marked cancelling already)."""
+        if self._running is not None and self._running[0] == batch_id:
+            self._running[1].cancel()
+        self.wake()
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except TimeoutError:
+            pass
+        self._wake.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                self.store.sweep()
+                batch = self.store.next_batch()
+                if batch is None:
+                    await self._sleep(self.poll_s)
+                else:
+                    await self.run_batch(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug or the state folder failing: logged, and the loop keeps serving
+                log.exception("the job runner failed; trying again in %.0f s", self.retry_s)
+                await self._sleep(self.retry_s)
+
+    async def run_batch(self, batch: dict) -> dict:
+        """Run `batch`'s pending lines, then write its files; its final card."""
+        batch_id = batch["id"]
+        if batch["status"] == "validating":
+            self.store.set_status(batch_id, "in_progress", only_from=("validating",))
+        for line in self.store.pending_lines(batch_id):
+            while True:
+                state = self.store.batch(batch_id)
+                if state["status"] == "cancelling":
+                    return self.store.finalize(batch_id, "cancelled")
+                if self.store.clock() >= state["expires_at"]:
+                    return self.store.finalize(batch_id, "expired", leftover_error=EXPIRED)
+                outcome = await self._run(line)
+                if outcome is None:  # retried: cancelled, Triton busy or away, or no room for the result
+                    continue
+                status, body = outcome
+                try:
+                    self.store.record_line(line, "ok" if status == 200 else "error", _record(line, status, body))
+                except ApiError as err:  # the quota or the disk: the line stays pending, nothing is lost
+                    log.error("batch %s line %d: its result cannot be stored (%s); retrying in %.0f s", batch_id,
+                              line.index + 1, err.message, self.retry_s)
+                    await self._sleep(self.retry_s)
+                    continue
+                break
+        self.store.set_status(batch_id, "finalizing", only_from=("in_progress",))
+        return self.store.finalize(batch_id, "completed")
+
+    async def _run(self, line: Line) -> tuple[int, dict] | None:
+        """(status, body) of one line as the online route would answer it; None: run it again later."""
+        from tritonclient.utils import InferenceServerException
+
+        task = asyncio.ensure_future(self.run_line_body(line))
+        self._running = (line.batch_id, task)
+        try:
+            await asyncio.wait({task})
+        finally:
+            self._running = None
+            if not task.done():  # the runner itself is stopping
+                task.cancel()
+        if task.cancelled():
+            return None  # its batch was cancelled: the loop sees it
+        error = task.exception()
+        if error is None:
+            return 200, task.result()
+        if isinstance(error, StateError):
+            raise error
+        if isinstance(error, ApiError) and error.status not in RETRY_STATUSES:
+            return error.status, error.body()
+        if isinstance(error, ApiError) or (isinstance(error, InferenceServerException)
+                                           and "UNAVAILABLE" in str(error.status() or "")):
+            log.warning("batch %s line %d: %s; trying again in %.0f s", line.batch_id, line.index + 1,
+                        getattr(error, "message", error), self.retry_s)
+            await self._sleep(self.retry_s)
+            return None
+        log.error("batch %s line %d failed", line.batch_id, line.index + 1, exc_info=error)
+        return 500, ApiError(500, f"internal error ({type(error).__name__}); the server log has the details").body()
+
+    async def run_line_body(self, line: Line) -> dict:
+        return await self.run_line(self.endpoint_of(line), line.body)
+
+    def endpoint_of(self, line: Line) -> str:
+        return self.store.batch(line.batch_id)["endpoint"]

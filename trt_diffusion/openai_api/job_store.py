@@ -1,0 +1,364 @@
+"""The job store: uploaded batch files, batches and their request lines, persisted so that a restart of the API
+process on the same state folder finishes what it had started (docs/deploy.md).
+
+One SQLite file (stdlib sqlite3, WAL) under the state folder holds the records; file contents and each line's
+result are files beside it, written under a temporary name and renamed, then recorded: a crash between the two
+leaves a file no record names, which the next run overwrites. Only what a job needs is kept: request bodies (the
+seed assigned at submission included), results, statuses and times. The folder has a quota (bytes of every
+content and result file) and a retention: a file or a finished batch older than it is deleted.
+
+`JobStore` is the interface the routes and the runner use; SQLite is the one backend (a deployment with several
+API fronts would put a shared database behind the same methods: docs/deploy.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from .errors import ApiError
+
+DATABASE = "jobs.sqlite3"
+SCHEMA_VERSION = 1
+DEFAULT_MAX_BYTES = 10 * 1024**3  # --state-max-gb 10
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL, expires_at INTEGER);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, seq INTEGER NOT NULL, endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
+    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
+    cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, metadata TEXT);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
+    status TEXT NOT NULL, result_bytes INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, idx));
+"""
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    id: str
+    purpose: str
+    filename: str
+    bytes: int
+    created_at: int
+    expires_at: int | None
+
+    def card(self) -> dict:
+        return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
+                "filename": self.filename, "purpose": self.purpose, "status": "processed",
+                "expires_at": self.expires_at}
+
+
+@dataclass(frozen=True)
+class Line:
+    batch_id: str
+    index: int
+    custom_id: str
+    body: dict
+    status: str  # pending | ok | error
+
+
+class JobStore(Protocol):
+    """What the routes and the runner need of a store (one backend today: SqliteJobStore)."""
+
+    def add_file(self, purpose: str, filename: str, content: bytes) -> StoredFile: ...
+    def file(self, file_id: str) -> StoredFile: ...
+    def file_content(self, file_id: str) -> bytes: ...
+    def add_batch(self, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
+                  metadata: dict | None, lines: list[tuple[str, dict]]) -> dict: ...
+    def batch(self, batch_id: str) -> dict: ...
+    def batches(self, after: str | None, limit: int) -> tuple[list[dict], bool]: ...
+    def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...] = ()) -> bool: ...
+    def next_batch(self) -> dict | None: ...
+    def pending_lines(self, batch_id: str) -> list[Line]: ...
+    def record_line(self, line: Line, status: str, record: dict) -> None: ...
+    def finalize(self, batch_id: str, status: str, leftover_error: dict | None = None) -> dict: ...
+    def sweep(self) -> int: ...
+
+
+def default_state_dir() -> Path:
+    """$XDG_STATE_HOME/trt-diffusion, else ~/.local/state/trt-diffusion (the XDG base directory rule)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "trt-diffusion"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+class SqliteJobStore:
+    def __init__(self, folder: str | Path, max_bytes: int = DEFAULT_MAX_BYTES,
+                 retention_s: float = DEFAULT_RETENTION_S, clock: Callable[[], float] = time.time):
+        self.folder = Path(folder)
+        self.max_bytes = max_bytes
+        self.retention_s = retention_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seq = 0
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / "files").mkdir(exist_ok=True)
+            (self.folder / "results").mkdir(exist_ok=True)
+            self._db = sqlite3.connect(self.folder / DATABASE, check_same_thread=False, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a recorded result survives a power cut, not only a kill
+            self._db.executescript(_SCHEMA)
+            version = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+            if version is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif version[0] != str(SCHEMA_VERSION):
+                raise StateError(f"the job store {self.folder / DATABASE} has schema {version[0]}, this version "
+                                 f"reads {SCHEMA_VERSION}: use another --state-dir")
+            self._db.execute("PRAGMA quick_check").fetchone()
+            self._seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM batches").fetchone()[0]
+        except sqlite3.DatabaseError as exc:  # a corrupt or foreign file: say so, never start over silently
+            raise StateError(f"the job store {self.folder / DATABASE} cannot be read ({exc}); move it away to "
+                             "start with an empty store, or give another --state-dir") from None
+        except OSError as exc:
+            raise StateError(f"cannot use the state folder {self.folder} ({exc.strerror or exc})") from None
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _now(self) -> int:
+        return int(self.clock())
+
+    # quota
+    def used_bytes(self) -> int:
+        with self._lock:
+            files = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
+            results = self._db.execute("SELECT COALESCE(SUM(result_bytes), 0) FROM lines").fetchone()[0]
+        return files + results
+
+    def _reserve(self, size: int, what: str) -> None:
+        used = self.used_bytes()
+        if used + size > self.max_bytes:
+            raise ApiError(413, f"{what} ({size} bytes) does not fit in the job store: {used} of its "
+                                f"{self.max_bytes} bytes are used (--state-max-gb); delete jobs or wait for the "
+                                "retention to free space", code="state_quota_exceeded")
+
+    def _write(self, path: Path, content: bytes) -> None:
+        """Atomically: a temporary beside it, fsync, rename. Disk full is an error naming the folder."""
+        temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            with open(temporary, "wb") as stream:
+                stream.write(content)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, path)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            # no path in the message: it reaches clients (the log has the folder)
+            raise StateError(f"cannot write {path.name} in the job store's state folder ({exc.strerror or exc}); "
+                             "free disk space or lower --state-max-gb below what the disk holds") from None
+
+    # files
+    def _file_path(self, file_id: str) -> Path:
+        return self.folder / "files" / file_id
+
+    def add_file(self, purpose: str, filename: str, content: bytes, file_id: str | None = None) -> StoredFile:
+        self._reserve(len(content), f"the file {filename!r}")
+        file_id = file_id or _new_id("file")
+        now = self._now()
+        stored = StoredFile(file_id, purpose, filename, len(content), now, int(now + self.retention_s))
+        self._write(self._file_path(file_id), content)
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
+                       (stored.id, purpose, filename, stored.bytes, stored.created_at, stored.expires_at))
+        return stored
+
+    def file(self, file_id: str) -> StoredFile:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM files WHERE id=?", (file_id,)).fetchone()
+        if row is None:
+            raise ApiError(404, f"no file {file_id!r} (unknown, or deleted after its retention)", "file_id",
+                           "file_not_found")
+        return StoredFile(**dict(row))
+
+    def file_content(self, file_id: str) -> bytes:
+        self.file(file_id)
+        try:
+            return self._file_path(file_id).read_bytes()
+        except OSError as exc:
+            raise StateError(f"the content of {file_id} is missing from the job store's state folder "
+                             f"({exc.strerror or exc}): it was removed by hand") from None
+
+    # batches
+    def add_batch(self, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
+                  metadata: dict | None, lines: list[tuple[str, dict]]) -> dict:
+        batch_id = _new_id("batch")
+        now = self._now()
+        with self._tx() as db:
+            self._seq += 1
+            db.execute("INSERT INTO batches (id, seq, endpoint, input_file_id, completion_window, status, "
+                       "created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?, 'validating', ?, ?, ?)",
+                       (batch_id, self._seq, endpoint, input_file_id, completion_window, now, now + window_s,
+                        json.dumps(metadata) if metadata is not None else None))
+            db.executemany("INSERT INTO lines (batch_id, idx, custom_id, body, status) VALUES (?, ?, ?, ?, 'pending')",
+                           [(batch_id, index, custom_id, json.dumps(body)) for index, (custom_id, body)
+                            in enumerate(lines)])
+        return self.batch(batch_id)
+
+    def batch(self, batch_id: str) -> dict:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM batches WHERE id=?", (batch_id,)).fetchone()
+            if row is None:
+                raise ApiError(404, f"no batch {batch_id!r} (unknown, or deleted after its retention)", "batch_id",
+                               "batch_not_found")
+            counts = dict(self._db.execute("SELECT status, COUNT(*) FROM lines WHERE batch_id=? GROUP BY status",
+                                           (batch_id,)).fetchall())
+            total = self._db.execute("SELECT COUNT(*) FROM lines WHERE batch_id=?", (batch_id,)).fetchone()[0]
+        return _batch_card(dict(row), total, counts.get("ok", 0), counts.get("error", 0))
+
+    def batches(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        """The newest first; `after`: those older than that batch (OpenAI's cursor)."""
+        with self._lock:
+            below = None
+            if after is not None:
+                row = self._db.execute("SELECT seq FROM batches WHERE id=?", (after,)).fetchone()
+                if row is None:
+                    raise ApiError(404, f"no batch {after!r} to list after", "after", "batch_not_found")
+                below = row[0]
+            rows = self._db.execute("SELECT id FROM batches WHERE seq < COALESCE(?, seq + 1) ORDER BY seq DESC "
+                                    "LIMIT ?", (below, limit + 1)).fetchall()
+        ids = [row[0] for row in rows]
+        return [self.batch(batch_id) for batch_id in ids[:limit]], len(ids) > limit
+
+    def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...] = ()) -> bool:
+        """Move a batch to `status` (stamping its time), only from `only_from` when given; whether it moved."""
+        stamp = {"in_progress": "in_progress_at", "cancelling": "cancelling_at",
+                 "finalizing": "finalizing_at"}.get(status)
+        with self._tx() as db:
+            row = db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()
+            if row is None or (only_from and row[0] not in only_from):
+                return False
+            db.execute(f"UPDATE batches SET status=?{f', {stamp}=?' if stamp else ''} WHERE id=?",
+                       (status, self._now(), batch_id) if stamp else (status, batch_id))
+        return True
+
+    def next_batch(self) -> dict | None:
+        """The oldest batch not finished (a cancelling one first: it only needs its files)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT id FROM batches WHERE status NOT IN (?, ?, ?, ?) ORDER BY status != 'cancelling', seq "
+                "LIMIT 1", TERMINAL).fetchone()
+        return None if row is None else self.batch(row[0])
+
+    def pending_lines(self, batch_id: str) -> list[Line]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM lines WHERE batch_id=? AND status='pending' ORDER BY idx",
+                                    (batch_id,)).fetchall()
+        return [Line(row["batch_id"], row["idx"], row["custom_id"], json.loads(row["body"]), row["status"])
+                for row in rows]
+
+    def _result_path(self, batch_id: str, index: int) -> Path:
+        return self.folder / "results" / batch_id / f"{index}.json"
+
+    def record_line(self, line: Line, status: str, record: dict) -> None:
+        """A line's output record (OpenAI's batch output line), written then marked done: a crash before the mark
+        runs the line again (its stored seed gives the same images), never loses it."""
+        content = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        self._reserve(len(content), f"the result of line {line.index + 1} ({line.custom_id})")
+        path = self._result_path(line.batch_id, line.index)
+        path.parent.mkdir(exist_ok=True)
+        self._write(path, content)
+        with self._tx() as db:
+            db.execute("UPDATE lines SET status=?, result_bytes=? WHERE batch_id=? AND idx=?",
+                       (status, len(content), line.batch_id, line.index))
+
+    def finalize(self, batch_id: str, status: str, leftover_error: dict | None = None) -> dict:
+        """The batch's output and error files from its lines' results, then its final `status`. The files' ids
+        follow from the batch's, so a crash during this and a second run write the same files once.
+        `leftover_error` (an expiry): each line not run gets this error in the error file."""
+        with self._lock:
+            rows = self._db.execute("SELECT idx, custom_id, status FROM lines WHERE batch_id=? ORDER BY idx",
+                                    (batch_id,)).fetchall()
+        output, errors = [], []
+        for row in rows:
+            if row["status"] == "pending":
+                if leftover_error is not None:
+                    errors.append(json.dumps({"id": f"batch_req_{batch_id}_{row['idx']}",
+                                              "custom_id": row["custom_id"], "response": None,
+                                              "error": leftover_error}) + "\n")
+                continue
+            text = self._result_path(batch_id, row["idx"]).read_text()
+            (output if row["status"] == "ok" else errors).append(text)
+        suffix = batch_id.removeprefix("batch-")
+        output_id = error_id = None
+        if output:
+            output_id = self.add_file("batch_output", f"{batch_id}_output.jsonl", "".join(output).encode(),
+                                      file_id=f"file-{suffix}-output").id
+        if errors:
+            error_id = self.add_file("batch_output", f"{batch_id}_error.jsonl", "".join(errors).encode(),
+                                     file_id=f"file-{suffix}-error").id
+        stamp = {"completed": "completed_at", "failed": "failed_at", "expired": "expired_at",
+                 "cancelled": "cancelled_at"}[status]
+        with self._tx() as db:
+            db.execute(f"UPDATE batches SET status=?, {stamp}=?, output_file_id=?, error_file_id=? WHERE id=?",
+                       (status, self._now(), output_id, error_id, batch_id))
+            db.execute("UPDATE lines SET result_bytes=0 WHERE batch_id=?", (batch_id,))  # now in the files
+        shutil.rmtree(self.folder / "results" / batch_id, ignore_errors=True)
+        return self.batch(batch_id)
+
+    def sweep(self) -> int:
+        """Delete the files past their expiry and the finished batches older than the retention (their lines with
+        them); how many records went."""
+        now = self._now()
+        with self._tx() as db:
+            gone_files = [row[0] for row in db.execute("SELECT id FROM files WHERE expires_at <= ?", (now,))]
+            db.execute("DELETE FROM files WHERE expires_at <= ?", (now,))
+            gone_batches = [row[0] for row in db.execute(
+                "SELECT id FROM batches WHERE status IN (?, ?, ?, ?) AND created_at + ? <= ?",
+                (*TERMINAL, self.retention_s, now))]
+            db.executemany("DELETE FROM lines WHERE batch_id=?", [(b,) for b in gone_batches])
+            db.executemany("DELETE FROM batches WHERE id=?", [(b,) for b in gone_batches])
+        for file_id in gone_files:
+            self._file_path(file_id).unlink(missing_ok=True)
+        for batch_id in gone_batches:
+            shutil.rmtree(self.folder / "results" / batch_id, ignore_errors=True)
+        return len(gone_files) + len(gone_batches)
+
+
+class StateError(ApiError):
+    """The state folder cannot be used (unreadable store, disk full): a server-side error naming the folder."""
+
+    def __init__(self, message: str):
+        super().__init__(500, message, None, "state_error")
+
+
+def _batch_card(row: dict, total: int, completed: int, failed: int) -> dict:
+    """A batch as OpenAI's Batch object."""
+    card = {key: row[key] for key in ("id", "endpoint", "input_file_id", "completion_window", "status",
+                                      "created_at", "expires_at", "in_progress_at", "finalizing_at", "completed_at",
+                                      "failed_at", "expired_at", "cancelling_at", "cancelled_at", "output_file_id",
+                                      "error_file_id")}
+    card.update(object="batch", errors=None, metadata=json.loads(row["metadata"]) if row["metadata"] else None,
+                request_counts={"total": total, "completed": completed, "failed": failed})
+    return card
