@@ -3,6 +3,7 @@ host, or beside `serve`, which starts the same API with --openai-port)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -23,6 +24,20 @@ AllowedHosts = Annotated[list[str] | None, typer.Option(
 CorsOrigins = Annotated[list[str] | None, typer.Option(
     "--cors-origin", help="a web origin whose pages may call the API, as browsers send it (https://app.example.com; "
     "repeatable or comma-separated); a request from any other Origin is refused (403)")]
+StateDir = Annotated[Path | None, typer.Option(
+    "--state-dir", help="the job store's folder (batches: their files, results and SQLite records); default "
+    "$XDG_STATE_HOME/trt-diffusion, else ~/.local/state/trt-diffusion (docs/deploy.md)")]
+StateMaxGb = Annotated[float, typer.Option("--state-max-gb", min=0.001, help="the job store's disk quota: an upload "
+                                           "or result that does not fit is refused (413)")]
+DEFAULT_STATE_MAX_GB = 10.0  # openai_api.settings.DEFAULT_STATE_MAX_BYTES in GiB
+
+
+def state_options(state_dir: Path | None, state_max_gb: float) -> dict:
+    """The ApiSettings fields of --state-dir / --state-max-gb (the folder defaults under the user's state folder)."""
+    from ..openai_api.job_store import default_state_dir
+
+    return {"state_dir": state_dir if state_dir is not None else default_state_dir(),
+            "state_max_bytes": int(state_max_gb * 1024**3)}
 
 
 def names(values: list[str] | None) -> tuple[str, ...]:
@@ -40,13 +55,17 @@ def openai_api_command(
     max_body_bytes: MaxBody = DEFAULT_MAX_BODY,
     allowed_hosts: AllowedHosts = None,
     cors_origins: CorsOrigins = None,
+    state_dir: StateDir = None,
+    state_max_gb: StateMaxGb = DEFAULT_STATE_MAX_GB,
 ):
-    """Serve the OpenAI Images API (/v1/images/generations, /v1/images/edits, /v1/models) in front of Triton."""
+    """Serve the OpenAI Images API (/v1/images/generations, /v1/images/edits, /v1/models, and batches: /v1/files,
+    /v1/batches) in front of Triton."""
     from .. import api
     from ..openai_api.settings import ApiSettings
 
     settings = ApiSettings(triton_url, host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
-                           allowed_hosts=names(allowed_hosts), cors_origins=names(cors_origins)).check()
+                           allowed_hosts=names(allowed_hosts), cors_origins=names(cors_origins),
+                           **state_options(state_dir, state_max_gb)).check()
     console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {triton_url}; Ctrl-C stops it)", highlight=False)
     if host in ("0.0.0.0", "::") and not settings.allowed_hosts:  # every interface, but only loopback's names
         console.print(f"[yellow]note:[/yellow] --host {host}: requests must name this server as localhost or "

@@ -12,7 +12,18 @@ from rich.table import Table
 from ..targets import check_target_name, target_names
 from ..video_files import DEFAULT_FPS
 from .console import console
-from .openai_commands import DEFAULT_MAX_BODY, AllowedHosts, ApiKey, CorsOrigins, MaxBody, names
+from .openai_commands import (
+    DEFAULT_MAX_BODY,
+    DEFAULT_STATE_MAX_GB,
+    AllowedHosts,
+    ApiKey,
+    CorsOrigins,
+    MaxBody,
+    StateDir,
+    StateMaxGb,
+    names,
+    state_options,
+)
 from .options import Transport
 
 
@@ -133,6 +144,8 @@ def serve_command(
     max_body_bytes: MaxBody = DEFAULT_MAX_BODY,
     allowed_hosts: AllowedHosts = None,
     cors_origins: CorsOrigins = None,
+    state_dir: StateDir = None,
+    state_max_gb: StateMaxGb = DEFAULT_STATE_MAX_GB,
     triton_http: Annotated[bool, typer.Option("--triton-http/--no-triton-http", help="--no-triton-http: start "
                                               "tritonserver without its HTTP and metrics ports, gRPC only (what "
                                               "--openai-port and `generate --url grpc://` use): no port a web page "
@@ -150,12 +163,16 @@ def serve_command(
 
         openai = ApiSettings(f"127.0.0.1:{grpc_port}", port=openai_port, api_key=api_key,
                              max_body_bytes=max_body_bytes, allowed_hosts=names(allowed_hosts),
-                             cors_origins=names(cors_origins)).check()
+                             cors_origins=names(cors_origins), **state_options(state_dir, state_max_gb)).check()
     elif allowed_hosts or cors_origins:
         from ..errors import ServeError
 
         raise ServeError("--allowed-hosts and --cors-origin guard the OpenAI API: give --openai-port too (Triton's "
                          "own ports stay on 127.0.0.1; see --no-triton-http)")
+    elif state_dir is not None:
+        from ..errors import ServeError
+
+        raise ServeError("--state-dir is the OpenAI API's job store: give --openai-port too")
 
     def announce(report) -> None:
         console.print(f"ready in {report.seconds_to_ready:.1f} s ({len(report.models_ready)} models, all warm)")
