@@ -46,6 +46,8 @@ class ImagesStub:
     gate: threading.Semaphore | None = None  # set: each inference takes a permit first (a test releases them)
     entered: threading.Event = field(default_factory=threading.Event)  # an inference reached the gate
     cancelled: threading.Event = field(default_factory=threading.Event)  # a held inference's client cancelled it
+    arrivals: int = 0  # inferences that reached the stub (held ones included)
+    arrived: list = field(default_factory=list)  # (model, prompt, seed) of each of them
     unavailable: int = 0  # the next this many inferences answer UNAVAILABLE (Triton went away)
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: object = None
@@ -82,6 +84,11 @@ def start_images_stub() -> ImagesStub:
             return service_pb2.ModelConfigResponse(config=config)
 
         def ModelInfer(self, request, context):
+            values = {t.name: _decode(t, raw) for t, raw in zip(request.inputs, request.raw_input_contents,
+                                                                 strict=True)}
+            with stub.lock:
+                stub.arrivals += 1
+                stub.arrived.append((request.model_name, values["PROMPT"], int(values["SEED"].reshape(-1)[0])))
             stub.entered.set()
             if stub.gate is not None:
                 while not stub.gate.acquire(timeout=0.05):
@@ -92,8 +99,6 @@ def start_images_stub() -> ImagesStub:
                 if stub.unavailable > 0:
                     stub.unavailable -= 1
                     context.abort(grpc.StatusCode.UNAVAILABLE, "stub triton: the server went away")
-            values = {t.name: _decode(t, raw) for t, raw in zip(request.inputs, request.raw_input_contents,
-                                                                 strict=True)}
             scalar = {name: value.reshape(-1)[0].item() for name, value in values.items()
                       if isinstance(value, np.ndarray)}
             height, width, seed = scalar["HEIGHT"], scalar["WIDTH"], scalar["SEED"]
