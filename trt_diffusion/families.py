@@ -5,8 +5,11 @@ Pure data, no torch: the spec layer validates engines.yaml against it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
+
+from .precision import Precision
 
 
 class Family(str, Enum):
@@ -49,6 +52,52 @@ class Component(str, Enum):
         return self in (Component.vae_encoder, Component.vae_decoder)
 
 
+class CfgKind(str, Enum):
+    """How a family's pipeline runs guidance, from which engines.yaml's default `cfg` (and so the denoiser's batch
+    shapes) follows."""
+
+    __str__ = str.__str__
+
+    batched = "batched"  # classic CFG: the prompt's and the negative prompt's rows in one call (or in two)
+    true_cfg = "true_cfg"  # two calls per step, each over the request's rows, as diffusers makes them: split only
+    embedded = "embedded"  # guidance is an input of the denoiser: one call per step over the request's rows
+
+    @property
+    def default_cfg(self) -> tuple[str, ...]:
+        """engines.yaml's `cfg` where the file leaves it out (CfgMode values: engines_file is a floor above)."""
+        return {CfgKind.batched: ("batched",), CfgKind.true_cfg: ("split",), CfgKind.embedded: ("none",)}[self]
+
+    @property
+    def words(self) -> str:
+        return {CfgKind.batched: "classifier-free guidance",
+                CfgKind.true_cfg: "true CFG (the prompt's call, then the negative prompt's, each over the request's rows)",
+                CfgKind.embedded: "embedded guidance (one call per step)"}[self]
+
+    @property
+    def serving_cfg(self) -> frozenset[str]:
+        """The `cfg` modes whose engines the family's requests run (true CFG: never batched's twice-the-rows ones)."""
+        if self is CfgKind.true_cfg:
+            return frozenset(("split", "parallel", "none"))
+        return frozenset(("batched", "split", "parallel", "none"))
+
+
+class WideFloat:
+    """A component's default precision where its activations exceed fp16's range (DiTs: FLUX's transformer reaches
+    a relative error of 0.037 in fp16 on the tiny model, over parity's 0.02 gate, and overflows on real checkpoints):
+    bf16 on a target that builds bf16 graphs (TensorRT, the way NVIDIA's demo builds DiTs), fp32 on the others
+    (a CPU target's bf16 is an fp32 graph at best, and OpenVINO refuses bf16 on CPUs without AMX/AVX512-BF16, so a
+    per-host choice would change the engine keys from one machine to the next)."""
+
+    on_bf16_targets = Precision.bf16
+    elsewhere = Precision.fp32
+
+    def __repr__(self) -> str:
+        return "WIDE_FLOAT"
+
+
+WIDE_FLOAT = WideFloat()
+
+
 @dataclass(frozen=True)
 class FamilyInfo:
     components: tuple[Component, ...]
@@ -63,10 +112,18 @@ class FamilyInfo:
     text_lengths: tuple[int, int, int] | None = None
     """(min, opt, max) prompt tokens where the text length is a profile dimension (Qwen-Image: its pipeline pads a
     batch to its longest prompt), engines.yaml's `text_length` overriding; None: prompts padded to one length."""
-    default_cfg: tuple[str, ...] | None = None
-    """engines.yaml's `cfg` where the file leaves it out and the family's pipeline runs guidance one way only (FLUX.2
-    dev's embedded guidance: "none", one call per step; Klein's true CFG: "split", two batch-1 calls as diffusers
-    makes them); None: the file-wide default (batched)."""
+    cfg_kind: CfgKind = CfgKind.batched
+    """How its pipeline runs guidance: engines.yaml's default `cfg` follows (`default_cfg`), and `plan` refuses a
+    `cfg` whose engines its requests cannot run (`CfgKind.serving_cfg`)."""
+    default_precision: Mapping[Component, Precision | WideFloat] = field(default_factory=dict)
+    """Per component, the precision where engines.yaml names none (before the file-wide fallback: fp32 VAEs,
+    fp16 for the rest); `WIDE_FLOAT`: bf16 where the target builds bf16 graphs, else fp32."""
+
+    @property
+    def default_cfg(self) -> tuple[str, ...]:
+        """engines.yaml's `cfg` where the file leaves it out (FLUX.2 dev's embedded guidance: "none", one call per
+        step; Klein's and Qwen-Image's true CFG: "split", two calls as diffusers makes them; else "batched")."""
+        return self.cfg_kind.default_cfg
 
     @property
     def is_video(self) -> bool:
@@ -102,6 +159,9 @@ FAMILIES: dict[Family, FamilyInfo] = {
         default_components=(_T.text_encoder, _T.text_encoder_2, _T.transformer, _T.vae_decoder),
         latent_factor=16,
         denoiser=_T.transformer,
+        # FLUX.1's guidance is an embedding of the transformer (FluxPipeline runs no CFG): one call per step
+        cfg_kind=CfgKind.embedded,
+        default_precision={_T.transformer: WIDE_FLOAT},  # fp16 fails parity (0.037 > 0.02 on the tiny model)
     ),
     Family.wan: FamilyInfo(
         # image_encoder (Wan 2.1 I2V's CLIP vision tower) and vae_encoder serve image-to-video (workflows.img2vid)
@@ -121,20 +181,21 @@ FAMILIES: dict[Family, FamilyInfo] = {
         denoiser=_T.transformer,
         # up to max_sequence_length's default; 2 at least (torch.export specializes 0 and 1), tuned for 128
         text_lengths=(2, 128, 512),
+        cfg_kind=CfgKind.true_cfg,  # QwenImagePipeline's true CFG: the prompt's call, then the negative prompt's
     ),
     Family.flux2: FamilyInfo(
         components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
         default_components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
         latent_factor=16,  # the VAE's 8 × the 2×2 patchified latents
         denoiser=_T.transformer,
-        default_cfg=("none",),  # guidance is an input of the transformer: one call per step
+        cfg_kind=CfgKind.embedded,  # guidance is an input of the transformer: one call per step
     ),
     Family.flux2_klein: FamilyInfo(
         components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
         default_components=(_T.text_encoder, _T.transformer, _T.vae_decoder),
         latent_factor=16,
         denoiser=_T.transformer,
-        default_cfg=("split",),  # Flux2KleinPipeline's true CFG: the prompt's call, then the negative prompt's
+        cfg_kind=CfgKind.true_cfg,  # Flux2KleinPipeline's true CFG: the prompt's call, then the negative prompt's
     ),
 }
 

@@ -32,7 +32,8 @@ def test_plan_counts_the_qwen_image_engines_with_disk(manifest):
     plan = api.plan(manifest)
     for target in TARGETS:
         assert plan.count("qwen", "text_encoder", target) == 1  # no bucket; its text length is a profile dim
-        assert plan.count("qwen", "transformer", target) == 2  # one per bucket (the CFG batch: batch 2)
+        # one per bucket, batch 1: the family's true CFG calls it over the request's rows (#42: its default `split`)
+        assert plan.count("qwen", "transformer", target) == 2
         assert plan.count("qwen", "vae_decoder", target) == 2
         assert plan.count("qwen", "vae_encoder", target) == 2  # listed: batch 1, one per bucket
     assert plan.count("flux", "transformer") == 1
@@ -43,7 +44,7 @@ def test_plan_counts_the_qwen_image_engines_with_disk(manifest):
     transformer = next(r for r in qwen_rows if r.component == "transformer" and r.target == "onnxruntime")
     assert transformer.formula.startswith("2 buckets (64x64, 128x96)")
     names = [s.name for s in plan.specs if s.model == "qwen" and s.target == "onnxruntime"]
-    assert "qwen.text_encoder.b1.fp32" in names and "qwen.transformer.128x96.b2.fp32" in names
+    assert "qwen.text_encoder.b1.fp32" in names and "qwen.transformer.128x96.b1.fp32" in names
     assert plan.total_engines == sum(r.engines for r in plan.rows)
 
 
@@ -94,7 +95,7 @@ def test_text_length_sets_the_text_axis_profile(manifest, tmp_path, tiny_model_f
     transformer = next(s for s in plan.specs if s.component == "transformer" and s.target == "onnxruntime")
     profile = get_component("qwen_image", "transformer").profile(
         transformer, load_model_config(folder, "qwen_image", "transformer"))
-    assert profile["encoder_hidden_states_mask"] == ((2, 8), (2, 64), (2, 256))
+    assert profile["encoder_hidden_states_mask"] == ((1, 8), (1, 64), (1, 256))  # batch 1: true CFG's calls
 
 
 @pytest.mark.parametrize("model,text_length,message", [

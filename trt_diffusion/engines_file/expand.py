@@ -172,7 +172,7 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
                 options = tuple(item for item in options if item[0] != "step_cache")
             return EngineSpec(
                 model=model.name, family=model.family, source=source,
-                component=component, target=target, precision=model.precision[component],
+                component=component, target=target, precision=model.precision_on(component, target),
                 batch=batch, bucket=bucket, build_options=options, reasons=tuple(reasons), **extra,
             )
 

@@ -14,6 +14,7 @@ from ..errors import ConfigError
 from ..families import (
     QWEN_MAX_TEXT_LENGTH,
     SUBFOLDER,
+    WIDE_FLOAT,
     Component,
     Family,
     family_info,
@@ -95,9 +96,30 @@ class ResolvedModel:
     text_lengths: tuple[int, int, int] | None = None  # engines.yaml's text_length (min, opt, max); None: the family's
     step_cache: StepCache | None = None  # engines.yaml's step_cache (step_cache.py); None: every step runs in full
     serving: ServingSettings = field(default_factory=ServingSettings)  # engines.yaml's serving: (else defaults')
+    # components whose precision engines.yaml left to the family's WIDE_FLOAT default: `precision` holds its fp32,
+    # a target that builds bf16 graphs (TensorRT) gets bf16 (`precision_on`)
+    wide_float: tuple[Component, ...] = ()
 
     def precision_of(self, component: Component) -> Precision:
         return self.precision[component]
+
+    def precision_on(self, component: Component, target: str) -> Precision:
+        """The component's precision on `target`: `precision`'s, except a WIDE_FLOAT default on a bf16 target."""
+        if component in self.wide_float and _builds_bf16_graphs(target):
+            return WIDE_FLOAT.on_bf16_targets
+        return self.precision[component]
+
+
+def _builds_bf16_graphs(target: str) -> bool:
+    """Whether the target exports a bf16 engine from a bf16 graph (computes bf16), as its onnx_precision says: the
+    registry's answer, so no target is named here; a target that cannot load gets the portable default."""
+    from ..errors import TrtDiffusionError
+    from ..target_registry import get_target
+
+    try:
+        return get_target(target).onnx_precision(Precision.bf16) == Precision.bf16
+    except TrtDiffusionError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -448,6 +470,9 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     precision = dict(BUILTIN_DEFAULTS["precision"])
     for component in info.components:
         precision.setdefault(component, BUILTIN_DEFAULTS["precision_fallback"])
+    chosen_here = {*(defaults.precision or {}), *(entry.precision or {})}
+    wide_float = tuple(c for c, p in info.default_precision.items() if p is WIDE_FLOAT and c not in chosen_here)
+    precision.update({c: WIDE_FLOAT.elsewhere if p is WIDE_FLOAT else p for c, p in info.default_precision.items()})
     precision.update(defaults.precision or {})
     precision.update(entry.precision or {})
     if Component.controlnet not in (entry.precision or {}) and Component.controlnet not in (defaults.precision or {}):
@@ -508,6 +533,13 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         components = _with_second_expert(components, checkpoint, _merged(entry, defaults, "components") is not None,
                                          base + ("components",) if entry.components is not None
                                          else ("defaults", "components"), problems)
+    cfg = tuple(dict.fromkeys(_merged(entry, defaults, "cfg")))
+    if not any(mode.value in info.cfg_kind.serving_cfg for mode in cfg):
+        # e.g. `cfg: [batched]` for a true-CFG family: only twice-the-rows denoisers, which its requests never call
+        problems.add(base + ("cfg",) if entry.cfg is not None else ("defaults", "cfg"),
+                     f"the {entry.family.value} family runs {info.cfg_kind.words}: the engines of cfg "
+                     f"{[m.value for m in cfg]} (twice the rows) serve none of its requests; use "
+                     f"{list(info.default_cfg)}, its default where cfg is left out")
     parity = dict(defaults.parity or {})
     parity.update(entry.parity or {})
     text_lengths = _resolve_text_length(entry, defaults, base, problems)
@@ -521,12 +553,12 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
                      f"yet (the cache's engines are not quantized): use fp16, bf16 or fp32, or leave step_cache out")
     return ResolvedModel(
         name=name, family=entry.family, source=source, components=components, buckets=tuple(buckets),
-        batch=tuple(sorted(set(_merged(entry, defaults, "batch")))), cfg=tuple(dict.fromkeys(_merged(entry, defaults, "cfg"))),
+        batch=tuple(sorted(set(_merged(entry, defaults, "batch")))), cfg=cfg,
         precision=precision, targets=tuple(dict.fromkeys(_merged(entry, defaults, "targets"))), refittable=bool(refittable),
         controlnets=controlnets, loras=loras,
         quantization=entry.quantization or defaults.quantization or QuantizationSettings(), parity=parity,
         workflows=workflows, checkpoint=checkpoint, text_lengths=text_lengths, step_cache=step_cache,
-        serving=entry.serving or defaults.serving or ServingSettings(),
+        serving=entry.serving or defaults.serving or ServingSettings(), wide_float=wide_float,
     )
 
 
