@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 ENTRIES = {"sd15-tiny": "64x64;32x48", "sdxl-tiny": "64x64"}  # name -> request_sizes
+VIDEO_ENTRIES = {"wan-tiny": "32x32x5;32x32x17;48x32x5"}  # a video entry: WxHxF
 INPUTS = ("PROMPT", "NEGATIVE_PROMPT", "HEIGHT", "WIDTH", "STEPS", "GUIDANCE_SCALE", "SEED", "NUM_IMAGES",
           "WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH", "LORAS")
 _DTYPES = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "UINT8": np.uint8}
@@ -26,6 +27,19 @@ def expected_image(model: str, prompt: str, seed: int, height: int, width: int, 
     key = repr((model, prompt, negative, steps, round(float(guidance), 4), loras, height, width, seed)).encode()
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
     return rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def expected_clip(model: str, prompt: str, seed: int, height: int, width: int, frames: int, steps: int = 20,
+                  guidance: float = 5.0, negative: str | None = None, init_image: np.ndarray | None = None
+                  ) -> np.ndarray:
+    """The clip the stub makes for a video request: smooth frames (they survive H.264 nearly unchanged)."""
+    reference = None if init_image is None else hashlib.sha256(init_image.tobytes()).hexdigest()
+    key = repr((model, prompt, negative, steps, round(float(guidance), 4), height, width, frames, seed,
+                reference)).encode()
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+    colours = rng.integers(0, 256, (frames, 1, 1, 3))
+    ramp = np.linspace(0, 60, width)[None, None, :, None]
+    return np.clip(colours + ramp, 0, 255).astype(np.uint8) * np.ones((1, height, 1, 1), np.uint8)
 
 
 def _decode(tensor, raw: bytes):
@@ -73,11 +87,15 @@ def start_images_stub() -> ImagesStub:
         def RepositoryIndex(self, request, context):
             return service_pb2.RepositoryIndexResponse(models=[
                 service_pb2.RepositoryIndexResponse.ModelIndex(name=name, version="1", state="READY")
-                for name in ENTRIES])
+                for name in (*ENTRIES, *VIDEO_ENTRIES)])
 
         def ModelConfig(self, request, context):
-            parameters = {ROLE: "entry", "family": "sd15", "request_sizes": ENTRIES[request.name], "max_images": "4",
-                          "workflows": "txt2img"}
+            if request.name in VIDEO_ENTRIES:
+                parameters = {ROLE: "entry", "family": "wan", "request_sizes": VIDEO_ENTRIES[request.name],
+                              "max_images": "1", "workflows": "txt2img;img2vid"}
+            else:
+                parameters = {ROLE: "entry", "family": "sd15", "request_sizes": ENTRIES[request.name],
+                              "max_images": "4", "workflows": "txt2img"}
             config = model_config_pb2.ModelConfig(
                 name=request.name, input=[model_config_pb2.ModelInput(name=name) for name in INPUTS],
                 parameters={k: model_config_pb2.ModelParameter(string_value=v) for k, v in parameters.items()})
@@ -102,6 +120,17 @@ def start_images_stub() -> ImagesStub:
             scalar = {name: value.reshape(-1)[0].item() for name, value in values.items()
                       if isinstance(value, np.ndarray)}
             height, width, seed = scalar["HEIGHT"], scalar["WIDTH"], scalar["SEED"]
+            if "FRAMES" in scalar:  # a video entry: VIDEO [1, F, H, W, 3]
+                init = values.get("INIT_IMAGE")
+                clip = expected_clip(request.model_name, values["PROMPT"], seed, height, width, scalar["FRAMES"],
+                                     scalar["STEPS"], scalar["GUIDANCE_SCALE"], values.get("NEGATIVE_PROMPT"),
+                                     None if init is None else init.reshape(height, width, 3))[None]
+                with stub.lock:
+                    stub.infers.append((request.model_name, values["PROMPT"], seed))
+                output = service_pb2.ModelInferResponse.InferOutputTensor(name="VIDEO", datatype="UINT8",
+                                                                         shape=list(clip.shape))
+                return service_pb2.ModelInferResponse(model_name=request.model_name, outputs=[output],
+                                                      raw_output_contents=[clip.tobytes()])
             images = np.stack([expected_image(request.model_name, values["PROMPT"], seed + i, height, width,
                                               scalar["STEPS"], scalar["GUIDANCE_SCALE"], values.get("NEGATIVE_PROMPT"),
                                               values.get("LORAS")) for i in range(scalar.get("NUM_IMAGES", 1))])

@@ -1,5 +1,6 @@
 """The routes: POST /v1/images/generations, POST /v1/images/edits, GET /v1/models[/{id}], GET /health; the Files
-and Batch routes (batch_routes.py) whose lines run through the same entry as generations (generation_response).
+and Batch routes (batch_routes.py) whose lines run through the same entry as generations (generation_response);
+the Videos routes (video_routes.py), video jobs run by the same job runner.
 
 Every error leaves as OpenAI's error shape (errors.py); a bad request never costs Triton a call: the body, the
 model, the size, n and the LoRAs are checked here against what the entry declares and the limits it documents,
@@ -24,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from ..image_files import ImageParameters
 from ..triton.client import ImageRequest, parse_url
-from . import batch_routes, bodies, pngs
+from . import batch_routes, bodies, pngs, video_routes
 from .catalog import Catalog, ServedModel, check_n, check_size
 from .errors import ApiError, bad_request
 from .guards import BrowserGuard
@@ -59,7 +60,8 @@ def create_app(settings: ApiSettings):
         app.state.triton = client
         app.state.catalog = Catalog(client, max_age_s=settings.catalog_max_age_s)
         if jobs is not None:  # the batches left by the last run go on first
-            app.state.runner = JobRunner(jobs, run_job_line).start()
+            app.state.runner = JobRunner(jobs, run_job_line,
+                                         run_video=video_routes.video_runner(app.state, settings)).start()
         try:
             yield
         finally:
@@ -159,6 +161,7 @@ def create_app(settings: ApiSettings):
         return jobs
 
     batch_routes.add_routes(app, job_store, lambda: app.state.runner)
+    video_routes.add_routes(app, settings, job_store, lambda: app.state.runner, decodes)
     return BrowserGuard(BodyLimit(app, settings.max_body_bytes, settings.body_timeout_s), settings)
 
 

@@ -31,9 +31,12 @@ def _record(line: Line, status: int, body: dict) -> dict:
 
 class JobRunner:
     def __init__(self, store: JobStore, run_line: Callable[[str, dict], Awaitable[dict]], *,
+                 run_video: Callable[[dict, bytes | None], Awaitable[Callable]] | None = None,
                  poll_s: float = 5.0, retry_s: float = 2.0):
         self.store = store
         self.run_line = run_line  # (endpoint, body) -> the online route's answer; ApiError as the route's refusal
+        # (body, reference PNG or None) -> write(path): the clip from the video entry, and how to write its .mp4
+        self.run_video = run_video
         self.poll_s = poll_s  # how often an idle runner looks for expiries and the retention
         self.retry_s = retry_s
         self._wake = asyncio.Event()  # bound to a loop at first use (Python 3.10+)
@@ -53,7 +56,8 @@ class JobRunner:
         self._wake.set()
 
     def cancel(self, batch_id: str) -> None:
-        """Stop the line of `batch_id` that is running now, if one is (its batch is marked cancelling already)."""
+        """Stop the line of `batch_id` (a batch or a video job) running now, if one is (its batch is marked
+        cancelling already, or the video deleted)."""
         if self._running is not None and self._running[0] == batch_id:
             self._running[1].cancel()
         self.wake()
@@ -69,11 +73,13 @@ class JobRunner:
         while True:
             try:
                 self.store.sweep()
-                batch = self.store.next_batch()
-                if batch is None:
+                job = self.store.next_job()
+                if job is None:
                     await self._sleep(self.poll_s)
+                elif job[0] == "batch":
+                    await self.run_batch(job[1])
                 else:
-                    await self.run_batch(batch)
+                    await self.run_video_job(job[1])
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug or the state folder failing: logged, and the loop keeps serving
@@ -107,11 +113,41 @@ class JobRunner:
         self.store.set_status(batch_id, "finalizing", only_from=("in_progress",))
         return self.store.finalize(batch_id, "completed")
 
-    async def _run(self, line: Line) -> tuple[int, dict] | None:
+    async def run_video_job(self, video: dict) -> None:
+        """One clip: run, then its .mp4 in the store; a refusal fails the job with the entry's words."""
+        video_id = video["id"]
+        self.store.set_video(video_id, "in_progress")
+        while True:
+            try:
+                body, reference = self.store.video_job(video_id)
+            except ApiError:  # deleted meanwhile
+                return
+            outcome = await self._run(Line(video_id, 0, video_id, body, "pending"),
+                                      lambda: self.run_video(body, reference))
+            if outcome is None:
+                try:
+                    self.store.video(video_id)
+                except ApiError:
+                    return  # deleted (its running call was cancelled)
+                continue
+            status, result = outcome
+            if status == 200:
+                try:
+                    self.store.video(video_id)  # deleted while it ran: nothing to write
+                    self.store.finish_video(video_id, result)
+                    return
+                except ApiError as err:
+                    status, result = err.status, err.body()
+            error = result["error"]
+            self.store.set_video(video_id, "failed", error={"code": error.get("code") or "generation_failed",
+                                                           "message": error["message"], "param": error.get("param")})
+            return
+
+    async def _run(self, line: Line, work: Callable[[], Awaitable] | None = None) -> tuple[int, object] | None:
         """(status, body) of one line as the online route would answer it; None: run it again later."""
         from tritonclient.utils import InferenceServerException
 
-        task = asyncio.ensure_future(self.run_line_body(line))
+        task = asyncio.ensure_future(work() if work is not None else self.run_line_body(line))
         self._running = (line.batch_id, task)
         try:
             await asyncio.wait({task})

@@ -43,6 +43,11 @@ CREATE TABLE IF NOT EXISTS batches (
     completion_window TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL,
     in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
     cancelling_at INTEGER, cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, metadata TEXT);
+CREATE TABLE IF NOT EXISTS videos (
+    id TEXT PRIMARY KEY, seq INTEGER NOT NULL, model TEXT NOT NULL, prompt TEXT NOT NULL, body TEXT NOT NULL,
+    seconds TEXT NOT NULL, size TEXT NOT NULL, status TEXT NOT NULL, progress INTEGER NOT NULL DEFAULT 0,
+    created_at INTEGER NOT NULL, completed_at INTEGER, expires_at INTEGER, error TEXT, bytes INTEGER NOT NULL DEFAULT 0,
+    reference_bytes INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, idx INTEGER NOT NULL, custom_id TEXT NOT NULL, body TEXT NOT NULL,
     status TEXT NOT NULL, result_bytes INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (batch_id, idx));
@@ -126,7 +131,8 @@ class SqliteJobStore:
                 raise StateError(f"the job store {self.folder / DATABASE} has schema {version[0]}, this version "
                                  f"reads {SCHEMA_VERSION}: use another --state-dir")
             self._db.execute("PRAGMA quick_check").fetchone()
-            self._seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM batches").fetchone()[0]
+            self._seq = self._db.execute("SELECT MAX(COALESCE((SELECT MAX(seq) FROM batches), 0), "
+                                         "COALESCE((SELECT MAX(seq) FROM videos), 0))").fetchone()[0]
         except sqlite3.DatabaseError as exc:  # a corrupt or foreign file: say so, never start over silently
             raise StateError(f"the job store {self.folder / DATABASE} cannot be read ({exc}); move it away to "
                              "start with an empty store, or give another --state-dir") from None
@@ -155,7 +161,8 @@ class SqliteJobStore:
         with self._lock:
             files = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
             results = self._db.execute("SELECT COALESCE(SUM(result_bytes), 0) FROM lines").fetchone()[0]
-        return files + results
+            videos = self._db.execute("SELECT COALESCE(SUM(bytes + reference_bytes), 0) FROM videos").fetchone()[0]
+        return files + results + videos
 
     def _reserve(self, size: int, what: str) -> None:
         used = self.used_bytes()
@@ -339,11 +346,118 @@ class SqliteJobStore:
                 (*TERMINAL, self.retention_s, now))]
             db.executemany("DELETE FROM lines WHERE batch_id=?", [(b,) for b in gone_batches])
             db.executemany("DELETE FROM batches WHERE id=?", [(b,) for b in gone_batches])
+            gone_videos = [row[0] for row in db.execute("SELECT id FROM videos WHERE expires_at <= ?", (now,))]
+            db.execute("DELETE FROM videos WHERE expires_at <= ?", (now,))
+        for video_id in gone_videos:
+            self._remove_video_files(video_id)
         for file_id in gone_files:
             self._file_path(file_id).unlink(missing_ok=True)
         for batch_id in gone_batches:
             shutil.rmtree(self.folder / "results" / batch_id, ignore_errors=True)
-        return len(gone_files) + len(gone_batches)
+        return len(gone_files) + len(gone_batches) + len(gone_videos)
+
+    # videos: one job per clip
+    def video_path(self, video_id: str, what: str = "mp4") -> Path:
+        return self.folder / "files" / f"{video_id}.{what}"
+
+    def _remove_video_files(self, video_id: str) -> None:
+        for what in ("mp4", "reference.png"):
+            self.video_path(video_id, what).unlink(missing_ok=True)
+
+    def add_video(self, model: str, prompt: str, body: dict, seconds: str, size: str,
+                  reference: bytes | None = None) -> dict:
+        """A queued video job; `reference` (image-to-video's first frame, a PNG) is kept beside it until it is
+        deleted."""
+        video_id = _new_id("video")
+        if reference is not None:
+            self._reserve(len(reference), "the input_reference image")
+            self._write(self.video_path(video_id, "reference.png"), reference)
+        now = self._now()
+        with self._tx() as db:
+            self._seq += 1
+            db.execute("INSERT INTO videos (id, seq, model, prompt, body, seconds, size, status, created_at, "
+                       "expires_at, reference_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?)",
+                       (video_id, self._seq, model, prompt, json.dumps(body), seconds, size, now,
+                        int(now + self.retention_s), len(reference or b"")))
+        return self.video(video_id)
+
+    def _video_row(self, video_id: str) -> dict:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM videos WHERE id=?", (video_id,)).fetchone()
+        if row is None:
+            raise ApiError(404, f"no video {video_id!r} (unknown, deleted, or past its retention)", "video_id",
+                           "video_not_found")
+        return dict(row)
+
+    def video(self, video_id: str) -> dict:
+        return _video_card(self._video_row(video_id))
+
+    def video_job(self, video_id: str) -> tuple[dict, bytes | None]:
+        """(the stored request body, the reference image or None) of a video job."""
+        row = self._video_row(video_id)
+        reference = self.video_path(video_id, "reference.png").read_bytes() if row["reference_bytes"] else None
+        return json.loads(row["body"]), reference
+
+    def videos(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        with self._lock:
+            below = None
+            if after is not None:
+                row = self._db.execute("SELECT seq FROM videos WHERE id=?", (after,)).fetchone()
+                if row is None:
+                    raise ApiError(404, f"no video {after!r} to list after", "after", "video_not_found")
+                below = row[0]
+            rows = self._db.execute("SELECT * FROM videos WHERE seq < COALESCE(?, seq + 1) ORDER BY seq DESC "
+                                    "LIMIT ?", (below, limit + 1)).fetchall()
+        return [_video_card(dict(row)) for row in rows[:limit]], len(rows) > limit
+
+    def next_job(self) -> tuple[str, dict] | None:
+        """("batch" | "video", its card): the oldest job not finished, whichever kind."""
+        with self._lock:
+            batch = self._db.execute("SELECT id, seq FROM batches WHERE status NOT IN (?, ?, ?, ?) ORDER BY "
+                                     "status != 'cancelling', seq LIMIT 1", TERMINAL).fetchone()
+            video = self._db.execute("SELECT id, seq FROM videos WHERE status IN ('queued', 'in_progress') ORDER BY "
+                                     "seq LIMIT 1").fetchone()
+        if batch is not None and (video is None or batch["seq"] < video["seq"]):
+            return "batch", self.batch(batch["id"])
+        return None if video is None else ("video", self.video(video["id"]))
+
+    def set_video(self, video_id: str, status: str, progress: int = 0, error: dict | None = None) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE videos SET status=?, progress=?, error=?, completed_at=? WHERE id=?",
+                       (status, progress, json.dumps(error) if error else None,
+                        self._now() if status in ("completed", "failed") else None, video_id))
+
+    def finish_video(self, video_id: str, write: Callable[[Path], None]) -> None:
+        """`write(path)` the clip, then the job is completed; over the quota, the clip is removed and ApiError
+        413 raised (the caller marks the job failed with it)."""
+        path = self.video_path(video_id)
+        write(path)
+        size = path.stat().st_size
+        try:
+            self._reserve(size, "the video")
+        except ApiError:
+            path.unlink(missing_ok=True)
+            raise
+        with self._tx() as db:
+            db.execute("UPDATE videos SET bytes=? WHERE id=?", (size, video_id))
+        self.set_video(video_id, "completed", 100)
+
+    def video_content(self, video_id: str) -> bytes:
+        card = self.video(video_id)
+        if card["status"] != "completed":
+            raise ApiError(409, f"video {video_id} is {card['status']}: its content is there once it is completed",
+                           "video_id", "video_not_ready")
+        try:
+            return self.video_path(video_id).read_bytes()
+        except OSError as exc:
+            raise StateError(f"the content of {video_id} is missing from the job store's state folder "
+                             f"({exc.strerror or exc}): it was removed by hand") from None
+
+    def delete_video(self, video_id: str) -> None:
+        self._video_row(video_id)
+        with self._tx() as db:
+            db.execute("DELETE FROM videos WHERE id=?", (video_id,))
+        self._remove_video_files(video_id)
 
 
 class StateError(ApiError):
@@ -351,6 +465,16 @@ class StateError(ApiError):
 
     def __init__(self, message: str):
         super().__init__(500, message, None, "state_error")
+
+
+def _video_card(row: dict) -> dict:
+    """A video job as OpenAI's Video object (plus `frames`: what the seconds were served as)."""
+    body = json.loads(row["body"])
+    return {"id": row["id"], "object": "video", "model": row["model"], "prompt": row["prompt"],
+            "status": row["status"], "progress": row["progress"], "seconds": row["seconds"], "size": row["size"],
+            "frames": body.get("frames"), "seed": body.get("seed"), "created_at": row["created_at"],
+            "completed_at": row["completed_at"], "expires_at": row["expires_at"],
+            "error": json.loads(row["error"]) if row["error"] else None, "remixed_from_video_id": None}
 
 
 def _batch_card(row: dict, total: int, completed: int, failed: int) -> dict:

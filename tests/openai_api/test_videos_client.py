@@ -1,0 +1,142 @@
+"""The Videos routes through the official `openai` client against the stand-in Triton of
+tests/shared/images_stub_triton.py (a video entry "wan-tiny" serving 32x32 at 5 and 17 frames, 48x32 at 5):
+create -> poll -> download gives the .mp4 whose frames are those `generate --url` gets for the same request; the
+seconds -> frames rule; image-to-video with input_reference; delete stops the running clip; bad input is one clear
+error each."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+from images_stub_triton import start_images_stub
+
+from trt_diffusion.openai_api.server import ApiServer
+from trt_diffusion.openai_api.settings import ApiSettings
+from trt_diffusion.triton.client import ImageRequest, generate_images
+from trt_diffusion.video_files import read_video, save_video
+
+GUARD_S = 60
+
+
+@pytest.fixture
+def stub():
+    stub = start_images_stub()
+    yield stub
+    stub.stop()
+
+
+@pytest.fixture
+def api(stub, tmp_path):
+    with ApiServer(ApiSettings(stub.url, port=0, state_dir=tmp_path / "state")) as server:
+        yield server
+
+
+def client(api):
+    import openai
+
+    return openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
+
+
+def finished(openai_client, video_id: str):
+    end = time.monotonic() + GUARD_S
+    while time.monotonic() < end:
+        video = openai_client.videos.retrieve(video_id)
+        if video.status in ("completed", "failed"):
+            return video
+        time.sleep(0.05)
+    raise AssertionError(f"video {video_id} is still {video.status}")
+
+
+def over_triton(stub, tmp_path, name: str, **fields) -> np.ndarray:
+    """The clip `generate --url` gets for the request, through the .mp4 it writes."""
+    clips, _ = generate_images(stub.url, ImageRequest(**fields), pipeline="wan-tiny", protocol="grpc",
+                               timeout_s=60)
+    return read_video(save_video(clips[0], tmp_path / f"{name}.mp4"))
+
+
+def downloaded(openai_client, video_id: str, tmp_path) -> np.ndarray:
+    path = tmp_path / f"{video_id}.mp4"
+    path.write_bytes(openai_client.videos.download_content(video_id).content)
+    return read_video(path)
+
+
+def test_a_clip_equals_what_generate_gets_from_triton(api, stub, tmp_path):
+    openai_client = client(api)
+    video = openai_client.videos.create(model="wan-tiny", prompt="a lighthouse", seconds="1", size="32x32",
+                                        extra_body={"seed": 7, "num_inference_steps": 2, "guidance_scale": 4.0})
+    assert video.status == "queued" and video.size == "32x32"
+    assert video.seconds == "1.0625" and video.frames == 17  # 1 s: 17 frames (1.06 s) is nearer than 5 (0.31 s)
+    video = finished(openai_client, video.id)
+    assert video.status == "completed" and video.progress == 100
+    frames = downloaded(openai_client, video.id, tmp_path)
+    expected = over_triton(stub, tmp_path, "a", prompt="a lighthouse", height=32, width=32, steps=2,
+                           guidance_scale=4.0, seed=7, frames=17)
+    assert frames.shape == (17, 32, 32, 3) and np.array_equal(frames, expected)
+    other = over_triton(stub, tmp_path, "b", prompt="a lighthouse", height=32, width=32, steps=2,
+                        guidance_scale=4.0, seed=8, frames=17)
+    assert not np.array_equal(frames, other)  # another seed is another clip: the comparison can fail
+    listed = openai_client.videos.list()
+    assert [v.id for v in listed.data] == [video.id]
+
+
+def test_image_to_video_takes_the_reference_as_the_first_frame(api, stub, tmp_path):
+    from PIL import Image
+
+    reference = np.random.default_rng(1).integers(0, 256, (32, 48, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(reference).save(buffer, format="PNG")
+    openai_client = client(api)
+    video = openai_client.videos.create(model="wan-tiny", prompt="waves", size="48x32",
+                                        input_reference=("first.png", buffer.getvalue(), "image/png"),
+                                        extra_body={"seed": 3, "num_inference_steps": 2})
+    assert video.frames == 5  # no seconds: the shortest served at that size
+    video = finished(openai_client, video.id)
+    assert video.status == "completed", video.error
+    expected = over_triton(stub, tmp_path, "i2v", prompt="waves", height=32, width=48, steps=2, guidance_scale=5.0,
+                           seed=3, frames=5, init_image=reference)
+    assert np.array_equal(downloaded(openai_client, video.id, tmp_path), expected)
+
+
+def test_delete_stops_the_running_clip(api, stub):
+    import threading
+
+    import openai
+
+    stub.gate = threading.Semaphore(0)
+    openai_client = client(api)
+    video = openai_client.videos.create(model="wan-tiny", prompt="slow", extra_body={"seed": 1})
+    assert stub.entered.wait(GUARD_S)
+    deleted = openai_client.videos.delete(video.id)
+    assert deleted.deleted and deleted.id == video.id
+    assert stub.cancelled.wait(GUARD_S)  # its call left Triton's queue
+    with pytest.raises(openai.NotFoundError, match=f"no video '{video.id}'"):
+        openai_client.videos.retrieve(video.id)
+    assert openai_client.videos.list().data == []
+
+
+def test_bad_video_requests_are_one_clear_error_each(api, stub):
+    import openai
+
+    openai_client = client(api)
+    with pytest.raises(openai.BadRequestError, match="size 64x64 is not served by wan-tiny; served sizes: 32x32, "
+                                                     "48x32"):
+        openai_client.videos.create(model="wan-tiny", prompt="a", size="64x64")
+    with pytest.raises(openai.NotFoundError, match="model 'sd15-tiny' is not a served video model; served: wan-tiny"):
+        openai_client.videos.create(model="sd15-tiny", prompt="a")
+    with pytest.raises(openai.BadRequestError, match="unknown field 'steps'"):
+        openai_client.videos.create(model="wan-tiny", prompt="a", extra_body={"steps": 3})
+    with pytest.raises(openai.BadRequestError, match="seconds: Input should be greater than 0"):
+        openai_client.videos.create(model="wan-tiny", prompt="a", seconds="0")
+    with pytest.raises(openai.BadRequestError, match="input_reference is 32x32, the clip 48x32"):
+        from PIL import Image
+
+        buffer = io.BytesIO()
+        Image.new("RGB", (32, 32)).save(buffer, format="PNG")
+        openai_client.videos.create(model="wan-tiny", prompt="a", size="48x32",
+                                    input_reference=("a.png", buffer.getvalue(), "image/png"))
+    with pytest.raises(openai.NotFoundError, match="no video 'video-nope'"):
+        openai_client.videos.download_content("video-nope")
+    assert stub.infers == [] and openai_client.videos.list().data == []  # nothing reached Triton or the store
