@@ -10,7 +10,7 @@ import re
 from enum import Enum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..families import Component, Family
 from ..precision import Precision
@@ -210,8 +210,45 @@ class BuildSettings(Strict):
 PrecisionMap = dict[Component, Precision]
 
 
+class OverloadDegrade(Strict):
+    """What a degraded request runs with: fewer steps, or a smaller served size (one of the model's buckets,
+    "WxH"); one of them. (`size`, not `bucket`: engines.yaml's did-you-mean reads every key of the schema.)"""
+
+    steps: int | None = Field(None, ge=1)
+    size: Annotated[str, AfterValidator(_static_bucket)] | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.steps is None) == (self.size is None):
+            raise ValueError("give one of steps (fewer denoising steps) or size (a smaller served WxH)")
+        return self
+
+
+class OverloadSettings(Strict):
+    """`serving: overload:` (docs/deploy.md): past `degrade_after_s` of estimated wait a request runs degraded,
+    past `refuse_after_s` it is refused (429 with Retry-After); off when absent."""
+
+    degrade_after_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    refuse_after_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    degrade: OverloadDegrade | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if (self.degrade_after_s is None) != (self.degrade is None):
+            raise ValueError("degrade_after_s and degrade go together: when to degrade, and to what")
+        if self.degrade_after_s is None and self.refuse_after_s is None:
+            raise ValueError("give degrade_after_s (with degrade), refuse_after_s, or both; leave overload out "
+                             "to keep it off")
+        if None not in (self.degrade_after_s, self.refuse_after_s) and self.refuse_after_s <= self.degrade_after_s:
+            raise ValueError(f"refuse_after_s ({self.refuse_after_s:g}) must be above degrade_after_s "
+                             f"({self.degrade_after_s:g}): a request is degraded before it is refused")
+        return self
+
+
 class ServingSettings(Strict):
     """`serving:` of a model: how its engines are run when served, not how they are built (no engine key changes)."""
+
+    overload: OverloadSettings | None = None  # degrade or refuse by the estimated wait (off: None)
 
     # a TensorRT engine built with weight streaming (build: tensorrt: weight_streaming: true) keeps this many GB of
     # its streamable weights on the GPU (weight_streaming_budget_v2) where trt-diffusion's runner loads it

@@ -31,6 +31,7 @@ from .errors import ApiError, bad_request
 from .guards import BrowserGuard
 from .job_runner import JobRunner
 from .limits import BodyLimit
+from .overload import DEGRADED_HEADER, OverloadGate
 from .settings import ApiSettings
 from .triton_calls import infer_images, until_done_or_gone
 
@@ -45,10 +46,11 @@ def create_app(settings: ApiSettings):
     settings.check()
     decodes = pngs.DecodeSlots(settings.max_decodes)
     jobs = _open_job_store(settings)
+    gate = OverloadGate(dict(settings.overload), settings.cost_model) if settings.overload else None
 
     async def run_job_line(endpoint: str, body: dict) -> dict:
         """A batch line, through the online route's entry (batch_routes.BATCH_ENDPOINTS)."""
-        return await generation_response(app.state, settings, json.dumps(body).encode())
+        return await generation_response(app.state, settings, json.dumps(body).encode(), interactive=False)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -59,6 +61,7 @@ def create_app(settings: ApiSettings):
             ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
         app.state.triton = client
         app.state.catalog = Catalog(client, max_age_s=settings.catalog_max_age_s)
+        app.state.overload = gate
         if jobs is not None:  # the batches left by the last run go on first
             app.state.runner = JobRunner(jobs, run_job_line,
                                          run_video=video_routes.video_runner(app.state, settings)).start()
@@ -82,7 +85,7 @@ def create_app(settings: ApiSettings):
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=getattr(err, "headers", None))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):  # unknown route, wrong method
@@ -117,7 +120,7 @@ def create_app(settings: ApiSettings):
         live = await request.app.state.triton.is_server_live()
         if not live:
             raise ApiError(503, "Triton is not live")
-        return {"status": "ok", "decodes": decodes.state()}
+        return {"status": "ok", "decodes": decodes.state(), "overload": gate.state() if gate is not None else {}}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -131,8 +134,8 @@ def create_app(settings: ApiSettings):
     @app.post("/v1/images/generations")
     async def generations(request: Request):
         _json_only(request)
-        return await generation_response(request.app.state, settings, await request.body(),
-                                         wait=partial(until_done_or_gone, request))
+        return _with_degraded_header(await generation_response(request.app.state, settings, await request.body(),
+                                                               wait=partial(until_done_or_gone, request)))
 
     @app.post("/v1/images/edits")
     async def edits(request: Request):
@@ -150,9 +153,9 @@ def create_app(settings: ApiSettings):
         image, mask = await decodes.run(pngs.read_edit_inputs, files["image"], files.get("mask"), served_size)
         height, width = image.shape[:2]
         workflow = _edit_workflow(served, mask is not None)
-        return await _generate(request.app.state, settings, served, body, width, height,
-                               wait=partial(until_done_or_gone, request), workflow=workflow, init_image=image,
-                               mask=mask, strength=body.strength)
+        return _with_degraded_header(await _generate(
+            request.app.state, settings, served, body, width, height, wait=partial(until_done_or_gone, request),
+            workflow=workflow, init_image=image, mask=mask, strength=body.strength))
 
     def job_store():
         if jobs is None:
@@ -244,18 +247,26 @@ def _open_job_store(settings: ApiSettings):
         raise ServeError(err.message) from None
 
 
-async def generation_response(state, settings: ApiSettings, raw: bytes, wait=None) -> dict:
+async def generation_response(state, settings: ApiSettings, raw: bytes, wait=None,
+                              interactive: bool = True) -> dict:
     """POST /v1/images/generations' answer to the JSON body `raw`: the one entry of the online route and of the
     batch lines (job_runner), so both check, refuse and answer alike. `wait` wraps the Triton call (the online
-    route: cancelled when its client goes away)."""
+    route: cancelled when its client goes away); `interactive`: someone waits on it (the overload policy applies)."""
     body = bodies.parse_generation(raw)
     served = await state.catalog.resolve(body.model)
     width, height = check_size(body.size, served)
-    return await _generate(state, settings, served, body, width, height, wait=wait)
+    return await _generate(state, settings, served, body, width, height, wait=wait, interactive=interactive)
+
+
+def _with_degraded_header(result: dict):
+    """The answer, with `x-trt-diffusion-degraded` saying what the overload policy lowered, when it did."""
+    if result.get("degraded") is None:
+        return result
+    return JSONResponse(result, headers={DEGRADED_HEADER: result["degraded"]})
 
 
 async def _generate(state, settings: ApiSettings, served: ServedModel, body, width: int, height: int, wait=None,
-                    **image_inputs):
+                    interactive: bool = True, **image_inputs):
     check_n(body.n, served)
     loras = None
     if body.loras is not None:
@@ -269,20 +280,36 @@ async def _generate(state, settings: ApiSettings, served: ServedModel, body, wid
                           f"{bodies.MAX_SEED} (SEED is INT64): use a seed of at most {bodies.MAX_SEED - body.n + 1}",
                           "seed")
     guidance = body.guidance_scale if body.guidance_scale is not None else DEFAULT_GUIDANCE
-    image_request = ImageRequest(body.prompt, height, width, steps=body.num_inference_steps,
+    gate = getattr(state, "overload", None) if interactive else None
+    steps, admission = body.num_inference_steps, None
+    if gate is not None:  # may lower the steps or the size, or refuse (429 with Retry-After)
+        admission = gate.admit(served.name, f"{width}x{height}", steps, body.n, served.sizes,
+                               resizable=not image_inputs)
+        steps = admission.steps
+        width, height = (int(side) for side in admission.size.split("x"))
+    image_request = ImageRequest(body.prompt, height, width, steps=steps,
                                  guidance_scale=guidance, seed=seed, negative_prompt=body.negative_prompt,
                                  num_images=body.n, loras=loras, **image_inputs)
     tensors = image_request.tensors()
     work = infer_images(state.triton, served.name, tensors, settings.timeout_s)
-    images = await (wait(work) if wait is not None else work)
+    finished = False
+    try:
+        images = await (wait(work) if wait is not None else work)
+        finished = True
+    finally:
+        if admission is not None:
+            gate.release(admission, finished)
     if images.shape[0] != body.n:
         raise ApiError(502, f"Triton's {served.name} answered {images.shape[0]} images for n={body.n}")
     strength = image_inputs.get("strength")
     data = []
     for index, image in enumerate(images):
-        parameters = ImageParameters(body.prompt, width, height, body.num_inference_steps, guidance, seed + index,
+        parameters = ImageParameters(body.prompt, width, height, steps, guidance, seed + index,
                                      body.negative_prompt, model=served.name, workflow=image_inputs.get("workflow"),
                                      strength=strength)
         data.append({"b64_json": base64.b64encode(pngs.encode_png(image, parameters)).decode("ascii"),
                      "revised_prompt": None, "seed": seed + index})
-    return {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{width}x{height}"}
+    answer = {"created": int(time.time()), "data": data, "output_format": "png", "size": f"{width}x{height}"}
+    if admission is not None and admission.degraded is not None:
+        answer["degraded"] = admission.degraded  # the header's words, also in the body (batch output lines)
+    return answer

@@ -49,6 +49,10 @@ class ApiSettings:
     state_dir: Path | None = None
     state_max_bytes: int = DEFAULT_STATE_MAX_BYTES
     state_retention_s: float = DEFAULT_STATE_RETENTION_S
+    # Overload policies of online requests, per model (overload.OverloadPolicy; engines.yaml `serving: overload:`),
+    # and the cost model that estimates waits (overload.StepCosts when None). Empty: off.
+    overload: tuple = ()  # ((model, OverloadPolicy), ...)
+    cost_model: object = None
 
     def check(self) -> ApiSettings:
         problems = []

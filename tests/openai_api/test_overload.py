@@ -1,0 +1,179 @@
+"""The overload policy (engines.yaml `serving: overload:`) on a controlled cost model, never a clock: below
+degrade_after_s a request runs as asked, past it with the policy's fewer steps or smaller bucket (header, PNG
+parameters, counter), past refuse_after_s it is refused 429 with Retry-After from the queue; batch lines are never
+degraded; the engines.yaml block is checked where it is written."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from images_stub_triton import expected_image, start_images_stub
+from pydantic import ValidationError
+
+from trt_diffusion.engines_file.schema import OverloadSettings, ServingSettings
+from trt_diffusion.openai_api.overload import OverloadGate, OverloadPolicy, Refused, StepCosts
+
+GUARD_S = 60
+POLICY = OverloadPolicy(degrade_after_s=10, refuse_after_s=22, degrade_steps=4)
+
+
+def costs() -> StepCosts:
+    return StepCosts(known={("sd15-tiny", "64x64"): 1.0, ("sd15-tiny", "32x48"): 0.25})  # seconds a step
+
+
+def test_degrade_then_refuse_at_the_thresholds():
+    gate = OverloadGate({"sd15-tiny": POLICY}, costs())
+    first = gate.admit("sd15-tiny", "64x64", 20, 1)  # nothing ahead
+    assert (first.steps, first.degraded, first.cost_s) == (20, None, 20.0)
+    second = gate.admit("sd15-tiny", "64x64", 20, 1)  # 20 s ahead: past 10
+    assert (second.steps, second.degraded, second.cost_s) == (4, "steps 20->4", 4.0)
+    with pytest.raises(Refused) as refused:  # 24 s ahead: past 22
+        gate.admit("sd15-tiny", "64x64", 20, 1)
+    assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "2"}  # 24 - 22
+    assert "estimated wait is 24 s, past its 22 s limit" in refused.value.message
+    gate.release(first, finished=True)
+    assert gate.estimated_wait_s("sd15-tiny") == 4.0
+    assert gate.admit("sd15-tiny", "64x64", 3, 1).degraded is None  # under 10 again; 3 steps is below 4 anyway
+    assert gate.state() == {"sd15-tiny:degraded": 1, "sd15-tiny:refused": 1}
+    assert gate.admit("sdxl-tiny", "64x64", 50, 4).degraded is None  # no policy: off
+
+
+def test_the_wait_is_shared_by_the_instances_and_a_bucket_can_be_the_degradation():
+    policy = OverloadPolicy(degrade_after_s=10, degrade_size="32x48")
+    gate = OverloadGate({"sd15-tiny": policy}, costs(), instances=lambda model: 2)
+    gate.admit("sd15-tiny", "64x64", 20, 1)
+    assert gate.estimated_wait_s("sd15-tiny") == 10.0  # 20 s of work over two instances
+    served = ("64x64", "32x48")
+    lowered = gate.admit("sd15-tiny", "64x64", 20, 1, served)
+    assert (lowered.size, lowered.degraded, lowered.cost_s) == ("32x48", "size 64x64->32x48", 5.0)
+    assert gate.admit("sd15-tiny", "64x64", 20, 1, served, resizable=False).degraded is None  # an edit's image
+    assert gate.admit("sd15-tiny", "64x64", 20, 1, ("64x64",)).degraded is None  # the bucket is not served
+
+
+def test_live_costs_learn_only_from_requests_that_ran_alone():
+    now = [0.0]
+    learned = StepCosts()
+    gate = OverloadGate({"m": POLICY}, learned, clock=lambda: now[0])
+    alone = gate.admit("m", "64x64", 10, 1)
+    queued = gate.admit("m", "64x64", 10, 1)
+    now[0] = 5.0
+    gate.release(alone, finished=True)
+    gate.release(queued, finished=True)  # its 5 s include the wait behind the first
+    assert learned.known == {("m", "64x64"): 0.5}
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"refuse_after_s": 5, "degrade_after_s": 10, "degrade": {"steps": 4}}, "must be above degrade_after_s"),
+    ({"degrade_after_s": 10}, "degrade_after_s and degrade go together"),
+    ({"degrade_after_s": 10, "degrade": {"steps": 4, "size": "512x512"}}, "give one of steps"),
+    ({"degrade_after_s": 10, "degrade": {"size": "big"}}, "big"),
+    ({}, "leave overload out to keep it off"),
+    ({"refuse_after_s": -1}, "greater than 0"),
+])
+def test_the_engines_yaml_block_is_checked(block, message):
+    with pytest.raises(ValidationError, match=message):
+        ServingSettings.model_validate({"overload": block})
+
+
+def test_a_policy_comes_from_the_engines_yaml_block():
+    settings = OverloadSettings.model_validate({"degrade_after_s": 10, "refuse_after_s": 22,
+                                                "degrade": {"steps": 4}})
+    assert OverloadPolicy.from_settings(settings) == POLICY
+    assert ServingSettings().overload is None  # off by default
+
+
+@pytest.fixture
+def held_api(tmp_path):
+    from trt_diffusion.openai_api.server import ApiServer
+    from trt_diffusion.openai_api.settings import ApiSettings
+
+    stub = start_images_stub()
+    stub.gate = threading.Semaphore(0)
+    settings = ApiSettings(stub.url, port=0, overload=(("sd15-tiny", POLICY),), cost_model=costs(),
+                           state_dir=tmp_path / "state")
+    try:
+        with ApiServer(settings) as server:
+            yield stub, server
+    finally:
+        stub.stop()
+
+
+def test_the_api_degrades_then_refuses_and_says_so(held_api):
+    import openai
+    from PIL import Image
+
+    stub, api = held_api
+    client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
+
+    def generate(seed: int):
+        return client.images.with_raw_response.generate(model="sd15-tiny", prompt="a", extra_body={
+            "seed": seed, "num_inference_steps": 20})
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(generate, 1)
+        until(lambda: stub.arrivals == 1)
+        second = pool.submit(generate, 2)  # 20 s of work ahead: degraded to 4 steps
+        until(lambda: stub.arrivals == 2)
+        with pytest.raises(openai.RateLimitError, match="past its 22 s limit") as refused:
+            generate(3)  # 24 s ahead
+        assert refused.value.response.headers["retry-after"] == "2"
+        stub.gate.release(2)
+        first, second = first.result(GUARD_S), second.result(GUARD_S)
+    assert "x-trt-diffusion-degraded" not in first.headers
+    assert second.headers["x-trt-diffusion-degraded"] == "steps 20->4"
+    item = second.parse().data[0]
+    with Image.open(io.BytesIO(base64.b64decode(item.b64_json))) as image:
+        assert np.array_equal(np.asarray(image.convert("RGB")), expected_image("sd15-tiny", "a", 2, 64, 64, 4))
+        assert "Steps: 4" in image.info["parameters"]  # the PNG says what ran
+    stub.gate.release(10)
+    assert "x-trt-diffusion-degraded" not in generate(4).headers  # the queue drained: as asked again
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(api.url.removesuffix("/v1") + "/health", timeout=10) as response:
+        assert json.loads(response.read())["overload"] == {"sd15-tiny:degraded": 1, "sd15-tiny:refused": 1}
+
+
+def test_batch_lines_are_never_degraded(held_api):
+    import json
+
+    import openai
+
+    stub, api = held_api
+    client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
+    with ThreadPoolExecutor(1) as pool:
+        online = pool.submit(client.images.generate, model="sd15-tiny", prompt="a", extra_body={"seed": 1})
+        until(lambda: stub.arrivals == 1)  # 20 s of online work ahead of the batch line
+        line = {"custom_id": "x", "method": "POST", "url": "/v1/images/generations",
+                "body": {"model": "sd15-tiny", "prompt": "b", "seed": 5, "num_inference_steps": 20}}
+        upload = client.files.create(file=("a.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/images/generations",
+                                      completion_window="24h")
+        stub.gate.release(10)
+        online.result(GUARD_S)
+    until(lambda: client.batches.retrieve(batch.id).status == "completed")
+    (record,) = [json.loads(x) for x in client.files.content(
+        client.batches.retrieve(batch.id).output_file_id).text.splitlines()]
+    body = record["response"]["body"]
+    assert "degraded" not in body
+    from PIL import Image
+
+    with Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"]))) as image:
+        pixels = np.asarray(image.convert("RGB"))
+    assert np.array_equal(pixels, expected_image("sd15-tiny", "b", 5, 64, 64, 20))  # all 20 steps
+
+
+def until(check, guard_s: float = GUARD_S):
+    import time
+
+    end = time.monotonic() + guard_s
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError("the condition did not come true in time")
