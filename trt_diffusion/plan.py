@@ -9,7 +9,7 @@ from pathlib import Path
 from .engines_file import EnginesConfig, EngineSpec, Precision, expand
 from .engines_file.expand import fixed_frames
 from .errors import TrtDiffusionError
-from .families import Component, Family, family_info
+from .families import Component, EditKind, family_info
 from .workflows import Workflow
 
 
@@ -128,7 +128,7 @@ def workflow_notes(model, specs: list[EngineSpec]) -> dict[str, str]:
             notes[workflow.value] = (f"{image}{encoder.replace('bucket', 'bucket frame count')} over the image "
                                      f"followed by black frames; the {denoiser}'s {checkpoint.denoiser_channels if checkpoint else 36}"
                                      " input channels carry the noise, the first-frame mask and those latents")
-        elif model.family is Family.qwen_image:
+        elif family_info(model.family).edit is EditKind.vision_reference:
             notes[workflow.value] = (f"the reference image at about 1024² of the bucket's aspect: {encoder} over it; "
                                      "Qwen2.5-VL's vision tower (image_encoder) and the text encoder over its tokens, "
                                      f"both per bucket (batch 1); the {denoiser} over its latent tokens beside the "
@@ -209,15 +209,6 @@ def _formula(members: list[EngineSpec]) -> str:
 
 # The modules of the VAE each part exports (as models.loading.count_parameters counts them).
 _VAE_PARTS = {Component.vae_encoder: ("encoder.", "quant_conv."), Component.vae_decoder: ("decoder.", "post_quant_conv.")}
-# A checkpoint folder that holds more than its engine: Qwen-Image's text encoder folder is the whole Qwen2.5-VL
-# (vision tower, LM head), its engine the language model (both key layouts transformers has saved).
-# FLUX.2's folder is the whole Mistral-3 (Pixtral vision tower, projector, LM head), Klein's a Qwen3 with its LM
-# head: their engines are the decoder stack.
-_DECODER_STACK = ("model.embed_tokens.", "model.layers.", "model.norm.", "model.language_model.")
-_ENGINE_PARTS = {(Family.qwen_image, Component.text_encoder): _DECODER_STACK,
-                 (Family.flux2, Component.text_encoder): (
-                     *_DECODER_STACK, "language_model.model."),  # transformers 4's Mistral3 layout
-                 (Family.flux2_klein, Component.text_encoder): _DECODER_STACK}
 
 
 def _parameters(config: EnginesConfig, model_name: str, component: Component, controlnet: str | None) -> int | None:
@@ -230,7 +221,10 @@ def _parameters(config: EnginesConfig, model_name: str, component: Component, co
     if not Path(model.source.path).is_dir():
         return None
     folder = model.controlnets[controlnet].path if controlnet else Path(model.source.path) / SUBFOLDER[component]
-    count = stored_parameter_count(folder, _ENGINE_PARTS.get((model.family, component), _VAE_PARTS.get(component)))
+    # a checkpoint folder that holds more than its engine (a language model's vision tower, LM head): the family
+    # declares the parts its engine holds
+    parts = family_info(model.family).engine_parts.get(component, _VAE_PARTS.get(component))
+    count = stored_parameter_count(folder, parts)
     if count is not None:
         return count
     from .models.loading import parameter_count

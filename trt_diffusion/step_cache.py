@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .families import Family
+from .families import FAMILIES, Family
 
 
 class StepCacheMethod(str, Enum):
@@ -27,12 +27,11 @@ class StepCacheMethod(str, Enum):
     first_block = "first_block"
 
 
-# Which families each method applies to: DeepCache needs a UNet's skip connections, first-block caching a stack
-# of transformer blocks whose first block's residual predicts the rest (FLUX's double-stream blocks).
+# Which families each method applies to, as their declarations say (families/<name>.py `step_cache`): DeepCache
+# needs a UNet's skip connections, first-block caching a stack of transformer blocks whose first block's residual
+# predicts the rest (FLUX's double-stream blocks).
 METHOD_FAMILIES: dict[StepCacheMethod, tuple[Family, ...]] = {
-    StepCacheMethod.deepcache: (Family.sd15, Family.sdxl),
-    StepCacheMethod.first_block: (Family.flux,),
-}
+    method: tuple(f for f, info in FAMILIES.items() if method.value in info.step_cache) for method in StepCacheMethod}
 
 DEFAULT_INTERVAL = 3  # DeepCache's SD1.5 setting (N=3 keeps FID close to the uncached model in the paper)
 DEFAULT_BRANCH = 0  # the shallowest skip branch: the most work skipped, the paper's SD1.5 choice

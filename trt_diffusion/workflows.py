@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from .families import Component, Family
+from .families import FAMILIES, Component, Family
 
 
 class Workflow(str, Enum):
@@ -39,20 +39,9 @@ class Workflow(str, Enum):
         return self.needs_image
 
 
-# Which family runs which workflow, as diffusers' pipelines do (StableDiffusion{,XL,3}Img2Img/Inpaint, Flux
-# Img2Img/Inpaint/Fill, FluxKontext).
+# Which family runs which workflow, as diffusers' pipelines do: each family's declaration says (families/<name>.py)
 FAMILY_WORKFLOWS: dict[Family, tuple[Workflow, ...]] = {
-    Family.sd15: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
-    Family.sdxl: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
-    Family.sd3: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint),
-    Family.flux: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint, Workflow.edit),
-    Family.wan: (Workflow.txt2img, Workflow.img2vid),  # a video family's txt2img makes a clip (text-to-video)
-    # QwenImage{,Img2Img,Inpaint,Edit}Pipeline
-    Family.qwen_image: (Workflow.txt2img, Workflow.img2img, Workflow.inpaint, Workflow.edit),
-    # FLUX.2's reference-image editing and Klein's inpainting are out of this round: text-to-image only
-    Family.flux2: (Workflow.txt2img,),
-    Family.flux2_klein: (Workflow.txt2img,),
-}
+    family: tuple(Workflow(name) for name in info.workflows) for family, info in FAMILIES.items()}
 
 # The checkpoint (model_index.json `_class_name`) an edit workflow needs: editing is a trained skill, not a
 # sampling mode, so a plain FLUX.1 checkpoint is refused for it.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 
 from ..errors import ConfigError
-from ..families import LORA_TEXT_ENCODERS, Component, Family, family_info
+from ..families import Component, EditKind, Family, family_info
 from ..step_cache import PIECES
 from ..workflows import Workflow
 from .engine_spec import Bucket, EngineSpec, LoraVariant, Size
@@ -121,7 +121,7 @@ def reference_grid(model: ResolvedModel, component: Component) -> bool:
 
 def _sees_reference(model: ResolvedModel, component: Component) -> bool:
     """A Qwen-Image-Edit component whose graph the reference image shapes (all but the VAE decoder)."""
-    return (model.family is Family.qwen_image and Workflow.edit in model.workflows
+    return (family_info(model.family).edit is EditKind.vision_reference and Workflow.edit in model.workflows
             and component in (Component.text_encoder, Component.image_encoder, Component.transformer,
                               Component.vae_encoder))
 
@@ -143,7 +143,8 @@ def _build_options(config: EnginesConfig, model: ResolvedModel, variant: dict, c
         options.update(_edit_context(model, bucket))  # the reference image's size and tokens, fixed in the graphs
     if component is Component.unet and model.controlnets:
         options["controlnet_residuals"] = True  # the UNet takes the ControlNet's residuals as extra inputs
-    if component is Component.transformer and Workflow.edit in model.workflows and model.family is Family.flux:
+    if (component is Component.transformer and Workflow.edit in model.workflows
+            and family_info(model.family).edit is EditKind.context_tokens):
         options["context_image"] = True  # Kontext: the init image's tokens beside the noise tokens
     if model.text_lengths is not None and (component.is_text_encoder or component.is_denoiser):
         options["text_length"] = ",".join(map(str, model.text_lengths))  # the text axis's profile (qwen_image)
@@ -183,7 +184,7 @@ def _model_specs(config: EnginesConfig, model: ResolvedModel):
                                                        f"({reference_size(model, bucket)})"])
             elif component.is_text_encoder:  # prompt and negative prompt are encoded in separate calls
                 # a refittable model's LoRA-capable (CLIP) text encoders take a LoRA's text-encoder part by refit
-                te_refit = model.refittable and component in LORA_TEXT_ENCODERS[model.family]
+                te_refit = model.refittable and component in family_info(model.family).lora_text_encoders
                 for batch, why in image_batches.items():
                     yield make(component, batch, None, why, refittable=te_refit)
             elif component.is_denoiser:

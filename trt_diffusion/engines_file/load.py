@@ -16,6 +16,7 @@ from ..families import (
     SUBFOLDER,
     WIDE_FLOAT,
     Component,
+    EditKind,
     Family,
     family_info,
     family_of_pipeline_class,
@@ -544,7 +545,7 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     parity.update(entry.parity or {})
     text_lengths = _resolve_text_length(entry, defaults, base, problems)
     step_cache = _resolve_step_cache(entry, defaults, source.path if check_sources else None, base, problems)
-    if entry.family is Family.qwen_image and Workflow.edit in workflows:
+    if info.edit is EditKind.vision_reference and Workflow.edit in workflows:
         _check_edit_buckets(buckets, precision, base, problems)
     if step_cache is not None and precision[info.denoiser].is_quantized:
         # the quantize stage calibrates the whole denoiser's graph; the cache's pieces have none of their own yet
@@ -712,8 +713,8 @@ def _checkpoint_kind(folder: Path, family: Family) -> CheckpointKind:
                           channels if isinstance(channels, int) else None, latent if isinstance(latent, int) else None,
                           second_expert=named(Component.transformer_2),
                           # Qwen-Image-Edit's vision tower is its text encoder's, next to a processor
-                          image_encoder=named(Component.image_encoder) or (family is Family.qwen_image
-                                                                           and bool(index.get("processor"))))
+                          image_encoder=named(Component.image_encoder) or (
+                              family_info(family).edit is EditKind.vision_reference and bool(index.get("processor"))))
 
 
 def _check_bucket_geometry(data: dict, problems: _Problems) -> None:

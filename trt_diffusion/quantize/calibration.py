@@ -22,7 +22,7 @@ import torch
 
 from .. import progress as live
 from ..errors import ModelError, QuantizeError
-from ..families import FLUX2_FAMILIES, FLUX2_TEXT_LENGTH, WAN_TEXT_LENGTH, Component, Family
+from ..families import Component, Family, family_info
 from ..models.quiet import quiet_libraries
 from .feeds import Call
 
@@ -67,12 +67,10 @@ def t5_length(model_dir: Path, family: Family) -> int | None:
     it, and the transformer engines take exactly that many)."""
     from ..components.model_config import tokenizer_length
 
-    if family is Family.wan:
-        return WAN_TEXT_LENGTH
-    if family in FLUX2_FAMILIES:
-        return FLUX2_TEXT_LENGTH  # padded to it, as the engines declare
-    tokenizer = {Family.sd3: "tokenizer_3", Family.flux: "tokenizer_2"}.get(family)
-    return tokenizer_length(model_dir, tokenizer) if tokenizer else None
+    info = family_info(family)
+    if info.padded_text_length is not None:
+        return info.padded_text_length  # padded to it, as the engines declare
+    return tokenizer_length(model_dir, info.long_tokenizer) if info.long_tokenizer else None
 
 
 def load_pipeline(model_dir: Path):
@@ -110,13 +108,9 @@ def guidance_kwargs(family: Family, pipe=None) -> dict[str, Any]:
 
     Wan 2.2 (a `boundary_ratio` in the pipeline's config) also gets WanPipeline's guidance_scale_2 default, the
     high-noise scale; Wan 2.1 refuses the argument."""
-    kwargs = {Family.sd15: {"guidance_scale": 7.5}, Family.sdxl: {"guidance_scale": 5.0},
-              Family.sd3: {"guidance_scale": 7.0}, Family.flux: {"guidance_scale": 3.5},
-              Family.wan: {"guidance_scale": 5.0},
-              # true CFG runs only with a negative prompt (do_true_cfg): an empty one, as parity sends
-              Family.qwen_image: {"true_cfg_scale": 4.0, "negative_prompt": ""},
-              Family.flux2: {"guidance_scale": 4.0}, Family.flux2_klein: {"guidance_scale": 4.0}}[family]
-    if family is Family.wan and getattr(getattr(pipe, "config", None), "boundary_ratio", None) is not None:
+    kwargs = dict(family_info(family).reference_guidance)  # the family's declaration
+    # only WanPipeline's config has a boundary_ratio (a Wan 2.2 two-expert checkpoint)
+    if getattr(getattr(pipe, "config", None), "boundary_ratio", None) is not None:
         kwargs = {**kwargs, "guidance_scale_2": kwargs["guidance_scale"]}
     return kwargs
 

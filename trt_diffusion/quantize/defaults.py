@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ..families import Family
+from ..families import FAMILIES, Family
 from ..precision import Precision
 
 # Module-name globs kept in higher precision unless engines.yaml re-includes them with "!pattern".
@@ -26,18 +26,10 @@ DEFAULT_EXCLUDE: tuple[str, ...] = (
     "*norm*",
 )
 
-# Added for one family only (an image family's patterns, and so its calibration keys, stay as they were).
-# Wan: ModelOpt's diffusers example keeps `patch_embedding` (the first layer, a Conv3d) and
-# `condition_embedder` (the time and text embeddings) in higher precision, as conv_in and time/context
-# embedders are kept above; `proj_out` and `norm_out` are already listed. (Its recipe for the 14B model also
-# keeps the first and last three of 40 blocks: `exclude: ["blocks.0", "blocks.1", ...]` does that per model.)
-FAMILY_EXCLUDE: Mapping[Family, tuple[str, ...]] = MappingProxyType({
-    Family.wan: ("patch_embedding", "condition_embedder"),
-    # the DiTs' input projections and their adaptive-norm modulation linears (per-sample vectors, as above)
-    Family.qwen_image: ("img_in", "txt_in", "*img_mod*", "*txt_mod*"),
-    Family.flux2: ("time_guidance_embed", "*modulation*"),
-    Family.flux2_klein: ("time_guidance_embed", "*modulation*"),
-})
+# Added for one family only (an image family's patterns, and so its calibration keys, stay as they were): each
+# family's declaration lists them (families/<name>.py `quantize_exclude`).
+FAMILY_EXCLUDE: Mapping[Family, tuple[str, ...]] = MappingProxyType(
+    {family: info.quantize_exclude for family, info in FAMILIES.items() if info.quantize_exclude})
 
 # SmoothQuant's migration strength (0: all on weights, 1: all on activations); TensorRT's diffusion demo
 # uses 0.8 for its UNets.

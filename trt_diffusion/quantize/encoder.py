@@ -21,7 +21,7 @@ import torch
 from ..components import get_component, load_model_config
 from ..engines_file import ResolvedModel
 from ..errors import QuantizeError
-from ..families import FLUX2_FAMILIES, Component, Family, family_info
+from ..families import CfgKind, Component, Family, family_info
 from .exclusions import QUANTIZABLE_TYPES, LayerSelection, select_layers
 from .feeds import DenoiserInterface, as_numpy
 from .gate import GateResult, GateThresholds, judge_outputs, onnxruntime_session
@@ -43,7 +43,8 @@ def with_negative(family: Family, prompts: Sequence[str]) -> list[str]:
     """The prompts the encoder sees for these: with true CFG (Qwen-Image, Klein) also the empty negative prompt,
     as the runtime and the parity stage send it."""
     prompts = list(prompts)
-    return prompts + [""] if family is not Family.flux2 else prompts
+    # embedded guidance (FLUX.2 dev) runs no negative prompt
+    return prompts if family_info(family).cfg_kind is CfgKind.embedded else prompts + [""]
 
 
 def prompt_feeds(model: ResolvedModel, prompts: Sequence[str]) -> list[Feeds]:
@@ -56,7 +57,7 @@ def prompt_feeds(model: ResolvedModel, prompts: Sequence[str]) -> list[Feeds]:
     tokenizer = AutoTokenizer.from_pretrained(model.source.path / "tokenizer")
     feeds = []
     for prompt in prompts:
-        if model.family in FLUX2_FAMILIES:
+        if family_info(model.family).text_layers is not None:  # FLUX.2's stacked hidden states
             ids, mask = flux2_tokens(model.family, tokenizer, prompt)
         else:
             text_max = (model.text_lengths or family_info(model.family).text_lengths)[2]

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..families import Family
+from ..families import Family, family_info
 from ..workflows import Workflow
 
-# flow matching: scale_noise, the float product of steps and strength; (x - shift) * scale latents (Qwen-Image
-# normalizes per channel: runtime/qwen_image_loop.QwenLatentEncoder)
-FLOW_FAMILIES = (Family.sd3, Family.flux, Family.qwen_image)
+
+def _flow(family: Family) -> bool:
+    """Flow matching (the family's declaration): scale_noise, the float product of steps and strength;
+    (x - shift) * scale latents (Qwen-Image normalizes per channel: runtime/qwen_image_loop.QwenLatentEncoder)."""
+    return family_info(family).flow_matching
 
 
 @dataclass
@@ -55,7 +57,7 @@ def mask_tensor(mask: np.ndarray) -> torch.Tensor:
 def _first_kept_step(steps: int, strength: float, family: Family) -> int:
     """Where `get_timesteps` starts the schedule. The UNet pipelines round the kept count down to an integer;
     SD3's and FLUX's keep the float product."""
-    kept = min(steps * strength, steps) if family in FLOW_FAMILIES else min(int(steps * strength), steps)
+    kept = min(steps * strength, steps) if _flow(family) else min(int(steps * strength), steps)
     return int(max(steps - kept, 0))
 
 
@@ -94,14 +96,14 @@ class LatentEncoder:
         return self._scaled(torch.from_numpy(np.asarray(outputs["latent"], np.float32)))
 
     def _scaled(self, sample: torch.Tensor) -> torch.Tensor:
-        if self.family in FLOW_FAMILIES:
+        if _flow(self.family):
             return (sample - self.shift_factor) * self.scaling_factor
         return self.scaling_factor * sample
 
 
 def add_noise(scheduler, family: Family, latents: torch.Tensor, noise: torch.Tensor, timestep) -> torch.Tensor:
     """The image latents noised to `timestep` (a 1-element or per-row tensor)."""
-    if family in FLOW_FAMILIES:
+    if _flow(family):
         return scheduler.scale_noise(latents, timestep, noise)
     return scheduler.add_noise(latents, noise, timestep)
 
@@ -134,7 +136,7 @@ def image_start(workflow: Workflow, *, request, scheduler, generator: torch.Gene
         image_latents = encoded.repeat(rows // encoded.shape[0], 1, 1, 1)
     noise = torch.randn(shape, generator=generator, dtype=torch.float32)
     if full_strength:
-        latents = noise if family in FLOW_FAMILIES else noise * init_noise_sigma
+        latents = noise if _flow(family) else noise * init_noise_sigma
     else:
         latents = add_noise(scheduler, family, image_latents, noise, first)
     mask = mask_tensor(request.mask)
