@@ -167,6 +167,13 @@ class FamilyInfo:
     tower and LM head): `plan` counts only these parameters."""
     flow_matching: bool = False
     """A flow-matching scheduler: img2img/inpaint start from scale_noise and the float product of steps and strength."""
+    pooled_prompt: bool = True
+    """Its prompt encoding has a pooled embedding beside the sequence (every CLIP-pooled family but SD1.5)."""
+    no_ensemble: str | None = None
+    """Why Triton's encode/denoise/decode stages (the ensemble) cannot serve it (the entry and the stream do); None:
+    they can."""
+    packed_latents: bool = False
+    """Its denoiser takes 2×2 latent patches packed into channels (FLUX's, Qwen-Image's): in_channels is 4× theirs."""
     step_cache: tuple[str, ...] = ()
     """The step-cache methods (step_cache.StepCacheMethod values) its denoiser can run."""
     reference_guidance: Mapping[str, object] = field(default_factory=dict)
@@ -177,10 +184,14 @@ class FamilyInfo:
     tokenizer's length (`long_tokenizer`) or a text-length profile (`text_lengths`)."""
     long_tokenizer: str | None = None
     """The pipeline folder's tokenizer whose model_max_length the denoiser's text input is declared with (T5's)."""
+    denoiser_tokenizers: tuple[str, ...] = ()
+    """The tokenizers whose lengths, summed, make the transformer's text sequence where no padded or profiled length
+    is declared (SD3: CLIP-L/G's then T5's, concatenated; FLUX.1: T5's only)."""
     quantize_exclude: tuple[str, ...] = ()
     """Layers the quantize stage keeps in higher precision for this family, beyond every family's defaults."""
     loop: str | None = None
-    """The runtime's denoise loop for it, lazily as "module:Class"; None: the UNet/SD3 loop of runtime/pipeline.py."""
+    """The runtime's loop for it (a runtime.family_loops.FamilyLoop, built from the pipeline), lazily as
+    "module:Class"; None: the UNet/SD3 loop of runtime/pipeline.py."""
 
     @property
     def default_cfg(self) -> tuple[str, ...]:

@@ -18,8 +18,10 @@ DECLARATION = FamilyInfo(
     edit=EditKind.context_tokens,
     lora_text_encoders=(C.text_encoder,),
     flow_matching=True,
+    packed_latents=True,
     reference_guidance={"guidance_scale": 3.5},
     long_tokenizer="tokenizer_2",
+    denoiser_tokenizers=("tokenizer_2",),  # T5 only
     step_cache=("first_block",),  # the first double-stream block's residual predicts the rest
-    loop="trt_diffusion.runtime.flux_loop:FluxLoop",
+    loop="trt_diffusion.runtime.family_loops:FluxFamilyLoop",
 )

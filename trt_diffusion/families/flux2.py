@@ -24,8 +24,10 @@ DECLARATION = FamilyInfo(
     # the folder is the whole Mistral-3 (Pixtral vision tower, projector, LM head): the engine is the decoder stack
     engine_parts={C.text_encoder: (*DECODER_STACK, "language_model.model.")},  # + transformers 4's Mistral3 layout
     flow_matching=True,
+    packed_latents=True,
     reference_guidance={"guidance_scale": 4.0},
     padded_text_length=FLUX2_TEXT_LENGTH,
     quantize_exclude=("time_guidance_embed", "*modulation*"),
-    loop="trt_diffusion.runtime.flux2_loop:Flux2Loop",
+    no_ensemble="the stages' tensors are the CLIP/T5 families' encodings",
+    loop="trt_diffusion.runtime.family_loops:Flux2FamilyLoop",
 )

@@ -18,8 +18,10 @@ DECLARATION = FamilyInfo(
     text_layers=(9, 18, 27),
     engine_parts={C.text_encoder: DECODER_STACK},  # a Qwen3 with its LM head: the engine is the decoder stack
     flow_matching=True,
+    packed_latents=True,
     reference_guidance={"guidance_scale": 4.0},
     padded_text_length=FLUX2_TEXT_LENGTH,
     quantize_exclude=("time_guidance_embed", "*modulation*"),
-    loop="trt_diffusion.runtime.flux2_loop:Flux2Loop",
+    no_ensemble="the stages' tensors are the CLIP/T5 families' encodings",
+    loop="trt_diffusion.runtime.family_loops:Flux2FamilyLoop",
 )

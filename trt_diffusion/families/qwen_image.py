@@ -42,8 +42,10 @@ DECLARATION = FamilyInfo(
     language_model_encoder=True,
     engine_parts={C.text_encoder: DECODER_STACK},
     flow_matching=True,
+    packed_latents=True,
     reference_guidance={"true_cfg_scale": 4.0, "negative_prompt": ""},
     # the DiT's input projections and its adaptive-norm modulation linears (per-sample vectors)
     quantize_exclude=("img_in", "txt_in", "*img_mod*", "*txt_mod*"),
-    loop="trt_diffusion.runtime.qwen_image_loop:QwenImageLoop",
+    no_ensemble="its prompt states carry a mask and a text length per prompt",
+    loop="trt_diffusion.runtime.family_loops:QwenImageFamilyLoop",
 )

@@ -14,5 +14,6 @@ DECLARATION = FamilyInfo(
     workflows=("txt2img", "img2img", "inpaint"),
     lora_text_encoders=(C.text_encoder,),
     step_cache=("deepcache",),
+    pooled_prompt=False,
     reference_guidance={"guidance_scale": 7.5},  # DeepCache needs a UNet's skip connections
 )

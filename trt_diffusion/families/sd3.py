@@ -15,4 +15,5 @@ DECLARATION = FamilyInfo(
     flow_matching=True,
     reference_guidance={"guidance_scale": 7.0},
     long_tokenizer="tokenizer_3",
+    denoiser_tokenizers=("tokenizer", "tokenizer_3"),  # CLIP-L/G embeddings then T5's, along the sequence
 )

@@ -23,5 +23,6 @@ DECLARATION = FamilyInfo(
     # ModelOpt's diffusers example keeps `patch_embedding` (the first layer, a Conv3d) and `condition_embedder` (the
     # time and text embeddings) in higher precision, as conv_in and time/context embedders are kept for all
     quantize_exclude=("patch_embedding", "condition_embedder"),
-    loop="trt_diffusion.runtime.video_loop:WanLoop",
+    no_ensemble="its LATENTS are 4-D",
+    loop="trt_diffusion.runtime.family_loops:WanFamilyLoop",
 )

@@ -22,19 +22,16 @@ Requests are not batched with each other (EnginePipeline.batch_key): each runs o
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..components.flux2 import image_ids, prompt_tokens, text_ids
 from ..engines_file.engine_spec import Size
-from ..families import Family
+from ..families import CfgKind, Family, family_info
 from .engines import split_cfg_mode
+from .requests import GenerationRequest, StageTimings, StepCallback
 from .schedulers import make_scheduler
-
-if TYPE_CHECKING:
-    from .pipeline import GenerationRequest, StageTimings, StepCallback
 
 PATCH = 2  # 2x2 latent pixels per token
 
@@ -55,7 +52,8 @@ class Flux2Loop:
 
     def true_cfg(self, request: GenerationRequest) -> bool:
         """Klein's do_classifier_free_guidance; FLUX.2 dev's guidance is embedded (never two calls)."""
-        return self.family is Family.flux2_klein and request.guidance_scale > 1.0 and not self.distilled
+        return (family_info(self.family).cfg_kind is CfgKind.true_cfg and request.guidance_scale > 1.0
+                and not self.distilled)
 
     def encode(self, request: GenerationRequest) -> tuple[np.ndarray, np.ndarray | None]:
         """(positive, negative) prompt embeddings [rows, 512, J]; negative None where true CFG does not run."""

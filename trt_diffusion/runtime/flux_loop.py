@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,10 +31,8 @@ from ..families import Family
 from ..step_cache import PIECES, StepCacheMethod, first_block_skips
 from ..workflows import Workflow
 from . import conditioning
+from .requests import Conditioning, GenerationRequest, StageTimings, StepCallback
 from .schedulers import make_scheduler
-
-if TYPE_CHECKING:
-    from .pipeline import Conditioning, GenerationRequest, StageTimings, StepCallback
 
 PACKING = 2  # FLUX packs 2x2 latent pixels into one token
 

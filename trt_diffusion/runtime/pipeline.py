@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -23,70 +22,37 @@ from ..components.model_config import vae_latent_channels, vae_scale_factor
 from ..engines_file.engine_spec import Size
 from ..engines_file.schema import CfgMode
 from ..errors import RuntimeInputError
-from ..families import FLUX2_FAMILIES, Family, family_info
+from ..families import EditKind, Family, family_info
 from ..step_cache import PIECES, StepCache, StepCacheMethod, StepCacheMode, deepcache_full_steps, schedule_label
 from ..workflows import (
-    DEFAULT_STRENGTH,
     EDIT_PIPELINE_CLASSES,
     FAMILY_WORKFLOWS,
     IMAGE_TO_VIDEO_PIPELINE_CLASSES,
     Workflow,
     edit_pipeline_classes,
-    request_workflow,
 )
 from . import conditioning
 from .cfg_parallel import at_once, cfg_modes
 from .engines import MAX_DYNAMIC_ROWS, RunnerTable
+from .family_loops import FamilyLoop, family_loop
 from .flux2_loop import Flux2Loop
 from .flux_loop import FluxLoop
-from .qwen_image_loop import EditParts as QwenEditParts
 from .qwen_image_loop import QwenImageLoop, qwen_edit_image_problems, qwen_problems
+from .requests import (  # re-exported: the request types' importers know them from here
+    Conditioning,  # noqa: F401 - re-exported (triton/backend/pipeline_model.py)
+    Generation,
+    GenerationRequest,
+    PromptEncoding,
+    StageTimings,
+    StepCallback,
+    _Conditioning,
+)
 from .schedulers import make_scheduler, scheduler_names
 from .video_loop import WanLoop, video_problems
 
 MAX_STEPS = 1000
 MAX_PROMPT_CHARS = 4096  # PROMPT and NEGATIVE_PROMPT (the Triton models also cap their bytes before decoding)
 MAX_CONTROLNET_SCALE = 100.0
-
-
-@dataclass
-class GenerationRequest:
-    prompt: str
-    height: int
-    width: int
-    negative_prompt: str | None = None  # None: the family's default (SDXL: zeros)
-    steps: int = 20
-    guidance_scale: float = 7.5
-    seed: int = 0
-    scheduler: str = "default"
-    batch: int = 1  # images for this prompt
-    controlnet: str | None = None
-    control_image: np.ndarray | None = None  # uint8 [H, W, 3]
-    controlnet_scale: float = 1.0
-    workflow: str | None = None  # None: what init_image/mask/frames imply (workflows.request_workflow)
-    init_image: np.ndarray | None = None  # uint8 [H, W, 3], the bucket's size (never resized); img2vid: frame 1
-    mask: np.ndarray | None = None  # uint8 [H, W]; white (>= 128) is repainted
-    strength: float | None = None  # (0, 1]; None: the workflow's default (workflows.DEFAULT_STRENGTH)
-    frames: int = 0  # a video family's clip length (Wan: 4k+1); 0: an image
-    guidance_scale_2: float | None = None  # Wan 2.2 two-expert: the low-noise expert's guidance (None: guidance_scale)
-    # qwen_image: prompt tokens kept after the template (diffusers' max_sequence_length); None: 512, or the engines'
-    # text_length max where lower. Longer prompts are truncated to it, as diffusers does; above the engines' max refused
-    max_sequence_length: int | None = None
-    # LoRAs applied by the engines for this request (served: triton/lora_sets.py's canonical set, sorted by name,
-    # no scale 0); requests with different sets never share a denoiser call (batch_key)
-    loras: tuple = ()
-    step_cache: str | None = None  # "on" | "off" (STEP_CACHE); None: engines.yaml's step_cache.enabled
-
-    @property
-    def resolved_workflow(self) -> Workflow:
-        video = isinstance(self.frames, (int, float, np.number)) and self.frames > 0  # a bad FRAMES is named apart
-        return request_workflow(self.workflow, self.init_image is not None, self.mask is not None, video=video)
-
-    @property
-    def resolved_strength(self) -> float:
-        if self.strength is not None:
-            return float(self.strength)
-        return DEFAULT_STRENGTH.get(self.resolved_workflow, 1.0)
 
 
 DEEP_FEATURE = "deep_feature"  # DeepCache's cached tensor (components/deepcache.py)
@@ -105,53 +71,6 @@ class _CachedCall:
     def component(self) -> str:
         deep, shallow = PIECES[StepCacheMethod.deepcache]
         return deep if self.full else shallow
-
-
-@dataclass
-class StageTimings:
-    text_encode_s: float = 0.0
-    image_encode_s: float = 0.0  # img2vid: the CLIP image embeds and the conditioning clip's VAE encode
-    step_s: list[float] = field(default_factory=list)
-    vae_decode_s: float = 0.0
-    batch: int = 1  # requests whose rows shared the denoiser calls (generate_batch)
-    wait_s: float = 0.0  # time spent, before this request's batch started, on other batches of the same call
-    step_schedule: str = ""  # a step-cached request's schedule ("FccFcc": full and cached steps); "": uncached
-
-    @property
-    def total_s(self) -> float:
-        return self.text_encode_s + self.image_encode_s + sum(self.step_s) + self.vae_decode_s
-
-    def to_json(self) -> dict:
-        return {"text_encode_s": self.text_encode_s, "image_encode_s": self.image_encode_s, "steps_s": self.step_s,
-                "vae_decode_s": self.vae_decode_s, "total_s": self.total_s, "batch": self.batch,
-                "wait_s": self.wait_s}
-
-
-@dataclass
-class Generation:
-    images: np.ndarray  # uint8 [B, H, W, 3]; a video family's [B, F, H, W, 3]
-    timings: StageTimings
-    cfg_mode: str  # batched | split | parallel | none
-
-
-@dataclass
-class _Conditioning:
-    embeds: np.ndarray  # [B, S, C]
-    pooled: np.ndarray | None = None
-    mask: np.ndarray | None = None  # qwen_image: [B, S] int64, 1 for the prompt's tokens (rows have their own S)
-
-
-Conditioning = _Conditioning
-
-
-@dataclass
-class PromptEncoding:
-    positive: Conditioning
-    negative: Conditioning | None  # None where CFG does not run
-
-
-# (step index, number of steps, latents of each request of the batch): called after every scheduler step
-StepCallback = Callable[[int, int, list[torch.Tensor]], None]
 
 
 @dataclass
@@ -208,7 +127,8 @@ class EnginePipeline:
         # image-to-video folder's image_processor is imported by the class it names)
         self.index = read_model_index(self.model_dir)
         self.scheduler_config = json.loads((self.model_dir / "scheduler" / "scheduler_config.json").read_text())
-        vae_config = json.loads((self.model_dir / "vae" / "config.json").read_text())
+        vae_config = self.vae_config = json.loads((self.model_dir / "vae" / "config.json").read_text())
+        self.text_lengths = text_lengths
         self.vae_scale_factor = vae_scale_factor(vae_config)
         self.scaling_factor = vae_config.get("scaling_factor", 0.18215)
         self.shift_factor = vae_config.get("shift_factor") or 0.0
@@ -218,20 +138,8 @@ class EnginePipeline:
         self.tokenizers = {name: _tokenizer(self.model_dir, name) for name in
                            ("tokenizer", "tokenizer_2", "tokenizer_3") if self.index.get(name, [None])[0]}
         self.latent_channels = vae_latent_channels(vae_config)
-        self.flux = None if self.family is not Family.flux else FluxLoop(
-            runners, self.denoiser_config, self.scheduler_config, latent_channels=self.latent_channels,
-            vae_scale_factor=self.vae_scale_factor, scaling_factor=self.scaling_factor,
-            shift_factor=self.shift_factor, denoiser=denoiser)
-        self.wan = None if self.family is not Family.wan else WanLoop(
-            runners, self.index, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
-            vae_scale_factor=self.vae_scale_factor, parallel_cfg=self.parallel_cfg, model_dir=self.model_dir)
-        self.qwen = None if self.family is not Family.qwen_image else QwenImageLoop(
-            runners, self.denoiser_config, self.scheduler_config, vae_config, self.tokenizers["tokenizer"],
-            vae_scale_factor=self.vae_scale_factor, text_lengths=text_lengths,
-            edit=QwenEditParts.load(self.model_dir) if self.index.get("_class_name") in EDIT_PIPELINE_CLASSES else None)
-        self.flux2 = None if self.family not in FLUX2_FAMILIES else Flux2Loop(
-            runners, self.family, self.index, self.denoiser_config, self.scheduler_config, self.tokenizers["tokenizer"],
-            vae_scale_factor=self.vae_scale_factor)
+        # the family's own loop where its declaration names one (runtime/family_loops.py); None: the UNet/SD3 loop
+        self.loop: FamilyLoop | None = family_loop(self)
         self.workflows = tuple(Workflow(w) for w in workflows) if workflows else self._served_workflows()
         # engines.yaml's step cache; a pipeline without its pieces' runners (the torch reference) runs every step whole
         self.step_cache = step_cache if step_cache is not None and all(
@@ -241,7 +149,7 @@ class EnginePipeline:
     def runners_swapped(self, runners: RunnerTable):
         """Run with `runners` in place of the pipeline's own, the family loops' included (the Triton entry's
         python warm-up runs on stand-ins this way), and put the own ones back after."""
-        loops = [loop for loop in (self.flux, self.wan, self.qwen, self.flux2) if loop is not None]
+        loops = [self.loop] if self.loop is not None else []
         own = self.runners
         self.runners = runners
         for loop in loops:
@@ -252,6 +160,17 @@ class EnginePipeline:
             self.runners = own
             for loop in loops:
                 loop.runners = own
+
+    def _loop_of(self, kind: type):
+        """The family loop's computation where it is a `kind` (the problems functions take it or None)."""
+        inner = getattr(self.loop, "inner", None)
+        return inner if isinstance(inner, kind) else None
+
+    # the family loops under their old names (tests and the Triton entry read them); None for other families
+    flux = property(lambda self: self._loop_of(FluxLoop))
+    wan = property(lambda self: self._loop_of(WanLoop))
+    qwen = property(lambda self: self._loop_of(QwenImageLoop))
+    flux2 = property(lambda self: self._loop_of(Flux2Loop))
 
     def _served_workflows(self) -> tuple[Workflow, ...]:
         """What the runners can serve when the caller does not say (engines.yaml's `workflows` does): an
@@ -276,7 +195,7 @@ class EnginePipeline:
         if self.index.get("_class_name") in IMAGE_TO_VIDEO_PIPELINE_CLASSES:
             return False  # its extra channels are the first-frame mask and the image's clip latents
         channels = self.denoiser_config["in_channels"]
-        if self.family in (Family.flux, Family.qwen_image, *FLUX2_FAMILIES):
+        if family_info(self.family).packed_latents:
             channels //= 4  # packed 2x2 patches
         return channels > self.latent_channels
 
@@ -321,8 +240,8 @@ class EnginePipeline:
         if request.step_cache is not None and request.step_cache not in {m.value for m in StepCacheMode}:
             problems.append(f"STEP_CACHE must be 'on' or 'off', got {request.step_cache!r}")
         problems += self._image_problems(request)
-        problems += video_problems(self.family, request, self.wan)
-        problems += qwen_problems(request, self.qwen)
+        problems += video_problems(self.family, request, self._loop_of(WanLoop))
+        problems += qwen_problems(request, self._loop_of(QwenImageLoop))
         if problems:
             raise RuntimeInputError("; ".join(problems))
         supported = self.runners.supported_sizes(self.denoiser)
@@ -379,7 +298,8 @@ class EnginePipeline:
                 continue
             if not isinstance(value, np.ndarray) or value.dtype != np.uint8:
                 problems.append(f"{name} must be uint8")
-            elif self.qwen is not None and workflow is Workflow.edit and name == "INIT_IMAGE":
+            elif (family_info(self.family).edit is EditKind.vision_reference and workflow is Workflow.edit
+                  and name == "INIT_IMAGE"):
                 problems += qwen_edit_image_problems(value, request)  # resized by the pipeline, at its aspect
             elif value.shape != shape:
                 problems.append(f"{name} is {list(value.shape)}, expected {list(shape)} (the request's size; "
@@ -397,7 +317,7 @@ class EnginePipeline:
 
     def _img2vid_runners_missing(self) -> str | None:
         """Why an image-to-video checkpoint's img2vid cannot run here, where an encoder it needs is not served."""
-        image = self.wan.image if self.wan is not None else None
+        image = getattr(self.loop, "image_condition", None)
         missing = [] if image is None else [c for c in image.components if not self.runners.has(c)]
         if not missing:
             return None
@@ -451,16 +371,14 @@ class EnginePipeline:
                tuple(request.loras))  # the engines hold one LoRA set per call
         # a cached request shares calls only with requests of the same schedule (steps and strength are in the key)
         key += (self.cache_interval(request),)
-        if self.family in (Family.flux, Family.wan, Family.qwen_image, *FLUX2_FAMILIES):
-            # one request per batch (their loops say why)
+        if self.loop is not None:
+            # one request per batch (the family loops say why)
             key += (id(request),)
         return key
 
     def _runs_cfg(self, request: GenerationRequest) -> bool:
         """Whether the request's denoiser runs twice per step: FLUX.1 and FLUX.2 dev embed guidance (never)."""
-        if self.flux2 is not None:
-            return self.flux2.true_cfg(request)
-        return self.family is not Family.flux and request.guidance_scale > 1.0
+        return self.loop.runs_cfg(request) if self.loop is not None else request.guidance_scale > 1.0
 
     def batch_rows(self, request: GenerationRequest) -> set[int] | None:
         """Row counts (sums of requests' `batch`) a batch like `request` can run with, in the CFG mode the request
@@ -514,7 +432,7 @@ class EnginePipeline:
     def generate_together(self, requests: list[GenerationRequest], on_step: StepCallback | None = None
                           ) -> list[Generation]:
         """One batch of `plan_batches`: requests of one `batch_key` whose rows an engine batch serves."""
-        if len(requests) == 1 or any(loop is not None for loop in (self.flux, self.wan, self.qwen, self.flux2)):
+        if len(requests) == 1 or self.loop is not None:
             return [self.generate(r, on_step) for r in requests]
         size = self.validate(requests[0])
         timings = [StageTimings(batch=len(requests)) for _ in requests]
@@ -537,19 +455,11 @@ class EnginePipeline:
 
     def encode(self, request: GenerationRequest) -> PromptEncoding:
         """Text encoders for the prompt (and the negative prompt where CFG runs)."""
-        if self.wan is not None:
-            positive, negative = self.wan.encode(request)
-            return PromptEncoding(_Conditioning(positive), None if negative is None else _Conditioning(negative))
-        if self.qwen is not None:
-            positive, negative = self.qwen.encode(request)
-            return PromptEncoding(_Conditioning(positive.embeds, mask=positive.mask),
-                                  None if negative is None else _Conditioning(negative.embeds, mask=negative.mask))
-        if self.flux2 is not None:
-            positive, negative = self.flux2.encode(request)
-            return PromptEncoding(_Conditioning(positive), None if negative is None else _Conditioning(negative))
+        if self.loop is not None:
+            return self.loop.encode(request)
         positive = self._encode_all([request.prompt] * request.batch)
         negative = None
-        if self.family is not Family.flux and request.guidance_scale > 1.0:
+        if request.guidance_scale > 1.0:
             negative = self._negative(request, positive, request.batch)
         return PromptEncoding(positive, negative)
 
@@ -559,18 +469,8 @@ class EnginePipeline:
         """The scheduler loop from seeded noise to final latents, with a fresh scheduler for this request."""
         size = Size(request.width, request.height)
         timings = timings or StageTimings()
-        if self.wan is not None:
-            negative = None if encoding.negative is None else encoding.negative.embeds
-            return self.wan.denoise(request, encoding.positive.embeds, negative, timings, on_step)
-        if self.flux2 is not None:
-            negative = None if encoding.negative is None else encoding.negative.embeds
-            return self.flux2.denoise(request, encoding.positive.embeds, negative, timings, on_step)
-        if self.qwen is not None:
-            negative = None if encoding.negative is None else _qwen_text(encoding.negative)
-            return self.qwen.denoise(request, _qwen_text(encoding.positive), negative, timings, on_step)
-        if self.flux is not None:
-            return self.flux.denoise(self.flux.item(request, encoding.positive, size), size, timings, on_step,
-                                     threshold=self.cache_threshold(request)), "none"
+        if self.loop is not None:
+            return self.loop.denoise(request, encoding, size, timings, on_step, self.cache_threshold(request))
         latents, cfg_mode = self._denoise_items([self._item(request, encoding, size)], size, timings, on_step)
         return latents[0], cfg_mode
 
@@ -808,15 +708,15 @@ class EnginePipeline:
 
     def decode(self, latents: torch.Tensor, size: Size, batch: int) -> np.ndarray:
         """Latents to uint8 images [B, H, W, 3] (a video family's [B, F, H, W, 3])."""
-        if self.wan is not None:
-            return _uint8(self.wan.decode(latents, size, batch))
-        if self.qwen is not None:
-            return _uint8(self.qwen.decode(latents, size, batch))
-        if self.flux2 is not None:
-            return _uint8(self.flux2.decode(latents, size, batch))
+        if self.loop is not None:
+            return _uint8(self.loop.decode(latents, size, batch))
+        return _uint8(self._decode_vae(latents, size, batch))
+
+    def _decode_vae(self, latents: torch.Tensor, size: Size, batch: int) -> np.ndarray:
+        """The image VAE decoder's pixels in [-1, 1] (the UNet/SD3 loop's and FLUX.1's)."""
         latents = latents / self.scaling_factor + self.shift_factor
         runner = self.runners.find("vae_decoder", size=size, batch=batch)
-        return _uint8(runner.run({"latent": latents.float().numpy()})["images"])  # layout kept, as in _denoise
+        return runner.run({"latent": latents.float().numpy()})["images"]  # layout kept, as in _denoise
 
 
 def _uint8(pixels: np.ndarray) -> np.ndarray:
@@ -835,12 +735,6 @@ class _StartRequest:
     strength: float
     init_image: np.ndarray
     mask: np.ndarray | None
-
-
-def _qwen_text(conditioning: _Conditioning):
-    from .qwen_image_loop import QwenText
-
-    return QwenText(conditioning.embeds, conditioning.mask)
 
 
 def _denoiser_input(item: _Item, scaled: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -74,10 +73,8 @@ from ..models.edit_reference import condition_size
 from ..workflows import Workflow
 from . import conditioning
 from .engines import split_cfg_mode
+from .requests import GenerationRequest, StageTimings, StepCallback
 from .schedulers import make_scheduler
-
-if TYPE_CHECKING:
-    from .pipeline import GenerationRequest, StageTimings, StepCallback
 
 PATCH = 2  # 2x2 latent pixels per token
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..families import Component, Family
+from ..families import Component, EditKind, Family, family_info
 from ..models.loading import load_component, load_controlnet
 from ..step_cache import PIECES, StepCache
 from ..tensors import TensorSpec
@@ -29,7 +29,7 @@ def reference_runners(model_dir: str | Path, family: Family | str, components=No
     model_dir = Path(model_dir)
     table = RunnerTable()
     options = {"controlnet_residuals": True} if controlnets else {}
-    if family is Family.qwen_image and _edit_checkpoint(model_dir):
+    if family_info(family).edit is EditKind.vision_reference and _edit_checkpoint(model_dir):
         options["context_image"] = True  # the encoder takes the image's embeddings, the transformer its latents
     for component in map(Component, components or _present_components(model_dir, family)):
         config = load_model_config(model_dir, family, component)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,11 +37,9 @@ from ..errors import RuntimeInputError
 from ..families import FAMILIES, WAN_TEXT_LENGTH, Family, family_info
 from ..workflows import IMAGE_TO_VIDEO_PIPELINE_CLASSES
 from .cfg_parallel import at_once
+from .requests import GenerationRequest, StageTimings, StepCallback
 from .schedulers import make_scheduler
 from .video_conditioning import ImageConditioner
-
-if TYPE_CHECKING:
-    from .pipeline import GenerationRequest, StageTimings, StepCallback
 
 EXPERTS = ("transformer", "transformer_2")  # Wan 2.2: the high-noise expert, then the low-noise one
 
