@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .families import family_info
 from .workflows import Workflow
 
 
@@ -70,7 +71,8 @@ def cfg_fields(family) -> dict:
     CFG runs only with a negative prompt (diffusers' do_true_cfg), so its sample requests carry an empty one (its
     second transformer call and the norm rescale are then warmed and timed too); none elsewhere, where CFG runs on
     GUIDANCE_SCALE alone."""
-    return {"negative_prompt": ""} if str(getattr(family, "value", family)) == "qwen_image" else {}
+    negative = family_info(family).reference_guidance.get("negative_prompt")  # the family's declaration
+    return {} if negative is None else {"negative_prompt": negative}
 
 
 def request_fields(workflow: Workflow, height: int, width: int, seed: int = 0) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelError
-from ..families import FLUX2_TEXT_LENGTH, QWEN_TEXT_LENGTH, WAN_TEXT_LENGTH, Component, Family
+from ..families import Component, EditKind, Family, family_info
 from ..models.loading import SUBFOLDER
 
 # Tokenizers without a real limit write a huge model_max_length; use the length the pipelines use.
@@ -105,7 +105,7 @@ def load_model_config(model_dir: str | Path, family: Family | str, component: Co
     """Read the shape facts for `component` of the diffusers folder `model_dir`."""
     model_dir, family, component = Path(model_dir), Family(family), Component(component)
     vae = read_json(model_dir / "vae" / "config.json")
-    if family is Family.qwen_image and (component is Component.image_encoder or (
+    if family_info(family).edit is EditKind.vision_reference and (component is Component.image_encoder or (
             component is Component.text_encoder and (model_dir / "processor").is_dir())):
         from .qwen_image_edit import vision_config
 
@@ -123,7 +123,8 @@ def load_model_config(model_dir: str | Path, family: Family | str, component: Co
 
 
 def _image_tokens(model_dir: Path, family: Family, component: Component, own: Mapping[str, Any]) -> int | None:
-    if family is not Family.wan or not component.is_denoiser or own.get("image_dim") is None:
+    # a video transformer attending to CLIP image tokens (Wan 2.1 image-to-video)
+    if not family_info(family).is_video or not component.is_denoiser or own.get("image_dim") is None:
         return None
     path = model_dir / SUBFOLDER[Component.image_encoder] / "config.json"
     if not path.is_file():
@@ -134,20 +135,19 @@ def _image_tokens(model_dir: Path, family: Family, component: Component, own: Ma
 
 
 def _sequence_length(model_dir: Path, family: Family, component: Component) -> int | None:
-    if family is Family.wan and (component.is_text_encoder or component.is_denoiser):
-        return WAN_TEXT_LENGTH  # WanPipeline pads every prompt to its max_sequence_length default
-    if family is Family.qwen_image and (component.is_text_encoder or component.is_denoiser):
-        # the most prompt tokens (after the template's 34): QwenImagePipeline's max_sequence_length default. The text
-        # length is a profile dimension up to it (components/qwen_image.py: text_lengths)
-        return QWEN_TEXT_LENGTH
-    if family in (Family.flux2, Family.flux2_klein) and (component.is_text_encoder or component.is_denoiser):
-        return FLUX2_TEXT_LENGTH  # Flux2(Klein)Pipeline pads every prompt to its max_sequence_length default
+    info = family_info(family)
+    if component.is_text_encoder or component.is_denoiser:
+        if info.padded_text_length is not None:
+            return info.padded_text_length  # Wan's and FLUX.2's pipelines pad every prompt to max_sequence_length
+        if info.text_lengths is not None:
+            # the most prompt tokens (after Qwen-Image's template): its pipeline's max_sequence_length default. The
+            # text length is a profile dimension up to it (components/qwen_image.py: text_lengths)
+            return info.text_lengths[2]
     if component.is_text_encoder:
         return tokenizer_length(model_dir, _TOKENIZER_OF[component])
     if component in (Component.unet, Component.controlnet):
         return tokenizer_length(model_dir, "tokenizer")
     if component is Component.transformer:
-        if family is Family.sd3:  # CLIP-L/G embeddings then T5's, concatenated along the sequence
-            return tokenizer_length(model_dir, "tokenizer") + tokenizer_length(model_dir, "tokenizer_3")
-        return tokenizer_length(model_dir, "tokenizer_2")  # FLUX: T5 only
+        lengths = [tokenizer_length(model_dir, name) for name in info.denoiser_tokenizers]
+        return None if not lengths or None in lengths else sum(lengths)
     return None

@@ -283,4 +283,4 @@ def _nothing_to_compare(config: EnginesConfig, targets: list[str] | None) -> str
 def _negative_prompt(family: Family) -> str | None:
     """None (each family's default) except for Qwen-Image, whose true CFG runs only with a negative prompt (diffusers'
     do_true_cfg): an empty one, so parity compares the engines' second, unconditional transformer call too."""
-    return "" if family is Family.qwen_image else None
+    return family_info(family).reference_guidance.get("negative_prompt")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..families import FLUX2_FAMILIES, Family, family_info
+from ..families import Family, family_info
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def result_tensor(family: Family | str) -> TensorDecl:
 
 
 def has_pooled(family: Family | str) -> bool:
-    return Family(family) is not Family.sd15
+    return family_info(family).pooled_prompt
 
 
 def encoding_tensors(family: Family | str) -> tuple[TensorDecl, ...]:
@@ -135,15 +135,9 @@ def stage_io(stage: str, family: Family | str, has_controlnets: bool
     if stage == "stream":
         preview = VIDEO_PREVIEW if result is VIDEO else PREVIEW
         return request + (PREVIEW_EVERY,), (result, preview, STEP, TIMING)
-    if family_info(family).is_video:
-        raise ValueError(f"a {Family(family).value} pipeline has no {stage!r} stage: video is served by the entry "
-                         "and the stream (no ensemble: its LATENTS are 4-D)")
-    if Family(family) is Family.qwen_image:
-        raise ValueError(f"a qwen_image pipeline has no {stage!r} stage: it is served by the entry and the stream "
-                         "(no ensemble: its prompt states carry a mask and a text length per prompt)")
-    if Family(family) in FLUX2_FAMILIES:
+    if (why := family_info(family).no_ensemble) is not None:  # the family's declaration says why
         raise ValueError(f"a {Family(family).value} pipeline has no {stage!r} stage: it is served by the entry and "
-                         "the stream (no ensemble: the stages' tensors are the CLIP/T5 families' encodings)")
+                         f"the stream (no ensemble: {why})")
     if stage == "encode":  # gets the whole request so it can refuse a bad one before any engine runs
         return request, encoding_tensors(family)
     if stage == "denoise":

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ServeError
-from ..families import FAMILIES, FLUX2_FAMILIES, Component, Family
+from ..families import FAMILIES, Component, Family
 from ..runtime.cfg_parallel import cfg_instances, cfg_modes
 from ..step_cache import PIECES, StepCache
 from ..targets import get_target
@@ -471,8 +471,7 @@ def _writes_ensemble(family: Family, options: PackageOptions) -> bool:
     Qwen-Image: its prompt states come with a per-prompt mask and text length, which the stages' tensors
     (POSITIVE_EMBEDS / POOLED) do not carry; nor FLUX.2, whose stages would need their own encode and denoise code
     (its guidance embedded or true CFG, its position ids) for no gain over the entry."""
-    return (options.ensemble and not FAMILIES[family].is_video and family is not Family.qwen_image
-            and family not in FLUX2_FAMILIES)
+    return options.ensemble and FAMILIES[family].no_ensemble is None  # the family's declaration says why not
 
 
 def _requests_per_denoiser_call(description: PipelineDescription) -> int:
