@@ -49,14 +49,26 @@ def _templates(top: int, bottom: int, left: int, right: int, size: tuple[int, in
     return {"circle": ellipse, "square": box, "triangle": triangle}
 
 
-def read_image(image: np.ndarray) -> Reading:
-    """What a uint8 [H, W, 3] image of the synthetic world shows."""
-    pixels = np.asarray(image, dtype=np.float64)[..., :3]
+def _background_and_shape(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ring = np.concatenate([pixels[:RING].reshape(-1, 3), pixels[-RING:].reshape(-1, 3),
                            pixels[:, :RING].reshape(-1, 3), pixels[:, -RING:].reshape(-1, 3)])
     background_rgb = np.median(ring, axis=0)
+    return background_rgb, np.linalg.norm(pixels - background_rgb, axis=-1) > SHAPE_DISTANCE
+
+
+def shape_overlap(image: np.ndarray, wanted: np.ndarray) -> float:
+    """Intersection over union of the image's shape pixels (those far from its background) and a wanted bool mask
+    of the same size: how closely a ControlNet's picture follows the shape its edges outline."""
+    _, mask = _background_and_shape(np.asarray(image, dtype=np.float64)[..., :3])
+    union = (mask | wanted).sum()
+    return float((mask & wanted).sum() / union) if union else 1.0
+
+
+def read_image(image: np.ndarray) -> Reading:
+    """What a uint8 [H, W, 3] image of the synthetic world shows."""
+    pixels = np.asarray(image, dtype=np.float64)[..., :3]
+    background_rgb, mask = _background_and_shape(pixels)
     background = _nearest(background_rgb)
-    mask = np.linalg.norm(pixels - background_rgb, axis=-1) > SHAPE_DISTANCE
     if mask.sum() < MIN_SHAPE_PIXELS:
         return Reading(background, None, None, None)
     colour = _nearest(np.median(pixels[mask], axis=0))

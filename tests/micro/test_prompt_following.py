@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from trt_diffusion import synthetic_world as world
-from trt_diffusion.prompt_following import follows, grid_figures, read_image
+from trt_diffusion.prompt_following import follows, grid_figures, read_image, shape_overlap
 
 
 def test_every_drawn_scene_reads_as_its_caption():
@@ -59,3 +59,15 @@ def test_edge_maps_outline_the_shape():
 def test_captions_round_trip(text):
     scene = world.parse_caption(text)
     assert scene is not None and scene.caption == "a red circle on a blue background"
+
+
+def test_shape_overlap_is_high_for_the_drawn_shape_and_low_for_another_place():
+    """The ControlNet measure: a picture of the control scene overlaps its mask; the same shape elsewhere does not."""
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        scene = world.random_scene(rng)
+        assert shape_overlap(world.draw(scene), world.shape_mask(scene)) >= 0.85
+        moved = world.Scene(scene.shape, scene.colour, scene.background, world.SIZE - scene.cx,
+                            world.SIZE - scene.cy, scene.radius)
+        if abs(moved.cx - scene.cx) + abs(moved.cy - scene.cy) > 2.5 * scene.radius:
+            assert shape_overlap(world.draw(moved), world.shape_mask(scene)) < 0.3
