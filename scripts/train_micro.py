@@ -3,8 +3,8 @@
 Seeded and deterministic on one machine (fixed seeds, fixed thread count). Stages, each checkpointed in --work so
 an interrupted run resumes at the stage it was in:
 
-1. vae:  SD1.5's AutoencoderKL layout (small widths, one layer per block) on 32x32 crops of drawn scenes, MSE + a
-         tiny KL, cosine-decayed rate.
+1. vae:  SD1.5's AutoencoderKL layout (small widths, one layer per block) on 32x32 crops of drawn scenes, L1 + MSE
+         + a tiny KL, cosine-decayed rate.
 2. unet: SD1.5's UNet layout (small widths) and a CLIP text encoder trained together (DDPM, epsilon, SD1.5's
          scaled_linear betas, 10 % empty captions for classifier-free guidance) on the frozen VAE's latents; the
          tokenizer is the project's character-level CLIP tokenizer, so the encoder learns the words.
@@ -19,6 +19,7 @@ prompt-following figures.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import shutil
@@ -36,18 +37,29 @@ from trt_diffusion import synthetic_world as world  # noqa: E402
 from trt_diffusion.models import micro  # noqa: E402
 from trt_diffusion.prompt_following import grid_figures  # noqa: E402
 
-SCRIPT_VERSION = 1
+SCRIPT_VERSION = 2  # 2: a 32-wide VAE trained on L1 + MSE
 GRID_SEEDS = (0, 1, 2, 3)
 GRID_STEPS = 20
 GRID_CFG = 5.0
 CROP = 32  # the VAE trains on crops of this size
+LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 def scenes(rng: np.random.Generator, count: int, style: str = "plain") -> tuple[torch.Tensor, list[str]]:
     """A batch of drawn scenes as [-1, 1] float images, and their captions."""
     drawn = [world.random_scene(rng, style=style) for _ in range(count)]
+    return as_images(drawn), [scene.caption for scene in drawn]
+
+
+def as_images(drawn: list[world.Scene]) -> torch.Tensor:
     images = np.stack([world.draw(scene) for scene in drawn]).astype(np.float32) / 127.5 - 1
-    return torch.from_numpy(images).permute(0, 3, 1, 2), [scene.caption for scene in drawn]
+    return torch.from_numpy(images).permute(0, 3, 1, 2)
+
+
+def as_edge_maps(drawn: list[world.Scene]) -> torch.Tensor:
+    """[0, 1] float control images, as diffusers' ControlNet pipelines feed them."""
+    edges = np.stack([world.edge_map(scene) for scene in drawn]).astype(np.float32) / 255
+    return torch.from_numpy(edges).permute(0, 3, 1, 2)
 
 
 def cosine_rate(step: int, steps: int, peak: float, warmup: int = 100) -> float:
@@ -74,7 +86,9 @@ def train_vae(work: Path, steps: int, seed: int):
         images = images[:, :, top:top + CROP, left:left + CROP]
         posterior = vae.encode(images).latent_dist
         reconstruction = vae.decode(posterior.sample()).sample
-        loss = torch.nn.functional.mse_loss(reconstruction, images) + 1e-6 * posterior.kl().mean()
+        # L1 beside MSE: MSE alone blurs a shape's corners, and the corners are what tell a square from a circle
+        loss = (reconstruction - images).abs().mean() + torch.nn.functional.mse_loss(reconstruction, images) \
+            + 1e-6 * posterior.kl().mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -145,6 +159,100 @@ def train_unet(work: Path, vae, steps: int, seed: int, *, phase: str = "unet", s
     return unet, text_encoder, tokenizer
 
 
+def _frozen_conditioning(text_encoder, tokenizer, vae, captions: list[str], images: torch.Tensor):
+    with torch.no_grad():
+        ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids
+        return text_encoder(ids)[0], vae.encode(images).latent_dist.sample() * vae.config.scaling_factor
+
+
+def _noised(latents: torch.Tensor):
+    from diffusers import DDPMScheduler
+
+    noise_schedule = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                   num_train_timesteps=1000)
+    noise = torch.randn_like(latents)
+    timesteps = torch.randint(0, 1000, (latents.shape[0],))
+    return noise_schedule.add_noise(latents, noise, timesteps), noise, timesteps
+
+
+def train_lora(work: Path, vae, unet, text_encoder, tokenizer, steps: int, seed: int) -> dict[str, torch.Tensor]:
+    """A style LoRA: the outlined style, captioned with the plain words (no trigger word: loading it is the style).
+    Rank 8 on the attention projections and the ResNet convolutions: an outline is a spatial change, more than
+    attention alone moves. Returns the PEFT state dict in diffusers naming."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file, save_file
+
+    from trt_diffusion.models.tiny import LORA_TARGETS
+
+    path = work / "lora" / "pytorch_lora_weights.safetensors"
+    if path.is_file():
+        return load_file(path)
+    torch.manual_seed(seed + 3)
+    rng = np.random.default_rng(seed + 3)
+    unet = copy.deepcopy(unet)  # PEFT's wrappers stay in a model after its adapter is deleted: train on a copy
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=8, lora_alpha=8, target_modules=[*LORA_TARGETS, "conv1", "conv2"]),
+                     adapter_name="outlined")
+    parameters = [p for p in unet.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.0)
+    start = time.time()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_rate(step, steps, 1e-3)
+        drawn = [world.random_scene(rng, style="outlined") for _ in range(32)]
+        captions = [world.caption(d.shape, d.colour, d.background) if rng.random() >= 0.1 else "" for d in drawn]
+        embeddings, latents = _frozen_conditioning(text_encoder, tokenizer, vae, captions, as_images(drawn))
+        noisy, noise, timesteps = _noised(latents)
+        loss = torch.nn.functional.mse_loss(unet(noisy, timesteps, embeddings).sample, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"lora {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+    state = {k: v.detach().clone().contiguous() for k, v in
+             get_peft_model_state_dict(unet, adapter_name="outlined").items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, path)
+    return state
+
+
+def train_controlnet(work: Path, vae, unet, text_encoder, tokenizer, steps: int, seed: int):
+    """A ControlNet on edge maps (what a Canny detector draws), from the trained UNet's encoder, the UNet frozen."""
+    from diffusers import ControlNetModel
+
+    path = work / "controlnet"
+    if (path / "config.json").is_file():
+        return ControlNetModel.from_pretrained(path)
+    torch.manual_seed(seed + 4)
+    rng = np.random.default_rng(seed + 4)
+    controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32, 64, 64))
+    unet.requires_grad_(False)
+    optimizer = torch.optim.AdamW(controlnet.parameters(), lr=5e-4, weight_decay=1e-2)
+    start = time.time()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_rate(step, steps, 5e-4)
+        drawn = [world.random_scene(rng) for _ in range(32)]
+        captions = [d.caption if rng.random() >= 0.1 else "" for d in drawn]
+        embeddings, latents = _frozen_conditioning(text_encoder, tokenizer, vae, captions, as_images(drawn))
+        noisy, noise, timesteps = _noised(latents)
+        down, mid = controlnet(noisy, timesteps, encoder_hidden_states=embeddings,
+                               controlnet_cond=as_edge_maps(drawn), return_dict=False)
+        prediction = unet(noisy, timesteps, embeddings, down_block_additional_residuals=down,
+                          mid_block_additional_residual=mid).sample
+        loss = torch.nn.functional.mse_loss(prediction, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(controlnet.parameters(), 1.0)
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"controlnet {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+    controlnet.save_pretrained(path)
+    return controlnet
+
+
 def sample_grid(pipe) -> tuple[list[np.ndarray], list[str]]:
     images, prompts = [], []
     for prompt in world.prompt_grid():  # a prompt's seeds in one call: each image's noise from its own seed
@@ -171,6 +279,56 @@ def evaluate(folder: Path, picture: Path | None = None) -> dict[str, float]:
     return grid_figures(images, prompts)
 
 
+def evaluate_lora(folder: Path) -> dict[str, float]:
+    """The share of the grid's images (one seed) drawn in the outlined style with the LoRA loaded at scale 1."""
+    from diffusers import StableDiffusionPipeline
+
+    from trt_diffusion.prompt_following import read_image
+
+    pipe = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, safety_checker=None,
+                                                   requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(folder / "lora", weight_name=LORA_FILE)
+    outlined = 0
+    for prompt in world.prompt_grid():
+        out = pipe(prompt, num_inference_steps=GRID_STEPS, guidance_scale=GRID_CFG,
+                   generator=torch.Generator().manual_seed(GRID_SEEDS[0]), height=world.SIZE, width=world.SIZE,
+                   output_type="np")
+        outlined += read_image(np.round(out.images[0] * 255).astype(np.uint8)).style == "outlined"
+    return {"style_outlined_with_lora": 100.0 * outlined / len(world.prompt_grid())}
+
+
+def control_scenes() -> list[world.Scene]:
+    """One scene per grid prompt, at a seeded position and size: the edges the ControlNet is asked to follow."""
+    rng = np.random.default_rng(1234)
+    drawn = []
+    for prompt in world.prompt_grid():
+        wanted, placed = world.parse_caption(prompt), world.random_scene(rng)
+        drawn.append(world.Scene(wanted.shape, wanted.colour, wanted.background, placed.cx, placed.cy, placed.radius))
+    return drawn
+
+
+def evaluate_controlnet(folder: Path) -> dict[str, float]:
+    """Mean overlap (IoU) of the drawn shape with the control scene's shape, and the share at or above 0.7."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+    from PIL import Image
+
+    from trt_diffusion.prompt_following import shape_overlap
+
+    pipe = StableDiffusionControlNetPipeline.from_pretrained(
+        folder, controlnet=ControlNetModel.from_pretrained(folder / "controlnet", torch_dtype=torch.float32),
+        torch_dtype=torch.float32, safety_checker=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    overlaps = []
+    for scene in control_scenes():
+        out = pipe(scene.caption, Image.fromarray(world.edge_map(scene)), num_inference_steps=GRID_STEPS,
+                   guidance_scale=GRID_CFG, generator=torch.Generator().manual_seed(GRID_SEEDS[0]),
+                   height=world.SIZE, width=world.SIZE, output_type="np")
+        overlaps.append(shape_overlap(np.round(out.images[0] * 255).astype(np.uint8), world.shape_mask(scene)))
+    return {"mean_overlap": float(np.mean(overlaps)), "share_at_least_0_7": 100.0 * float(np.mean(
+        np.array(overlaps) >= 0.7))}
+
+
 def weights_sha256(folder: Path) -> dict[str, str]:
     """relative name -> sha256 of every weight file: what a later check (tests/micro) holds the shipped files to."""
     import hashlib
@@ -187,6 +345,8 @@ def main() -> None:
     parser.add_argument("--unet-steps", type=int, default=3000)
     parser.add_argument("--refine-steps", type=int, default=3000, help="a second UNet phase from the first's "
                         "weights, at a lower rate")
+    parser.add_argument("--lora-steps", type=int, default=1500, help="the outlined-style LoRA (0: none)")
+    parser.add_argument("--controlnet-steps", type=int, default=1500, help="the edge-map ControlNet (0: none)")
     parser.add_argument("--threads", type=int, default=2, help="fixed for reproducible sums")
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "micro-train")
     parser.add_argument("--out", type=Path, default=None, help="default trt_diffusion/data/micro/FAMILY")
@@ -209,6 +369,10 @@ def main() -> None:
     if args.refine_steps:  # the first phase's shapes follow the prompt's words only loosely (circle ~ square)
         unet, text_encoder, tokenizer = train_unet(work, vae, args.refine_steps, args.seed, phase="refine",
                                                    start_from="unet", peak=2e-4)
+    lora = train_lora(work, vae, unet, text_encoder, tokenizer, args.lora_steps, args.seed) \
+        if args.lora_steps else None
+    controlnet = train_controlnet(work, vae, unet, text_encoder, tokenizer, args.controlnet_steps, args.seed) \
+        if args.controlnet_steps else None
     seconds = time.time() - start
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                    scheduler=micro.sd15_scheduler(), safety_checker=None, feature_extractor=None,
@@ -216,11 +380,22 @@ def main() -> None:
     staging = out.with_name(f".{out.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
     pipe.to(torch.float16).save_pretrained(staging, safe_serialization=True)
+    if lora is not None:
+        StableDiffusionPipeline.save_lora_weights(staging / "lora", unet_lora_layers={
+            k: v.to(torch.float16) for k, v in lora.items()}, weight_name=LORA_FILE, safe_serialization=True)
+    if controlnet is not None:
+        controlnet.to(torch.float16).save_pretrained(staging / "controlnet", safe_serialization=True)
     figures = evaluate(staging, args.picture)  # fp16 weights upcast on load: the reference users get
     record = {"script_version": SCRIPT_VERSION, "family": args.family, "vocabulary": micro.VOCABULARY, "seed": args.seed,
-              "vae_steps": args.vae_steps, "unet_steps": args.unet_steps, "refine_steps": args.refine_steps, "threads": args.threads,
+              "vae_steps": args.vae_steps, "unet_steps": args.unet_steps, "refine_steps": args.refine_steps,
+              "threads": args.threads,
               "train_seconds": round(seconds), "grid": {"prompts": len(world.prompt_grid()), "seeds": list(GRID_SEEDS),
                                                         "steps": GRID_STEPS, "cfg": GRID_CFG, "figures": figures}}
+    if lora is not None:
+        record["lora"] = {"steps": args.lora_steps, "style": "outlined", "figures": evaluate_lora(staging)}
+    if controlnet is not None:
+        record["controlnet"] = {"steps": args.controlnet_steps, "control": "edges",
+                                "figures": evaluate_controlnet(staging)}
     record["weights_sha256"] = weights_sha256(staging)
     (staging / micro.TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
