@@ -62,6 +62,8 @@ class ImagesStub:
     cancelled: threading.Event = field(default_factory=threading.Event)  # a held inference's client cancelled it
     arrivals: int = 0  # inferences that reached the stub (held ones included)
     arrived: list = field(default_factory=list)  # (model, prompt, seed) of each of them
+    priorities: dict = field(default_factory=dict)  # prompt -> the request's priority (0: none sent)
+    instances: int = 2  # each entry's instance count, as its config declares it
     unavailable: int = 0  # the next this many inferences answer UNAVAILABLE (Triton went away)
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: object = None
@@ -98,6 +100,7 @@ def start_images_stub() -> ImagesStub:
                               "max_images": "4", "workflows": "txt2img"}
             config = model_config_pb2.ModelConfig(
                 name=request.name, input=[model_config_pb2.ModelInput(name=name) for name in INPUTS],
+                instance_group=[model_config_pb2.ModelInstanceGroup(count=stub.instances)],
                 parameters={k: model_config_pb2.ModelParameter(string_value=v) for k, v in parameters.items()})
             return service_pb2.ModelConfigResponse(config=config)
 
@@ -107,6 +110,8 @@ def start_images_stub() -> ImagesStub:
             with stub.lock:
                 stub.arrivals += 1
                 stub.arrived.append((request.model_name, values["PROMPT"], int(values["SEED"].reshape(-1)[0])))
+                priority = request.parameters["priority"].uint64_param if "priority" in request.parameters else 0
+                stub.priorities[values["PROMPT"]] = priority
             stub.entered.set()
             if stub.gate is not None:
                 while not stub.gate.acquire(timeout=0.05):

@@ -17,6 +17,7 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from functools import partial
+from types import SimpleNamespace
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -30,6 +31,7 @@ from .catalog import Catalog, ServedModel, check_n, check_size
 from .errors import ApiError, bad_request
 from .guards import BrowserGuard
 from .job_runner import JobRunner
+from .job_slots import BatchPriorityClient, JobSlots
 from .limits import BodyLimit
 from .overload import DEGRADED_HEADER, OverloadGate
 from .settings import ApiSettings
@@ -49,8 +51,16 @@ def create_app(settings: ApiSettings):
     gate = OverloadGate(dict(settings.overload), settings.cost_model) if settings.overload else None
 
     async def run_job_line(endpoint: str, body: dict) -> dict:
-        """A batch line, through the online route's entry (batch_routes.BATCH_ENDPOINTS)."""
-        return await generation_response(app.state, settings, json.dumps(body).encode(), interactive=False)
+        """A batch line, through the online route's entry (batch_routes.BATCH_ENDPOINTS), at batch priority."""
+        return await generation_response(app.state.jobs, settings, json.dumps(body).encode(), interactive=False)
+
+    async def job_slot_free(model: str | None) -> bool:
+        if model is None:  # the only model served, when there is one
+            try:
+                model = (await app.state.catalog.resolve(None)).name
+            except ApiError:
+                return True
+        return await app.state.slots.free(model)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -62,9 +72,13 @@ def create_app(settings: ApiSettings):
         app.state.triton = client
         app.state.catalog = Catalog(client, max_age_s=settings.catalog_max_age_s)
         app.state.overload = gate
+        app.state.slots = JobSlots(client)
+        # what the jobs see: the same catalog, Triton at batch priority, no overload policy, no instance count
+        app.state.jobs = SimpleNamespace(triton=BatchPriorityClient(client), catalog=app.state.catalog)
         if jobs is not None:  # the batches left by the last run go on first
-            app.state.runner = JobRunner(jobs, run_job_line,
-                                         run_video=video_routes.video_runner(app.state, settings)).start()
+            app.state.runner = JobRunner(jobs, run_job_line, slot_free=job_slot_free,
+                                         run_video=video_routes.video_runner(app.state.jobs, settings)).start()
+            app.state.slots.on_leave = app.state.runner.wake
         try:
             yield
         finally:
@@ -120,7 +134,9 @@ def create_app(settings: ApiSettings):
         live = await request.app.state.triton.is_server_live()
         if not live:
             raise ApiError(503, "Triton is not live")
-        return {"status": "ok", "decodes": decodes.state(), "overload": gate.state() if gate is not None else {}}
+        return {"status": "ok", "decodes": decodes.state(), "overload": gate.state() if gate is not None else {},
+                "jobs": {"waiting_for_an_instance": getattr(getattr(request.app.state, "runner", None),
+                                                            "waiting_for_slot", False)}}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -293,12 +309,17 @@ async def _generate(state, settings: ApiSettings, served: ServedModel, body, wid
     tensors = image_request.tensors()
     work = infer_images(state.triton, served.name, tensors, settings.timeout_s)
     finished = False
+    slots = getattr(state, "slots", None) if interactive else None
+    if slots is not None:  # counted: a job line starts only while it leaves people an instance (job_slots)
+        slots.enter(served.name)
     try:
         images = await (wait(work) if wait is not None else work)
         finished = True
     finally:
         if admission is not None:
             gate.release(admission, finished)
+        if slots is not None:
+            slots.leave(served.name)
     if images.shape[0] != body.n:
         raise ApiError(502, f"Triton's {served.name} answered {images.shape[0]} images for n={body.n}")
     strength = image_inputs.get("strength")

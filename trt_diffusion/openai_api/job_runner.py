@@ -32,11 +32,15 @@ def _record(line: Line, status: int, body: dict) -> dict:
 class JobRunner:
     def __init__(self, store: JobStore, run_line: Callable[[str, dict], Awaitable[dict]], *,
                  run_video: Callable[[dict, bytes | None], Awaitable[Callable]] | None = None,
+                 slot_free: Callable[[str | None], Awaitable[bool]] | None = None,
                  poll_s: float = 5.0, retry_s: float = 2.0):
         self.store = store
         self.run_line = run_line  # (endpoint, body) -> the online route's answer; ApiError as the route's refusal
         # (body, reference PNG or None) -> write(path): the clip from the video entry, and how to write its .mp4
         self.run_video = run_video
+        # (model) -> whether a job may take one of its instances now (job_slots.JobSlots.free); None: always
+        self.slot_free = slot_free
+        self.waiting_for_slot = False
         self.poll_s = poll_s  # how often an idle runner looks for expiries and the retention
         self.retry_s = retry_s
         self._wake = asyncio.Event()  # bound to a loop at first use (Python 3.10+)
@@ -98,6 +102,8 @@ class JobRunner:
                     return self.store.finalize(batch_id, "cancelled")
                 if self.store.clock() >= state["expires_at"]:
                     return self.store.finalize(batch_id, "expired", leftover_error=EXPIRED)
+                if not await self._slot(line.body.get("model")):
+                    continue  # the batch may have been cancelled or expired meanwhile
                 outcome = await self._run(line)
                 if outcome is None:  # retried: cancelled, Triton busy or away, or no room for the result
                     continue
@@ -113,6 +119,16 @@ class JobRunner:
         self.store.set_status(batch_id, "finalizing", only_from=("in_progress",))
         return self.store.finalize(batch_id, "completed")
 
+    async def _slot(self, model: str | None) -> bool:
+        """Whether the job may start its call now; False after a wait (woken by an online request ending, a
+        cancel, or the poll): the caller looks at its job again before asking once more."""
+        if self.slot_free is None or await self.slot_free(model):
+            self.waiting_for_slot = False
+            return True
+        self.waiting_for_slot = True
+        await self._sleep(self.poll_s)
+        return False
+
     async def run_video_job(self, video: dict) -> None:
         """One clip: run, then its .mp4 in the store; a refusal fails the job with the entry's words."""
         video_id = video["id"]
@@ -122,6 +138,8 @@ class JobRunner:
                 body, reference = self.store.video_job(video_id)
             except ApiError:  # deleted meanwhile
                 return
+            if not await self._slot(body["model"]):
+                continue
             outcome = await self._run(Line(video_id, 0, video_id, body, "pending"),
                                       lambda: self.run_video(body, reference))
             if outcome is None:

@@ -15,6 +15,14 @@ ModelConfig = mc.ModelConfig
 ROLE = "trt_diffusion_role"  # parameter naming what a model is for: entry | ensemble | stage | engine
 
 
+# Triton's dynamic-batcher priority levels on a queued model (1 is served first): a request without `priority` —
+# a person: generate, the OpenAI API's online routes — is interactive; the API's batch and video jobs send
+# PRIORITY_BATCH, so queued jobs wait behind every queued person (a running job is never preempted: the API keeps
+# jobs off a model's last instance, docs/deploy.md).
+PRIORITY_INTERACTIVE = 1
+PRIORITY_BATCH = 2
+
+
 @dataclass(frozen=True)
 class QueuePolicy:
     """Bounded queue in front of a model: overload is refused at once instead of waiting forever."""
@@ -123,6 +131,8 @@ def pipeline_config(name: str, *, stage: str, inputs: Sequence[TensorDecl], outp
         policy.default_timeout_microseconds = int(queue.timeout_s * 1e6)
         policy.allow_timeout_override = True  # a client may ask for a shorter wait
         policy.max_queue_size = queue.max_queue_size
+        batching.priority_levels = PRIORITY_BATCH
+        batching.default_priority_level = PRIORITY_INTERACTIVE
     if stage == "stream":  # one request, many responses (previews, then the image): gRPC streaming
         config.model_transaction_policy.decoupled = True
     role = {"full": "entry", "stream": "stream"}.get(stage, "stage")

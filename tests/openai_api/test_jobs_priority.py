@@ -1,0 +1,107 @@
+"""Interactive before batch: the entries' dynamic batcher has two priority levels (requests that send none are
+interactive); the API's job lines are sent at the batch level, its online requests at the default; and a job line
+starts only when it leaves one of the model's instances to people (tests/shared/images_stub_triton.py declares the
+instance count and holds inferences, so "did not start" is observed, not timed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+from images_stub_triton import start_images_stub
+
+from trt_diffusion.openai_api.job_slots import JobSlots
+from trt_diffusion.openai_api.server import ApiServer
+from trt_diffusion.openai_api.settings import ApiSettings
+from trt_diffusion.triton import configs
+from trt_diffusion.triton.contract import REQUEST_INPUTS
+
+GUARD_S = 60
+
+
+def test_queued_entries_have_an_interactive_and_a_batch_level():
+    config = configs.pipeline_config("e", stage="full", inputs=REQUEST_INPUTS, outputs=[], instances=2,
+                                     queue=configs.QueuePolicy(8, 60.0), parameters={})
+    batching = config.dynamic_batching
+    assert (batching.priority_levels, batching.default_priority_level) == (2, 1)
+    assert (configs.PRIORITY_INTERACTIVE, configs.PRIORITY_BATCH) == (1, 2)
+    unqueued = configs.pipeline_config("s", stage="encode", inputs=REQUEST_INPUTS, outputs=[], instances=1,
+                                       queue=None, parameters={})
+    assert not unqueued.HasField("dynamic_batching")
+
+
+@pytest.mark.parametrize("instances, online, free", [
+    (1, 0, True), (1, 1, False), (2, 0, True), (2, 1, False), (3, 1, True), (3, 2, False)])
+def test_a_job_leaves_people_an_instance(instances, online, free):
+    class Client:
+        async def get_model_config(self, model):
+            return SimpleNamespace(config=SimpleNamespace(instance_group=[SimpleNamespace(count=instances)]))
+
+    slots = JobSlots(Client())
+    for _ in range(online):
+        slots.enter("m")
+    assert asyncio.run(slots.free("m")) is free
+
+
+@pytest.fixture
+def stub():
+    stub = start_images_stub()
+    stub.gate = threading.Semaphore(0)
+    yield stub
+    stub.stop()
+
+
+@pytest.fixture
+def api(stub, tmp_path):
+    with ApiServer(ApiSettings(stub.url, port=0, state_dir=tmp_path / "state")) as server:
+        yield server
+
+
+def until(check, what: str):
+    end = time.monotonic() + GUARD_S
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{what} did not happen in time")
+
+
+def health(api) -> dict:
+    with urllib.request.urlopen(api.url.removesuffix("/v1") + "/health", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def submit(client, prompt: str):
+    line = {"custom_id": prompt, "method": "POST", "url": "/v1/images/generations",
+            "body": {"model": "sd15-tiny", "prompt": prompt, "seed": 1}}
+    upload = client.files.create(file=("a.jsonl", (json.dumps(line) + "\n").encode()), purpose="batch")
+    return client.batches.create(input_file_id=upload.id, endpoint="/v1/images/generations",
+                                 completion_window="24h")
+
+
+@pytest.mark.parametrize("instances", [2, 3])
+def test_jobs_go_at_batch_priority_and_keep_off_the_last_instance(api, stub, instances):
+    import openai
+
+    stub.instances = instances
+    client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
+    with ThreadPoolExecutor(1) as pool:
+        online = pool.submit(client.images.generate, model="sd15-tiny", prompt="person", extra_body={"seed": 1})
+        until(lambda: stub.arrivals == 1, "the online request reaching Triton")
+        batch = submit(client, "job")
+        if instances == 2:  # the online request holds one of two: the job waits for it
+            until(lambda: health(api)["jobs"]["waiting_for_an_instance"], "the job waiting")
+            assert stub.arrivals == 1
+        else:  # one of three busy: the job takes another and still leaves one
+            until(lambda: stub.arrivals == 2, "the job line reaching Triton")
+        stub.gate.release(10)
+        online.result(GUARD_S)
+    until(lambda: client.batches.retrieve(batch.id).status == "completed", "the batch completing")
+    assert stub.priorities == {"person": 0, "job": configs.PRIORITY_BATCH}  # online: the default (interactive)
+    assert health(api)["jobs"]["waiting_for_an_instance"] is False
