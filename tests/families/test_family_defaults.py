@@ -57,6 +57,18 @@ def test_flux_transformer_defaults_to_a_precision_that_passes_parity_on_cpu_targ
     assert precisions == {"onnxruntime": "fp32", "openvino": "fp32", "tensorrt": "bf16"}
 
 
+def test_parity_judges_each_target_on_the_precision_it_built(tiny_model_factory, tmp_path):
+    """The FLUX.1 transformer's wide-float default is bf16 on TensorRT: parity judges that engine on bf16's bar,
+    not on fp32's (the precision map holds the CPU targets' fp32)."""
+    from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.parity.stage import judged_precision
+
+    config = load_engines_file(minimal_engines_yaml(tmp_path, tiny_model_factory("flux"), "flux"))
+    (model,) = config.models.values()
+    assert [judged_precision(model, t).value for t in ("onnxruntime", "openvino", "tensorrt")] == \
+        ["fp32", "fp32", "bf16"]
+
+
 def test_qwen_image_default_cfg_builds_the_batch_one_transformer_true_cfg_calls(tiny_model_factory, tmp_path):
     plan = _plan(tmp_path, tiny_model_factory, "qwen_image")
     assert {s.batch for s in plan.specs if s.component == Component.transformer} == {1}

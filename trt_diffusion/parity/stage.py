@@ -138,13 +138,17 @@ def _reference(config: EnginesConfig, model_name: str, lora: str | None) -> Runn
     return table
 
 
-def judged_precision(model) -> Precision:
+def judged_precision(model, target: str | None = None) -> Precision:
     """The precision whose bar a variant's images are judged on: the denoiser's, or, in front of a denoiser that is
-    not quantized, a quantized text encoder's (a language-model encoder in int8 beside an fp32 transformer)."""
-    denoiser = model.precision[family_info(model.family).denoiser]
+    not quantized, a quantized text encoder's (a language-model encoder in int8 beside an fp32 transformer). On a
+    target, each component's precision there (a family's wide-float default is bf16 where the target builds bf16)."""
+    def on_target(component):
+        return model.precision[component] if target is None else model.precision_on(component, target)
+
+    denoiser = on_target(family_info(model.family).denoiser)
     if denoiser.is_quantized:
         return denoiser
-    quantized = [model.precision[c] for c in model.components if model.precision[c].is_quantized]
+    quantized = [on_target(c) for c in model.components if on_target(c).is_quantized]
     return quantized[0] if quantized else denoiser
 
 
@@ -153,7 +157,7 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
     model = config.models[model_name]
     family = model.family
     denoiser = family_info(family).denoiser
-    judged = judged_precision(model)
+    judged = judged_precision(model, target)
     precision = judged.value
     overrides = model.parity.get(judged)
     thresholds = thresholds_for(precision, overrides.model_dump(exclude_none=True) if overrides else None)
