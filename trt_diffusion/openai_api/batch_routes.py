@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import FileResponse
 
 from . import bodies
 from .errors import ApiError, bad_request
@@ -35,7 +35,9 @@ def check_batch_file(content: bytes) -> list[dict]:
     except UnicodeDecodeError as exc:
         raise bad_request(f"the file is not UTF-8 text (byte {exc.start}): a batch file is JSONL", "file") from None
     lines, seen = [], set()
-    for number, raw in enumerate(text.splitlines(), 1):
+    # JSONL lines end at "\n" only: str.splitlines would also split at U+2028, U+0085…, which JSON strings may hold
+    for number, raw in enumerate(text.split("\n"), 1):
+        raw = raw.removesuffix("\r")
         if not raw.strip():
             continue
         where = f"line {number} of the file"
@@ -124,7 +126,8 @@ def add_routes(app: FastAPI, store: Callable[[], JobStore], runner: Callable[[],
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str):
-        return Response(store().file_content(file_id), media_type="application/jsonl")
+        # streamed from disk: an output file of thousands of images is never read whole into memory
+        return FileResponse(store().file_content_path(file_id), media_type="application/jsonl")
 
     @app.post("/v1/batches")
     async def create_batch(request: Request):
@@ -186,5 +189,9 @@ def add_routes(app: FastAPI, store: Callable[[], JobStore], runner: Callable[[],
                 return jobs.batch(batch_id)
             raise ApiError(409, f"batch {batch_id} is {batch['status']}: there is nothing left to cancel",
                            "batch_id", "batch_not_cancellable")
+        if getattr(runner(), "current", None) != batch_id:
+            # not the batch the runner works on: nothing runs to stop, so it is cancelled now, not when the runner
+            # reaches it behind the batches ahead (synchronously: the runner cannot take it up meanwhile)
+            return jobs.finalize(batch_id, "cancelled")
         runner().cancel(batch_id)
         return jobs.batch(batch_id)

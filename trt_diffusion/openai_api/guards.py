@@ -14,7 +14,8 @@ from .errors import ApiError
 from .limits import send_error
 from .settings import ApiSettings, normal_host, normal_origin
 
-PREFLIGHT_HEADERS = [(b"access-control-allow-methods", b"GET, POST"),
+# DELETE: videos.delete (DELETE /v1/videos/{id})
+PREFLIGHT_HEADERS = [(b"access-control-allow-methods", b"GET, POST, DELETE"),
                      (b"access-control-allow-headers", b"authorization, content-type"),
                      (b"access-control-max-age", b"600")]
 

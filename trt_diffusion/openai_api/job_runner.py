@@ -14,10 +14,11 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from .errors import ApiError
-from .job_store import JobStore, Line, StateError
+from .job_store import TERMINAL, JobStore, Line, StateError
 
 log = logging.getLogger("trt_diffusion.openai_api.jobs")
 RETRY_STATUSES = (429, 503)  # Triton's queue full or Triton away: try the line again later
+MAX_JOB_FAILURES = 3  # a job that breaks the runner this many times in a row is failed, not retried ahead of all
 EXPIRED = {"code": "batch_expired",
            "message": "This request could not be executed before the completion window expired."}
 
@@ -46,6 +47,8 @@ class JobRunner:
         self._wake = asyncio.Event()  # bound to a loop at first use (Python 3.10+)
         self._running: tuple[str, asyncio.Task] | None = None
         self._task: asyncio.Task | None = None
+        self.current: str | None = None  # the batch or video the runner works on now (cancel finalizes the others)
+        self._failures: tuple[str, int] = ("", 0)  # (job id, failures in a row)
 
     def start(self) -> JobRunner:
         self._task = asyncio.ensure_future(self._loop())
@@ -75,6 +78,7 @@ class JobRunner:
 
     async def _loop(self) -> None:
         while True:
+            job = None
             try:
                 self.store.sweep()
                 job = self.store.next_job()
@@ -88,20 +92,49 @@ class JobRunner:
                 raise
             except Exception:  # a bug or the state folder failing: logged, and the loop keeps serving
                 log.exception("the job runner failed; trying again in %.0f s", self.retry_s)
+                if job is not None:
+                    await self._failed_again(*job)
                 await self._sleep(self.retry_s)
+            finally:
+                self.current = None
+
+    async def _failed_again(self, kind: str, card: dict) -> None:
+        """Count a job's failures in a row; at MAX_JOB_FAILURES it is failed, so the jobs behind it run (next_job
+        would hand it out first forever, even after a restart)."""
+        job_id, count = self._failures
+        count = count + 1 if job_id == card["id"] else 1
+        self._failures = (card["id"], count)
+        if count < MAX_JOB_FAILURES:
+            return
+        log.error("%s %s failed %d times in a row: marked failed", kind, card["id"], count)
+        error = {"code": "job_failed", "message": "the job could not be run (internal error); the server log has "
+                                                  "the details", "param": None}
+        try:
+            if kind == "batch":
+                try:  # with the files of the lines that ran, when they can be written
+                    await asyncio.to_thread(self.store.finalize, card["id"], "failed")
+                except Exception:  # noqa: BLE001 - the status alone, then
+                    self.store.set_status(card["id"], "failed")
+            else:
+                self.store.set_video(card["id"], "failed", error=error)
+        except Exception:  # noqa: BLE001 - the store itself is failing: the next round tries again
+            log.exception("%s %s could not be marked failed", kind, card["id"])
 
     async def run_batch(self, batch: dict) -> dict:
         """Run `batch`'s pending lines, then write its files; its final card."""
         batch_id = batch["id"]
+        self.current = batch_id
         if batch["status"] == "validating":
             self.store.set_status(batch_id, "in_progress", only_from=("validating",))
         for line in self.store.pending_lines(batch_id):
             while True:
                 state = self.store.batch(batch_id)
+                if state["status"] in TERMINAL:  # finalized meanwhile (a cancel while it waited)
+                    return state
                 if state["status"] == "cancelling":
-                    return self.store.finalize(batch_id, "cancelled")
+                    return await asyncio.to_thread(self.store.finalize, batch_id, "cancelled")
                 if self.store.clock() >= state["expires_at"]:
-                    return self.store.finalize(batch_id, "expired", leftover_error=EXPIRED)
+                    return await asyncio.to_thread(self.store.finalize, batch_id, "expired", EXPIRED)
                 if not await self._slot(line.body.get("model")):
                     continue  # the batch may have been cancelled or expired meanwhile
                 outcome = await self._run(line)
@@ -114,10 +147,16 @@ class JobRunner:
                     log.error("batch %s line %d: its result cannot be stored (%s); retrying in %.0f s", batch_id,
                               line.index + 1, err.message, self.retry_s)
                     await self._sleep(self.retry_s)
+                    self.store.sweep()  # the retention may free the room it waits for
                     continue
                 break
-        self.store.set_status(batch_id, "finalizing", only_from=("in_progress",))
-        return self.store.finalize(batch_id, "completed")
+        if not self.store.set_status(batch_id, "finalizing", only_from=("in_progress",)):
+            state = self.store.batch(batch_id)
+            if state["status"] in TERMINAL:
+                return state
+            if state["status"] == "cancelling":  # cancelled after its last line's call had finished
+                return await asyncio.to_thread(self.store.finalize, batch_id, "cancelled")
+        return await asyncio.to_thread(self.store.finalize, batch_id, "completed")
 
     async def _slot(self, model: str | None) -> bool:
         """Whether the job may start its call now; False after a wait (woken by an online request ending, a
@@ -132,12 +171,16 @@ class JobRunner:
     async def run_video_job(self, video: dict) -> None:
         """One clip: run, then its .mp4 in the store; a refusal fails the job with the entry's words."""
         video_id = video["id"]
+        self.current = video_id
         self.store.set_video(video_id, "in_progress")
         while True:
             try:
                 body, reference = self.store.video_job(video_id)
             except ApiError:  # deleted meanwhile
                 return
+            except Exception:  # noqa: BLE001 - its reference image unreadable: running again cannot help
+                log.exception("video %s: its stored request cannot be read", video_id)
+                return self._video_broke(video_id)
             if not await self._slot(body["model"]):
                 continue
             outcome = await self._run(Line(video_id, 0, video_id, body, "pending"),
@@ -152,14 +195,24 @@ class JobRunner:
             if status == 200:
                 try:
                     self.store.video(video_id)  # deleted while it ran: nothing to write
-                    self.store.finish_video(video_id, result)
+                    # the H.264 encoding takes seconds: off the event loop, which serves the online requests
+                    await asyncio.to_thread(self.store.finish_video, video_id, result)
                     return
                 except ApiError as err:
                     status, result = err.status, err.body()
+                except Exception:  # noqa: BLE001 - the encoder or the disk: failed, not run again forever
+                    log.exception("video %s: its clip could not be written", video_id)
+                    return self._video_broke(video_id)
             error = result["error"]
             self.store.set_video(video_id, "failed", error={"code": error.get("code") or "generation_failed",
                                                            "message": error["message"], "param": error.get("param")})
             return
+
+    def _video_broke(self, video_id: str) -> None:
+        """Fail a video on a server-side error: a generic 500 message, the details in the log only."""
+        self.store.set_video(video_id, "failed", error={
+            "code": "internal_error", "message": "the video could not be made (internal error); the server log has "
+                                                 "the details", "param": None})
 
     async def _run(self, line: Line, work: Callable[[], Awaitable] | None = None) -> tuple[int, object] | None:
         """(status, body) of one line as the online route would answer it; None: run it again later."""

@@ -12,6 +12,7 @@ API fronts would put a shared database behind the same methods: docs/deploy.md).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -84,6 +85,7 @@ class JobStore(Protocol):
     def add_file(self, purpose: str, filename: str, content: bytes) -> StoredFile: ...
     def file(self, file_id: str) -> StoredFile: ...
     def file_content(self, file_id: str) -> bytes: ...
+    def file_content_path(self, file_id: str) -> Path: ...
     def add_batch(self, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
                   metadata: dict | None, lines: list[tuple[str, dict]]) -> dict: ...
     def batch(self, batch_id: str) -> dict: ...
@@ -115,8 +117,17 @@ class SqliteJobStore:
         self.clock = clock
         self._lock = threading.Lock()
         self._seq = 0
+        self._folder_lock = None
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
+            # one process per folder: two runners would both take the oldest batch and run its lines twice
+            self._folder_lock = open(self.folder / "jobs.lock", "a")  # noqa: SIM115 - held until close()
+            try:
+                fcntl.flock(self._folder_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._folder_lock.close()
+                raise StateError(f"the state folder {self.folder} is in use by another process (an API serving "
+                                 "jobs from it); stop it or give another --state-dir") from None
             (self.folder / "files").mkdir(exist_ok=True)
             (self.folder / "results").mkdir(exist_ok=True)
             self._db = sqlite3.connect(self.folder / DATABASE, check_same_thread=False, isolation_level=None)
@@ -130,17 +141,31 @@ class SqliteJobStore:
             elif version[0] != str(SCHEMA_VERSION):
                 raise StateError(f"the job store {self.folder / DATABASE} has schema {version[0]}, this version "
                                  f"reads {SCHEMA_VERSION}: use another --state-dir")
-            self._db.execute("PRAGMA quick_check").fetchone()
+            problems = [row[0] for row in self._db.execute("PRAGMA quick_check(3)")]
+            if problems != ["ok"]:
+                self._db.close()
+                raise StateError(f"the job store {self.folder / DATABASE} is damaged ({'; '.join(problems)}); "
+                                 "move it away to start with an empty store, or give another --state-dir")
             self._seq = self._db.execute("SELECT MAX(COALESCE((SELECT MAX(seq) FROM batches), 0), "
                                          "COALESCE((SELECT MAX(seq) FROM videos), 0))").fetchone()[0]
         except sqlite3.DatabaseError as exc:  # a corrupt or foreign file: say so, never start over silently
+            self._unlock()
             raise StateError(f"the job store {self.folder / DATABASE} cannot be read ({exc}); move it away to "
                              "start with an empty store, or give another --state-dir") from None
         except OSError as exc:
+            self._unlock()
             raise StateError(f"cannot use the state folder {self.folder} ({exc.strerror or exc})") from None
+        except StateError:
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        if self._folder_lock is not None and not self._folder_lock.closed:
+            self._folder_lock.close()  # closing the descriptor releases the flock
 
     def close(self) -> None:
         self._db.close()
+        self._unlock()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -162,10 +187,13 @@ class SqliteJobStore:
             files = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM files").fetchone()[0]
             results = self._db.execute("SELECT COALESCE(SUM(result_bytes), 0) FROM lines").fetchone()[0]
             videos = self._db.execute("SELECT COALESCE(SUM(bytes + reference_bytes), 0) FROM videos").fetchone()[0]
-        return files + results + videos
+            # the request bodies live in the database: they count as well, or a batch could fill the disk past it
+            stored = self._db.execute("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM lines").fetchone()[0]
+        return files + results + videos + stored
 
-    def _reserve(self, size: int, what: str) -> None:
-        used = self.used_bytes()
+    def _reserve(self, size: int, what: str, moving: int = 0) -> None:
+        """413 unless `size` more bytes fit; `moving`: bytes already counted that this write replaces."""
+        used = self.used_bytes() - moving
         if used + size > self.max_bytes:
             raise ApiError(413, f"{what} ({size} bytes) does not fit in the job store: {used} of its "
                                 f"{self.max_bytes} bytes are used (--state-max-gb); delete jobs or wait for the "
@@ -210,18 +238,24 @@ class SqliteJobStore:
         return StoredFile(**dict(row))
 
     def file_content(self, file_id: str) -> bytes:
+        return self.file_content_path(file_id).read_bytes()
+
+    def file_content_path(self, file_id: str) -> Path:
+        """Where a stored file's content is (to stream it); StateError when it was removed by hand."""
         self.file(file_id)
-        try:
-            return self._file_path(file_id).read_bytes()
-        except OSError as exc:
-            raise StateError(f"the content of {file_id} is missing from the job store's state folder "
-                             f"({exc.strerror or exc}): it was removed by hand") from None
+        path = self._file_path(file_id)
+        if not path.is_file():
+            raise StateError(f"the content of {file_id} is missing from the job store's state folder: it was "
+                             "removed by hand")
+        return path
 
     # batches
     def add_batch(self, endpoint: str, input_file_id: str, completion_window: str, window_s: int,
                   metadata: dict | None, lines: list[tuple[str, dict]]) -> dict:
         batch_id = _new_id("batch")
         now = self._now()
+        stored = [(custom_id, json.dumps(body)) for custom_id, body in lines]
+        self._reserve(sum(len(body) for _, body in stored), "the batch's request bodies")
         with self._tx() as db:
             self._seq += 1
             db.execute("INSERT INTO batches (id, seq, endpoint, input_file_id, completion_window, status, "
@@ -229,8 +263,7 @@ class SqliteJobStore:
                        (batch_id, self._seq, endpoint, input_file_id, completion_window, now, now + window_s,
                         json.dumps(metadata) if metadata is not None else None))
             db.executemany("INSERT INTO lines (batch_id, idx, custom_id, body, status) VALUES (?, ?, ?, ?, 'pending')",
-                           [(batch_id, index, custom_id, json.dumps(body)) for index, (custom_id, body)
-                            in enumerate(lines)])
+                           [(batch_id, index, custom_id, body) for index, (custom_id, body) in enumerate(stored)])
         return self.batch(batch_id)
 
     def batch(self, batch_id: str) -> dict:
@@ -261,7 +294,7 @@ class SqliteJobStore:
     def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...] = ()) -> bool:
         """Move a batch to `status` (stamping its time), only from `only_from` when given; whether it moved."""
         stamp = {"in_progress": "in_progress_at", "cancelling": "cancelling_at",
-                 "finalizing": "finalizing_at"}.get(status)
+                 "finalizing": "finalizing_at", "failed": "failed_at"}.get(status)
         with self._tx() as db:
             row = db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()
             if row is None or (only_from and row[0] not in only_from):
@@ -303,28 +336,37 @@ class SqliteJobStore:
     def finalize(self, batch_id: str, status: str, leftover_error: dict | None = None) -> dict:
         """The batch's output and error files from its lines' results, then its final `status`. The files' ids
         follow from the batch's, so a crash during this and a second run write the same files once.
-        `leftover_error` (an expiry): each line not run gets this error in the error file."""
+        `leftover_error` (an expiry): each line not run gets this error in the error file. The results are
+        copied a line at a time (never the whole batch in memory); their bytes only move from results/ into the
+        files, so the quota counts them once. Blocking: the runner calls it in a worker thread."""
         with self._lock:
-            rows = self._db.execute("SELECT idx, custom_id, status FROM lines WHERE batch_id=? ORDER BY idx",
-                                    (batch_id,)).fetchall()
-        output, errors = [], []
-        for row in rows:
-            if row["status"] == "pending":
-                if leftover_error is not None:
-                    errors.append(json.dumps({"id": f"batch_req_{batch_id}_{row['idx']}",
-                                              "custom_id": row["custom_id"], "response": None,
-                                              "error": leftover_error}) + "\n")
-                continue
-            text = self._result_path(batch_id, row["idx"]).read_text()
-            (output if row["status"] == "ok" else errors).append(text)
+            rows = self._db.execute("SELECT idx, custom_id, status, result_bytes FROM lines WHERE batch_id=? "
+                                    "ORDER BY idx", (batch_id,)).fetchall()
+        moving = sum(row["result_bytes"] for row in rows)
         suffix = batch_id.removeprefix("batch-")
         output_id = error_id = None
-        if output:
-            output_id = self.add_file("batch_output", f"{batch_id}_output.jsonl", "".join(output).encode(),
-                                      file_id=f"file-{suffix}-output").id
-        if errors:
-            error_id = self.add_file("batch_output", f"{batch_id}_error.jsonl", "".join(errors).encode(),
-                                     file_id=f"file-{suffix}-error").id
+        for kind, wanted in (("output", ("ok",)), ("error", ("error", "pending"))):
+            chosen = [row for row in rows if row["status"] in wanted
+                      and (row["status"] != "pending" or leftover_error is not None)]
+            if not chosen:
+                continue
+
+            def chunks(chosen=chosen):
+                for row in chosen:
+                    if row["status"] == "pending":
+                        yield (json.dumps({"id": f"batch_req_{batch_id}_{row['idx']}", "custom_id": row["custom_id"],
+                                           "response": None, "error": leftover_error}) + "\n").encode()
+                    else:
+                        yield self._result_path(batch_id, row["idx"]).read_bytes()
+
+            file_id = f"file-{suffix}-{kind}"
+            size = self._write_chunks(self._file_path(file_id), chunks(), moving, f"the {kind} file of {batch_id}")
+            now = self._now()
+            with self._tx() as db:
+                db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?)",
+                           (file_id, "batch_output", f"{batch_id}_{kind}.jsonl", size, now,
+                            int(now + self.retention_s)))
+            output_id, error_id = (file_id, error_id) if kind == "output" else (output_id, file_id)
         stamp = {"completed": "completed_at", "failed": "failed_at", "expired": "expired_at",
                  "cancelled": "cancelled_at"}[status]
         with self._tx() as db:
@@ -333,6 +375,31 @@ class SqliteJobStore:
             db.execute("UPDATE lines SET result_bytes=0 WHERE batch_id=?", (batch_id,))  # now in the files
         shutil.rmtree(self.folder / "results" / batch_id, ignore_errors=True)
         return self.batch(batch_id)
+
+    def _write_chunks(self, path: Path, chunks: Iterator[bytes], moving: int, what: str) -> int:
+        """`chunks` into `path` atomically (a temporary, fsync, rename) under the quota, `moving` bytes of which
+        are already counted (the results being copied); the bytes written."""
+        temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        room = self.max_bytes - (self.used_bytes() - moving)
+        size = 0
+        try:
+            with open(temporary, "wb") as stream:
+                for chunk in chunks:
+                    size += len(chunk)
+                    if size > room:
+                        self._reserve(size, what, moving)  # the 413 naming the quota
+                    stream.write(chunk)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, path)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            raise StateError(f"cannot write {path.name} in the job store's state folder ({exc.strerror or exc}); "
+                             "free disk space or lower --state-max-gb below what the disk holds") from None
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        return size
 
     def sweep(self) -> int:
         """Delete the files past their expiry and the finished batches older than the retention (their lines with
