@@ -63,8 +63,18 @@ def test_live_costs_learn_only_from_requests_that_ran_alone():
     queued = gate.admit("m", "64x64", 10, 1)
     now[0] = 5.0
     gate.release(alone, finished=True)
-    gate.release(queued, finished=True)  # its 5 s include the wait behind the first
+    now[0] = 10.0
+    gate.release(queued, finished=True)  # its 10 s include the wait behind the first: 1.0 a step, not learned
     assert learned.known == {("m", "64x64"): 0.5}
+
+
+def test_a_bucket_never_measured_costs_what_the_model_measured_per_pixel():
+    learned = StepCosts(known={("m", "64x64"): 1.0})
+    assert learned.seconds("m", "32x32", 10, 1) == 2.5  # a quarter of the pixels
+    assert learned.seconds("m", "128x64", 10, 2) == 40.0
+    gate = OverloadGate({"m": POLICY}, learned)
+    gate.admit("m", "32x32", 20, 1)
+    assert gate.estimated_wait_s("m") == 5.0  # not 0: the gate acts before this bucket's first measurement
 
 
 @pytest.mark.parametrize("block, message", [
@@ -88,11 +98,12 @@ def test_a_policy_comes_from_the_engines_yaml_block():
 
 
 @pytest.fixture
-def held_api(tmp_path):
+def held_api(request, tmp_path):
     from trt_diffusion.openai_api.server import ApiServer
     from trt_diffusion.openai_api.settings import ApiSettings
 
     stub = start_images_stub()
+    stub.instances = getattr(request, "param", 1)  # the wait is the queue's work over the model's instances
     stub.gate = threading.Semaphore(0)
     settings = ApiSettings(stub.url, port=0, overload=(("sd15-tiny", POLICY),), cost_model=costs(),
                            state_dir=tmp_path / "state")
@@ -137,6 +148,29 @@ def test_the_api_degrades_then_refuses_and_says_so(held_api):
 
     with urllib.request.urlopen(api.url.removesuffix("/v1") + "/health", timeout=10) as response:
         assert json.loads(response.read())["overload"] == {"sd15-tiny:degraded": 1, "sd15-tiny:refused": 1}
+
+
+@pytest.mark.parametrize("held_api", [2], indirect=True)
+def test_the_api_spreads_the_wait_over_the_models_instances(held_api):
+    import openai
+
+    stub, api = held_api
+    client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
+
+    def generate(seed: int):
+        return client.images.with_raw_response.generate(model="sd15-tiny", prompt="a", extra_body={
+            "seed": seed, "num_inference_steps": 20})
+
+    with ThreadPoolExecutor(3) as pool:
+        held = [pool.submit(generate, 1)]
+        until(lambda: stub.arrivals == 1)
+        held.append(pool.submit(generate, 2))  # 20 s over 2 instances: 10 s, degraded to 4 steps
+        until(lambda: stub.arrivals == 2)
+        third = pool.submit(generate, 3)  # 24 s over 2: 12 s, under the 22 s limit (one instance: refused)
+        until(lambda: stub.arrivals == 3 or third.done())  # done early: refused
+        stub.gate.release(3)
+        responses = [future.result(GUARD_S) for future in (*held, third)]
+    assert [r.headers.get("x-trt-diffusion-degraded") for r in responses] == [None, "steps 20->4", "steps 20->4"]
 
 
 def test_batch_lines_are_never_degraded(held_api):

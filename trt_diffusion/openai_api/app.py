@@ -48,7 +48,9 @@ def create_app(settings: ApiSettings):
     settings.check()
     decodes = pngs.DecodeSlots(settings.max_decodes)
     jobs = _open_job_store(settings)
-    gate = OverloadGate(dict(settings.overload), settings.cost_model) if settings.overload else None
+    # the wait is spread over the model's instances as Triton's config declares them (read by JobSlots)
+    gate = OverloadGate(dict(settings.overload), settings.cost_model,
+                        instances=lambda model: app.state.slots.known_instances(model)) if settings.overload else None
 
     async def run_job_line(endpoint: str, body: dict) -> dict:
         """A batch line, through the online route's entry (batch_routes.BATCH_ENDPOINTS), at batch priority."""
@@ -299,6 +301,12 @@ async def _generate(state, settings: ApiSettings, served: ServedModel, body, wid
     gate = getattr(state, "overload", None) if interactive else None
     steps, admission = body.num_inference_steps, None
     if gate is not None:  # may lower the steps or the size, or refuse (429 with Retry-After)
+        slots = getattr(state, "slots", None)
+        if slots is not None:
+            try:  # the instance count the wait is divided by (cached a few seconds)
+                await slots.instances(served.name)
+            except Exception:  # noqa: BLE001 - unreadable: the last count read, or 1
+                log.warning("the instance count of %s could not be read for the overload policy", served.name)
         admission = gate.admit(served.name, f"{width}x{height}", steps, body.n, served.sizes,
                                resizable=not image_inputs)
         steps = admission.steps

@@ -52,6 +52,10 @@ class JobSlots:
             self._instances[model] = (self.clock(), count)
         return count
 
+    def known_instances(self, model: str) -> int:
+        """The instance count last read (`instances`), 1 before the first read: the overload gate's divisor."""
+        return self._instances.get(model, (None, 1))[1]
+
     async def free(self, model: str | None) -> bool:
         """Whether a job line for `model` may start now (None, or a model Triton does not know: yes — the line
         then fails with the online route's own message)."""

@@ -46,14 +46,21 @@ class CostModel(Protocol):
 @dataclass
 class StepCosts:
     """Per-step seconds per (model, size), an exponential average of the requests that finished (`observe`);
-    `known` seeds it (warm-up figures, or a test's). A bucket never measured costs `unknown_s` a step."""
+    `known` seeds it (warm-up figures, or a test's). A bucket never measured costs what the model's measured
+    buckets cost per pixel (the dearest of them), scaled to its size; a model never measured costs `unknown_s` a
+    step (0: no estimate until its first request that ran alone finishes, docs/deploy.md)."""
 
     known: dict[tuple[str, str], float] = field(default_factory=dict)
     unknown_s: float = 0.0
     weight: float = 0.2  # of each new measurement
 
     def seconds(self, model: str, size: str, steps: int, images: int) -> float:
-        return self.known.get((model, size), self.unknown_s) * steps * images
+        per_step = self.known.get((model, size))
+        if per_step is None:
+            per_pixel = [seconds / _area(bucket) for (name, bucket), seconds in list(self.known.items())
+                         if name == model]
+            per_step = max(per_pixel) * _area(size) if per_pixel else self.unknown_s
+        return per_step * steps * images
 
     def observe(self, model: str, size: str, steps: int, images: int, seconds: float) -> None:
         per_step = seconds / max(steps * images, 1)
@@ -120,8 +127,10 @@ class OverloadGate:
                 self.counts[(model, "degraded")] += 1
         cost = self.costs.seconds(model, size, steps, images)
         with self._lock:
+            # alone: nothing admitted ahead, whatever its estimated cost (a request of unknown cost estimates 0)
+            alone = not self._admitted.get(model)
             self._admitted.setdefault(model, []).append(cost)
-        return Admission(model, size, steps, images, cost, degraded, self.clock(), alone=wait == 0)
+        return Admission(model, size, steps, images, cost, degraded, self.clock(), alone=alone)
 
     def release(self, admission: Admission, finished: bool) -> None:
         """The request left Triton; `finished`: it ran whole, so its time teaches the cost model."""
