@@ -161,3 +161,25 @@ def test_a_clip_is_written_off_the_event_loop(tmp_path):
 
     asyncio.run(JobRunner(store, None, run_video=run_video).run_video_job(video))
     assert store.video(video["id"])["status"] == "completed"
+
+
+def test_files_left_without_a_record_by_a_crash_are_swept_at_start(tmp_path):
+    store = SqliteJobStore(tmp_path)
+    kept = store.add_file("batch", "in.jsonl", b"{}\n")
+    video = store.add_video("wan-tiny", "a", video_body(), "1", "64x64", reference=PNG)
+    running = store.add_batch(ENDPOINT, kept.id, "24h", 86400, None, lines(2))
+    store.record_line(store.pending_lines(running["id"])[0], "ok", {"x": 1})
+    store.close()
+    files, results = tmp_path / "files", tmp_path / "results"
+    orphans = [files / "file-0123456789abcdef01234567",  # written, then killed before its record
+               files / ".file-x.1234abcd.tmp", files / "video-0123456789abcdef01234567.mp4",
+               results / "batch-0123456789abcdef01234567" / "0.json"]
+    for path in orphans:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"left by a crash")
+    store = SqliteJobStore(tmp_path)
+    assert [path for path in orphans if path.exists()] == []
+    assert store.file_content(kept.id) == b"{}\n"  # what the records name stays
+    assert store.video_job(video["id"])[1] == PNG
+    assert len(store.pending_lines(running["id"])) == 1  # a running batch's results stay
+    assert (results / running["id"] / "0.json").exists()

@@ -148,6 +148,7 @@ class SqliteJobStore:
                                  "move it away to start with an empty store, or give another --state-dir")
             self._seq = self._db.execute("SELECT MAX(COALESCE((SELECT MAX(seq) FROM batches), 0), "
                                          "COALESCE((SELECT MAX(seq) FROM videos), 0))").fetchone()[0]
+            self._sweep_orphans()
         except sqlite3.DatabaseError as exc:  # a corrupt or foreign file: say so, never start over silently
             self._unlock()
             raise StateError(f"the job store {self.folder / DATABASE} cannot be read ({exc}); move it away to "
@@ -166,6 +167,25 @@ class SqliteJobStore:
     def close(self) -> None:
         self._db.close()
         self._unlock()
+
+    def _sweep_orphans(self) -> None:
+        """Delete what a crash left without a record (a file is written before its row; temporaries before their
+        rename): nothing names it, the quota would not count it and the retention would never delete it. Only at
+        start, under the folder's lock: no other writer is half-way."""
+        db = self._db
+        named = {row[0] for row in db.execute("SELECT id FROM files")}
+        for row in db.execute("SELECT id, reference_bytes FROM videos"):
+            named.add(f"{row[0]}.mp4")
+            named.add(f"{row[0]}.reference.png")
+        for path in (self.folder / "files").iterdir():
+            if path.name not in named and path.is_file():
+                path.unlink(missing_ok=True)
+        live = {row[0] for row in db.execute("SELECT id FROM batches WHERE status NOT IN (?, ?, ?, ?)", TERMINAL)}
+        for path in (self.folder / "results").iterdir():
+            if path.name not in live:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        for path in (self.folder / "results").glob("*/.*.tmp"):
+            path.unlink(missing_ok=True)
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
