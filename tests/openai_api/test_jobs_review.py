@@ -183,3 +183,19 @@ def test_files_left_without_a_record_by_a_crash_are_swept_at_start(tmp_path):
     assert store.video_job(video["id"])[1] == PNG
     assert len(store.pending_lines(running["id"])) == 1  # a running batch's results stay
     assert (results / running["id"] / "0.json").exists()
+
+
+def test_a_result_waiting_for_room_gets_what_the_retention_frees(tmp_path):
+    now = [1_000_000.0]
+    store = SqliteJobStore(tmp_path, max_bytes=1000, retention_s=100, clock=lambda: now[0])
+    store.add_file("batch", "old.jsonl", b"x" * 800)
+    batch = store.add_batch(ENDPOINT, "file-x", "24h", 86400, None, lines(1))
+    now[0] += 101  # the old file is past the retention; nothing has swept yet
+
+    async def run_line(endpoint, body):
+        return {"data": "y" * 300}
+
+    async def main():  # the guard only turns a hang into a failure
+        return await asyncio.wait_for(JobRunner(store, run_line, retry_s=0.001).run_batch(batch), HANG_GUARD_S)
+
+    assert asyncio.run(main())["status"] == "completed"

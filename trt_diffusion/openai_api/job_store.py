@@ -530,15 +530,19 @@ class SqliteJobStore:
         self.set_video(video_id, "completed", 100)
 
     def video_content(self, video_id: str) -> bytes:
+        return self.video_content_path(video_id).read_bytes()
+
+    def video_content_path(self, video_id: str) -> Path:
+        """Where a completed video's .mp4 is (to stream it); 409 before it is completed."""
         card = self.video(video_id)
         if card["status"] != "completed":
             raise ApiError(409, f"video {video_id} is {card['status']}: its content is there once it is completed",
                            "video_id", "video_not_ready")
-        try:
-            return self.video_path(video_id).read_bytes()
-        except OSError as exc:
-            raise StateError(f"the content of {video_id} is missing from the job store's state folder "
-                             f"({exc.strerror or exc}): it was removed by hand") from None
+        path = self.video_path(video_id)
+        if not path.is_file():
+            raise StateError(f"the content of {video_id} is missing from the job store's state folder: it was "
+                             "removed by hand")
+        return path
 
     def delete_video(self, video_id: str) -> None:
         self._video_row(video_id)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..families import family_info
@@ -196,7 +196,7 @@ def add_routes(app: FastAPI, settings, store: Callable[[], JobStore], runner: Ca
     async def video_content(video_id: str, variant: str = "video"):
         if variant != "video":
             raise bad_request(f"variant {variant!r} is not served: only the video (.mp4)", "variant")
-        return Response(store().video_content(video_id), media_type="video/mp4")
+        return FileResponse(store().video_content_path(video_id), media_type="video/mp4")  # streamed from disk
 
     @app.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str):
