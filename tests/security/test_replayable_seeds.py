@@ -42,8 +42,8 @@ def triton_calls(monkeypatch):
 
 def generate(seed: int, n: int) -> dict:
     body = bodies.parse_generation(json.dumps({"prompt": "a fox", "seed": seed, "n": n, "size": "64x64"}).encode())
-    request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(triton=None)))
-    return asyncio.run(api_app._generate(request, ApiSettings("127.0.0.1:8001"), MODEL, body, 64, 64))
+    state = SimpleNamespace(triton=None)  # the app's state: _generate serves the online route and batch lines
+    return asyncio.run(api_app._generate(state, ApiSettings("127.0.0.1:8001"), MODEL, body, 64, 64))
 
 
 def test_seeds_that_would_pass_int64_are_refused_before_triton(triton_calls):
