@@ -44,39 +44,6 @@ def sd15_text_encoder():
         max_position_embeddings=77))
 
 
-def world_tokenizer():
-    """CLIP's byte-level BPE over bytes (as the tiny models' tokenizer: any text tokenizes) plus one merge chain per
-    word of the synthetic world, so "red", "circle" and "background" are one token each: the text encoder learns
-    seven-word captions, not spellings. bos/eos keep the tiny tokenizer's ids (512, 513)."""
-    import tempfile
-
-    from transformers import CLIPTokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    from .. import synthetic_world as world
-    from .tiny import TOKENIZER_MAX_LENGTH
-
-    chars = list(bytes_to_unicode().values())
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
-    vocab["<|startoftext|>"], vocab["<|endoftext|>"] = len(vocab), len(vocab) + 1
-    merges: list[str] = []
-    words = {"a", "an", "on", "background", *world.STYLES, *world.PALETTE, *world.SHAPES}
-    # longest words first: a merge of a shorter word ("r e" of red) never breaks a longer one's chain (green)
-    for word in sorted(words, key=lambda w: (-len(w), w)):
-        pieces = [*word[:-1], word[-1] + "</w>"]
-        while len(pieces) > 1:
-            if f"{pieces[0]} {pieces[1]}" not in merges:
-                merges.append(f"{pieces[0]} {pieces[1]}")
-            vocab.setdefault(pieces[0] + pieces[1], len(vocab))
-            pieces = [pieces[0] + pieces[1], *pieces[2:]]
-    with tempfile.TemporaryDirectory() as folder:
-        vocab_file, merges_file = Path(folder, "vocab.json"), Path(folder, "merges.txt")
-        vocab_file.write_text(json.dumps(vocab))
-        merges_file.write_text("#version: 0.2\n" + "".join(f"{m}\n" for m in merges))
-        return CLIPTokenizer(str(vocab_file), str(merges_file), model_max_length=TOKENIZER_MAX_LENGTH)
-
-
 def sd15_vae():
     from diffusers import AutoencoderKL
 
