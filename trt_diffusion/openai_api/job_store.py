@@ -299,17 +299,8 @@ class SqliteJobStore:
 
     def batches(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
         """The newest first; `after`: those older than that batch (OpenAI's cursor)."""
-        with self._lock:
-            below = None
-            if after is not None:
-                row = self._db.execute("SELECT seq FROM batches WHERE id=?", (after,)).fetchone()
-                if row is None:
-                    raise ApiError(404, f"no batch {after!r} to list after", "after", "batch_not_found")
-                below = row[0]
-            rows = self._db.execute("SELECT id FROM batches WHERE seq < COALESCE(?, seq + 1) ORDER BY seq DESC "
-                                    "LIMIT ?", (below, limit + 1)).fetchall()
-        ids = [row[0] for row in rows]
-        return [self.batch(batch_id) for batch_id in ids[:limit]], len(ids) > limit
+        rows = self._page("batches", "batch", "id", after, limit)
+        return [self.batch(row[0]) for row in rows[:limit]], len(rows) > limit
 
     def set_status(self, batch_id: str, status: str, *, only_from: tuple[str, ...] = ()) -> bool:
         """Move a batch to `status` (stamping its time), only from `only_from` when given; whether it moved."""
@@ -486,16 +477,21 @@ class SqliteJobStore:
         return json.loads(row["body"]), reference
 
     def videos(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        rows = self._page("videos", "video", "*", after, limit)
+        return [_video_card(dict(row)) for row in rows[:limit]], len(rows) > limit
+
+    def _page(self, table: str, kind: str, columns: str, after: str | None, limit: int) -> list:
+        """Up to limit + 1 rows of `table` (a constant of this module), newest first, older than `after` (OpenAI's
+        cursor): the extra row says whether there are more."""
         with self._lock:
             below = None
             if after is not None:
-                row = self._db.execute("SELECT seq FROM videos WHERE id=?", (after,)).fetchone()
+                row = self._db.execute(f"SELECT seq FROM {table} WHERE id=?", (after,)).fetchone()
                 if row is None:
-                    raise ApiError(404, f"no video {after!r} to list after", "after", "video_not_found")
+                    raise ApiError(404, f"no {kind} {after!r} to list after", "after", f"{kind}_not_found")
                 below = row[0]
-            rows = self._db.execute("SELECT * FROM videos WHERE seq < COALESCE(?, seq + 1) ORDER BY seq DESC "
-                                    "LIMIT ?", (below, limit + 1)).fetchall()
-        return [_video_card(dict(row)) for row in rows[:limit]], len(rows) > limit
+            return self._db.execute(f"SELECT {columns} FROM {table} WHERE seq < COALESCE(?, seq + 1) "
+                                    "ORDER BY seq DESC LIMIT ?", (below, limit + 1)).fetchall()
 
     def next_job(self) -> tuple[str, dict] | None:
         """("batch" | "video", its card): the oldest job not finished, whichever kind."""
