@@ -252,16 +252,11 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
     model's name). N = request.num_images; `video_files.save_videos` writes videos."""
     import numpy as np
 
-    from .errors import ConfigError
     from .runtime.loader import engine_runners
     from .runtime.pipeline import EnginePipeline, GenerationRequest
 
     config = load_engines_file(config_path, check_sources=True)
-    if model is None:
-        if len(config.models) != 1:
-            raise ConfigError(f"{config.path} has {len(config.models)} models ({', '.join(config.models)}); "
-                              "name one with --model")
-        (model,) = config.models
+    model = _one_model(config, model)
     model_dir, family, table = engine_runners(config, model, target)
     # the workflows engines.yaml declares, as the served entry gets them (package records them)
     # cfg: parallel runs as declared; text_lengths: a Qwen-Image model's engines.yaml range, where its engines end
@@ -279,6 +274,31 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
         max_sequence_length=request.max_sequence_length, step_cache=request.step_cache)).images[0]
         for i in range(request.num_images or 1)]
     return np.stack(images), model
+
+
+def _one_model(config, model: str | None) -> str:
+    """The model a --config command runs: the one named, or the file's only one."""
+    from .errors import ConfigError
+
+    if model is not None:
+        return model
+    if len(config.models) != 1:
+        raise ConfigError(f"{config.path} has {len(config.models)} models ({', '.join(config.models)}); "
+                          "name one with --model")
+    (model,) = config.models
+    return model
+
+
+def first_bucket_size(config_path: str | Path, model: str | None = None):
+    """The size a --config request gets when it names none: the model's first bucket (its opt size), as a request
+    to a server gets the server's first served size."""
+    config = load_engines_file(config_path)
+    model = _one_model(config, model)
+    if model not in config.models:
+        from .errors import ConfigError
+
+        raise ConfigError(f"{config.path} has no model {model!r} (it has {', '.join(config.models)})")
+    return config.models[model].buckets[0].opt
 
 
 def package(config_path: str | Path, out_dir: str | Path = "triton_repo", target: str = "onnxruntime", *,

@@ -28,6 +28,17 @@ def test_generate_with_config_runs_the_built_engines_in_process(built_sd15, tmp_
     assert read_png_parameters(out).model == name
 
 
-def test_generate_with_config_needs_a_size(built_sd15, capsys):
-    assert main(["generate", "--config", str(built_sd15), "--prompt", "x"]) == 2
-    assert "--height" in capsys.readouterr().err
+def test_generate_with_config_and_no_size_draws_the_first_bucket(built_sd15, tmp_path):
+    """As a request to a server gets the server's first served size."""
+    out = tmp_path / "sized.png"
+    assert main(["generate", "--config", str(built_sd15), "--prompt", "x", "--steps", "2", "-o", str(out)]) == 0
+    config = load_engines_file(built_sd15)
+    (model,) = config.models.values()
+    first = model.buckets[0].opt
+    assert Image.open(out).size == (first.width, first.height)
+
+
+def test_generate_with_config_and_an_unknown_model_names_it(built_sd15, capsys):
+    assert main(["generate", "--config", str(built_sd15), "--model", "nope", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "nope" in err and "Traceback" not in err

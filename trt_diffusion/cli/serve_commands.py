@@ -19,9 +19,11 @@ from .openai_commands import (
     ApiKey,
     CorsOrigins,
     MaxBody,
+    ServingConfig,
     StateDir,
     StateMaxGb,
     names,
+    overload_options,
     state_options,
 )
 from .options import Transport
@@ -153,6 +155,7 @@ def serve_command(
     memory_budget_gb: Annotated[float | None, typer.Option(
         "--memory-budget-gb", min=0.001, help="refuse to start when the models' estimated memory (recorded by "
         "package) exceeds this host's budget")] = None,
+    config: ServingConfig = None,
 ):
     """Run tritonserver on the repository (127.0.0.1) until Ctrl-C; with --openai-port, the OpenAI Images API too."""
     from .. import api
@@ -163,7 +166,8 @@ def serve_command(
 
         openai = ApiSettings(f"127.0.0.1:{grpc_port}", port=openai_port, api_key=api_key,
                              max_body_bytes=max_body_bytes, allowed_hosts=names(allowed_hosts),
-                             cors_origins=names(cors_origins), **state_options(state_dir, state_max_gb)).check()
+                             cors_origins=names(cors_origins), **state_options(state_dir, state_max_gb),
+                             **overload_options(config)).check()
     elif allowed_hosts or cors_origins:
         from ..errors import ServeError
 
@@ -173,6 +177,10 @@ def serve_command(
         from ..errors import ServeError
 
         raise ServeError("--state-dir is the OpenAI API's job store: give --openai-port too")
+    elif config is not None:
+        from ..errors import ServeError
+
+        raise ServeError("--config gives the OpenAI API its overload policies: give --openai-port too")
 
     def announce(report) -> None:
         console.print(f"ready in {report.seconds_to_ready:.1f} s ({len(report.models_ready)} models, all warm)")
@@ -309,7 +317,9 @@ def generate_command(
         height, width = height or first.height, width or first.width
         frames = frames or first.frames or None  # a video server's first bucket: its frames too
     elif config is not None and (height is None or width is None):
-        ctx.fail("Missing option '--height'/'--width': give both with --config (no server to ask for its sizes)")
+        first = api.first_bucket_size(config, model)
+        height, width = height or first.height, width or first.width
+        frames = frames or first.frames or None
     control = _control_image(control_image, width, height) if control_image is not None else None
     loras = _loras_json(lora, config)
     request = ImageRequest(prompt, height, width, steps, guidance_scale, seed, negative_prompt, scheduler, controlnet,
