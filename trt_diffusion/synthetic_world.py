@@ -105,6 +105,19 @@ def edge_map(scene: Scene, size: int = SIZE) -> np.ndarray:
     return np.repeat((edges * 255).astype(np.uint8)[..., None], 3, axis=2)
 
 
+def all_captions() -> list[str]:
+    """Every plain caption of the world (shape x colour x another background colour), in a fixed order."""
+    return [caption(shape, colour, background) for shape in SHAPES for colour in PALETTE for background in PALETTE
+            if background != colour]
+
+
+def calibration_captions() -> list[str]:
+    """The captions the evaluation grid does not ask: what a quantizer calibrates on, so the figures it is judged
+    by come from prompts its scales were not fitted to."""
+    judged = set(prompt_grid())
+    return [text for text in all_captions() if text not in judged]
+
+
 def prompt_grid() -> list[str]:
     """The fixed evaluation grid: 36 prompts (every shape x colour, on two backgrounds each), in a fixed order."""
     names = list(PALETTE)

@@ -34,6 +34,7 @@ from ..errors import QuantizeError
 from ..families import Component, Family
 from ..memory import release_memory, return_large_blocks_to_os
 from ..metrics import Thresholds, has_nonfinite, lpips_distance, psnr, ssim, tensor_diff, thresholds_for, video_metrics
+from ..synthetic_world import parse_caption, prompt_grid
 from .calibration import CalibrationRecipe, CallRecorder, denoiser_of, run_pipeline
 from .defaults import DENOISER_MIN_PSNR_DB, HELD_OUT_SEED_OFFSET
 from .feeds import DenoiserInterface, as_numpy
@@ -101,8 +102,10 @@ class GateResult:
 
 
 def held_out_recipe(recipe: CalibrationRecipe, samples: int) -> tuple[list[str], list[int]]:
-    """Prompts and seeds disjoint from the calibration's."""
-    prompts = take(list(HELD_OUT_PROMPTS), samples)
+    """Prompts and seeds disjoint from the calibration's: a synthetic-world calibration (all its prompts captions
+    of that world) is judged on the evaluation grid's prompts, which it leaves out."""
+    world = all(parse_caption(prompt) is not None for prompt in recipe.prompts)
+    prompts = take(prompt_grid() if world else list(HELD_OUT_PROMPTS), samples)
     seeds = [recipe.seed + HELD_OUT_SEED_OFFSET + i for i in range(samples)]
     return prompts, seeds
 

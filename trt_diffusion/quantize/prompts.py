@@ -6,6 +6,8 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import QuantizeError
+from ..models.micro import draws_synthetic_world
+from ..synthetic_world import calibration_captions
 
 BUNDLED_PROMPTS = "calibration_prompts.txt"
 
@@ -27,8 +29,13 @@ def _parse(text: str, where: str) -> list[str]:
     return prompts
 
 
-def load_prompts(path: str | Path | None, root: Path | None = None) -> tuple[list[str], str]:
-    """The prompt list and where it came from. A relative `path` is read from `root` (engines.yaml's folder)."""
+def load_prompts(path: str | Path | None, root: Path | None = None,
+                 model_dir: str | Path | None = None) -> tuple[list[str], str]:
+    """The prompt list and where it came from. A relative `path` is read from `root` (engines.yaml's folder).
+    With no file, a model that declares the synthetic world (a trained micro-model) calibrates on that world's
+    captions outside its evaluation grid: the bundled prompts are words it never learned."""
+    if path is None and model_dir is not None and draws_synthetic_world(model_dir):
+        return calibration_captions(), "synthetic-world"
     if path is None:
         text = resources.files("trt_diffusion").joinpath("data", BUNDLED_PROMPTS).read_text(encoding="utf-8")
         return _parse(text, f"bundled {BUNDLED_PROMPTS}"), f"bundled:{BUNDLED_PROMPTS}"

@@ -163,7 +163,7 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
         raise QuantizeError(f"{model.name}.{component.value}: {precision} is not a quantized precision (int8, fp8)")
     settings = model.quantization
     calibration = settings.calibration
-    prompts, prompts_source = load_prompts(calibration.prompts, config_root)
+    prompts, prompts_source = load_prompts(calibration.prompts, config_root, model.source.path)
     if size is None:
         opt = model.buckets[0].opt
         size = (opt.width, opt.height, opt.frames)
