@@ -211,3 +211,78 @@ def until(check, guard_s: float = GUARD_S):
             return
         time.sleep(0.02)
     raise AssertionError("the condition did not come true in time")
+
+
+def _engines_yaml(tmp_path, overload: dict):
+    """engines.yaml serving the stub's sd15-tiny entry with `overload`; its source need not exist where the API
+    runs (the API serves what Triton loaded)."""
+    import yaml
+
+    model = {"source": "models/elsewhere", "family": "sd15", "buckets": ["64x64", "32x48"],
+             "serving": {"overload": overload}}
+    path = tmp_path / "engines.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "models": {"sd15-tiny": model}}, sort_keys=False))
+    return path
+
+
+def test_openai_api_serves_the_policy_of_its_config(tmp_path, monkeypatch, capsys):
+    """`openai-api --config engines.yaml`, through the CLI's own entry: the file's policy is what the API serves
+    with. Only the foreground run is replaced (it would serve until Ctrl-C): the settings the command built are
+    served here, with the controlled cost model in place of the live one."""
+    import dataclasses
+
+    import openai
+
+    from trt_diffusion.cli import main
+    from trt_diffusion.openai_api import server
+
+    served = []
+    monkeypatch.setattr(server, "run", served.append)
+    config = _engines_yaml(tmp_path, {"degrade_after_s": 10, "refuse_after_s": 22, "degrade": {"steps": 4}})
+    stub = start_images_stub()
+    try:
+        code = main(["openai-api", "--config", str(config), "--triton-url", stub.url,
+                     "--state-dir", str(tmp_path / "state")])
+        output = " ".join(capsys.readouterr().out.split())
+        assert code == 0 and len(served) == 1, output
+        assert served[0].overload == (("sd15-tiny", POLICY),)
+        assert "overload policy sd15-tiny: degraded to 4 steps past 10 s of estimated wait, refused past 22 s" in output
+        stub.gate = threading.Semaphore(0)
+        with server.ApiServer(dataclasses.replace(served[0], port=0, cost_model=costs())) as api:
+            client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
+
+            def generate(seed: int):
+                return client.images.with_raw_response.generate(model="sd15-tiny", prompt="a", extra_body={
+                    "seed": seed, "num_inference_steps": 20})
+
+            with ThreadPoolExecutor(2) as pool:
+                first = pool.submit(generate, 1)
+                until(lambda: stub.arrivals == 1)
+                second = pool.submit(generate, 2)  # 20 s of work ahead over the stub's 2 instances: 10 s
+                until(lambda: stub.arrivals == 2)
+                stub.gate.release(2)
+                assert "x-trt-diffusion-degraded" not in first.result(GUARD_S).headers
+                assert second.result(GUARD_S).headers["x-trt-diffusion-degraded"] == "steps 20->4"
+    finally:
+        stub.stop()
+
+
+@pytest.mark.parametrize("overload, message", [
+    ({"refuse_after_s": -1}, "models.sd15-tiny.serving.overload.refuse_after_s"),
+    ({"refuse_after": 5}, "refuse_after"),
+    ({"degrade_after_s": 10, "degrade": {"size": "16x16"}},
+     "models.sd15-tiny.serving.overload.degrade.size: 16x16 is not a size sd15-tiny serves (its buckets: 64x64, "
+     "32x48)"),
+])
+def test_a_bad_policy_is_refused_by_name_before_the_api_starts(overload, message, tmp_path, monkeypatch, capsys):
+    from trt_diffusion.cli import main
+    from trt_diffusion.openai_api import server
+
+    served = []
+    monkeypatch.setattr(server, "run", served.append)
+    code = main(["openai-api", "--config", str(_engines_yaml(tmp_path, overload)),
+                 "--state-dir", str(tmp_path / "state")])
+    captured = capsys.readouterr()
+    text = " ".join((captured.out + captured.err).split())
+    assert code == 1 and message in text and "Traceback" not in text and served == [], text
+    assert not (tmp_path / "state").exists()  # refused before the job store is opened

@@ -30,6 +30,27 @@ StateDir = Annotated[Path | None, typer.Option(
 StateMaxGb = Annotated[float, typer.Option("--state-max-gb", min=0.001, help="the job store's disk quota: an upload "
                                            "or result that does not fit is refused (413)")]
 DEFAULT_STATE_MAX_GB = 10.0  # openai_api.settings.DEFAULT_STATE_MAX_BYTES in GiB
+ServingConfig = Annotated[Path | None, typer.Option(
+    "--config", help="engines.yaml: its models' `serving: overload:` policies (degrade, then refuse, past an "
+    "estimated wait; docs/deploy.md) apply to online requests; without it no request is degraded or refused for "
+    "load")]
+
+
+def overload_options(config: Path | None) -> dict:
+    """The ApiSettings field of --config: engines.yaml's overload policies, checked before anything starts. The
+    model sources need not be on this host (the API serves what Triton loaded)."""
+    if config is None:
+        return {}
+    from ..engines_file import load_engines_file
+    from ..openai_api.overload import describe, policies_from_config
+
+    policies = policies_from_config(load_engines_file(config, check_sources=False))
+    for model, policy in policies:
+        console.print(f"overload policy  {model}: {describe(policy)}", highlight=False)
+    if not policies:
+        console.print(f"[yellow]note:[/yellow] {config} sets no `serving: overload:`: no request is degraded or "
+                      "refused for load", highlight=False)
+    return {"overload": policies}
 
 
 def state_options(state_dir: Path | None, state_max_gb: float) -> dict:
@@ -57,6 +78,7 @@ def openai_api_command(
     cors_origins: CorsOrigins = None,
     state_dir: StateDir = None,
     state_max_gb: StateMaxGb = DEFAULT_STATE_MAX_GB,
+    config: ServingConfig = None,
 ):
     """Serve the OpenAI Images API (/v1/images/generations, /v1/images/edits, /v1/models, and batches: /v1/files,
     /v1/batches) in front of Triton."""
@@ -65,7 +87,7 @@ def openai_api_command(
 
     settings = ApiSettings(triton_url, host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
                            allowed_hosts=names(allowed_hosts), cors_origins=names(cors_origins),
-                           **state_options(state_dir, state_max_gb)).check()
+                           **state_options(state_dir, state_max_gb), **overload_options(config)).check()
     console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {triton_url}; Ctrl-C stops it)", highlight=False)
     if host in ("0.0.0.0", "::") and not settings.allowed_hosts:  # every interface, but only loopback's names
         console.print(f"[yellow]note:[/yellow] --host {host}: requests must name this server as localhost or "

@@ -38,6 +38,39 @@ class OverloadPolicy:
                    degrade and degrade.size)
 
 
+def policies_from_config(config) -> tuple[tuple[str, OverloadPolicy], ...]:
+    """The policies engines.yaml (`openai-api --config`) sets: each model's `serving: overload:`, keyed by the name
+    its Triton entry serves it under (what a request's `model` names). A degraded size must be one the model serves
+    (one of its buckets): any other would never apply, so it is refused here rather than ignored."""
+    from ..errors import ConfigError
+    from ..triton.naming import entry_name
+
+    policies, problems = [], []
+    for name, model in config.models.items():
+        overload = model.serving.overload
+        if overload is None:
+            continue
+        served = [str(bucket.opt) for bucket in model.buckets]
+        if overload.degrade is not None and overload.degrade.size is not None and overload.degrade.size not in served:
+            problems.append(f"{config.path}: models.{name}.serving.overload.degrade.size: {overload.degrade.size} is "
+                            f"not a size {name} serves (its buckets: {', '.join(served)})")
+        policies.append((entry_name(name), OverloadPolicy.from_settings(overload)))
+    if problems:
+        raise ConfigError("; ".join(problems), problems)
+    return tuple(policies)
+
+
+def describe(policy: OverloadPolicy) -> str:
+    """A policy in words, for the server's start line."""
+    parts = []
+    if policy.degrade_after_s is not None:
+        lowered = f"{policy.degrade_steps} steps" if policy.degrade_steps is not None else policy.degrade_size
+        parts.append(f"degraded to {lowered} past {policy.degrade_after_s:g} s of estimated wait")
+    if policy.refuse_after_s is not None:
+        parts.append(f"refused past {policy.refuse_after_s:g} s")
+    return ", ".join(parts)
+
+
 class CostModel(Protocol):
     def seconds(self, model: str, size: str, steps: int, images: int) -> float: ...
     def observe(self, model: str, size: str, steps: int, images: int, seconds: float) -> None: ...
