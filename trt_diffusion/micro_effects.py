@@ -1,0 +1,120 @@
+"""What a trained micro-model's LoRA, ControlNet and inpainting do, read from pixels (issue 43): the outlined-style
+LoRA's share of outlined pictures, the ControlNet's overlap with the shapes its edges outline, and inpainting's
+repaint inside the mask against its change outside it.
+
+Each measure takes `draw(request_fields) -> uint8 [H, W, 3]`, one image for a GenerationRequest's fields (prompt,
+seed, controlnet, control_image, workflow, init_image, mask...), so the same measure reads the PyTorch reference,
+an engine pipeline in process or a served model. Scenes are drawn from fixed seeds: the same on every machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import synthetic_world as world
+from .prompt_following import read_image, shape_overlap
+
+Draw = Callable[[dict], np.ndarray]
+CONTROL_SEED = 1234  # the scenes a ControlNet is asked to follow
+INPAINT_SEED = 4321  # the scenes inpainting repaints
+MASK_MARGIN = 3  # pixels around the shape's bounding box the inpainting mask also covers
+
+
+def outlined_share(draw: Draw, prompts: Sequence[str], seed: int = 0) -> float:
+    """Percent of the prompts' images drawn in the outlined style."""
+    return 100.0 * float(np.mean([read_image(draw({"prompt": p, "seed": seed})).style == "outlined"
+                                  for p in prompts]))
+
+
+def control_scenes(count: int) -> list[world.Scene]:
+    """One scene per grid prompt (cycling), at a seeded position and size: the edges a ControlNet is asked to
+    follow."""
+    rng = np.random.default_rng(CONTROL_SEED)
+    grid, drawn = world.prompt_grid(), []
+    for i in range(count):
+        wanted, placed = world.parse_caption(grid[i % len(grid)]), world.random_scene(rng)
+        drawn.append(world.Scene(wanted.shape, wanted.colour, wanted.background, placed.cx, placed.cy, placed.radius))
+    return drawn
+
+
+@dataclass(frozen=True)
+class ControlFigures:
+    mean_overlap: float  # intersection over union of the drawn shape and the control scene's shape
+    share_at_least_0_7: float  # percent of the images whose overlap is at least 0.7
+    images: int
+
+
+def control_overlap(draw: Draw, controlnet: str, count: int = 12, seed: int = 0) -> ControlFigures:
+    overlaps = [shape_overlap(draw({"prompt": scene.caption, "seed": seed, "controlnet": controlnet,
+                                    "control_image": world.edge_map(scene)}), world.shape_mask(scene))
+                for scene in control_scenes(count)]
+    return ControlFigures(float(np.mean(overlaps)), 100.0 * float(np.mean(np.array(overlaps) >= 0.7)), len(overlaps))
+
+
+def inpaint_cases(count: int) -> list[tuple[world.Scene, str, np.ndarray]]:
+    """(the drawn scene, the prompt asking for its shape in another colour, the mask: the shape's bounding box and
+    a margin, uint8 0/255)."""
+    rng = np.random.default_rng(INPAINT_SEED)
+    cases = []
+    for _ in range(count):
+        scene = world.random_scene(rng)
+        others = [c for c in world.PALETTE if c not in (scene.colour, scene.background)]
+        colour = others[int(rng.integers(len(others)))]
+        shape = world.shape_mask(scene)
+        rows, cols = np.flatnonzero(shape.any(axis=1)), np.flatnonzero(shape.any(axis=0))
+        mask = np.zeros(shape.shape, np.uint8)
+        mask[max(rows[0] - MASK_MARGIN, 0):rows[-1] + MASK_MARGIN + 1,
+             max(cols[0] - MASK_MARGIN, 0):cols[-1] + MASK_MARGIN + 1] = 255
+        cases.append((scene, world.caption(scene.shape, colour, scene.background), mask))
+    return cases
+
+
+@dataclass(frozen=True)
+class InpaintFigures:
+    repainted: float  # percent of the images whose masked region reads as the prompt's colour
+    outside_change: float  # mean absolute change outside the mask, levels of 255 (mean over the images)
+    vae_round_trip_change: float  # the same for a plain VAE encode/decode of the input: what no paste-back costs
+    images: int
+
+    @property
+    def outside_within_round_trip(self) -> bool:
+        """Outside the mask the image changes no more than the VAE round trip plus one level (the runtime pastes
+        nothing back, as diffusers' pipelines)."""
+        return self.outside_change <= self.vae_round_trip_change + 1.0
+
+
+def _masked_colour(image: np.ndarray, mask: np.ndarray, background: str) -> str | None:
+    """The palette colour most of the masked region's non-background pixels are nearest to."""
+    names = list(world.PALETTE)
+    palette = np.array([world.PALETTE[n] for n in names], np.float64)
+    pixels = np.asarray(image, np.float64)[mask > 127]
+    nearest = np.argmin(np.linalg.norm(pixels[:, None, :] - palette[None], axis=-1), axis=1)
+    counts = np.bincount(nearest, minlength=len(names))
+    counts[names.index(background)] = 0
+    return names[int(np.argmax(counts))] if counts.any() else None
+
+
+def inpaint_repaint(draw: Draw, round_trip: Callable[[np.ndarray], np.ndarray], count: int = 12, seed: int = 0,
+                    strength: float = 1.0) -> InpaintFigures:
+    """Inpaint each case's mask with the prompt's colour; `round_trip(image) -> image` is a plain VAE
+    encode/decode (the reference VAE's, at the latent distribution's mode)."""
+    repainted, outside, trip = [], [], []
+    for scene, prompt, mask in inpaint_cases(count):
+        init = world.draw(scene)
+        image = draw({"prompt": prompt, "seed": seed, "workflow": "inpaint", "init_image": init, "mask": mask,
+                      "strength": strength})
+        keep = mask <= 127
+        repainted.append(_masked_colour(image, mask, scene.background) == world.parse_caption(prompt).colour)
+        outside.append(float(np.abs(image.astype(np.float64) - init)[keep].mean()))
+        trip.append(float(np.abs(round_trip(init).astype(np.float64) - init)[keep].mean()))
+    return InpaintFigures(100.0 * float(np.mean(repainted)), float(np.mean(outside)), float(np.mean(trip)),
+                          len(repainted))
+
+
+def as_dict(figures) -> dict:
+    extra = {"outside_within_round_trip": figures.outside_within_round_trip} \
+        if isinstance(figures, InpaintFigures) else {}
+    return {**asdict(figures), **extra}
