@@ -286,3 +286,11 @@ def test_a_bad_policy_is_refused_by_name_before_the_api_starts(overload, message
     text = " ".join((captured.out + captured.err).split())
     assert code == 1 and message in text and "Traceback" not in text and served == [], text
     assert not (tmp_path / "state").exists()  # refused before the job store is opened
+
+
+def test_serve_takes_the_config_only_with_its_api(tmp_path, capsys):
+    from trt_diffusion.cli import main
+
+    code = main(["serve", "--repo", str(tmp_path), "--config", str(_engines_yaml(tmp_path, {"refuse_after_s": 5}))])
+    text = " ".join(capsys.readouterr().err.split())
+    assert code == 1 and "--config gives the OpenAI API its overload policies: give --openai-port too" in text, text
