@@ -70,3 +70,31 @@ def stub_triton():
         yield stub
     finally:
         server.stop(grace=None)
+
+
+@pytest.fixture
+def stub():
+    """The stand-in Triton whose images are a function of the request (tests/shared/images_stub_triton.py), for the
+    tests that run the API's routes end to end (batches, videos, priority)."""
+    from images_stub_triton import start_images_stub
+
+    stub = start_images_stub()
+    yield stub
+    stub.stop()
+
+
+@pytest.fixture
+def api_settings() -> dict:
+    """ApiSettings fields of `api` beyond the stub's address, port 0 and the job store's folder: a module that needs
+    a key or other limits overrides this fixture."""
+    return {}
+
+
+@pytest.fixture
+def api(stub, tmp_path, api_settings):
+    """The API, with its job store in tmp_path / "state", in front of `stub`."""
+    from trt_diffusion.openai_api.server import ApiServer
+    from trt_diffusion.openai_api.settings import ApiSettings
+
+    with ApiServer(ApiSettings(stub.url, port=0, **{"state_dir": tmp_path / "state", **api_settings})) as server:
+        yield server

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from images_stub_triton import expected_image, start_images_stub
+from images_stub_triton import expected_image
 
 from trt_diffusion.openai_api.server import ApiServer
 from trt_diffusion.openai_api.settings import ApiSettings
@@ -24,18 +24,9 @@ HANG_GUARD_S = 60  # a batch that never finishes fails the test instead of hangi
 
 
 @pytest.fixture
-def stub():
-    stub = start_images_stub()
-    yield stub
-    stub.stop()
-
-
-@pytest.fixture
-def api(stub, tmp_path):
-    settings = ApiSettings(stub.url, port=0, api_key=KEY, max_body_bytes=CAP, state_dir=tmp_path / "state",
-                           state_max_bytes=2 * 1024 * 1024)
-    with ApiServer(settings) as server:
-        yield server
+def api_settings() -> dict:
+    """`api` (tests/openai_api/conftest.py) with a key, a small body cap and a small quota."""
+    return {"api_key": KEY, "max_body_bytes": CAP, "state_max_bytes": 2 * 1024 * 1024}
 
 
 def client(api, key=KEY):

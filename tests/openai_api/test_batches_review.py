@@ -1,6 +1,7 @@
 """Review findings on the Batch routes through the official client (issue #46): a batch queued behind a running
 one is cancelled at once, not left "cancelling" until the runner reaches it; a JSON string holding U+2028 (valid
-unescaped JSON) is one line, not split in two; a CORS preflight for DELETE (videos.delete) is allowed."""
+unescaped JSON) is one line, not split in two; a CORS preflight for DELETE (videos.delete) is allowed; a listing
+after an unknown batch is 404."""
 
 from __future__ import annotations
 
@@ -9,26 +10,11 @@ import json
 import threading
 
 import pytest
-from images_stub_triton import start_images_stub
 
 from trt_diffusion.openai_api.guards import BrowserGuard
-from trt_diffusion.openai_api.server import ApiServer
 from trt_diffusion.openai_api.settings import ApiSettings
 
 HANG_GUARD_S = 60
-
-
-@pytest.fixture
-def stub():
-    stub = start_images_stub()
-    yield stub
-    stub.stop()
-
-
-@pytest.fixture
-def api(stub, tmp_path):
-    with ApiServer(ApiSettings(stub.url, port=0, state_dir=tmp_path / "state")) as server:
-        yield server
 
 
 def client(api):
@@ -64,6 +50,23 @@ def test_a_line_with_u2028_in_a_string_is_one_line(api):
     assert "\u2028".encode() in content  # unescaped, as JSON allows
     upload = openai_client.files.create(file=("a.jsonl", content), purpose="batch")
     assert upload.bytes == len(content)
+
+
+def test_a_listing_after_an_unknown_batch_is_404(api):
+    """GET /v1/batches?after=ID pages after that batch (OpenAI's cursor): an ID the store does not hold (a typo, or
+    a batch deleted by the retention) is answered 404 by name, not with the first page as if no cursor were given."""
+    import openai
+
+    openai_client = client(api)
+    upload = openai_client.files.create(file=("a.jsonl", jsonl({"model": "sd15-tiny", "prompt": "x", "seed": 1})),
+                                        purpose="batch")
+    older, newer = (openai_client.batches.create(input_file_id=upload.id, endpoint="/v1/images/generations",
+                                                 completion_window="24h") for _ in range(2))
+    assert [batch.id for batch in openai_client.batches.list(after=newer.id).data] == [older.id]
+    with pytest.raises(openai.NotFoundError, match="no batch 'batch_unknown' to list after"):
+        openai_client.batches.list(after="batch_unknown")
+    with pytest.raises(openai.NotFoundError, match="no video 'video_unknown' to list after"):
+        openai_client.videos.list(after="video_unknown")
 
 
 def test_a_cors_preflight_allows_delete():

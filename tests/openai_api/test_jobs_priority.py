@@ -14,11 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-from images_stub_triton import start_images_stub
 
 from trt_diffusion.openai_api.job_slots import JobSlots
-from trt_diffusion.openai_api.server import ApiServer
-from trt_diffusion.openai_api.settings import ApiSettings
 from trt_diffusion.triton import configs
 from trt_diffusion.triton.contract import REQUEST_INPUTS
 
@@ -50,17 +47,10 @@ def test_a_job_leaves_people_an_instance(instances, online, free):
 
 
 @pytest.fixture
-def stub():
-    stub = start_images_stub()
+def stub(stub):
+    """tests/openai_api/conftest.py's, holding every inference until the test releases it."""
     stub.gate = threading.Semaphore(0)
-    yield stub
-    stub.stop()
-
-
-@pytest.fixture
-def api(stub, tmp_path):
-    with ApiServer(ApiSettings(stub.url, port=0, state_dir=tmp_path / "state")) as server:
-        yield server
+    return stub
 
 
 def until(check, what: str):

@@ -11,27 +11,11 @@ import time
 
 import numpy as np
 import pytest
-from images_stub_triton import start_images_stub
 
-from trt_diffusion.openai_api.server import ApiServer
-from trt_diffusion.openai_api.settings import ApiSettings
 from trt_diffusion.triton.client import ImageRequest, generate_images
 from trt_diffusion.video_files import read_video, save_video
 
 GUARD_S = 60
-
-
-@pytest.fixture
-def stub():
-    stub = start_images_stub()
-    yield stub
-    stub.stop()
-
-
-@pytest.fixture
-def api(stub, tmp_path):
-    with ApiServer(ApiSettings(stub.url, port=0, state_dir=tmp_path / "state")) as server:
-        yield server
 
 
 def client(api):
