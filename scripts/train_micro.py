@@ -12,6 +12,17 @@ an interrupted run resumes at the stage it was in:
 3. save: the pipeline as fp16 safetensors in --out (default trt_diffusion/data/micro/<family>/), with the
          script's version, seed, steps, time and the fp32 grid figures in trt_diffusion_micro.json.
 
+`--family flux` trains the DiT micro-model in FLUX.1's layout instead (same stages, same checkpointing):
+
+1. vae:  FLUX.1's VAE layout (16 latent channels, no quant convs), trained as sd15's; its shift and scale factors
+         are measured on its latents afterwards.
+2. dit:  FluxTransformer2DModel (double- then single-stream blocks) with a CLIP text encoder (pooled) and a T5
+         encoder trained together: rectified flow as FLUX (x_t = (1 - t) x0 + t noise, target noise - x0,
+         logit-normal t), latents shifted, scaled and packed 2x2 as FluxPipeline packs them, 10 % empty captions.
+   refine: the same, continued at a lower rate.
+3. save: a FluxPipeline folder, evaluated with true CFG against the empty prompt (the transformer has no guidance
+         embedding) and T5 at its tokenizer's length (32), the length it was trained at.
+
 `--evaluate-only` samples the fixed grid (36 prompts x 4 seeds, Euler 20 steps, CFG 5) from --out and prints the
 prompt-following figures.
 """
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import shutil
@@ -41,6 +53,14 @@ SCRIPT_VERSION = 2  # 2: a 32-wide VAE trained on L1 + MSE
 GRID_SEEDS = (0, 1, 2, 3)
 GRID_STEPS = 20
 GRID_CFG = 5.0
+# steps per stage when not given: sd15's are the shipped model's; flux's fit ~40 minutes on 2 idle cores (a DiT step
+# from the pool ~0.25 s, a VAE step ~0.21 s, the pool ~5 min)
+DEFAULT_STEPS = {
+    "sd15": {"vae_steps": 3000, "unet_steps": 3000, "refine_steps": 3000, "lora_steps": 1500, "controlnet_steps": 1500},
+    "flux": {"vae_steps": 2000, "unet_steps": 3000, "refine_steps": 3000, "lora_steps": 0, "controlnet_steps": 0},
+}
+FLUX_BATCH = 32
+FLUX_POOL = 40_000  # scenes drawn and encoded once for the DiT phases (drawing + encoding was half a DiT step)
 CROP = 32  # the VAE trains on crops of this size
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -68,12 +88,12 @@ def cosine_rate(step: int, steps: int, peak: float, warmup: int = 100) -> float:
     return 1e-2 * peak + 0.99 * peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1)))
 
 
-def train_vae(work: Path, steps: int, seed: int):
+def train_vae(work: Path, steps: int, seed: int, build=micro.sd15_vae):
     path = work / "vae"
     if (path / "config.json").is_file():
-        return type(micro.sd15_vae()).from_pretrained(path)
+        return type(build()).from_pretrained(path)
     torch.manual_seed(seed)
-    vae = micro.sd15_vae()
+    vae = build()
     rng = np.random.default_rng(seed)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
     start = time.time()
@@ -104,6 +124,126 @@ def scaling_factor(vae, seed: int) -> float:
     with torch.no_grad():
         images, _ = scenes(np.random.default_rng(seed + 1), 256)
         return float(1.0 / vae.encode(images).latent_dist.sample().std())
+
+
+def latent_shift_and_scale(vae, seed: int) -> tuple[float, float]:
+    """FLUX's VAE config carries both: latents = (sample - shift_factor) * scaling_factor have mean 0, std 1."""
+    with torch.no_grad():
+        images, _ = scenes(np.random.default_rng(seed + 1), 256)
+        latents = vae.encode(images).latent_dist.sample()
+        return float(latents.mean()), float(1.0 / latents.std())
+
+
+def flux_text(text_encoder, text_encoder_2, tokenizer, tokenizer_2, captions: list[str]):
+    """(CLIP's pooled output, T5's states) as FluxPipeline.encode_prompt makes them, T5 padded to its tokenizer's
+    length (what the project's runtime and the grid pass as max_sequence_length)."""
+    ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                    return_tensors="pt").input_ids
+    ids_2 = tokenizer_2(captions, padding="max_length", max_length=tokenizer_2.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids
+    return text_encoder(ids).pooler_output, text_encoder_2(ids_2)[0]
+
+
+def flux_loss(transformer, pooled: torch.Tensor, states: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    """Rectified flow as FLUX trains: x_t = (1 - t) x0 + t noise, the transformer predicts noise - x0 (what
+    FlowMatchEulerDiscreteScheduler steps along), t logit-normal. `latents` [B, 16, h, w], already shifted and
+    scaled; packed 2x2 into tokens, with their position ids, by FluxPipeline's own helpers."""
+    from diffusers import FluxPipeline
+
+    batch, channels, height, width = latents.shape
+    x0 = FluxPipeline._pack_latents(latents, batch, channels, height, width)
+    noise = torch.randn_like(x0)
+    t = torch.sigmoid(torch.randn(batch))
+    noisy = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
+    image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, x0.device, x0.dtype)
+    text_ids = torch.zeros(states.shape[1], 3)  # as encode_prompt's: every text token at position 0
+    # the pipeline passes sigma (its timestep / 1000); the transformer scales it back by 1000 itself
+    prediction = transformer(hidden_states=noisy, timestep=t, pooled_projections=pooled, encoder_hidden_states=states,
+                             txt_ids=text_ids, img_ids=image_ids).sample
+    return torch.nn.functional.mse_loss(prediction, noise - x0)
+
+
+def encoded_pool(vae, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """`count` drawn scenes encoded once by the frozen VAE: (posterior means, posterior stds, captions). A DiT step
+    draws its batch from them and samples the posterior, rather than drawing and encoding new scenes each step."""
+    rng = np.random.default_rng(seed + 5)
+    means, stds, captions = [], [], []
+    with torch.no_grad():
+        for first in range(0, count, 500):
+            images, chunk = scenes(rng, min(500, count - first))
+            posterior = vae.encode(images).latent_dist
+            means.append(posterior.mean)
+            stds.append(posterior.std)
+            captions += chunk
+    return torch.cat(means), torch.cat(stds), captions
+
+
+def train_dit(work: Path, vae, pool, steps: int, seed: int, *, phase: str = "dit", start_from: str | None = None,
+              peak: float = 5e-4):
+    """One phase of FLUX transformer + CLIP + T5 training, checkpointed in work/<phase> (as train_unet). `pool`:
+    a function that returns encoded_pool's scenes (built only when a phase trains)."""
+    from diffusers import FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    from trt_diffusion.models.tiny import _clip_tokenizer, _t5_tokenizer
+
+    def load(folder: Path):
+        return (FluxTransformer2DModel.from_pretrained(folder / "transformer"),
+                CLIPTextModel.from_pretrained(folder / "text_encoder"),
+                T5EncoderModel.from_pretrained(folder / "text_encoder_2"))
+
+    path = work / phase
+    tokenizer, tokenizer_2 = _clip_tokenizer(), _t5_tokenizer()
+    if (path / "transformer" / "config.json").is_file():
+        return (*load(path), tokenizer, tokenizer_2)
+    torch.manual_seed(seed)
+    if start_from is None:
+        transformer, text_encoder, text_encoder_2 = \
+            micro.flux_transformer(), micro.flux_text_encoder(), micro.flux_t5_encoder()
+    else:
+        transformer, text_encoder, text_encoder_2 = load(work / start_from)
+    shift, scale = vae.config.shift_factor, vae.config.scaling_factor
+    means, stds, pool_captions = pool()
+    rng = np.random.default_rng(seed + 2 + (start_from is not None))  # other draws for a continued phase
+    parameters = [*transformer.parameters(), *text_encoder.parameters(), *text_encoder_2.parameters()]
+    optimizer = torch.optim.AdamW(parameters, lr=peak, weight_decay=1e-2)
+    vae.requires_grad_(False)
+    start = time.time()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_rate(step, steps, peak)
+        rows = rng.integers(0, len(pool_captions), FLUX_BATCH)
+        captions = [pool_captions[i] if rng.random() >= 0.1 else "" for i in rows]  # unconditional rows: true CFG
+        latents = (means[rows] + stds[rows] * torch.randn_like(means[rows]) - shift) * scale
+        pooled, states = flux_text(text_encoder, text_encoder_2, tokenizer, tokenizer_2, captions)
+        loss = flux_loss(transformer, pooled, states, latents)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"{phase} {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+    transformer.save_pretrained(path / "transformer")
+    text_encoder.save_pretrained(path / "text_encoder")
+    text_encoder_2.save_pretrained(path / "text_encoder_2")
+    return transformer, text_encoder, text_encoder_2, tokenizer, tokenizer_2
+
+
+def train_flux(work: Path, args):
+    """The flux stages (vae, dit, refine): a FluxPipeline, fp32, in memory."""
+    from diffusers import FluxPipeline
+
+    vae = train_vae(work, args.vae_steps, args.seed, build=micro.flux_vae)
+    shift, scale = latent_shift_and_scale(vae, args.seed)
+    vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+    pool = functools.cache(lambda: encoded_pool(vae, args.flux_pool, args.seed))
+    parts = train_dit(work, vae, pool, args.unet_steps, args.seed)
+    if args.refine_steps:
+        parts = train_dit(work, vae, pool, args.refine_steps, args.seed, phase="refine", start_from="dit",
+                          peak=2e-4)
+    transformer, text_encoder, text_encoder_2, tokenizer, tokenizer_2 = parts
+    return FluxPipeline(scheduler=micro.flux_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
 
 
 def train_unet(work: Path, vae, steps: int, seed: int, *, phase: str = "unet", start_from: str | None = None,
@@ -253,23 +393,39 @@ def train_controlnet(work: Path, vae, unet, text_encoder, tokenizer, steps: int,
     return controlnet
 
 
+def grid_guidance(pipe) -> dict:
+    """The guidance arguments of a grid call: CFG for SD; true CFG against the empty prompt for FLUX (no guidance
+    embedding), with T5 at its tokenizer's length, the length it was trained at (FluxPipeline's default is 512)."""
+    if hasattr(pipe, "transformer"):
+        return {"true_cfg_scale": GRID_CFG, "negative_prompt": "",
+                "max_sequence_length": pipe.tokenizer_2.model_max_length}
+    return {"guidance_scale": GRID_CFG}
+
+
 def sample_grid(pipe) -> tuple[list[np.ndarray], list[str]]:
     images, prompts = [], []
     for prompt in world.prompt_grid():  # a prompt's seeds in one call: each image's noise from its own seed
         generators = [torch.Generator().manual_seed(seed) for seed in GRID_SEEDS]
-        out = pipe(prompt, num_inference_steps=GRID_STEPS, guidance_scale=GRID_CFG, generator=generators,
-                   num_images_per_prompt=len(GRID_SEEDS), height=world.SIZE, width=world.SIZE, output_type="np")
+        out = pipe(prompt, num_inference_steps=GRID_STEPS, generator=generators, num_images_per_prompt=len(GRID_SEEDS),
+                   height=world.SIZE, width=world.SIZE, output_type="np", **grid_guidance(pipe))
         images += [np.round(image * 255).astype(np.uint8) for image in out.images]
         prompts += [prompt] * len(GRID_SEEDS)
     return images, prompts
 
 
-def evaluate(folder: Path, picture: Path | None = None) -> dict[str, float]:
-    from diffusers import StableDiffusionPipeline
+def load_pipeline(folder: Path):
+    """The folder's own pipeline class (model_index.json's _class_name), fp32."""
+    import diffusers
 
-    pipe = StableDiffusionPipeline.from_pretrained(folder, torch_dtype=torch.float32, safety_checker=None,
-                                                   requires_safety_checker=False)
+    name = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
+    extra = {"safety_checker": None, "requires_safety_checker": False} if name.startswith("StableDiffusion") else {}
+    pipe = getattr(diffusers, name).from_pretrained(folder, torch_dtype=torch.float32, **extra)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def evaluate(folder: Path, picture: Path | None = None) -> dict[str, float]:
+    pipe = load_pipeline(folder)
     images, prompts = sample_grid(pipe)
     if picture is not None:
         from PIL import Image
@@ -341,18 +497,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=micro.MICRO_FAMILIES, default="sd15")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vae-steps", type=int, default=3000)
-    parser.add_argument("--unet-steps", type=int, default=3000)
-    parser.add_argument("--refine-steps", type=int, default=3000, help="a second UNet phase from the first's "
-                        "weights, at a lower rate")
-    parser.add_argument("--lora-steps", type=int, default=1500, help="the outlined-style LoRA (0: none)")
-    parser.add_argument("--controlnet-steps", type=int, default=1500, help="the edge-map ControlNet (0: none)")
+    parser.add_argument("--vae-steps", type=int, default=None, help="default: sd15 3000, flux 2000")
+    parser.add_argument("--unet-steps", type=int, default=None, help="the denoiser's (sd15: the UNet; flux: the "
+                        "transformer) first phase, with its text encoders; default: 3000")
+    parser.add_argument("--refine-steps", type=int, default=None, help="a second denoiser phase from the first's "
+                        "weights, at a lower rate; default: 3000")
+    parser.add_argument("--lora-steps", type=int, default=None, help="the outlined-style LoRA (0: none; sd15 only, "
+                        "default 1500)")
+    parser.add_argument("--controlnet-steps", type=int, default=None, help="the edge-map ControlNet (0: none; sd15 "
+                        "only, default 1500)")
+    parser.add_argument("--flux-pool", type=int, default=FLUX_POOL, help="flux: scenes encoded once for the DiT "
+                        "phases to draw from (smaller only for smoke runs)")
     parser.add_argument("--threads", type=int, default=2, help="fixed for reproducible sums")
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "micro-train")
     parser.add_argument("--out", type=Path, default=None, help="default trt_diffusion/data/micro/FAMILY")
     parser.add_argument("--evaluate-only", action="store_true")
     parser.add_argument("--picture", type=Path, default=None, help="also save the grid as a PNG here")
     args = parser.parse_args()
+    for name, steps in DEFAULT_STEPS[args.family].items():
+        if getattr(args, name) is None:
+            setattr(args, name, steps)
+    if args.family == "flux" and (args.lora_steps or args.controlnet_steps):
+        parser.error("--lora-steps and --controlnet-steps: the flux micro-model has no LoRA or ControlNet stage; "
+                     "give 0 or leave them out")
     torch.set_num_threads(args.threads)
     out = args.out or micro.DATA / args.family
     if args.evaluate_only:
@@ -363,20 +530,24 @@ def main() -> None:
     work = args.work / args.family
     work.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    vae = train_vae(work, args.vae_steps, args.seed)
-    vae.register_to_config(scaling_factor=scaling_factor(vae, args.seed))
-    unet, text_encoder, tokenizer = train_unet(work, vae, args.unet_steps, args.seed)
-    if args.refine_steps:  # the first phase's shapes follow the prompt's words only loosely (circle ~ square)
-        unet, text_encoder, tokenizer = train_unet(work, vae, args.refine_steps, args.seed, phase="refine",
-                                                   start_from="unet", peak=2e-4)
-    lora = train_lora(work, vae, unet, text_encoder, tokenizer, args.lora_steps, args.seed) \
-        if args.lora_steps else None
-    controlnet = train_controlnet(work, vae, unet, text_encoder, tokenizer, args.controlnet_steps, args.seed) \
-        if args.controlnet_steps else None
-    seconds = time.time() - start
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
-                                   scheduler=micro.sd15_scheduler(), safety_checker=None, feature_extractor=None,
-                                   requires_safety_checker=False)
+    if args.family == "flux":
+        pipe, lora, controlnet = train_flux(work, args), None, None
+        seconds = time.time() - start
+    else:
+        vae = train_vae(work, args.vae_steps, args.seed)
+        vae.register_to_config(scaling_factor=scaling_factor(vae, args.seed))
+        unet, text_encoder, tokenizer = train_unet(work, vae, args.unet_steps, args.seed)
+        if args.refine_steps:  # the first phase's shapes follow the prompt's words only loosely (circle ~ square)
+            unet, text_encoder, tokenizer = train_unet(work, vae, args.refine_steps, args.seed, phase="refine",
+                                                       start_from="unet", peak=2e-4)
+        lora = train_lora(work, vae, unet, text_encoder, tokenizer, args.lora_steps, args.seed) \
+            if args.lora_steps else None
+        controlnet = train_controlnet(work, vae, unet, text_encoder, tokenizer, args.controlnet_steps, args.seed) \
+            if args.controlnet_steps else None
+        seconds = time.time() - start
+        pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                       scheduler=micro.sd15_scheduler(), safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
     staging = out.with_name(f".{out.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
     pipe.to(torch.float16).save_pretrained(staging, safe_serialization=True)
@@ -391,6 +562,10 @@ def main() -> None:
               "threads": args.threads,
               "train_seconds": round(seconds), "grid": {"prompts": len(world.prompt_grid()), "seeds": list(GRID_SEEDS),
                                                         "steps": GRID_STEPS, "cfg": GRID_CFG, "figures": figures}}
+    if args.family == "flux":  # how the grid was guided: the transformer has no guidance embedding
+        record["grid"].update(guidance="true_cfg_scale, negative_prompt ''",
+                              max_sequence_length=pipe.tokenizer_2.model_max_length)
+        record.update(batch=FLUX_BATCH, pool=args.flux_pool)
     if lora is not None:
         record["lora"] = {"steps": args.lora_steps, "style": "outlined", "figures": evaluate_lora(staging)}
     if controlnet is not None:

@@ -43,9 +43,9 @@ def test_models_micro_writes_an_fp32_folder_that_declares_the_world(shipped, tmp
 def test_no_shipped_model_and_unknown_families_are_one_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(micro, "DATA", tmp_path / "empty")
     assert main(["models", "micro", "--family", "sd15", "--out", str(tmp_path / "a")]) == 1
-    assert main(["models", "micro", "--family", "flux", "--out", str(tmp_path / "b")]) == 1
+    assert main(["models", "micro", "--family", "wan", "--out", str(tmp_path / "b")]) == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "holds no micro-model: train it with scripts/train_micro.py --family sd15" in err
-    assert "no micro-model of family 'flux'; trained ones: sd15" in err and "Traceback" not in err
+    assert "no micro-model of family 'wan'; trained ones: sd15, flux" in err and "Traceback" not in err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     assert not micro.draws_synthetic_world(tmp_path)  # a user's folder: no record

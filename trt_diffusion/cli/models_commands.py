@@ -46,7 +46,8 @@ def models_tiny(
 def models_micro(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="folder to write (default models/micro-FAMILY)")]
     = None,
-    family: Annotated[str, typer.Option("--family", help="a family with a trained micro-model: sd15")] = "sd15",
+    family: Annotated[str, typer.Option("--family", help="a family with a micro-model: sd15, flux (its weights "
+                                                    "once trained: scripts/train_micro.py --family flux)")] = "sd15",
     overwrite: bool = False,
     if_missing: Annotated[bool, typer.Option("--if-missing", help="do nothing when <out> already exists")] = False,
 ):

@@ -4,7 +4,9 @@ and written out, upcast to fp32 (the reference), as a normal diffusers folder by
 
 The architectures live here so that the training script and the tests build the same modules: SD1.5's UNet keeps
 its four levels, two layers per block and cross-attention on the three upper levels (DeepCache's figures depend
-on that layout); only the widths shrink.
+on that layout); only the widths shrink. FLUX.1's transformer keeps its double-stream blocks followed by
+single-stream blocks (first-block caching reads the first double block's residual), its 2x2 packing of a 16-channel
+latent (patch_size 1, 64 input channels) and its two text encoders (CLIP's pooled output, T5's states).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ..errors import ConfigError
 from ..workspace.files import staged_folder
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "micro"
-MICRO_FAMILIES = ("sd15",)
+MICRO_FAMILIES = ("sd15", "flux")
 TRAINING_RECORD = "trt_diffusion_micro.json"  # the script's version, seed and figures, beside the weights
 TEXT_HIDDEN = 64
 LORA_FILE = "lora/pytorch_lora_weights.safetensors"  # the outlined-style LoRA, beside the pipeline's folders
@@ -70,6 +72,56 @@ def sd15_scheduler():
 
     return EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                   num_train_timesteps=1000, steps_offset=1, timestep_spacing="leading")
+
+
+FLUX_LATENT_CHANNELS = 16  # FLUX.1's VAE; packed 2x2 into 64 transformer input channels
+
+
+def flux_text_encoder():
+    """FluxPipeline's CLIPTextModel: only its pooled output (the EOS token's state) is read."""
+    return sd15_text_encoder()
+
+
+def flux_t5_encoder():
+    """FluxPipeline's T5EncoderModel: its states are the transformer's text tokens (vocabulary: the project's tiny
+    T5 tokenizer's 124 pieces)."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(d_model=TEXT_HIDDEN, d_ff=128, d_kv=16, num_heads=4, num_layers=2, vocab_size=128,
+                      relative_attention_num_buckets=16, dropout_rate=0.0, is_encoder_decoder=False, use_cache=False)
+    config._attn_implementation = "eager"  # the dynamo exporter cannot trace T5's sdpa path (models/tiny.py)
+    return T5EncoderModel(config)
+
+
+def flux_vae():
+    """FLUX.1's VAE layout: 16 latent channels, no quant convs, a shift and a scale in its config (measured on the
+    trained encoder's latents by the training script); SD's four blocks, so 64x64 images give 8x8 latents (16
+    tokens once packed). Widths as the SD1.5 micro-model's VAE."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(block_out_channels=[32, 64, 64, 64], in_channels=3, out_channels=3,
+                         down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                         latent_channels=FLUX_LATENT_CHANNELS, norm_num_groups=8, layers_per_block=1, sample_size=64,
+                         use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0, scaling_factor=1.0)
+
+
+def flux_transformer():
+    """FLUX.1's FluxTransformer2DModel, double-stream blocks then single-stream blocks, at small widths. No guidance
+    embedding (FLUX.1-schnell's layout): the pipeline guides with true CFG against an empty prompt."""
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=FLUX_LATENT_CHANNELS * 4, num_layers=2, num_single_layers=4, attention_head_dim=32,
+        num_attention_heads=4, joint_attention_dim=TEXT_HIDDEN, pooled_projection_dim=TEXT_HIDDEN,
+        guidance_embeds=False, axes_dims_rope=(8, 12, 12))
+
+
+def flux_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    # FLUX.1-dev's: the shift follows the image's token count (16 tokens here: a shift of about 1.6)
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, use_dynamic_shifting=True, base_shift=0.5,
+                                           max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
 
 
 def write_micro_model(family: str, out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
