@@ -16,6 +16,7 @@ from .transformers import FluxTransformer, SD3Transformer
 from .unet import UNet
 from .vae import VaeDecoder, VaeEncoder
 from .video import ClipImageEncoder, UMT5TextEncoder, WanTransformer, WanVaeDecoder, WanVaeEncoder
+from .z_image import ZImageTextEncoder, ZImageTransformer
 
 _F, _C = Family, Component
 
@@ -54,6 +55,8 @@ def _build() -> dict[tuple[Family, Component], ComponentDef]:
         Flux2Transformer(_F.flux2_klein, _C.transformer),
         Flux2VaeDecoder(_F.flux2, _C.vae_decoder),  # the pipelines' batch-norm denormalization in its graph
         Flux2VaeDecoder(_F.flux2_klein, _C.vae_decoder),
+        ZImageTextEncoder(_F.z_image, _C.text_encoder),  # its VAE is the generic AutoencoderKL declaration
+        ZImageTransformer(_F.z_image, _C.transformer),
     ]
     own_vae = {d.family for d in defs if d.component.is_vae}  # video families and Qwen-Image declare theirs (above)
     for family in Family:

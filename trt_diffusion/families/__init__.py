@@ -7,7 +7,7 @@ module here with a `DECLARATION`, and its line in `_DECLARATIONS` (docs/ARCHITEC
 
 from __future__ import annotations
 
-from . import flux, flux2, flux2_klein, qwen_image, sd3, sd15, sdxl, wan
+from . import flux, flux2, flux2_klein, qwen_image, sd3, sd15, sdxl, wan, z_image
 from .base import (
     SUBFOLDER,
     WIDE_FLOAT,
@@ -39,6 +39,7 @@ _DECLARATIONS = {
     Family.qwen_image: qwen_image.DECLARATION,
     Family.flux2: flux2.DECLARATION,
     Family.flux2_klein: flux2_klein.DECLARATION,
+    Family.z_image: z_image.DECLARATION,
 }
 FAMILIES: dict[Family, FamilyInfo] = {family: _DECLARATIONS[family] for family in Family}  # every member declared
 

@@ -25,6 +25,7 @@ class Family(str, Enum):
     qwen_image = "qwen_image"  # Qwen-Image: a Qwen2.5-VL language-model encoder, an MMDiT, a Wan-style 3D VAE
     flux2 = "flux2"  # FLUX.2 dev: a Mistral-3 language-model encoder, embedded guidance (one call per step)
     flux2_klein = "flux2_klein"  # FLUX.2 Klein: a Qwen3 encoder, true CFG (two calls per step)
+    z_image = "z_image"  # Z-Image and Z-Image-Turbo: a Qwen3 encoder, a single-stream DiT over unpadded prompts
 
 
 class Component(str, Enum):

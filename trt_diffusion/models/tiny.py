@@ -196,6 +196,12 @@ def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny",
         pipe = build_tiny_flux2(seed, size, variant, klein=family is Family.flux2_klein)  # size full: refused
         _perturb_all_parameters(pipe, seed)
         return pipe
+    if family is Family.z_image:
+        from .tiny_z_image import build_tiny_z_image
+
+        pipe = build_tiny_z_image(seed, size, variant)  # no variant (Turbo is the same pipeline), size full refused
+        _perturb_all_parameters(pipe, seed)
+        return pipe
     if family is Family.qwen_image:
         from .tiny_qwen import build_tiny_qwen_image
 
