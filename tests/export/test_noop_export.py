@@ -77,3 +77,46 @@ def test_a_touched_weight_or_artifact_falls_back_to_the_full_check(private_expor
     hash_calls.clear()
     api.export(private_export)
     assert str(onnx) in hash_calls  # the store verifies the artifact's bytes again
+
+
+def _new_bytes_with_the_old_stat(weights: Path) -> None:
+    """New weights of the same size, given the old file's mtime and renamed over it (what a copy that preserves
+    timestamps does): only the inode differs."""
+    from safetensors.torch import load_file, save_file
+
+    old = weights.stat()
+    tensors = load_file(weights)
+    name = next(key for key, tensor in tensors.items() if tensor.is_floating_point())
+    tensors[name] = tensors[name] + 0.01
+    staged = weights.with_name("staged.safetensors.tmp")
+    save_file(tensors, staged, metadata={"format": "pt"})
+    os.utime(staged, ns=(old.st_atime_ns, old.st_mtime_ns))
+    os.replace(staged, weights)
+    new = weights.stat()
+    assert (new.st_size, new.st_mtime_ns) == (old.st_size, old.st_mtime_ns) and new.st_ino != old.st_ino
+
+
+def test_new_bytes_behind_the_same_size_and_mtime_are_not_vouched_for(private_export):
+    from trt_diffusion.engines_file.selection import select_specs
+    from trt_diffusion.export import export_state, group_specs
+
+    api.export(private_export)  # the full check, then the record
+    config = load_engines_file(private_export)
+    groups = group_specs(select_specs(config, None, None))
+    assert export_state.unchanged_report(config, groups) is not None  # the record vouches for what it saw
+    _new_bytes_with_the_old_stat(private_export.parent / "model" / "text_encoder" / "model.safetensors")
+    assert export_state.unchanged_report(config, groups) is None  # ... and not for new bytes
+
+
+@pytest.mark.slow  # a text encoder export and its parity check (about 20 s on 2 loaded cores)
+def test_new_bytes_behind_the_same_size_and_mtime_re_export(private_export, hash_calls):
+    """... so the export hashes them and re-exports the component made from them, and only it."""
+    first = api.export(private_export)
+    weights = private_export.parent / "model" / "text_encoder" / "model.safetensors"
+    _new_bytes_with_the_old_stat(weights)
+    hash_calls.clear()
+
+    report = api.export(private_export)
+    assert str(weights) in hash_calls
+    assert {r.group.component: r.cached for r in report.results} == {
+        r.group.component: r.group.component != "text_encoder" for r in first.results}
