@@ -58,15 +58,28 @@ def z_image_text_lengths(options: Mapping[str, Any] | None = None) -> tuple[int,
     return family_info(Family.z_image).text_lengths
 
 
+class _HiddenStatesWrapper(ExportWrapper):
+    def compute(self, input_ids, attention_mask):
+        # the decoder stack: the released folders' Qwen3Model itself, or a Qwen3ForCausalLM's `model`
+        decoder = getattr(self.model, "model", self.model)
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                      return_dict=True)
+        return out.hidden_states[-2]
+
+
 class ZImageTextEncoder(Flux2TextEncoder):
-    """Qwen3ForCausalLM's decoder stack -> `prompt_embeds` [B, 512, D]: `hidden_states[-2]` over the padded
-    sequence (FLUX.2's stacked-state encoder with the one layer ZImagePipeline reads)."""
+    """Qwen3Model (the decoder stack the released folders save) -> `prompt_embeds` [B, 512, D]: `hidden_states[-2]`
+    over the padded sequence. FLUX.2's encoder declaration (ids and mask [B, 512], dummy inputs) with the one layer
+    ZImagePipeline reads."""
 
     kind = "z_image_text_encoder"
 
     @property
     def layers(self) -> tuple[int, ...]:
         return (-2,)
+
+    def wrapper(self, module, config: ModelConfig, options: Mapping[str, Any], compute_dtype=None):
+        return _HiddenStatesWrapper(module, self.io(config, options).input_names, compute_dtype).eval()
 
 
 def prompt_tokens(tokenizer, prompt: str, length: int) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,6 @@ the default) or in two (`split`).
 
 from .base import WIDE_FLOAT, CfgKind, FamilyInfo
 from .base import Component as C
-from .qwen_image import DECODER_STACK
 
 # ZImagePipeline's max_sequence_length default: the chat-templated prompt is padded (for the encoder) and cut to it
 Z_IMAGE_TEXT_LENGTH = 512
@@ -31,8 +30,10 @@ DECLARATION = FamilyInfo(
     pipeline_classes=("ZImagePipeline",),
     workflows=("txt2img",),  # ZImageImg2ImgPipeline / inpaint / ControlNet / Omni are out of this round
     lora_text_encoders=(),  # ZImageLoraLoaderMixin: _lora_loadable_modules = ["transformer"]
-    # Qwen3's decoder stack is the engine (its LM head is not); its quantization is not wired yet: transformer only
-    engine_parts={C.text_encoder: DECODER_STACK},
+    # the released folders save a Qwen3Model (the decoder stack: all of it is the engine); a Qwen3ForCausalLM folder's
+    # LM head is not. Its quantization is not wired yet (language_model_encoder): the transformer is what quantizes
+    engine_parts={C.text_encoder: ("embed_tokens.", "layers.", "norm.", "model.embed_tokens.", "model.layers.",
+                                   "model.norm.")},
     flow_matching=True,
     # ZImagePipeline's defaults (Z-Image-Turbo's requests set guidance 0 and 8 steps); cfg_normalization False and
     # cfg_truncation 1.0 (diffusers' defaults) are what the runtime runs: they are not request inputs yet
