@@ -141,11 +141,12 @@ def _quantized_sources(config, specs) -> dict[str, Path]:
     for spec in specs:
         if not spec.precision.is_quantized:
             continue
-        variant = (spec.model, spec.component, spec.precision, spec.lora_variant)
+        # a step cache's piece is its own Q/DQ graph, from the denoiser's calibration (quantize/pieces.py)
+        variant = (spec.model, spec.component, spec.precision, spec.lora_variant, spec.piece)
         if variant not in done:
             done[variant] = quantize_component(
                 config.models[spec.model], spec.component, spec.precision, spec.lora_variant,
-                config.workspace, opset=config.build.opset, config_root=config.root).onnx_path
+                config.workspace, opset=config.build.opset, config_root=config.root, piece=spec.piece).onnx_path
         sources[spec.key] = done[variant]
     return sources
 

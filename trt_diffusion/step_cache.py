@@ -96,6 +96,10 @@ PIECES: dict[StepCacheMethod, tuple[str, ...]] = {
     StepCacheMethod.first_block: ("first_block", "rest_blocks"),
 }
 
+# Methods whose pieces the quantize stage exports as Q/DQ graphs for an int8/fp8 denoiser, from the denoiser's own
+# calibration (quantize/pieces.py); engines.yaml refuses a step cache of any other method on a quantized denoiser.
+QUANTIZED_METHODS: frozenset[StepCacheMethod] = frozenset({StepCacheMethod.deepcache, StepCacheMethod.first_block})
+
 
 def deepcache_full_steps(steps: int, interval: int) -> tuple[bool, ...]:
     """Per step: True where the whole UNet runs (DeepCache's uniform schedule: step 0, interval, 2·interval…)."""

@@ -91,8 +91,6 @@ CASES = [
      ["models.m.step_cache.intervall", "unknown key", "did you mean 'interval'"]),
     ("unknown-method", "sd15", "    step_cache:\n      method: teacache\n", 9,
      ["models.m.step_cache.method", "'teacache' is not one of"]),
-    ("quantized-denoiser", "sd15", "    precision: {unet: int8}\n    step_cache: {method: deepcache}\n", 9,
-     ["models.m.step_cache", "step caching with an int8 unet is not supported yet"]),
     ("gate-ssim-out-of-range", "sd15", "    step_cache:\n      method: deepcache\n      gate: {min_ssim: 2}\n", 10,
      ["models.m.step_cache.gate.min_ssim", "less than or equal to 1"]),
 ]

@@ -28,6 +28,7 @@ from ..step_cache import (
     DEFAULT_INTERVAL,
     DEFAULT_THRESHOLD,
     METHOD_FAMILIES,
+    QUANTIZED_METHODS,
     StepCache,
     StepCacheMethod,
 )
@@ -547,11 +548,12 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     step_cache = _resolve_step_cache(entry, defaults, source.path if check_sources else None, base, problems)
     if info.edit is EditKind.vision_reference and Workflow.edit in workflows:
         _check_edit_buckets(buckets, precision, base, problems)
-    if step_cache is not None and precision[info.denoiser].is_quantized:
-        # the quantize stage calibrates the whole denoiser's graph; the cache's pieces have none of their own yet
+    if step_cache is not None and precision[info.denoiser].is_quantized and step_cache.method not in QUANTIZED_METHODS:
+        # the quantize stage exports the pieces of these methods from the denoiser's calibration (quantize/pieces.py)
         problems.add(base + ("step_cache",) if entry.step_cache is not None else ("defaults", "step_cache"),
-                     f"step caching with an {precision[info.denoiser].value} {info.denoiser.value} is not supported "
-                     f"yet (the cache's engines are not quantized): use fp16, bf16 or fp32, or leave step_cache out")
+                     f"step caching ({step_cache.method.value}) with an {precision[info.denoiser].value} "
+                     f"{info.denoiser.value} is not supported yet (the quantize stage has no Q/DQ graphs of its "
+                     f"pieces): use fp16, bf16 or fp32, or leave step_cache out")
     return ResolvedModel(
         name=name, family=entry.family, source=source, components=components, buckets=tuple(buckets),
         batch=tuple(sorted(set(_merged(entry, defaults, "batch")))), cfg=cfg,

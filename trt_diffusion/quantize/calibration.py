@@ -151,6 +151,8 @@ class CallRecorder:
     def after(self, module, args, kwargs, output):
         if self._with_outputs and len(self.outputs) < len(self.calls):
             first = output[0] if isinstance(output, (tuple, list)) else getattr(output, "sample", output)
+            if isinstance(first, (list, tuple)):  # a list of per-row outputs (Z-Image's transformer): stacked
+                first = torch.stack(list(first))
             self.outputs.append(first.detach().clone())
 
     def new_run(self) -> None:

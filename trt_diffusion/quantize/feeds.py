@@ -27,6 +27,7 @@ from ..components import (
 from ..engines_file import ResolvedModel
 from ..errors import QuantizeError
 from ..families import FLUX2_FAMILIES, Component, Family
+from .declared_calls import declared_calls
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one denoiser call
 
@@ -45,6 +46,12 @@ class DenoiserInterface:
     config: ModelConfig
     options: dict[str, Any]
     io: ComponentIO
+    piece: str | None = None  # a step cache's piece of the denoiser (step_cache.PIECES): its graph, not the whole
+
+    @property
+    def graph_name(self) -> str:
+        """The graph as messages name it: the piece where this is one, else the component."""
+        return self.piece or self.component.value
 
     @property
     def input_names(self) -> list[str]:
@@ -79,7 +86,10 @@ class DenoiserInterface:
         args, kwargs = call
         found: dict[str, Any] = {}
         added = kwargs.get("added_cond_kwargs") or {}
-        for decl in self.io.inputs:
+        declared = declared_calls(self.family)
+        if declared is not None:  # the family's own reading of its pipeline's call (Z-Image's lists)
+            found = declared.feeds(call)
+        for decl in self.io.inputs if declared is None else ():
             name = decl.name
             if name in kwargs and kwargs[name] is not None:
                 found[name] = kwargs[name]
@@ -107,6 +117,8 @@ class DenoiserInterface:
     def pipeline_output(self, output: torch.Tensor, call: Call) -> torch.Tensor:
         """An engine's output in the layout the pipeline expects back: Qwen-Image's noise_pred [B, h/2, w/2, 64]
         (the patch-grid view of its tokens) as the packed [B, T, 64] the call's hidden_states have; others as is."""
+        if (declared := declared_calls(self.family)) is not None:
+            return declared.pipeline_output(output, call)
         args, kwargs = call
         hidden = kwargs.get("hidden_states")
         if self.family is Family.qwen_image and hidden is not None and output.dim() != hidden.dim():
@@ -145,13 +157,20 @@ def _adapt_to_declaration(family: Family, found: dict[str, Any], kwargs: dict[st
             found["encoder_hidden_states_mask"] = torch.ones(states.shape[:2], dtype=torch.int64)
 
 
-def denoiser_interface(model: ResolvedModel, component: Component | str) -> DenoiserInterface:
+def denoiser_interface(model: ResolvedModel, component: Component | str,
+                       piece: str | None = None) -> DenoiserInterface:
+    """The denoiser's declared I/O, or that of its step cache's `piece` (the model's `step_cache` decides its cut)."""
     component = Component(component)
-    definition = get_component(model.family, component)
+    definition = get_component(model.family, component, piece)
     config = load_model_config(model.source.path, model.family, component)
     # A UNet of a model with ControlNets takes their residuals as inputs (see engines_file/expand.py's build options).
     options = {"controlnet_residuals": bool(component is Component.unet and model.controlnets)}
-    return DenoiserInterface(model.family, component, definition, config, options, definition.io(config, options))
+    if piece is not None:
+        if model.step_cache is None:
+            raise QuantizeError(f"{model.name}: {piece} is a step cache's piece, and the model has no step_cache")
+        options["step_cache"] = model.step_cache.engine_option()  # as engines_file/expand.py gives the piece's spec
+    return DenoiserInterface(model.family, component, definition, config, options, definition.io(config, options),
+                             piece)
 
 
 def as_numpy(feeds: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:

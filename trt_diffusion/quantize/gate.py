@@ -73,6 +73,7 @@ class GateResult:
     # motion_error
     images: list[dict] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    outputs: dict[str, float] = field(default_factory=dict)  # a step-cache piece's worst PSNR per output (pieces.py)
 
     @property
     def passed(self) -> bool:

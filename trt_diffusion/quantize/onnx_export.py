@@ -194,6 +194,7 @@ def finalize_quantized(traced: TracedGraph, interface: DenoiserInterface, out_pa
     label = _label(interface)
     model = onnx.load(str(traced.path), load_external_data=False)
     load_attribute_tensors(model.graph, traced.path.parent)
+    _keep_unused_inputs(model.graph, interface)
     _check_declared_io(model.graph, interface, label)
     if precision == Precision.fp8:
         rewrite_fp8_qdq(model, traced.conv_weight_amax, base_dir=traced.path.parent)
@@ -204,7 +205,28 @@ def finalize_quantized(traced: TracedGraph, interface: DenoiserInterface, out_pa
 
 
 def _label(interface: DenoiserInterface) -> str:
-    return f"the quantized {interface.family.value} {interface.component.value}"
+    return f"the quantized {interface.family.value} {getattr(interface, 'graph_name', interface.component.value)}"
+
+
+def _keep_unused_inputs(graph: onnx.GraphProto, interface: DenoiserInterface) -> None:
+    """Declared inputs the graph never reads, back as graph inputs, in the declared order.
+
+    The legacy exporter drops an input nothing consumes: DeepCache's shallow graph at branch 0 of a UNet whose last up
+    block has no cross-attention never reads encoder_hidden_states. The engines take the declared inputs whatever the
+    graph reads (the fp32 export, by dynamo, keeps them)."""
+    present = {value.name for value in graph.input}
+    dtypes = {"float32": onnx.TensorProto.FLOAT, "int64": onnx.TensorProto.INT64}
+    if all(decl.name in present for decl in interface.io.inputs):
+        return
+    declared = []
+    for decl in interface.io.inputs:
+        if decl.name in present:
+            declared.append(next(v for v in graph.input if v.name == decl.name))
+        else:
+            declared.append(onnx.helper.make_tensor_value_info(decl.name, dtypes[decl.dtype], list(decl.dim_names())))
+    others = [v for v in graph.input if v.name not in {d.name for d in interface.io.inputs}]
+    del graph.input[:]
+    graph.input.extend(declared + others)
 
 
 def _check_declared_io(graph: onnx.GraphProto, interface: DenoiserInterface, label: str) -> None:

@@ -118,10 +118,19 @@ class _Plan:
     thresholds: GateThresholds
     calibration_inputs: dict
     artifact_inputs: dict
+    piece: str | None = None  # a step cache's piece of the denoiser (quantize/pieces.py), from the same calibration
 
     @property
     def name(self) -> str:
-        parts = [self.model.name, self.component.value] + ([f"lora-{self.lora_name}"] if self.lora_name else [])
+        return self._named(self.piece or self.component.value)
+
+    @property
+    def calibration_name(self) -> str:
+        """The calibration's name: the denoiser's, whichever graph (the whole, or a piece) is exported from it."""
+        return self._named(self.component.value)
+
+    def _named(self, graph: str) -> str:
+        parts = [self.model.name, graph] + ([f"lora-{self.lora_name}"] if self.lora_name else [])
         return ".".join(parts + [self.precision])
 
     @property
@@ -150,11 +159,14 @@ def _resolve_loras(model: ResolvedModel, variant: LoraVariant | None) -> tuple[t
 
 def plan_variant(model: ResolvedModel, component: Component | str, precision: Precision | str,
                  lora_variant: LoraVariant | None = None, *, opset: int = 20, config_root: Path | None = None,
-                 size: tuple[int, ...] | None = None, min_output_psnr_db: float | None = None) -> _Plan:
+                 size: tuple[int, ...] | None = None, min_output_psnr_db: float | None = None,
+                 piece: str | None = None) -> _Plan:
     """Resolve settings, prompts and hashes for one variant (no model is loaded).
 
-    `size`: (width, height), or (width, height, frames) for a video family (default: the first bucket's opt)."""
+    `size`: (width, height), or (width, height, frames) for a video family (default: the first bucket's opt).
+    `piece`: one of the model's step-cache pieces (step_cache.PIECES), exported from the denoiser's calibration."""
     component, precision = Component(component), Precision(precision).value
+    _check_piece(model, component, piece)
     if not quantized_component(model.family, component):
         denoiser = family_info(model.family).denoiser
         raise QuantizeError(f"{model.name}: quantization of {component.value} is not supported yet "
@@ -196,16 +208,34 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
     definition = get_component(model.family, component)
     if definition.version > 1:  # its graph (or the trace's rewrites) changed; version-1 kinds keep their keys
         artifact_inputs["declaration"] = {"kind": definition.kind, "version": definition.version}
+    if piece is not None:  # only a piece's key sees the cache (where the UNet is cut); the denoiser's does not
+        cut = get_component(model.family, component, piece)
+        artifact_inputs.update(piece=piece, step_cache=model.step_cache.engine_option(),
+                               piece_declaration={"kind": cut.kind, "version": cut.version})
     return _Plan(model, component, precision, lora_variant.name if lora_variant else None, loras, recipe,
                  prompts_source, exclude, export_opset(opset, precision), thresholds, calibration_inputs,
-                 artifact_inputs)
+                 artifact_inputs, piece)
+
+
+def _check_piece(model: ResolvedModel, component: Component, piece: str | None) -> None:
+    if piece is None:
+        return
+    from ..step_cache import PIECES
+
+    if model.step_cache is None or piece not in PIECES[model.step_cache.method]:
+        have = PIECES[model.step_cache.method] if model.step_cache else ()
+        raise QuantizeError(f"{model.name}: no step-cache piece {piece!r} to quantize (its step cache has "
+                            f"{', '.join(have) or 'no pieces: no step_cache'})")
+    if component is not family_info(model.family).denoiser:
+        raise QuantizeError(f"{model.name}: {piece} is a piece of the {family_info(model.family).denoiser.value}, "
+                            f"not of the {component.value}")
 
 
 def quantize_component(
     model: ResolvedModel, component: Component | str, precision: Precision | str,
     lora_variant: LoraVariant | None, workspace: str | Path, *, opset: int = 20, config_root: Path | None = None,
     size: tuple[int, ...] | None = None, held_out_samples: int = HELD_OUT_SAMPLES, force: bool = False,
-    min_output_psnr_db: float | None = None, compare_images: bool = True,
+    min_output_psnr_db: float | None = None, compare_images: bool = True, piece: str | None = None,
 ) -> QuantizedArtifact:
     """Calibrate, quantize, export and gate one denoiser variant; commit it to the store at `workspace`.
 
@@ -214,10 +244,11 @@ def quantize_component(
     `size` (width, height[, frames]) is the calibration size (default: the model's first bucket). Cached when a
     committed artifact has the same input hash; recalibrates only when the calibration inputs changed
     (`force` redoes both). Raises QuantizeError with the measured numbers when the gate fails; nothing is
-    committed then.
+    committed then. `piece`: a step-cache piece of the denoiser (quantize/pieces.py) instead of the whole: the same
+    calibration (restored when committed), its own Q/DQ graph and gate.
     """
     plan = plan_variant(model, component, precision, lora_variant, opset=opset, config_root=config_root, size=size,
-                        min_output_psnr_db=min_output_psnr_db)
+                        min_output_psnr_db=min_output_psnr_db, piece=piece)
     store = ArtifactStore(workspace)
     if not force:
         cached = store.lookup(ARTIFACT_KIND, plan.name, plan.input_hash)
@@ -228,7 +259,8 @@ def quantize_component(
         return _quantize_text_encoder(plan, store, held_out_samples)
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    interface = denoiser_interface(model, plan.component)
+    interface = denoiser_interface(model, plan.component)  # how a pipeline call maps onto the denoiser's inputs
+    graph = denoiser_interface(model, plan.component, plan.piece) if plan.piece else interface  # what is exported
     with _step(plan, 1, "load the pipeline"):
         pipe, denoiser = _load_denoiser(plan)
     selection = select_layers(denoiser, plan.exclude)
@@ -239,16 +271,20 @@ def quantize_component(
     with _step(plan, 2, "calibration (the recipe's generations, ModelOpt's statistics taken as they run)"):
         pipe, denoiser, calibration, recalibrated, example = _calibrated(
             pipe, denoiser, plan, selection, interface, store, timings, reuse=not force)
+    if plan.piece:  # the piece's own inputs (the deep feature, the first block's outputs) from the quantized module
+        from .pieces import piece_feeds
+
+        example = piece_feeds(graph, denoiser, example, _siblings(model, plan.component))
 
     with store.writer(ARTIFACT_KIND, plan.name, plan.input_hash) as writer:
         mark = time.perf_counter()
         with _step(plan, 3, "Q/DQ ONNX export"):
-            with traced_quantized(denoiser, interface, example, plan.precision, plan.opset) as traced:
+            with traced_quantized(denoiser, graph, example, plan.precision, plan.opset) as traced:
                 # The quantized module goes before the graph is read back and before the gate loads a fresh
                 # fp32 pipeline: a full-size model is never held twice.
                 del pipe, denoiser
                 release_memory()
-                exported = finalize_quantized(traced, interface, writer.path / ONNX_FILE, plan.precision)
+                exported = finalize_quantized(traced, graph, writer.path / ONNX_FILE, plan.precision)
             release_memory()  # the graph skeleton and the exporter's leftovers, before the gate loads
         shutil.copyfile(calibration.file(STATE_FILE), writer.path / STATE_FILE)
         timings["export_s"] = time.perf_counter() - mark
@@ -256,22 +292,34 @@ def quantize_component(
         mark = time.perf_counter()
         with _step(plan, 4, "quality gate (held-out generations, fp32 vs Q/DQ)"):
             pipe, _ = _load_denoiser(plan)
-            gate = run_gate(pipe, model.family, interface, writer.path / ONNX_FILE, plan.precision, plan.recipe,
-                            plan.thresholds, held_out_samples, compare_images=compare_images,
-                            component=plan.component)
+            if plan.piece:  # the piece's Q/DQ graph against the fp32 piece, every output (quantize/pieces.py)
+                from .pieces import run_piece_gate
+
+                gate = run_piece_gate(pipe, interface, graph, writer.path / ONNX_FILE, plan.precision, plan.recipe,
+                                      plan.thresholds, held_out_samples, _siblings(model, plan.component),
+                                      component=plan.component)
+            else:
+                gate = run_gate(pipe, model.family, interface, writer.path / ONNX_FILE, plan.precision, plan.recipe,
+                                plan.thresholds, held_out_samples, compare_images=compare_images,
+                                component=plan.component)
             del pipe
         timings["gate_s"] = time.perf_counter() - mark
         if not gate.passed:  # leaving the writer with an exception commits nothing
             raise QuantizeError(f"{plan.name}: quality gate failed, nothing committed\n  "
                                 + "\n  ".join(gate.failures) + f"\n  measured: {gate.summary()}")
         timings["total_s"] = time.perf_counter() - started
-        writer.manifest.update(_manifest(plan, interface, exported, selection, calibration, gate.to_json(),
+        writer.manifest.update(_manifest(plan, graph, exported, selection, calibration, gate.to_json(),
                                          recalibrated, timings))
     committed = store.lookup(ARTIFACT_KIND, plan.name, plan.input_hash, verify=False)
     if committed is None:  # just committed: anything else is a bug in the store
         raise RuntimeError(f"{plan.name}: the committed artifact is not found in {store.root}")
     log.info("%s: %s", plan.name, gate.summary())
     return _result(plan, committed, cached=False, recalibrated=recalibrated)
+
+
+def _siblings(model: ResolvedModel, component: Component):
+    """piece name -> its interface (the other pieces of the cache, which compute a piece's extra inputs)."""
+    return lambda piece: denoiser_interface(model, component, piece)
 
 
 def _quantize_text_encoder(plan: _Plan, store: ArtifactStore, held_out_samples: int) -> QuantizedArtifact:
@@ -311,12 +359,12 @@ def _quantize_text_encoder(plan: _Plan, store: ArtifactStore, held_out_samples: 
         ptq.calibrate(module, plan.precision, plan.recipe.algorithm, selection, forward_loop(wrapper, calibration_feeds))
         ptq.check_calibrated(module)
     timings["calibrate_s"] = time.perf_counter() - mark
-    with store.writer(CALIBRATION_KIND, plan.name, plan.calibration_hash) as writer:
+    with store.writer(CALIBRATION_KIND, plan.calibration_name, plan.calibration_hash) as writer:
         ptq.save_state(module, writer.path / STATE_FILE)
         writer.manifest.update({"inputs": plan.calibration_inputs, "recipe": plan.recipe.to_json(),
                                 "prompts_source": plan.prompts_source, "calls": len(calibration_feeds),
                                 "precision": plan.precision, "quantizers": len(ptq.enabled_quantizers(module))})
-    calibration = store.lookup(CALIBRATION_KIND, plan.name, plan.calibration_hash, verify=False)
+    calibration = store.lookup(CALIBRATION_KIND, plan.calibration_name, plan.calibration_hash, verify=False)
 
     with store.writer(ARTIFACT_KIND, plan.name, plan.input_hash) as writer:
         mark = time.perf_counter()
@@ -369,7 +417,7 @@ def _calibrated(pipe, denoiser: torch.nn.Module, plan: _Plan, selection: LayerSe
     from . import ptq
 
     mark = time.perf_counter()
-    saved = store.lookup(CALIBRATION_KIND, plan.name, plan.calibration_hash) if reuse else None
+    saved = store.lookup(CALIBRATION_KIND, plan.calibration_name, plan.calibration_hash) if reuse else None
     if saved is not None:
         try:
             ptq.restore_state(denoiser, saved.file(STATE_FILE))
@@ -388,14 +436,14 @@ def _calibrated(pipe, denoiser: torch.nn.Module, plan: _Plan, selection: LayerSe
     ptq.calibrate(denoiser, plan.precision, plan.recipe.algorithm, selection, forward_loop)
     ptq.check_calibrated(denoiser)
     timings["calibrate_s"] = time.perf_counter() - mark  # the generations, with ModelOpt's statistics taken
-    with store.writer(CALIBRATION_KIND, plan.name, plan.calibration_hash) as writer:
+    with store.writer(CALIBRATION_KIND, plan.calibration_name, plan.calibration_hash) as writer:
         ptq.save_state(denoiser, writer.path / STATE_FILE)
         writer.manifest.update({
             "inputs": plan.calibration_inputs, "recipe": plan.recipe.to_json(), "prompts_source": plan.prompts_source,
             "calls": recorded.seen, "precision": plan.precision,
             "quantizers": len(ptq.enabled_quantizers(denoiser)),
         })
-    committed = store.lookup(CALIBRATION_KIND, plan.name, plan.calibration_hash, verify=False)
+    committed = store.lookup(CALIBRATION_KIND, plan.calibration_name, plan.calibration_hash, verify=False)
     return pipe, denoiser, committed, True, interface.feeds(recorded.calls[0])
 
 
@@ -438,13 +486,14 @@ def quantize(config_path: str | Path, model: str | None = None, *, force: bool =
     variants: dict[tuple, EngineSpec] = {}
     for spec in expand(config):
         if (model is None or spec.model == model) and spec.precision.is_quantized:
-            variants.setdefault((spec.model, spec.component, spec.controlnet, spec.precision, spec.lora_variant), spec)
+            variants.setdefault((spec.model, spec.component, spec.controlnet, spec.precision, spec.lora_variant,
+                                 spec.piece), spec)
     report = QuantizeReport()
     for spec in variants.values():
         resolved = config.models[spec.model]
         controlnet = f":{spec.controlnet}" if spec.controlnet else ""
         lora = f".lora-{spec.lora_variant.name}" if spec.lora_variant else ""
-        label = f"{spec.model}.{spec.component}{controlnet}{lora}.{spec.precision}"
+        label = f"{spec.model}.{spec.piece or spec.component}{controlnet}{lora}.{spec.precision}"
         if not quantized_component(resolved.family, spec.component):
             report.unsupported.append(f"{label}: only the denoiser (and a language-model text encoder) is quantized "
                                       "by this stage yet")
@@ -452,7 +501,7 @@ def quantize(config_path: str | Path, model: str | None = None, *, force: bool =
         try:
             report.artifacts.append(quantize_component(
                 resolved, spec.component, spec.precision, spec.lora_variant, config.workspace,
-                opset=config.build.opset, config_root=config.root, force=force))
+                opset=config.build.opset, config_root=config.root, force=force, piece=spec.piece))
         except QuantizeError as exc:
             report.failures.append(f"{label}: {exc}")
     if report.failures:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from ..families import FLUX2_FAMILIES, Family
+from .declared_calls import declared_calls
 
 
 def _rotate(heads: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,9 @@ def trace_patches(module: torch.nn.Module, family: Family) -> Iterator[None]:
     """The family's rewrites for the export trace: Wan's out-of-place rotation; Qwen-Image's rotary embedding in
     real cos/sin (components/qwen_image.py: the legacy exporter cannot trace its complex tensors either, output
     bit-identical); FLUX.2's rotation by strided slices (`strided_rotary`); none for the other image families."""
-    if family is Family.wan:
+    if (declared := declared_calls(family)) is not None:  # the family declares its own (Z-Image)
+        patches = declared.trace_patches()
+    elif family is Family.wan:
         patches = functional_rotary(module)
     elif family is Family.qwen_image:
         from ..components.qwen_image import real_rotary_embeddings
