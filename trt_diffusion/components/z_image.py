@@ -182,6 +182,29 @@ class ZImageTransformer(ComponentDef):
         }
 
 
+class ZImageCalls:
+    """The quantize stage's view of ZImagePipeline's transformer calls (the declaration's `quantize_calls`): the
+    pipeline passes `(latents, timestep, captions)` positionally, the first and last as lists of per-row tensors."""
+
+    @staticmethod
+    def feeds(call) -> dict[str, torch.Tensor]:
+        """The engine's inputs from one recorded call: the latents stacked [B, 16, h, w], the captions padded."""
+        args, kwargs = call
+        latents, timestep, captions = (list(args) + [kwargs.get(k) for k in ("x", "t", "cap_feats")][len(args):])[:3]
+        embeds, mask = padded_rows([c.detach().float().numpy() for c in captions])
+        return {"hidden_states": torch.stack(list(latents)).squeeze(2), "timestep": timestep,
+                "encoder_hidden_states": torch.from_numpy(embeds), "encoder_hidden_states_mask": torch.from_numpy(mask)}
+
+    @staticmethod
+    def pipeline_output(output: torch.Tensor, call) -> torch.Tensor:
+        """`noise_pred` [B, 16, h, w] as the per-row [16, 1, h, w] the pipeline indexes (a tensor serves its list)."""
+        return output.unsqueeze(2)
+
+    @staticmethod
+    def trace_patches() -> contextlib.AbstractContextManager:
+        return tensor_forward()
+
+
 def _padded(tokens: int) -> int:
     return tokens + (-tokens) % SEQ_MULTI_OF
 

@@ -190,6 +190,12 @@ class FamilyInfo:
     is declared (SD3: CLIP-L/G's then T5's, concatenated; FLUX.1: T5's only)."""
     quantize_exclude: tuple[str, ...] = ()
     """Layers the quantize stage keeps in higher precision for this family, beyond every family's defaults."""
+    quantize_calls: str | None = None
+    """How the quantize stage reads its pipeline's denoiser calls, where they are not keyword tensors, lazily as
+    "module:Class" (`feeds(call)`: the engine's named inputs from a recorded call; `pipeline_output(output, call)`:
+    the engine's output as the pipeline takes it back; `trace_patches()`: the legacy trace's rewrites). Z-Image's
+    pipeline passes lists; None: the generic mapping (keywords, the UNet's positions, the family branches of
+    quantize/feeds.py and quantize/trace_patches.py)."""
     loop: str | None = None
     """The runtime's loop for it (a runtime.family_loops.FamilyLoop, built from the pipeline), lazily as
     "module:Class"; None: the UNet/SD3 loop of runtime/pipeline.py."""

@@ -42,5 +42,6 @@ DECLARATION = FamilyInfo(
     # the timestep and caption embedders, the patch embedder and every adaptive-norm modulation linear
     quantize_exclude=("t_embedder", "cap_embedder", "all_x_embedder", "all_final_layer", "*adaLN_modulation*"),
     no_ensemble="its prompt states carry a mask and a text length per prompt",
+    quantize_calls="trt_diffusion.components.z_image:ZImageCalls",  # ZImagePipeline calls it with lists
     loop="trt_diffusion.runtime.z_image_loop:ZImageFamilyLoop",
 )
