@@ -134,7 +134,7 @@ def _reference(config: EnginesConfig, model_name: str, lora: str | None) -> Runn
         denoiser = family_info(model.family).denoiser.value
         entry = next(e for e in table.entries if e.component == denoiser)
         spec = model.loras[lora]
-        fuse_lora(entry.runner.module.model, lora, spec.path, spec.scale, "")
+        fuse_lora(entry.runner.module.model, lora, spec.path, spec.scale, denoiser)  # keys `unet.` / `transformer.`
     return table
 
 
