@@ -54,3 +54,46 @@ def test_engines_pass_parity(built, tmp_path):
     assert set(variants) == {("z_image-tiny", t) for t in TARGETS}
     for key, result in variants.items():
         assert result.passed, (key, result.failure_reasons)
+
+
+@pytest.fixture(scope="module")
+def served(built, tmp_path_factory):
+    """The onnxruntime engines packaged as a Triton repository (the entry and the stream: no ensemble), served."""
+    from trt_diffusion.triton import stage
+    from trt_diffusion.triton.repository import PackageOptions
+
+    path, _ = built
+    root = tmp_path_factory.mktemp("z_image-repo")
+    report = stage.package_stage(path, root / "repo", model="z_image-tiny", options=PackageOptions(ensemble=True))
+    assert report.ensemble is None  # its prompt states carry a mask and a length per prompt
+    server, _ = stage.start(root / "repo", work_dir=root / "work", first_request=False)
+    try:
+        yield server, report, load_engines_file(path, check_sources=True)
+    finally:
+        server.stop()
+
+
+@pytest.mark.triton
+def test_served_images_equal_the_in_process_pipeline(served):
+    """Over gRPC and HTTP, NUM_IMAGES 2 (seeds SEED and SEED + 1), the entry's images equal the in-process
+    EnginePipeline's over the same engines bit for bit: Z-Image with CFG (batched) and Z-Image-Turbo's request
+    (8 steps, guidance 0)."""
+    import numpy as np
+
+    from trt_diffusion.runtime.loader import built_engines, table_from_engines
+    from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
+    from trt_diffusion.triton import client
+    from trt_diffusion.triton.client import ImageRequest
+
+    server, report, config = served
+    local = EnginePipeline(config.models["z_image-tiny"].source.path, "z_image",
+                           table_from_engines(built_engines(config, "z_image-tiny", "onnxruntime")))
+    for guidance, steps, protocol, url in ((5.0, 3, "grpc", server.grpc_url), (0.0, 8, "http", server.http_url)):
+        request = ImageRequest(prompt="a red fox running through snow", height=64, width=64, steps=steps,
+                               guidance_scale=guidance, seed=5, num_images=2)
+        images, _ = client.generate_images(url, request, pipeline=report.entry, protocol=protocol)
+        assert images.shape == (2, 64, 64, 3)
+        for k in range(2):
+            expected = local.generate(GenerationRequest(prompt=request.prompt, height=64, width=64, steps=steps,
+                                                        guidance_scale=guidance, seed=5 + k)).images[0]
+            np.testing.assert_array_equal(images[k], expected)
