@@ -18,9 +18,12 @@ from . import synthetic_world as world
 from .prompt_following import read_image, shape_overlap
 
 Draw = Callable[[dict], np.ndarray]
+STEPS = 20  # the request the micro-model's figures are measured at (its training record's grid)
+GUIDANCE_SCALE = 5.0
 CONTROL_SEED = 1234  # the scenes a ControlNet is asked to follow
 INPAINT_SEED = 4321  # the scenes inpainting repaints
 MASK_MARGIN = 3  # pixels around the shape's bounding box the inpainting mask also covers
+LATENT_CELL = 8  # pixels per latent (the VAE's spatial factor): a mask is repainted in whole latent cells
 
 
 def outlined_share(draw: Draw, prompts: Sequence[str], seed: int = 0) -> float:
@@ -56,7 +59,8 @@ def control_overlap(draw: Draw, controlnet: str, count: int = 12, seed: int = 0)
 
 def inpaint_cases(count: int) -> list[tuple[world.Scene, str, np.ndarray]]:
     """(the drawn scene, the prompt asking for its shape in another colour, the mask: the shape's bounding box and
-    a margin, uint8 0/255)."""
+    a margin, out to whole latent cells, uint8 0/255). Latent inpainting repaints whole latent cells: the part of a
+    finer mask's cells outside it would be counted as change outside the mask that no latent mask can avoid."""
     rng = np.random.default_rng(INPAINT_SEED)
     cases = []
     for _ in range(count):
@@ -66,8 +70,9 @@ def inpaint_cases(count: int) -> list[tuple[world.Scene, str, np.ndarray]]:
         shape = world.shape_mask(scene)
         rows, cols = np.flatnonzero(shape.any(axis=1)), np.flatnonzero(shape.any(axis=0))
         mask = np.zeros(shape.shape, np.uint8)
-        mask[max(rows[0] - MASK_MARGIN, 0):rows[-1] + MASK_MARGIN + 1,
-             max(cols[0] - MASK_MARGIN, 0):cols[-1] + MASK_MARGIN + 1] = 255
+        top, left = (max(v[0] - MASK_MARGIN, 0) // LATENT_CELL * LATENT_CELL for v in (rows, cols))
+        bottom, right = (-(-(v[-1] + MASK_MARGIN + 1) // LATENT_CELL) * LATENT_CELL for v in (rows, cols))
+        mask[top:bottom, left:right] = 255
         cases.append((scene, world.caption(scene.shape, colour, scene.background), mask))
     return cases
 
@@ -77,6 +82,7 @@ class InpaintFigures:
     repainted: float  # percent of the images whose masked region reads as the prompt's colour
     outside_change: float  # mean absolute change outside the mask, levels of 255 (mean over the images)
     vae_round_trip_change: float  # the same for a plain VAE encode/decode of the input: what no paste-back costs
+    far_outside_change: float  # the change more than one latent cell away from the mask
     images: int
 
     @property
@@ -101,17 +107,41 @@ def inpaint_repaint(draw: Draw, round_trip: Callable[[np.ndarray], np.ndarray], 
                     strength: float = 1.0) -> InpaintFigures:
     """Inpaint each case's mask with the prompt's colour; `round_trip(image) -> image` is a plain VAE
     encode/decode (the reference VAE's, at the latent distribution's mode)."""
-    repainted, outside, trip = [], [], []
+    from scipy.ndimage import binary_dilation
+
+    repainted, outside, trip, far = [], [], [], []
     for scene, prompt, mask in inpaint_cases(count):
         init = world.draw(scene)
         image = draw({"prompt": prompt, "seed": seed, "workflow": "inpaint", "init_image": init, "mask": mask,
                       "strength": strength})
         keep = mask <= 127
+        change = np.abs(image.astype(np.float64) - init)
         repainted.append(_masked_colour(image, mask, scene.background) == world.parse_caption(prompt).colour)
-        outside.append(float(np.abs(image.astype(np.float64) - init)[keep].mean()))
+        outside.append(float(change[keep].mean()))
         trip.append(float(np.abs(round_trip(init).astype(np.float64) - init)[keep].mean()))
+        distant = keep & ~binary_dilation(mask > 127, iterations=LATENT_CELL)
+        far.append(float(change[distant].mean()) if distant.any() else 0.0)
     return InpaintFigures(100.0 * float(np.mean(repainted)), float(np.mean(outside)), float(np.mean(trip)),
-                          len(repainted))
+                          float(np.mean(far)), len(repainted))
+
+
+def vae_round_trip(model_dir) -> Callable[[np.ndarray], np.ndarray]:
+    """A plain VAE encode/decode of a uint8 image with the folder's own VAE (the latent distribution's mode): what
+    an image loses on its way through the latents, the floor of an unpasted inpainting's change outside the mask."""
+    from pathlib import Path
+
+    import torch
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(Path(model_dir) / "vae", dtype=torch.float32)
+
+    def run(image: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            x = torch.from_numpy(image.astype(np.float32) / 127.5 - 1).permute(2, 0, 1)[None]
+            y = vae.decode(vae.encode(x).latent_dist.mode()).sample[0]
+        return np.round(((y.clamp(-1, 1) + 1) * 127.5).permute(1, 2, 0).numpy()).astype(np.uint8)
+
+    return run
 
 
 def as_dict(figures) -> dict:
