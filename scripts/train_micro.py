@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trt_diffusion import synthetic_world as world  # noqa: E402
+from trt_diffusion.micro_effects import control_scenes  # noqa: E402
 from trt_diffusion.models import micro  # noqa: E402
 from trt_diffusion.prompt_following import grid_figures  # noqa: E402
 
@@ -454,16 +455,6 @@ def evaluate_lora(folder: Path) -> dict[str, float]:
     return {"style_outlined_with_lora": 100.0 * outlined / len(world.prompt_grid())}
 
 
-def control_scenes() -> list[world.Scene]:
-    """One scene per grid prompt, at a seeded position and size: the edges the ControlNet is asked to follow."""
-    rng = np.random.default_rng(1234)
-    drawn = []
-    for prompt in world.prompt_grid():
-        wanted, placed = world.parse_caption(prompt), world.random_scene(rng)
-        drawn.append(world.Scene(wanted.shape, wanted.colour, wanted.background, placed.cx, placed.cy, placed.radius))
-    return drawn
-
-
 def evaluate_controlnet(folder: Path) -> dict[str, float]:
     """Mean overlap (IoU) of the drawn shape with the control scene's shape, and the share at or above 0.7."""
     from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
@@ -476,7 +467,7 @@ def evaluate_controlnet(folder: Path) -> dict[str, float]:
         torch_dtype=torch.float32, safety_checker=None, requires_safety_checker=False)
     pipe.set_progress_bar_config(disable=True)
     overlaps = []
-    for scene in control_scenes():
+    for scene in control_scenes(len(world.prompt_grid())):
         out = pipe(scene.caption, Image.fromarray(world.edge_map(scene)), num_inference_steps=GRID_STEPS,
                    guidance_scale=GRID_CFG, generator=torch.Generator().manual_seed(GRID_SEEDS[0]),
                    height=world.SIZE, width=world.SIZE, output_type="np")
