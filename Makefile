@@ -1,4 +1,4 @@
-# make build-engines : the main job on engines.yaml (the embedded tiny default works on a fresh machine)
+# make build-engines : the main job on engines.yaml (the embedded micro-model default works on a fresh machine)
 # make test          : the test suite (what CI runs)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,16 +10,16 @@ PYTEST_ARGS ?=
 # Extra options for a target's trt-diffusion command: make build ARGS="--jobs 2", make serve SERVE_ARGS="--http-port 9000"
 ARGS ?=
 SERVE_ARGS ?=
-TINY := models/tiny-sd15
-# `models tiny` writes this file into the folder it then renames into place, so it exists only in a whole model.
-TINY_STAMP := $(TINY)/trt_diffusion_tiny.json
+MICRO := models/micro-sd15
+# `models micro` writes this file into the folder it then renames into place, so it exists only in a whole model.
+MICRO_STAMP := $(MICRO)/trt_diffusion_tiny.json
 REPO ?= triton_repo
 URL ?= 127.0.0.1:8000
 # make serve also serves the OpenAI Images API here (http://127.0.0.1:$(OPENAI_PORT)/v1)
 OPENAI_PORT ?= 8080
-PROMPT ?= a lighthouse at dusk
+PROMPT ?= a red circle on a blue background
 IMAGE ?= out.png
-REFIT_ARGS ?= --model sd15-tiny --base
+REFIT_ARGS ?= --model sd15-micro --base
 
 .PHONY: venv models build-engines plan export quantize build refit test test-slow test-gpu parity package serve \
 	generate preflight manifest lint clean
@@ -36,12 +36,13 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# The embedded default: a tiny seeded SD1.5-family pipeline with a ControlNet and a LoRA. A file target, so a
-# no-op make does not even start the command (which imports torch); delete the folder to write it again.
-models: $(TINY_STAMP)
+# The embedded default: the SD1.5-family micro-model trained on the synthetic world, with its edge-map ControlNet
+# and outlined-style LoRA (docs/micro-models.md). A file target, so a no-op make does not even start the command
+# (which imports torch); delete the folder to write it again.
+models: $(MICRO_STAMP)
 
-$(TINY_STAMP): | $(VENV)/.installed
-	$(TD) models tiny --family sd15 --controlnet --lora --out $(TINY) --if-missing
+$(MICRO_STAMP): | $(VENV)/.installed
+	$(TD) models micro --family sd15 --out $(MICRO) --if-missing
 
 plan: models
 	$(TD) plan $(CONFIG) $(ARGS)
@@ -56,7 +57,7 @@ quantize: models
 build: models
 	$(TD) build $(CONFIG) $(ARGS)
 
-# make refit REFIT_ARGS="--model sd15-tiny --lora FILE[:SCALE]"; the default restores the base weights.
+# make refit REFIT_ARGS="--model sd15-micro --lora FILE[:SCALE]"; the default restores the base weights.
 refit: build-engines
 	$(TD) refit $(CONFIG) $(REFIT_ARGS)
 

@@ -75,8 +75,12 @@ def test_the_readme_main_command_runs_on_a_fresh_checkout(tmp_path, capsys):
     """`make build-engines` in a copy of the tracked tree, with this venv (installing is CI's own first step): every
     engine of the repository's engines.yaml this machine can build is built, the others' targets are named as
     skipped, and a second build has nothing to do (tests/project/test_repository_engines_yaml.py checks its plan)."""
+    import numpy as np
+    from PIL import Image
+
     from trt_diffusion.cli import main
     from trt_diffusion.engines_file import expand, load_engines_file
+    from trt_diffusion.prompt_following import follows
     from trt_diffusion.runtime.loader import built_engines
     from trt_diffusion.targets import get_target
 
@@ -104,3 +108,10 @@ def test_the_readme_main_command_runs_on_a_fresh_checkout(tmp_path, capsys):
     capsys.readouterr()
     assert main(["build", str(tmp_path / "engines.yaml")]) == 0
     assert " 0 built," in " ".join(capsys.readouterr().out.split())  # the second build has nothing to do
+
+    # the README's first image: the default model draws the Makefile's default prompt (read back by the measure)
+    prompt = "a red circle on a blue background"
+    assert main(["generate", "--config", str(tmp_path / "engines.yaml"), "--prompt", prompt,
+                 "-o", str(tmp_path / "out.png")]) == 0
+    drawn = follows(np.asarray(Image.open(tmp_path / "out.png").convert("RGB")), prompt)
+    assert drawn == {"background": True, "colour": True, "shape": True, "style": True}, drawn

@@ -1,5 +1,5 @@
-"""The repository's own engines.yaml, as `make build-engines` runs it on a fresh clone: the tiny model written
-by `models tiny` next to a copy of the file, then `plan`. Its `build` (every export and engine of the release
+"""The repository's own engines.yaml, as `make build-engines` runs it on a fresh clone: the micro-model written
+by `models micro` next to a copy of the file, then `plan`. Its `build` (every export and engine of the release
 matrix) is the README's main command, run on a fresh checkout in tests/project/test_readme_commands.py (slow)."""
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory) -> Path:
-    """engines.yaml copied as is, with the tiny model where it points (models/tiny-sd15), as the Makefile writes it."""
+    """engines.yaml copied as is, with the micro-model where it points (models/micro-sd15), as the Makefile writes
+    it."""
     root = tmp_path_factory.mktemp("repository-engines-yaml")
     shutil.copy2(REPO / "engines.yaml", root / "engines.yaml")
-    source = yaml.safe_load((REPO / "engines.yaml").read_text())["models"]["sd15-tiny"]["source"]
-    assert main(["models", "tiny", "--family", "sd15", "--controlnet", "--lora", "--out", str(root / source)]) == 0
+    (model,) = yaml.safe_load((REPO / "engines.yaml").read_text())["models"].values()
+    assert main(["models", "micro", "--family", "sd15", "--out", str(root / model["source"])]) == 0
     return root / "engines.yaml"
 
 
