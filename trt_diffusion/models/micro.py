@@ -144,14 +144,14 @@ def write_micro_model(family: str, out_dir: str | os.PathLike, *, overwrite: boo
             raise ConfigError(f"{out} already exists (use --overwrite to replace it)")
         _check_replaceable(out)
     quiet_libraries()
-    pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(source, dtype=torch.float32)
     with staged_folder(out) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         extras = {"controlnet": None, "lora": None}
         if (source / "controlnet" / "config.json").is_file():
             from diffusers import ControlNetModel
 
-            ControlNetModel.from_pretrained(source / "controlnet", torch_dtype=torch.float32).save_pretrained(
+            ControlNetModel.from_pretrained(source / "controlnet", dtype=torch.float32).save_pretrained(
                 tmp / "controlnet", safe_serialization=True)
             extras["controlnet"] = "controlnet"
         if (source / LORA_FILE).is_file():
