@@ -87,13 +87,22 @@ def _fp8_conv_weights_off(module: torch.nn.Module, precision: str):
                     and quantizer.is_enabled:
                 switched[name] = quantizer
     amax = {f"{WRAPPER_PREFIX}{name}.weight": float(q.amax.detach().float().max()) for name, q in switched.items()}
+    # only the layers the trace runs are in the graph: a step cache's piece runs a part of the denoiser's Convs
+    called: set[str] = set()
+    layers = dict(module.named_modules())
+    hooks = [layers[name].register_forward_hook(lambda *_, name=name: called.add(name)) for name in switched]
     for quantizer in switched.values():
         quantizer.disable()
     try:
         yield amax
     finally:
+        for hook in hooks:
+            hook.remove()
         for quantizer in switched.values():
             quantizer.enable()
+        for name in switched:
+            if name not in called:
+                del amax[f"{WRAPPER_PREFIX}{name}.weight"]
 
 
 @dataclass(frozen=True)
