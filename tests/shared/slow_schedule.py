@@ -4,9 +4,9 @@ xdist's loadfile scheduling gives each worker whole files, the files with the mo
 costs on this suite, which it cannot know from test counts:
 
 - Files that use the same session-built engines (`built_wan`, `built_wan_i2v`, `built_qwen_image`,
-  `built_sd15_step_cache`: a minute or two of export and build each) land on both workers, and each worker builds
-  them. Here they are one unit: built once. (The I2V serving file also serves a `built_wan` model: where the two
-  units land on different workers, that worker builds it too.)
+  `built_sd15_step_cache`, `built_z_image`: a minute or two of export and build each) land on both workers, and
+  each worker builds them. Here they are one unit: built once. (The I2V serving file also serves a `built_wan`
+  model: where the two units land on different workers, that worker builds it too.)
 - The soak is one test of minutes. Counted as one test it is among the last units handed out, where it can run
   alone while the other worker idles. Here it starts first, and the other units of minutes follow it (RUN_FIRST).
 """
@@ -28,6 +28,8 @@ SHARED_BUILDS = {
     "tests/triton/test_cfg_parallel_serving.py": "built_wan",
     "tests/export/test_qwen_image_export.py": "built_qwen_image",
     "tests/runtime/test_qwen_image_reference.py": "built_qwen_image",
+    "tests/z_image/test_z_image_engines.py": "built_z_image",
+    "tests/z_image/test_z_image_lora.py": "built_z_image",
 }
 # units of minutes that hold few tests, longest first (a file, or a SHARED_BUILDS unit): handed out before the
 # rest, so the many short files fill both workers at the end instead of one long unit running alone there

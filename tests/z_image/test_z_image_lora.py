@@ -3,8 +3,9 @@
 only) fuse to diffusers' own load_lora_adapter + fuse_lora, and a refittable onnxruntime transformer engine refitted
 with a LoRA equals torch with it fused; A -> B -> A and the base restore are bit-exact.
 
-LoRA A is what `models tiny --lora` writes (the attention projections, rank 4); B is made here with another seed,
-rank 2, alpha 1 and a feed-forward layer too. Slow: one transformer export and engine (about 40 s)."""
+LoRA A is what `models tiny --lora` writes (the attention projections, rank 4), declared for refit in the session's
+`built_z_image` (conftest.py); B is made here with another seed, rank 2, alpha 1 and a feed-forward layer too. Slow:
+it refits the batch-2 onnxruntime transformer engine of that shared build (no export or build of its own)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from trt_diffusion.engines_file import Size
 from trt_diffusion.families import Component
 from trt_diffusion.lora import lora_deltas
 from trt_diffusion.models.loading import load_component
+
+from .conftest import MODEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -44,37 +47,32 @@ def fused_with_diffusers(transformer, loras) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_factory, tmp_path_factory, write_engines_yaml):
+def setup(built_z_image, tmp_path_factory):
     from diffusers import ZImagePipeline
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    from trt_diffusion import api
     from trt_diffusion.engines_file import load_engines_file
 
-    folder = tiny_model_factory("z_image", lora=True)
+    path, _ = built_z_image
+    config = load_engines_file(path)
+    folder = config.models[MODEL].source.path
     base = load_component(folder, Component.transformer)
     module = copy.deepcopy(base)
     torch.manual_seed(4321)
-    config = LoraConfig(r=2, lora_alpha=1, init_lora_weights=False, target_modules=["to_k", "feed_forward.w2"])
-    module.add_adapter(config, adapter_name="b")
+    lora_config = LoraConfig(r=2, lora_alpha=1, init_lora_weights=False, target_modules=["to_k", "feed_forward.w2"])
+    module.add_adapter(lora_config, adapter_name="b")
     state = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(module, adapter_name="b").items()}
     b_dir = tmp_path_factory.mktemp("z_image-lora-b")
     ZImagePipeline.save_lora_weights(b_dir, transformer_lora_layers=state,
-                                     transformer_lora_adapter_metadata=config.to_dict())
-    lora_a = folder / "lora" / "pytorch_lora_weights.safetensors"
-    path = write_engines_yaml(tmp_path_factory.mktemp("z_image-refit"), folder, "z_image", name="m",
-                              components=["transformer"], cfg=["split"], precision={"transformer": "fp32"},
-                              loras={"a": {"source": str(lora_a), "mode": "refit"}})
-    report = api.build(path, target="onnxruntime")
-    assert not report.failed, [o.error for o in report.failed]
-    return dict(folder=folder, base=base, a=lora_a, b=b_dir / "pytorch_lora_weights.safetensors",
-                config=load_engines_file(path))
+                                     transformer_lora_adapter_metadata=lora_config.to_dict())
+    return dict(folder=folder, base=base, a=config.models[MODEL].loras["a"].path,
+                b=b_dir / "pytorch_lora_weights.safetensors", config=config)
 
 
 class _Engine:
-    """The transformer engine's output for one set of feeds (two rows of different prompt lengths), with LoRAs
-    refitted the way a server loads them."""
+    """The transformer engine's output for one set of feeds (two rows of different prompt lengths: the batch-2 engine
+    CFG batched runs), with LoRAs refitted the way a server loads them."""
 
     def __init__(self, setup: dict):
         from trt_diffusion.components import Geometry, get_component, load_model_config
@@ -82,13 +80,13 @@ class _Engine:
         self.setup = setup
         self.definition = get_component("z_image", "transformer")
         self.model_config = load_model_config(setup["folder"], "z_image", "transformer")
-        self.feeds = self.definition.dummy_inputs(self.model_config, {}, Geometry(1, Size(64, 64), text=40))
+        self.feeds = self.definition.dummy_inputs(self.model_config, {}, Geometry(2, Size(64, 64), text=40))
 
     def output(self, loras=None) -> np.ndarray:
         from trt_diffusion.runtime.loader import engine_runners
 
-        _, _, table = engine_runners(self.setup["config"], "m", "onnxruntime", loras=loras)
-        return table.find("transformer", size=Size(64, 64), batch=1).run(self.feeds)["noise_pred"]
+        _, _, table = engine_runners(self.setup["config"], MODEL, "onnxruntime", loras=loras)
+        return table.find("transformer", size=Size(64, 64), batch=2).run(self.feeds)["noise_pred"]
 
     def torch(self, transformer) -> np.ndarray:
         wrapper = self.definition.wrapper(transformer, self.model_config, {})
