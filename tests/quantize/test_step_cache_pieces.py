@@ -17,6 +17,7 @@ from onnx import numpy_helper
 
 from trt_diffusion.components import Geometry
 from trt_diffusion.engines_file import Size
+from trt_diffusion.errors import QuantizeError
 from trt_diffusion.quantize.defaults import DENOISER_MIN_PSNR_DB
 from trt_diffusion.quantize.feeds import denoiser_interface
 from trt_diffusion.quantize.stage import CALIBRATION_KIND, quantize_component
@@ -127,3 +128,14 @@ def test_a_piece_runs_in_onnxruntime_and_passed_its_gate(cached_unet_pieces, fam
     assert gate["passed"] and not gate["failures"] and gate["output_nonfinite"] == 0
     assert set(gate["outputs"]) == set(interface.io.output_names)  # every output judged, the deep feature too
     assert min(gate["outputs"].values()) >= DENOISER_MIN_PSNR_DB[precision]
+
+
+def test_a_piece_that_misses_its_bar_is_refused_and_nothing_is_committed(cached_unet_pieces):
+    model, artifact, whole = cached_unet_pieces("sd15", "int8", "unet_shallow")
+    workspace = whole.path.parent.parent
+    before = sorted(p.name for p in (workspace / "quantized").iterdir())
+    with pytest.raises(QuantizeError, match=r"(?s)m.unet_shallow.int8: quality gate failed.*unet_shallow \(noise_pred "
+                                            r"[\d.]+ dB\): denoiser output PSNR [\d.]+ dB < 99 dB"):
+        quantize_component(model, "unet", "int8", None, workspace, held_out_samples=1, piece="unet_shallow",
+                           min_output_psnr_db=99.0)
+    assert sorted(p.name for p in (workspace / "quantized").iterdir()) == before
