@@ -6,8 +6,8 @@ the A images equal bit for bit; and int8 first-block caching on the tiny FLUX bu
 
 Before the change engines.yaml refused the cache ("step caching with an int8 unet is not supported yet").
 Slow: three quantized graphs, three fp32 exports and ten engines (FLUX: its own build).
-Measured on 2 cores shared with other jobs (load 7-8): the sd15 build 14 min, its three tests 25 min in all; FLUX
-about 11 min."""
+The whole file: 179 s on 2 cores under light load (sd15 build 77 s, Triton start 37 s, FLUX 48 s); 25 + 16 min
+under load 7-8 from other jobs."""
 
 from __future__ import annotations
 
