@@ -89,6 +89,19 @@ def cosine_rate(step: int, steps: int, peak: float, warmup: int = 100) -> float:
     return 1e-2 * peak + 0.99 * peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(steps - warmup, 1)))
 
 
+def optimise(optimizer, loss: torch.Tensor, clip: list | None, label: str, step: int, steps: int,
+             start: float) -> None:
+    """One optimiser step on `loss` (gradients clipped to norm 1 over `clip`, when given), and a progress line every
+    100 steps."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(clip, 1.0)
+    optimizer.step()
+    if step % 100 == 0 or step == steps - 1:
+        print(f"{label} {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+
+
 def train_vae(work: Path, steps: int, seed: int, build=micro.sd15_vae):
     path = work / "vae"
     if (path / "config.json").is_file():
@@ -218,12 +231,7 @@ def train_dit(work: Path, vae, pool, steps: int, seed: int, *, phase: str = "dit
         latents = (means[rows] + stds[rows] * torch.randn_like(means[rows]) - shift) * scale
         pooled, states = flux_text(text_encoder, text_encoder_2, tokenizer, tokenizer_2, captions)
         loss = flux_loss(transformer, pooled, states, latents)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        if step % 100 == 0 or step == steps - 1:
-            print(f"{phase} {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+        optimise(optimizer, loss, parameters, phase, step, steps, start)
     transformer.save_pretrained(path / "transformer")
     text_encoder.save_pretrained(path / "text_encoder")
     text_encoder_2.save_pretrained(path / "text_encoder_2")
@@ -289,12 +297,7 @@ def train_unet(work: Path, vae, steps: int, seed: int, *, phase: str = "unet", s
         noisy = noise_schedule.add_noise(latents, noise, timesteps)
         prediction = unet(noisy, timesteps, text_encoder(ids)[0]).sample
         loss = torch.nn.functional.mse_loss(prediction, noise)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        if step % 100 == 0 or step == steps - 1:
-            print(f"{phase} {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+        optimise(optimizer, loss, parameters, phase, step, steps, start)
     unet.save_pretrained(path / "unet")
     text_encoder.save_pretrained(path / "text_encoder")
     return unet, text_encoder, tokenizer
@@ -347,11 +350,7 @@ def train_lora(work: Path, vae, unet, text_encoder, tokenizer, steps: int, seed:
         embeddings, latents = _frozen_conditioning(text_encoder, tokenizer, vae, captions, as_images(drawn))
         noisy, noise, timesteps = _noised(latents)
         loss = torch.nn.functional.mse_loss(unet(noisy, timesteps, embeddings).sample, noise)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step % 100 == 0 or step == steps - 1:
-            print(f"lora {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+        optimise(optimizer, loss, None, "lora", step, steps, start)
     state = {k: v.detach().clone().contiguous() for k, v in
              get_peft_model_state_dict(unet, adapter_name="outlined").items()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -384,12 +383,7 @@ def train_controlnet(work: Path, vae, unet, text_encoder, tokenizer, steps: int,
         prediction = unet(noisy, timesteps, embeddings, down_block_additional_residuals=down,
                           mid_block_additional_residual=mid).sample
         loss = torch.nn.functional.mse_loss(prediction, noise)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(controlnet.parameters(), 1.0)
-        optimizer.step()
-        if step % 100 == 0 or step == steps - 1:
-            print(f"controlnet {step}/{steps} loss {loss.item():.4f}  {time.time() - start:.0f} s", flush=True)
+        optimise(optimizer, loss, list(controlnet.parameters()), "controlnet", step, steps, start)
     controlnet.save_pretrained(path)
     return controlnet
 
