@@ -104,8 +104,6 @@ def test_the_controlnet_shapes_follow_the_control_edges(reference_drawers):
 
 @pytest.mark.slow
 def test_inpainting_repaints_the_mask_and_keeps_the_rest(reference_drawers, micro_folder):
-    from trt_diffusion import micro_effects as effects
-
     """Most masks are repainted in the prompt's colour, and outside the mask the picture is kept: its change is of
     the VAE round trip's order. Not the issue's bar of round trip + 1 level: at 64x64 the decoder sees the whole
     8x8 latent, so the repainted cells move every pixel a little (measured: 3.5 levels outside against a 2.2 round
