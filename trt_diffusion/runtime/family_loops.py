@@ -48,7 +48,7 @@ class FamilyLoop(Protocol):
         """The VAE's pixels in [-1, 1], channels on axis 1 (the pipeline makes them uint8)."""
 
 
-class _Adapter:
+class LoopAdapter:
     inner: Any
     image_condition: Any = None  # img2vid's image conditioner (Wan I2V), else None
 
@@ -67,11 +67,11 @@ class _Adapter:
         return self.inner.decode(latents, size, batch)
 
 
-def _negative_embeds(encoding: PromptEncoding):
+def negative_embeds(encoding: PromptEncoding):
     return None if encoding.negative is None else encoding.negative.embeds
 
 
-class FluxFamilyLoop(_Adapter):
+class FluxFamilyLoop(LoopAdapter):
     """FLUX.1: the hub's CLIP + T5 prompt encoding and VAE decode around FluxLoop (guidance embedded: no CFG)."""
 
     def __init__(self, hub):
@@ -96,7 +96,7 @@ class FluxFamilyLoop(_Adapter):
         return self._decode_vae(latents, size, batch)
 
 
-class WanFamilyLoop(_Adapter):
+class WanFamilyLoop(LoopAdapter):
     def __init__(self, hub):
         self.inner = WanLoop(
             hub.runners, hub.index, hub.denoiser_config, hub.scheduler_config, hub.vae_config,
@@ -112,10 +112,10 @@ class WanFamilyLoop(_Adapter):
         return PromptEncoding(_Conditioning(positive), None if negative is None else _Conditioning(negative))
 
     def denoise(self, request, encoding, size, timings, on_step, threshold):
-        return self.inner.denoise(request, encoding.positive.embeds, _negative_embeds(encoding), timings, on_step)
+        return self.inner.denoise(request, encoding.positive.embeds, negative_embeds(encoding), timings, on_step)
 
 
-class QwenImageFamilyLoop(_Adapter):
+class QwenImageFamilyLoop(LoopAdapter):
     def __init__(self, hub):
         edit = EditParts.load(hub.model_dir) if hub.index.get("_class_name") in EDIT_PIPELINE_CLASSES else None
         self.inner = QwenImageLoop(
@@ -132,7 +132,7 @@ class QwenImageFamilyLoop(_Adapter):
         return self.inner.denoise(request, _qwen_text(encoding.positive), negative, timings, on_step)
 
 
-class Flux2FamilyLoop(_Adapter):
+class Flux2FamilyLoop(LoopAdapter):
     """FLUX.2 dev and Klein (one loop: the family decides embedded guidance or true CFG)."""
 
     def __init__(self, hub):
@@ -148,7 +148,7 @@ class Flux2FamilyLoop(_Adapter):
         return PromptEncoding(_Conditioning(positive), None if negative is None else _Conditioning(negative))
 
     def denoise(self, request, encoding, size, timings, on_step, threshold):
-        return self.inner.denoise(request, encoding.positive.embeds, _negative_embeds(encoding), timings, on_step)
+        return self.inner.denoise(request, encoding.positive.embeds, negative_embeds(encoding), timings, on_step)
 
 
 def _qwen_text(conditioning: _Conditioning) -> QwenText:

@@ -33,6 +33,7 @@ from ..engines_file.engine_spec import Size
 from ..errors import RuntimeInputError
 from ..families.z_image import Z_IMAGE_TEXT_LENGTH
 from .engines import RunnerTable
+from .family_loops import LoopAdapter, negative_embeds
 from .requests import GenerationRequest, PromptEncoding, StageTimings, StepCallback, _Conditioning
 from .schedulers import make_scheduler
 
@@ -161,7 +162,7 @@ def _guided(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
     return pred
 
 
-class ZImageFamilyLoop:
+class ZImageFamilyLoop(LoopAdapter):
     """The `FamilyLoop` (runtime/family_loops.py) of the z_image family: prompt states per prompt (each its own
     length), the loop above, and the hub's AutoencoderKL decode."""
 
@@ -173,15 +174,6 @@ class ZImageFamilyLoop:
             vae_scale_factor=hub.vae_scale_factor,
             text_lengths=tuple(hub.text_lengths or family_info(hub.family).text_lengths))
         self._decode_vae: Callable = hub._decode_vae
-        self.image_condition = None
-
-    @property
-    def runners(self) -> RunnerTable:
-        return self.inner.runners
-
-    @runners.setter
-    def runners(self, value: RunnerTable) -> None:
-        self.inner.runners = value
 
     def runs_cfg(self, request) -> bool:
         return self.inner.runs_cfg(request)
@@ -191,8 +183,7 @@ class ZImageFamilyLoop:
         return PromptEncoding(_Conditioning(positive), None if negative is None else _Conditioning(negative))
 
     def denoise(self, request, encoding, size, timings, on_step, threshold):
-        negative = None if encoding.negative is None else encoding.negative.embeds
-        return self.inner.denoise(request, encoding.positive.embeds, negative, timings, on_step)
+        return self.inner.denoise(request, encoding.positive.embeds, negative_embeds(encoding), timings, on_step)
 
     def decode(self, latents: torch.Tensor, size: Size, batch: int) -> np.ndarray:
         return self._decode_vae(latents, size, batch)
