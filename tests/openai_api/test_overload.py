@@ -121,17 +121,13 @@ def test_the_api_degrades_then_refuses_and_says_so(held_api):
     stub, api = held_api
     client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
 
-    def generate(seed: int):
-        return client.images.with_raw_response.generate(model="sd15-tiny", prompt="a", extra_body={
-            "seed": seed, "num_inference_steps": 20})
-
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(generate, 1)
+        first = pool.submit(_generate, client, 1)
         until(lambda: stub.arrivals == 1)
-        second = pool.submit(generate, 2)  # 20 s of work ahead: degraded to 4 steps
+        second = pool.submit(_generate, client, 2)  # 20 s of work ahead: degraded to 4 steps
         until(lambda: stub.arrivals == 2)
         with pytest.raises(openai.RateLimitError, match="past its 22 s limit") as refused:
-            generate(3)  # 24 s ahead
+            _generate(client, 3)  # 24 s ahead
         assert refused.value.response.headers["retry-after"] == "2"
         stub.gate.release(2)
         first, second = first.result(GUARD_S), second.result(GUARD_S)
@@ -142,7 +138,7 @@ def test_the_api_degrades_then_refuses_and_says_so(held_api):
         assert np.array_equal(np.asarray(image.convert("RGB")), expected_image("sd15-tiny", "a", 2, 64, 64, 4))
         assert "Steps: 4" in image.info["parameters"]  # the PNG says what ran
     stub.gate.release(10)
-    assert "x-trt-diffusion-degraded" not in generate(4).headers  # the queue drained: as asked again
+    assert "x-trt-diffusion-degraded" not in _generate(client, 4).headers  # the queue drained: as asked again
     import json
     import urllib.request
 
@@ -157,16 +153,12 @@ def test_the_api_spreads_the_wait_over_the_models_instances(held_api):
     stub, api = held_api
     client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
 
-    def generate(seed: int):
-        return client.images.with_raw_response.generate(model="sd15-tiny", prompt="a", extra_body={
-            "seed": seed, "num_inference_steps": 20})
-
     with ThreadPoolExecutor(3) as pool:
-        held = [pool.submit(generate, 1)]
+        held = [pool.submit(_generate, client, 1)]
         until(lambda: stub.arrivals == 1)
-        held.append(pool.submit(generate, 2))  # 20 s over 2 instances: 10 s, degraded to 4 steps
+        held.append(pool.submit(_generate, client, 2))  # 20 s over 2 instances: 10 s, degraded to 4 steps
         until(lambda: stub.arrivals == 2)
-        third = pool.submit(generate, 3)  # 24 s over 2: 12 s, under the 22 s limit (one instance: refused)
+        third = pool.submit(_generate, client, 3)  # 24 s over 2: 12 s, under the 22 s limit (one instance: refused)
         until(lambda: stub.arrivals == 3 or third.done())  # done early: refused
         stub.gate.release(3)
         responses = [future.result(GUARD_S) for future in (*held, third)]
@@ -200,6 +192,12 @@ def test_batch_lines_are_never_degraded(held_api):
     with Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"]))) as image:
         pixels = np.asarray(image.convert("RGB"))
     assert np.array_equal(pixels, expected_image("sd15-tiny", "b", 5, 64, 64, 20))  # all 20 steps
+
+
+def _generate(client, seed: int):
+    """A 20-step request: 20 s of work by the tests' cost model."""
+    return client.images.with_raw_response.generate(model="sd15-tiny", prompt="a", extra_body={
+        "seed": seed, "num_inference_steps": 20})
 
 
 def until(check, guard_s: float = GUARD_S):
@@ -251,14 +249,10 @@ def test_openai_api_serves_the_policy_of_its_config(tmp_path, monkeypatch, capsy
         with server.ApiServer(dataclasses.replace(served[0], port=0, cost_model=costs())) as api:
             client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
 
-            def generate(seed: int):
-                return client.images.with_raw_response.generate(model="sd15-tiny", prompt="a", extra_body={
-                    "seed": seed, "num_inference_steps": 20})
-
             with ThreadPoolExecutor(2) as pool:
-                first = pool.submit(generate, 1)
+                first = pool.submit(_generate, client, 1)
                 until(lambda: stub.arrivals == 1)
-                second = pool.submit(generate, 2)  # 20 s of work ahead over the stub's 2 instances: 10 s
+                second = pool.submit(_generate, client, 2)  # 20 s of work ahead over the stub's 2 instances: 10 s
                 until(lambda: stub.arrivals == 2)
                 stub.gate.release(2)
                 assert "x-trt-diffusion-degraded" not in first.result(GUARD_S).headers
