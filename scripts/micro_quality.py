@@ -74,7 +74,7 @@ def drawer(pipe, steps: int):
     return draw
 
 
-def measure_effects(pipes: dict, lora_pipe, steps: int, count: int, trip) -> dict:
+def measure_effects(pipes: dict, lora_pipe, steps: int, count: int, floors: effects.VaeFloors) -> dict:
     """pipes: {"base": pipeline}; lora_pipe: the same engines with the LoRA refitted (or the reference with it
     fused)."""
     prompts = world.prompt_grid()[:: max(len(world.prompt_grid()) // count, 1)][:count]
@@ -88,7 +88,7 @@ def measure_effects(pipes: dict, lora_pipe, steps: int, count: int, trip) -> dic
                  "base_again_exact": all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)),
                  "images": len(prompts)},
         "controlnet": effects.as_dict(effects.control_overlap(base, "edges", count)),
-        "inpaint": effects.as_dict(effects.inpaint_repaint(base, trip, count)),
+        "inpaint": effects.as_dict(effects.inpaint_repaint(base, floors, count)),
     }
 
 
@@ -124,7 +124,7 @@ def main() -> None:
                               "failures": v.failure_reasons} for v in run.report.variants]
     config = load_engines_file(config_path, check_sources=True)
     model_dir = config.models["micro-fp32"].source.path
-    trip = effects.vae_round_trip(model_dir)
+    floors = effects.vae_floors(model_dir)
     lora_path = model_dir / LORA_FILE
     model = config.models["micro-fp32"]
 
@@ -137,7 +137,7 @@ def main() -> None:
     entry = next(e for e in fused.entries if e.component == "unet")
     fuse_lora(entry.runner.module.model, "outlined", lora_path, 1.0, "unet")
     results["effects"] = {"torch fp32": measure_effects({"base": pipeline(reference)}, pipeline(fused), args.steps,
-                                                        args.count, trip)}
+                                                        args.count, floors)}
     print(json.dumps(results["effects"], indent=2), flush=True)
     for name in config.models:
         for target in args.targets:
@@ -148,7 +148,7 @@ def main() -> None:
                 results["effects"][f"{target} {name}"] = {"error": str(err).splitlines()[0]}
                 continue
             results["effects"][f"{target} {name}"] = measure_effects(
-                {"base": pipeline(base[2], name)}, pipeline(styled[2], name), args.steps, args.count, trip)
+                {"base": pipeline(base[2], name)}, pipeline(styled[2], name), args.steps, args.count, floors)
             print(target, name, json.dumps(results["effects"][f"{target} {name}"]), flush=True)
     (args.work / "micro_quality.json").write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
@@ -156,7 +156,7 @@ def main() -> None:
 
 def table(results: dict) -> str:
     lines = ["| route | LoRA outlined off / on / off again exact | ControlNet overlap (≥ 0.7) | inpaint repainted | "
-             "outside change / VAE round trip |", "|---|---|---|---|---|"]
+             "outside change / VAE round trip / latent paste |", "|---|---|---|---|---|"]
     for route, figures in results["effects"].items():
         if "error" in figures:
             lines.append(f"| {route} | not built: {figures['error']} | | | |")
@@ -165,7 +165,8 @@ def table(results: dict) -> str:
         lines.append(f"| {route} | {lora['outlined_off']:.0f} % / {lora['outlined_on']:.0f} % / "
                      f"{'yes' if lora['base_again_exact'] else 'NO'} | {control['mean_overlap']:.2f} "
                      f"({control['share_at_least_0_7']:.0f} %) | {inpaint['repainted']:.0f} % | "
-                     f"{inpaint['outside_change']:.2f} / {inpaint['vae_round_trip_change']:.2f} |")
+                     f"{inpaint['outside_change']:.2f} / {inpaint['vae_round_trip_change']:.2f} / "
+                     f"{inpaint['latent_paste_change']:.2f} |")
     return "\n".join(lines)
 
 

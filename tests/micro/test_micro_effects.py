@@ -40,13 +40,20 @@ def test_inpaint_reads_the_repaint_and_the_change_outside():
         image[inside & shape] = world.PALETTE[wanted.colour]
         return image
 
-    def shifted(image):  # a round trip that moves every pixel by two levels
-        return np.clip(image.astype(int) + 2, 0, 255).astype(np.uint8)
+    def shifted(image, by=2):  # a VAE whose round trip moves every pixel by two levels
+        return np.clip(image.astype(int) + by, 0, 255).astype(np.uint8)
 
-    good = effects.inpaint_repaint(repainting, shifted, count=6)
-    assert good.repainted == 100.0 and good.outside_change == 0.0 and good.outside_within_round_trip
-    unchanged = effects.inpaint_repaint(lambda f: f["init_image"], shifted, count=6)
+    def pasted(init, target, mask):  # ... and whose latent paste keeps the target inside, moves the outside by 4
+        return np.where(mask[..., None] > 127, target, shifted(init, 4))
+
+    floors = effects.VaeFloors(shifted, pasted)
+    good = effects.inpaint_repaint(repainting, floors, count=6)
+    assert good.repainted == 100.0 and good.outside_change == 0.0
+    assert good.vae_round_trip_change == 2.0 and good.latent_paste_change == 4.0
+    assert good.outside_within_round_trip and good.outside_within_latent_paste
+    unchanged = effects.inpaint_repaint(lambda f: f["init_image"], floors, count=6)
     assert unchanged.repainted == 0.0  # the old colour stays: not what the prompt asked
-    smeared = effects.inpaint_repaint(lambda f: np.clip(f["init_image"].astype(int) + 8, 0, 255).astype(np.uint8),
-                                      shifted, count=6)
-    assert not smeared.outside_within_round_trip
+    between = effects.inpaint_repaint(lambda f: shifted(f["init_image"], 4), floors, count=6)
+    assert not between.outside_within_round_trip and between.outside_within_latent_paste
+    smeared = effects.inpaint_repaint(lambda f: shifted(f["init_image"], 8), floors, count=6)
+    assert not smeared.outside_within_round_trip and not smeared.outside_within_latent_paste

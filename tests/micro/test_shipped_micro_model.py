@@ -104,13 +104,13 @@ def test_the_controlnet_shapes_follow_the_control_edges(reference_drawers):
 
 @pytest.mark.slow
 def test_inpainting_repaints_the_mask_and_keeps_the_rest(reference_drawers, micro_folder):
-    """Most masks are repainted in the prompt's colour, and outside the mask the picture is kept: its change is of
-    the VAE round trip's order. Not the issue's bar of round trip + 1 level: at 64x64 the decoder sees the whole
-    8x8 latent, so the repainted cells move every pixel a little (measured: 3.5 levels outside against a 2.2 round
-    trip, 2.8 more than a latent cell away; docs/micro-models.md)."""
+    """Most masks are repainted in the prompt's colour, and outside the mask the picture is kept as well as a
+    perfect latent inpainting keeps it (the known latents, the asked scene's latents pasted in the mask's cells,
+    decoded) plus one level. Not the issue's bar of round trip + 1 level, which no latent inpainting meets with this
+    VAE: at 64x64 its decoder's mid-block attention sees the whole 8x8 latent, so repainted cells move every pixel
+    (measured: the perfect paste changes the outside by 4.2 levels against a 2.2 round trip; docs/micro-models.md)."""
     from trt_diffusion import micro_effects as effects
 
-    figures = effects.inpaint_repaint(reference_drawers[0], effects.vae_round_trip(micro_folder), count=12)
+    figures = effects.inpaint_repaint(reference_drawers[0], effects.vae_floors(micro_folder), count=12)
     assert figures.repainted > 50, figures
-    # kept, not redrawn: a fresh txt2img of the same prompts changes it by 12.6 levels (2.2 round trip)
-    assert figures.outside_change < 2 * figures.vae_round_trip_change, figures
+    assert figures.outside_within_latent_paste, figures
