@@ -19,7 +19,7 @@ an interrupted run resumes at the stage it was in:
 2. dit:  FluxTransformer2DModel (double- then single-stream blocks) with a CLIP text encoder (pooled) and a T5
          encoder trained together: rectified flow as FLUX (x_t = (1 - t) x0 + t noise, target noise - x0,
          logit-normal t), latents shifted, scaled and packed 2x2 as FluxPipeline packs them, 10 % empty captions.
-   refine: the same, continued at a lower rate.
+   refine: the same, continued at a lower rate; polish: continued again at a lower rate still (--polish-steps).
 3. save: a FluxPipeline folder, evaluated with true CFG against the empty prompt (the transformer has no guidance
          embedding) and T5 at its tokenizer's length (32), the length it was trained at.
 
@@ -50,15 +50,16 @@ from trt_diffusion.micro_effects import control_scenes  # noqa: E402
 from trt_diffusion.models import micro  # noqa: E402
 from trt_diffusion.prompt_following import grid_figures  # noqa: E402
 
-SCRIPT_VERSION = 2  # 2: a 32-wide VAE trained on L1 + MSE
+SCRIPT_VERSION = 3  # 2: a 32-wide VAE trained on L1 + MSE; 3: flux's polish phase
 GRID_SEEDS = (0, 1, 2, 3)
 GRID_STEPS = 20
 GRID_CFG = 5.0
-# steps per stage when not given: sd15's are the shipped model's; flux's fit ~40 minutes on 2 idle cores (a DiT step
+# steps per stage when not given: sd15's are the shipped model's; flux's fit ~55 minutes on 2 idle cores (a DiT step
 # from the pool ~0.25 s, a VAE step ~0.21 s, the pool ~5 min)
 DEFAULT_STEPS = {
     "sd15": {"vae_steps": 3000, "unet_steps": 3000, "refine_steps": 3000, "lora_steps": 1500, "controlnet_steps": 1500},
-    "flux": {"vae_steps": 2000, "unet_steps": 3000, "refine_steps": 3000, "lora_steps": 0, "controlnet_steps": 0},
+    "flux": {"vae_steps": 2000, "unet_steps": 3000, "refine_steps": 3000, "polish_steps": 4000, "lora_steps": 0,
+             "controlnet_steps": 0},
 }
 FLUX_BATCH = 32
 FLUX_POOL = 40_000  # scenes drawn and encoded once for the DiT phases (drawing + encoding was half a DiT step)
@@ -192,8 +193,10 @@ def encoded_pool(vae, count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat(means), torch.cat(stds), captions
 
 
-def train_dit(work: Path, vae, pool, steps: int, seed: int, *, phase: str = "dit", start_from: str | None = None,
-              peak: float = 5e-4):
+DIT_PHASES = ("dit", "refine", "polish")  # in order: each continues from the one before
+
+
+def train_dit(work: Path, vae, pool, steps: int, seed: int, *, phase: str = "dit", peak: float = 5e-4):
     """One phase of FLUX transformer + CLIP + T5 training, checkpointed in work/<phase> (as train_unet). `pool`:
     a function that returns encoded_pool's scenes (built only when a phase trains)."""
     from diffusers import FluxTransformer2DModel
@@ -211,6 +214,8 @@ def train_dit(work: Path, vae, pool, steps: int, seed: int, *, phase: str = "dit
     if (path / "transformer" / "config.json").is_file():
         return (*load(path), tokenizer, tokenizer_2)
     torch.manual_seed(seed)
+    order = DIT_PHASES.index(phase)
+    start_from = DIT_PHASES[order - 1] if order else None
     if start_from is None:
         transformer, text_encoder, text_encoder_2 = \
             micro.flux_transformer(), micro.flux_text_encoder(), micro.flux_t5_encoder()
@@ -218,7 +223,7 @@ def train_dit(work: Path, vae, pool, steps: int, seed: int, *, phase: str = "dit
         transformer, text_encoder, text_encoder_2 = load(work / start_from)
     shift, scale = vae.config.shift_factor, vae.config.scaling_factor
     means, stds, pool_captions = pool()
-    rng = np.random.default_rng(seed + 2 + (start_from is not None))  # other draws for a continued phase
+    rng = np.random.default_rng(seed + 2 + order)  # other draws for each continued phase
     parameters = [*transformer.parameters(), *text_encoder.parameters(), *text_encoder_2.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=peak, weight_decay=1e-2)
     vae.requires_grad_(False)
@@ -248,8 +253,9 @@ def train_flux(work: Path, args):
     pool = functools.cache(lambda: encoded_pool(vae, args.flux_pool, args.seed))
     parts = train_dit(work, vae, pool, args.unet_steps, args.seed)
     if args.refine_steps:
-        parts = train_dit(work, vae, pool, args.refine_steps, args.seed, phase="refine", start_from="dit",
-                          peak=2e-4)
+        parts = train_dit(work, vae, pool, args.refine_steps, args.seed, phase="refine", peak=2e-4)
+    if args.refine_steps and args.polish_steps:  # the shapes' outlines sharpen slowly on 16 tokens
+        parts = train_dit(work, vae, pool, args.polish_steps, args.seed, phase="polish", peak=1e-4)
     transformer, text_encoder, text_encoder_2, tokenizer, tokenizer_2 = parts
     return FluxPipeline(scheduler=micro.flux_scheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
@@ -505,6 +511,8 @@ def main() -> None:
     if args.family == "flux" and (args.lora_steps or args.controlnet_steps):
         parser.error("--lora-steps and --controlnet-steps: the flux micro-model has no LoRA or ControlNet stage; "
                      "give 0 or leave them out")
+    if args.family == "sd15" and args.polish_steps:
+        parser.error("--polish-steps: the sd15 micro-model has no polish phase (its UNet trains in two)")
     torch.set_num_threads(args.threads)
     out = args.out or micro.DATA / args.family
     if args.evaluate_only:
@@ -544,6 +552,7 @@ def main() -> None:
     figures = evaluate(staging, args.picture)  # fp16 weights upcast on load: the reference users get
     record = {"script_version": SCRIPT_VERSION, "family": args.family, "vocabulary": micro.VOCABULARY, "seed": args.seed,
               "vae_steps": args.vae_steps, "unet_steps": args.unet_steps, "refine_steps": args.refine_steps,
+              **({"polish_steps": args.polish_steps} if args.family == "flux" else {}),
               "threads": args.threads,
               "train_seconds": round(seconds), "grid": {"prompts": len(world.prompt_grid()), "seeds": list(GRID_SEEDS),
                                                         "steps": GRID_STEPS, "cfg": GRID_CFG, "figures": figures}}
