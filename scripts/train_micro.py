@@ -493,6 +493,8 @@ def main() -> None:
                         "transformer) first phase, with its text encoders; default: 3000")
     parser.add_argument("--refine-steps", type=int, default=None, help="a second denoiser phase from the first's "
                         "weights, at a lower rate; default: 3000")
+    parser.add_argument("--polish-steps", type=int, default=None, help="flux: a third denoiser phase from the "
+                        "second's weights, at a lower rate still (default 4000; sd15: none)")
     parser.add_argument("--lora-steps", type=int, default=None, help="the outlined-style LoRA (0: none; sd15 only, "
                         "default 1500)")
     parser.add_argument("--controlnet-steps", type=int, default=None, help="the edge-map ControlNet (0: none; sd15 "
