@@ -305,18 +305,29 @@ def first_bucket_size(config_path: str | Path, model: str | None = None):
 def package(config_path: str | Path, out_dir: str | Path = "triton_repo", target: str = "onnxruntime", *,
             model: str | Sequence[str] | None = None, options=None, lora_variant: str | None = None,
             verify_keys: Sequence[str | Path] = (), release: str | Path | None = None, all_models: bool = False,
-            memory_budget_gb: float | None = None, sign_key: str | Path | None = None):
+            memory_budget_gb: float | None = None, sign_key: str | Path | None = None,
+            kubernetes: str | Path | None = None, kubernetes_options=None):
     """A Triton model repository serving the built engines of one model of engines.yaml, or of several (`model` a
     list, or `all_models`: an entry per model) (triton/stage.py): engine models from each target's `triton_model`,
     the entry and its BLS loop, the ensemble, warm-up. `memory_budget_gb` (default: engines.yaml's preflight
     max_rss_gb): the models' estimated served memory must fit it. `verify_keys`: package only engines a signed
     release manifest covers; `sign_key` (with `verify_keys`): sign every file of the repository written, what
-    `serve --verify` requires (docs/security.md)."""
+    `serve --verify` requires (docs/security.md). `kubernetes` (a folder): also the manifests that serve the
+    repository in a cluster (triton/kubernetes.py; `kubernetes_options` a KubernetesOptions), their values checked
+    before anything is written."""
     from .triton import stage
 
-    return stage.package_stage(config_path, out_dir, target, model=model, options=options,
-                               lora_variant=lora_variant, verify_keys=verify_keys, release=release,
-                               all_models=all_models, memory_budget_gb=memory_budget_gb, sign_key=sign_key)
+    if kubernetes is not None:
+        from .triton import kubernetes as k8s
+
+        kubernetes_options = (kubernetes_options or k8s.KubernetesOptions()).check()
+        k8s.check_out_dir(kubernetes, out_dir)
+    report = stage.package_stage(config_path, out_dir, target, model=model, options=options,
+                                 lora_variant=lora_variant, verify_keys=verify_keys, release=release,
+                                 all_models=all_models, memory_budget_gb=memory_budget_gb, sign_key=sign_key)
+    if kubernetes is not None:
+        k8s.write(kubernetes, out_dir, report, kubernetes_options)
+    return report
 
 
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,

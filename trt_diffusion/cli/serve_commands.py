@@ -87,11 +87,31 @@ def package_command(
     sign_key: Annotated[Path | None, typer.Option("--sign", help="private key (release host, with --verify): sign "
                                                   "every file of the repository, which serve --verify requires")]
     = None,
+    kubernetes: Annotated[Path | None, typer.Option("--kubernetes", help="also write Kubernetes manifests for the "
+                                                    "repository into this folder (docs/deploy.md)")] = None,
+    replicas: Annotated[int | None, typer.Option("--replicas", help="(--kubernetes) tritonserver pods; default 1")]
+    = None,
+    image: Annotated[str | None, typer.Option("--image", help="(--kubernetes) the image of both Deployments: "
+                                              "tritonserver with trt-diffusion installed; default "
+                                              "trt-diffusion:<version>")] = None,
+    kubernetes_name: Annotated[str | None, typer.Option("--kubernetes-name", help="(--kubernetes) the objects' "
+                                                        "name prefix (a DNS-1123 label); default the entry's name")]
+    = None,
+    namespace: Annotated[str | None, typer.Option("--namespace", help="(--kubernetes) default: default")] = None,
+    repository_claim: Annotated[str | None, typer.Option("--repository-claim", help="(--kubernetes) the "
+                                                         "PersistentVolumeClaim holding the repository; default "
+                                                         "<name>-repository")] = None,
+    max_replicas: Annotated[int | None, typer.Option("--max-replicas", help="(--kubernetes) also an HPA scaling "
+                                                     "tritonserver pods up to this on Triton's queue (needs a "
+                                                     "custom-metrics adapter)")] = None,
 ):
     """Write a Triton model repository serving the built engines of one model."""
     from .. import api
     from ..triton.repository import PackageOptions
 
+    kubernetes_options = _kubernetes_options(kubernetes, replicas=replicas, image=image, name=kubernetes_name,
+                                             namespace=namespace, repository_claim=repository_claim,
+                                             max_replicas=max_replicas)
     options = PackageOptions(engine_backend=engine_backend.value, pipeline_instances=instances,
                              engine_instances=engine_instances, gpus=tuple(gpus or ()), max_queue_size=max_queue_size,
                              queue_timeout_s=queue_timeout_s, warmup_data=warmup_data.value, ensemble=ensemble,
@@ -99,7 +119,7 @@ def package_command(
                              stream=stream, lora_cache_sets=lora_cache_sets)
     report = api.package(config, out, check_target_name(target), model=model or None, options=options,
                          verify_keys=verify_keys or (), all_models=all_models, memory_budget_gb=memory_budget_gb,
-                         sign_key=sign_key)
+                         sign_key=sign_key, kubernetes=kubernetes, kubernetes_options=kubernetes_options)
     table = Table(title=f"Triton repository {report.repo}")
     for column in ("model", "role", "backend", "component", "bucket", "batch", "warm-up shapes"):
         table.add_column(column)
@@ -122,7 +142,26 @@ def package_command(
     console.print(f"written in {report.seconds:.1f} s")
     for note in report.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
+    if kubernetes is not None:
+        console.print(f"Kubernetes manifests: {kubernetes} (kubectl apply -f {kubernetes}; docs/deploy.md)",
+                      highlight=False)
     console.print(f"next: trt-diffusion serve --repo {out}")
+
+
+def _kubernetes_options(folder: Path | None, **values):
+    """package's --kubernetes options (KubernetesOptions, checked), None without --kubernetes; an option given
+    without it is an error naming it."""
+    from ..errors import ServeError
+
+    given = {key: value for key, value in values.items() if value is not None}
+    if folder is None:
+        if given:
+            option = {"name": "kubernetes-name"}.get(next(iter(given)), next(iter(given))).replace("_", "-")
+            raise ServeError(f"--{option} is an option of the Kubernetes manifests: give --kubernetes DIR too")
+        return None
+    from ..triton.kubernetes import KubernetesOptions
+
+    return KubernetesOptions(**given).check()
 
 
 def serve_command(
