@@ -486,7 +486,7 @@ def weights_sha256(folder: Path) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=micro.MICRO_FAMILIES, default="sd15")
+    parser.add_argument("--family", choices=micro.micro_families(), default="sd15")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vae-steps", type=int, default=None, help="default: sd15 3000, flux 2000")
     parser.add_argument("--unet-steps", type=int, default=None, help="the denoiser's (sd15: the UNet; flux: the "

@@ -27,11 +27,11 @@ class StepCacheMethod(str, Enum):
     first_block = "first_block"
 
 
-# Which families each method applies to, as their declarations say (families/<name>.py `step_cache`): DeepCache
-# needs a UNet's skip connections, first-block caching a stack of transformer blocks whose first block's residual
-# predicts the rest (FLUX's double-stream blocks).
-METHOD_FAMILIES: dict[StepCacheMethod, tuple[Family, ...]] = {
-    method: tuple(f for f, info in FAMILIES.items() if method.value in info.step_cache) for method in StepCacheMethod}
+def method_families(method: StepCacheMethod | str) -> tuple[Family, ...]:
+    """Which families a method applies to, as their declarations say (families/<name>.py `step_cache`): DeepCache
+    needs a UNet's skip connections, first-block caching a stack of transformer blocks whose first block's residual
+    predicts the rest (FLUX's double-stream blocks)."""
+    return tuple(f for f, info in FAMILIES.items() if StepCacheMethod(method).value in info.step_cache)
 
 DEFAULT_INTERVAL = 3  # DeepCache's SD1.5 setting (N=3 keeps FID close to the uncached model in the paper)
 DEFAULT_BRANCH = 0  # the shallowest skip branch: the most work skipped, the paper's SD1.5 choice

@@ -125,11 +125,13 @@ def lora_b(base, tmp_path_factory) -> Path:
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    from trt_diffusion.models.tiny import WAN_LORA_TARGETS
+    from trt_diffusion.families import family_info
+
+    targets = list(family_info("wan").tiny_lora_targets)  # every linear layer of its attention blocks
 
     model = copy.deepcopy(base)
     torch.manual_seed(4321)
-    config = LoraConfig(r=B_RANK, lora_alpha=B_ALPHA, init_lora_weights=False, target_modules=WAN_LORA_TARGETS)
+    config = LoraConfig(r=B_RANK, lora_alpha=B_ALPHA, init_lora_weights=False, target_modules=targets)
     model.add_adapter(config, adapter_name="b")
     state = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(model, adapter_name="b").items()}
     folder = tmp_path_factory.mktemp("wan-lora-b")

@@ -15,7 +15,7 @@ from .console import console
 def models_tiny(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="folder to write (default models/tiny-FAMILY)")]
     = None,
-    family: Annotated[Family, typer.Option("--family")] = Family.sd15,
+    family: Annotated[Family, typer.Option("--family")] = next(iter(Family)),  # the first declared: sd15
     size: Annotated[str, typer.Option(
         "--size", help="tiny, or full (real denoiser architecture, random weights; sd15, sdxl, wan, flux2_klein; "
                        "qwen_image's 20B and flux2's 32B transformers: refused where their fp32 weights do not fit)")]

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ..families import FLUX2_TEXT_LAYERS, FLUX2_TEXT_LENGTH, Family
+from ..families import FLUX2_TEXT_LAYERS, FLUX2_TEXT_LENGTH, Family, family_info
 from .base import (
     BATCH,
     ComponentDef,
@@ -236,7 +236,7 @@ def prompt_tokens(family: Family, tokenizer, prompt: str) -> tuple[np.ndarray, n
     """The encoder engine's `input_ids` and `attention_mask` [1, 512] for one prompt, tokenized as the family's
     pipeline tokenizes it (its chat template, padded and truncated to max_sequence_length)."""
     padding = dict(padding="max_length", truncation=True, max_length=FLUX2_TEXT_LENGTH)
-    if family is Family.flux2:
+    if family_info(family).system_message:  # FLUX.2 dev's Mistral: the pipeline's system message first
         from diffusers.pipelines.flux2.pipeline_flux2 import format_input
         from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH, Family, family_info
+from ..families import QWEN_MAX_TEXT_LENGTH, QWEN_TEMPLATE_TOKENS, QWEN_TEXT_LENGTH
+from ..families import qwen_image as qwen_image_family
 from ..models.edit_reference import fixed_context
 from .base import (
     BATCH,
@@ -68,7 +69,7 @@ def qwen_text_lengths(options: Mapping[str, Any] | None = None) -> tuple[int, in
     if chosen:
         low, opt, high = (int(v) for v in str(chosen).split(","))
         return low, opt, high
-    return family_info(Family.qwen_image).text_lengths
+    return qwen_image_family.DECLARATION.text_lengths
 
 
 class _QwenTextWrapper(ExportWrapper):

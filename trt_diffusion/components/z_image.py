@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import ModelError
-from ..families import Family, family_info
+from ..families import z_image as z_image_family
 from .base import (
     BATCH,
     TEXT_AXIS,
@@ -55,7 +55,7 @@ def z_image_text_lengths(options: Mapping[str, Any] | None = None) -> tuple[int,
     if chosen:
         low, opt, high = (int(v) for v in str(chosen).split(","))
         return low, opt, high
-    return family_info(Family.z_image).text_lengths
+    return z_image_family.DECLARATION.text_lengths
 
 
 class _HiddenStatesWrapper(ExportWrapper):

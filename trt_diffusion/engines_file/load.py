@@ -27,10 +27,10 @@ from ..step_cache import (
     DEFAULT_BRANCH,
     DEFAULT_INTERVAL,
     DEFAULT_THRESHOLD,
-    METHOD_FAMILIES,
     QUANTIZED_METHODS,
     StepCache,
     StepCacheMethod,
+    method_families,
 )
 from ..workflows import (
     EDIT_PIPELINE_CLASSES,
@@ -594,10 +594,10 @@ def _resolve_step_cache(entry: ModelEntry, defaults, folder: Path | None, base: 
     own = entry.step_cache is not None
     where = base + ("step_cache",) if own else ("defaults", "step_cache")
     method = chosen.method
-    if entry.family not in METHOD_FAMILIES[method]:
+    if entry.family not in method_families(method):
         if own:
-            fits = [m.value for m, families in METHOD_FAMILIES.items() if entry.family in families]
-            problems.add(where + ("method",), f"{method.value} is for the {', '.join(f.value for f in METHOD_FAMILIES[method])} "
+            fits = [m.value for m in StepCacheMethod if entry.family in method_families(m)]
+            problems.add(where + ("method",), f"{method.value} is for the {', '.join(f.value for f in method_families(method))} "
                                               f"families, not {entry.family.value}"
                                               + (f" (use {' or '.join(fits)})" if fits else
                                                  f" (no step cache for {entry.family.value} yet)"))

@@ -16,6 +16,8 @@ from .base import (
     EditKind,
     Family,
     FamilyInfo,
+    LatentRgb,
+    TextEncoding,
     WideFloat,
 )
 from .flux2 import FLUX2_TEXT_LENGTH
@@ -52,9 +54,15 @@ def family_info(family: Family | str) -> FamilyInfo:
 PIPELINE_CLASSES: dict[Family, tuple[str, ...]] = {f: info.pipeline_classes for f, info in FAMILIES.items()}
 LORA_TEXT_ENCODERS: dict[Family, tuple[Component, ...]] = {f: info.lora_text_encoders for f, info in FAMILIES.items()}
 FLUX2_TEXT_LAYERS = {f: info.text_layers for f, info in FAMILIES.items() if info.text_layers is not None}
-# The families whose text encoder engines stack a language model's hidden states at fixed layers (FLUX.2 dev, Klein)
-FLUX2_FAMILIES = tuple(FLUX2_TEXT_LAYERS)
-LM_ENCODER_FAMILIES = tuple(f for f, info in FAMILIES.items() if info.language_model_encoder)
+
+
+def declared_code(locator: str):
+    """The code a declaration names lazily ("module:name": its `loop`, `tiny_builder`, `trace_patches`, ...),
+    imported on first use, as target_registry imports a target."""
+    import importlib
+
+    module, _, name = locator.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def family_of_pipeline_class(class_name: str) -> Family | None:
@@ -78,9 +86,8 @@ def quantized_component(family: Family | str, component: Component | str) -> boo
 
 
 __all__ = [
-    "FAMILIES", "FLUX2_FAMILIES", "FLUX2_TEXT_LAYERS", "FLUX2_TEXT_LENGTH", "LM_ENCODER_FAMILIES",
-    "LORA_TEXT_ENCODERS", "PIPELINE_CLASSES", "QWEN_EDIT_TEMPLATE", "QWEN_EDIT_TEMPLATE_PREFIX",
+    "FAMILIES", "FLUX2_TEXT_LAYERS", "FLUX2_TEXT_LENGTH", "LORA_TEXT_ENCODERS", "PIPELINE_CLASSES", "QWEN_EDIT_TEMPLATE", "QWEN_EDIT_TEMPLATE_PREFIX",
     "QWEN_EDIT_TEMPLATE_TOKENS", "QWEN_MAX_TEXT_LENGTH", "QWEN_TEMPLATE_TOKENS", "QWEN_TEXT_LENGTH", "SUBFOLDER",
-    "WAN_TEXT_LENGTH", "WIDE_FLOAT", "CfgKind", "Component", "EditKind", "Family", "FamilyInfo", "WideFloat",
-    "family_info", "family_of_pipeline_class", "quantized_component", "quantized_components",
+    "WAN_TEXT_LENGTH", "WIDE_FLOAT", "CfgKind", "Component", "EditKind", "Family", "FamilyInfo", "LatentRgb",
+    "TextEncoding", "WideFloat", "declared_code", "family_info", "family_of_pipeline_class", "quantized_component", "quantized_components",
 ]

@@ -110,6 +110,35 @@ class EditKind(str, Enum):
     vision_reference = "vision_reference"
 
 
+class TextEncoding(str, Enum):
+    """How the UNet/SD3 loop (runtime/pipeline.py) and FLUX.1's encode a prompt from CLIP and T5 encoder engines."""
+
+    __str__ = str.__str__
+
+    clip = "clip"  # one CLIP's hidden states, no pooled embedding (SD1.5)
+    # two CLIPs' hidden states side by side and the second's pooled embedding, which the UNet takes as
+    # `text_embeds` beside the size ids (`time_ids`: diffusers' addition_embed_type "text_time"); an empty negative
+    # prompt is zeros where model_index.json's force_zeros_for_empty_prompt says (its default: true) (SDXL)
+    clip_pair = "clip_pair"
+    # two CLIPs' hidden states side by side, padded to T5's width and followed by T5's along the sequence (zeros
+    # without a text_encoder_3 engine, as diffusers does); both CLIPs' pooled embeddings side by side (SD3)
+    clip_pair_t5 = "clip_pair_t5"
+    clip_t5 = "clip_t5"  # T5's hidden states and CLIP's pooled embedding (FLUX.1)
+
+    @property
+    def text_time(self) -> bool:
+        """The UNet takes the pooled embedding (`text_embeds`) and the size ids (`time_ids`) beside the states."""
+        return self is TextEncoding.clip_pair
+
+    @property
+    def zeros_for_empty_negative(self) -> bool:
+        """An absent negative prompt is zeros (where model_index.json's force_zeros_for_empty_prompt is not false)."""
+        return self is TextEncoding.clip_pair
+
+
+LatentRgb = tuple[tuple[tuple[float, float, float], ...], tuple[float, float, float]]
+
+
 class WideFloat:
     """A component's default precision where its activations exceed fp16's range (DiTs: FLUX's transformer reaches
     a relative error of 0.037 in fp16 on the tiny model, over parity's 0.02 gate, and overflows on real checkpoints):
@@ -194,11 +223,53 @@ class FamilyInfo:
     """How the quantize stage reads its pipeline's denoiser calls, where they are not keyword tensors, lazily as
     "module:Class" (`feeds(call)`: the engine's named inputs from a recorded call; `pipeline_output(output, call)`:
     the engine's output as the pipeline takes it back; `trace_patches()`: the legacy trace's rewrites). Z-Image's
-    pipeline passes lists; None: the generic mapping (keywords, the UNet's positions, the family branches of
-    quantize/feeds.py and quantize/trace_patches.py)."""
+    pipeline passes lists; None: the generic mapping (keywords, the UNet's positions), with the declaration's
+    `quantize_layout` and `trace_patches`."""
+    quantize_layout: str | None = None
+    """Where its export's inputs differ from its pipeline's call, the function (lazily "module:function", called
+    with the found inputs and the call's keywords) that rewrites a recorded call's values in place into the
+    engine's declared layout (FLUX.2's unbatched ids, Qwen-Image's patch grid and mask); None: as recorded."""
+    trace_patches: str | None = None
+    """The rewrites its denoiser's legacy (TorchScript) ONNX trace needs, lazily "module:function" (called with the
+    module, giving a context manager): Wan's out-of-place rotation, Qwen-Image's real rotary embedding, FLUX.2's
+    strided rotation; None: none (or its `quantize_calls`' own)."""
+    static_trace: bool = False
+    """The legacy exporter bakes its denoiser's shapes (FLUX.1's rotary reshapes at the traced token count): its
+    quantized graph is exported static, and says so in its manifest."""
+    text_encoding: TextEncoding | None = None
+    """How the UNet/SD3 loop (and FLUX.1's) encodes a prompt from its CLIP/T5 engines; None: its own loop does
+    (a language-model encoder's template)."""
+    system_message: bool = False
+    """Its language-model encoder's chat template opens with the pipeline's system message (FLUX.2 dev's Mistral);
+    False: the tokenizer's own template over the user's prompt (Klein's Qwen3)."""
+    schedulers: tuple[str, ...] = ()
+    """The named schedulers (runtime/schedulers.py) beside `default` (the folder's own) that suit it."""
+    latent_rgb: LatentRgb | None = None
+    """The live previews' fitted map from its latent channels to RGB (weights per channel, then a bias), as the
+    popular UIs fit them; None: a plain map (the first three channels)."""
+    single_file_keys: tuple[str, str] | None = None
+    """A single-file checkpoint of the family holds the first key and keys starting with the second (diffusers'
+    CHECKPOINT_KEY_NAMES, in short); None: not recognized as a single file."""
+    single_file_convert: bool = False
+    """Its single-file checkpoints convert to a diffusers folder (trt_diffusion/data/reference_configs/<family>)."""
+    micro_model: bool = False
+    """A trained micro-model ships for it (trt_diffusion/data/micro/<family>, models/micro.py, issue 43)."""
+    tiny_builder: str | None = None
+    """The builder of its tiny seeded pipeline (`models tiny`), lazily "module:function" called with (seed, size,
+    variant), the parameters' perturbation left to models/tiny.py."""
+    tiny_variants: tuple[str, ...] = ()
+    """The checkpoint variants its tiny builder makes beside text-to-image (an inpainting denoiser, FLUX.1's Fill
+    and Kontext, Wan's two experts and image-to-video, Qwen-Image-Edit)."""
+    tiny_full_size: bool = False
+    """Its tiny builder keeps the real architecture with `size="full"` (random weights; refused where the machine
+    cannot hold them)."""
+    tiny_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+    """The denoiser's layers the tiny LoRA covers, as its trainers make them (Wan's: every linear layer of its
+    attention blocks, musubi-tuner's default)."""
     loop: str | None = None
     """The runtime's loop for it (a runtime.family_loops.FamilyLoop, built from the pipeline), lazily as
-    "module:Class"; None: the UNet/SD3 loop of runtime/pipeline.py."""
+    "module:Class"; None: the UNet/SD3 loop of runtime/pipeline.py (its `text_encoding`, `denoiser` and
+    `flow_matching` say what differs between the families it runs)."""
 
     @property
     def default_cfg(self) -> tuple[str, ...]:

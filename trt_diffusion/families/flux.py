@@ -1,7 +1,7 @@
 """FLUX.1: a CLIP and a T5 encoder, a DiT with embedded guidance (FluxPipeline runs no CFG), flow matching;
 img2img, inpaint (and Fill), Kontext editing, first-block step caching."""
 
-from .base import WIDE_FLOAT, CfgKind, EditKind, FamilyInfo
+from .base import WIDE_FLOAT, CfgKind, EditKind, FamilyInfo, TextEncoding
 from .base import Component as C
 
 DECLARATION = FamilyInfo(
@@ -23,5 +23,12 @@ DECLARATION = FamilyInfo(
     long_tokenizer="tokenizer_2",
     denoiser_tokenizers=("tokenizer_2",),  # T5 only
     step_cache=("first_block",),  # the first double-stream block's residual predicts the rest
+    # the legacy exporter bakes its rotary-embedding reshapes at the traced token count: quantized graphs are static
+    static_trace=True,
+    text_encoding=TextEncoding.clip_t5,
+    schedulers=("flow_euler",),
+    micro_model=True,
+    tiny_builder="trt_diffusion.models.tiny:build_tiny_flux",
+    tiny_variants=("fill", "kontext"),
     loop="trt_diffusion.runtime.family_loops:FluxFamilyLoop",
 )

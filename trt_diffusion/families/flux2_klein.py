@@ -23,5 +23,9 @@ DECLARATION = FamilyInfo(
     padded_text_length=FLUX2_TEXT_LENGTH,
     quantize_exclude=("time_guidance_embed", "*modulation*"),
     no_ensemble="the stages' tensors are the CLIP/T5 families' encodings",
+    quantize_layout="trt_diffusion.quantize.feeds:flux2_layout",
+    trace_patches="trt_diffusion.quantize.trace_patches:flux2_strided_rotary",
+    tiny_builder="trt_diffusion.models.tiny:build_tiny_flux2_klein",
+    tiny_full_size=True,  # checked on the meta device, refused where the machine cannot hold it
     loop="trt_diffusion.runtime.family_loops:Flux2FamilyLoop",
 )

@@ -47,5 +47,10 @@ DECLARATION = FamilyInfo(
     # the DiT's input projections and its adaptive-norm modulation linears (per-sample vectors)
     quantize_exclude=("img_in", "txt_in", "*img_mod*", "*txt_mod*"),
     no_ensemble="its prompt states carry a mask and a text length per prompt",
+    quantize_layout="trt_diffusion.quantize.feeds:qwen_image_layout",
+    trace_patches="trt_diffusion.quantize.trace_patches:real_rotary",
+    tiny_builder="trt_diffusion.models.tiny_qwen:build_tiny_qwen_image",
+    tiny_variants=("edit",),
+    tiny_full_size=True,  # the released 20B transformer, checked on the meta device
     loop="trt_diffusion.runtime.family_loops:QwenImageFamilyLoop",
 )

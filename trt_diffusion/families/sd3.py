@@ -1,6 +1,6 @@
 """Stable Diffusion 3: two CLIP encoders and a T5, an MMDiT with classic CFG, flow matching."""
 
-from .base import CfgKind, FamilyInfo
+from .base import CfgKind, FamilyInfo, TextEncoding
 from .base import Component as C
 
 DECLARATION = FamilyInfo(
@@ -16,4 +16,7 @@ DECLARATION = FamilyInfo(
     reference_guidance={"guidance_scale": 7.0},
     long_tokenizer="tokenizer_3",
     denoiser_tokenizers=("tokenizer", "tokenizer_3"),  # CLIP-L/G embeddings then T5's, along the sequence
+    text_encoding=TextEncoding.clip_pair_t5,
+    schedulers=("flow_euler",),
+    tiny_builder="trt_diffusion.models.tiny:build_tiny_sd3",  # full size would be tens of GB
 )

@@ -24,5 +24,14 @@ DECLARATION = FamilyInfo(
     # time and text embeddings) in higher precision, as conv_in and time/context embedders are kept for all
     quantize_exclude=("patch_embedding", "condition_embedder"),
     no_ensemble="its LATENTS are 4-D",
+    trace_patches="trt_diffusion.quantize.trace_patches:functional_rotary",
+    schedulers=("unipc", "flow_euler"),  # default: the folder's UniPC (flow_prediction, flow sigmas, flow_shift)
+    tiny_builder="trt_diffusion.models.tiny_video:build_tiny_wan",
+    tiny_variants=("two_expert", "i2v", "i2v_two_expert"),
+    tiny_full_size=True,  # the 1.3B transformer
+    # Wan LoRAs are trained on every linear layer of the attention blocks (musubi-tuner's default: self- (attn1) and
+    # cross-attention (attn2) projections and the feed-forward (ffn)); diffusers' converter for musubi-tuner files
+    # converts only LoRAs that cover all of them
+    tiny_lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
     loop="trt_diffusion.runtime.family_loops:WanFamilyLoop",
 )

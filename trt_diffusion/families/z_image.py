@@ -44,5 +44,6 @@ DECLARATION = FamilyInfo(
     quantize_exclude=("t_embedder", "cap_embedder", "all_x_embedder", "all_final_layer", "*adaLN_modulation*"),
     no_ensemble="its prompt states carry a mask and a text length per prompt",
     quantize_calls="trt_diffusion.components.z_image:ZImageCalls",  # ZImagePipeline calls it with lists
+    tiny_builder="trt_diffusion.models.tiny_z_image:build_tiny_z_image",
     loop="trt_diffusion.runtime.z_image_loop:ZImageFamilyLoop",
 )

@@ -17,14 +17,19 @@ import shutil
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..families import FAMILIES
 from ..workspace.files import staged_folder
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "micro"
-MICRO_FAMILIES = ("sd15", "flux")
 TRAINING_RECORD = "trt_diffusion_micro.json"  # the script's version, seed and figures, beside the weights
 TEXT_HIDDEN = 64
 LORA_FILE = "lora/pytorch_lora_weights.safetensors"  # the outlined-style LoRA, beside the pipeline's folders
 VOCABULARY = "synthetic-world/1"  # what a folder's training record declares when it draws the synthetic world
+
+
+def micro_families() -> tuple[str, ...]:
+    """The families a micro-model ships for (their declarations' `micro_model`)."""
+    return tuple(family.value for family, info in FAMILIES.items() if info.micro_model)
 
 
 def draws_synthetic_world(model_dir: str | os.PathLike) -> bool:
@@ -133,8 +138,8 @@ def write_micro_model(family: str, out_dir: str | os.PathLike, *, overwrite: boo
     from .quiet import quiet_libraries
     from .tiny import MARKER_FILE, _check_replaceable
 
-    if family not in MICRO_FAMILIES:
-        raise ConfigError(f"no micro-model of family {family!r}; trained ones: {', '.join(MICRO_FAMILIES)}")
+    if family not in micro_families():
+        raise ConfigError(f"no micro-model of family {family!r}; trained ones: {', '.join(micro_families())}")
     source = DATA / family
     if not (source / "model_index.json").is_file():
         raise ConfigError(f"{source} holds no micro-model: train it with scripts/train_micro.py --family {family}")

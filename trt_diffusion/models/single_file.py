@@ -17,18 +17,16 @@ import os
 from pathlib import Path
 
 from ..errors import ModelError
+from ..families import FAMILIES, family_info
 from ..workspace.files import sha256_file, staged_folder
 
 SINGLE_FILE_MANIFEST = "trt_diffusion_single_file.json"
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
 CLIP_PREFIX = "cond_stage_model.transformer.text_model."
-# Keys that tell the families apart (diffusers' CHECKPOINT_KEY_NAMES, in short).
-FAMILY_MARKERS = {
-    "sd15": (UNET_PREFIX + "input_blocks.0.0.weight", "cond_stage_model.transformer."),
-    "sdxl": (UNET_PREFIX + "input_blocks.0.0.weight", "conditioner.embedders.1.model."),
-}
-SUPPORTED_FAMILIES = ("sd15",)
+# Keys that tell the families apart (diffusers' CHECKPOINT_KEY_NAMES, in short): their declarations'
+# `single_file_keys`, family name -> (a key it holds, a prefix of others)
+FAMILY_MARKERS = {family.value: info.single_file_keys for family, info in FAMILIES.items() if info.single_file_keys}
 
 
 REFERENCE_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "reference_configs"
@@ -89,9 +87,9 @@ def detect_family(file: Path, keys: list[str] | None = None) -> str:
         if first in keys and any(k.startswith(second) for k in keys):
             return family
     sample = ", ".join(sorted(keys)[:3])
-    raise ModelError(f"checkpoint {file}: its keys fit no family this tool reads as a single file (an SD1.5 "
-                     f"checkpoint has {FAMILY_MARKERS['sd15'][0]} and cond_stage_model.transformer.*; it holds "
-                     f"{len(keys)} keys such as {sample})")
+    example, (first, second) = next(iter(FAMILY_MARKERS.items()))
+    raise ModelError(f"checkpoint {file}: its keys fit no family this tool reads as a single file (a {example} "
+                     f"checkpoint has {first} and {second}*; it holds {len(keys)} keys such as {sample})")
 
 
 def convert_single_file(file: str | os.PathLike, out: str | os.PathLike, *, family: str,
@@ -104,8 +102,10 @@ def convert_single_file(file: str | os.PathLike, out: str | os.PathLike, *, fami
     found = detect_family(file)
     if found != family:
         raise ModelError(f"checkpoint {file} is an {found} checkpoint, but engines.yaml says family: {family}")
-    if family not in SUPPORTED_FAMILIES:
-        raise ModelError(f"checkpoint {file}: single-file {family} checkpoints are not supported yet (sd15 is); "
+    if not family_info(family).single_file_convert:
+        supported = ", ".join(f.value for f, info in FAMILIES.items() if info.single_file_convert)
+        raise ModelError(f"checkpoint {file}: single-file {family} checkpoints are not supported yet ({supported} "
+                         "is); "
                          "convert it to a diffusers folder with diffusers' from_single_file + save_pretrained")
     config_dir = Path(config) if config is not None else reference_config_dir(family)
     if not (config_dir / "model_index.json").is_file():

@@ -3,10 +3,11 @@
 Each writes a complete diffusers folder (model_index.json, scheduler, tokenizers, text encoders,
 denoiser, VAE) that `DiffusionPipeline.from_pretrained` loads. Weights come from a fixed seed, so two
 processes write identical files. `size="full"` keeps the real architecture (random weights) for honest
-benchmarks of real shapes: sd15 and sdxl have full configs (their UNets; text encoders and VAE stay tiny,
-with the real hidden sizes the UNet reads); sd3 and flux would be tens of GB; qwen_image's (the released 20B
-transformer), flux2's (32B) and flux2_klein's (3.9B) are checked on the meta device and refused where the machine
-cannot hold their weights.
+benchmarks of real shapes where the family's declaration says so (`tiny_full_size`): SD1.5's and SDXL's UNets
+(text encoders and VAE stay tiny, with the real hidden sizes the UNet reads), Wan's 1.3B transformer; Qwen-Image's
+(the released 20B transformer), FLUX.2 dev's (32B) and Klein's (3.9B) are checked on the meta device and refused
+where the machine cannot hold their weights; SD3 and FLUX.1 would be tens of GB. Which builder makes a family's
+folder, and its checkpoint variants, are its declaration's (`tiny_builder`, `tiny_variants`).
 """
 
 from __future__ import annotations
@@ -18,17 +19,10 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from ..families import Family, family_of_pipeline_class
+from ..families import FAMILIES, Family, declared_code, family_info, family_of_pipeline_class
 from ..workspace.files import staged_folder
 from .quiet import quiet_libraries
 
-FULL_SIZE_FAMILIES = (Family.sd15, Family.sdxl, Family.wan, Family.qwen_image, Family.flux2, Family.flux2_klein)
-# Checkpoint variants beside the text-to-image one, each saved with the pipeline class its released checkpoints
-# have: an inpainting denoiser (the mask and the masked image's latents as extra input channels: the 9-channel
-# UNets, FLUX.1 Fill's transformer) and FLUX.1 Kontext (the plain transformer's shape, an edit checkpoint).
-VARIANTS = {"inpaint": (Family.sd15, Family.sdxl), "fill": (Family.flux,), "kontext": (Family.flux,),
-            "two_expert": (Family.wan,), "i2v": (Family.wan,), "i2v_two_expert": (Family.wan,),
-            "edit": (Family.qwen_image,)}
 FLUX_LATENT_CHANNELS = 4  # the tiny FLUX VAE's (the real one has 16)
 VAE_BLOCK_OUT_CHANNELS = [8, 8, 16, 16]  # four blocks: the real 8x spatial factor, tiny channel counts
 # Shards of at most this size: safetensors copies a shard into memory to write it, and a full-size SDXL UNet
@@ -154,13 +148,9 @@ def _controlnet(unet):
     return controlnet
 
 
-def _scheduler(family: Family):
-    from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+def _euler_scheduler():
+    from diffusers import EulerDiscreteScheduler
 
-    if family in (Family.sd3, Family.flux):
-        extra = {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15,
-                 "base_image_seq_len": 256, "max_image_seq_len": 4096} if family is Family.flux else {"shift": 3.0}
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **extra)
     return EulerDiscreteScheduler(
         beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
         steps_offset=1, timestep_spacing="leading",
@@ -168,100 +158,115 @@ def _scheduler(family: Family):
 
 
 def build_tiny_pipeline(family: Family | str, seed: int = 0, size: str = "tiny", variant: str | None = None):
-    """Build (in memory) a seeded pipeline of the family. Everything is constructed under one seed.
-    `variant`: a checkpoint variant of VARIANTS (None: text-to-image)."""
-    import diffusers
-
+    """Build (in memory) a seeded pipeline of the family: its declaration's `tiny_builder`, then every parameter
+    perturbed. `variant`: one of the declaration's `tiny_variants` (None: text-to-image)."""
     quiet_libraries()
     family = Family(family)
-    if variant is not None and family not in VARIANTS.get(variant, ()):
-        known = "; ".join(f"{v}: {', '.join(f.value for f in fams)}" for v, fams in VARIANTS.items())
+    info = family_info(family)
+    if variant is not None and variant not in info.tiny_variants:
+        known = "; ".join(f"{v}: {', '.join(f.value for f, i in FAMILIES.items() if v in i.tiny_variants)}"
+                          for v in dict.fromkeys(v for i in FAMILIES.values() for v in i.tiny_variants))
         raise ConfigError(f"no tiny {family.value} model of variant {variant!r} (variants: {known})")
-    inpaint = variant == "inpaint"
-    unet_channels = 9 if inpaint else 4
     if size not in ("tiny", "full"):
         raise ConfigError(f"--size must be 'tiny' or 'full', got {size!r}")
-    if size == "full" and family not in FULL_SIZE_FAMILIES:
-        raise ConfigError(f"--size full is available for {', '.join(f.value for f in FULL_SIZE_FAMILIES)} only "
-                          f"(got --family {family.value})")
-    if family is Family.wan:
-        from .tiny_video import build_tiny_wan
-
-        pipe = build_tiny_wan(seed, size, variant)
-        _perturb_all_parameters(pipe, seed)
-        return pipe
-    if family in (Family.flux2, Family.flux2_klein):
-        from .tiny_flux2 import build_tiny_flux2
-
-        pipe = build_tiny_flux2(seed, size, variant, klein=family is Family.flux2_klein)  # size full: refused
-        _perturb_all_parameters(pipe, seed)
-        return pipe
-    if family is Family.z_image:
-        from .tiny_z_image import build_tiny_z_image
-
-        pipe = build_tiny_z_image(seed, size, variant)  # no variant (Turbo is the same pipeline), size full refused
-        _perturb_all_parameters(pipe, seed)
-        return pipe
-    if family is Family.qwen_image:
-        from .tiny_qwen import build_tiny_qwen_image
-
-        pipe = build_tiny_qwen_image(seed, size, variant)  # size full: refused where the machine cannot hold it
-        _perturb_all_parameters(pipe, seed)
-        return pipe
-    torch.manual_seed(seed)
-    scheduler = _scheduler(family)
-    if family is Family.sd15:
-        text_hidden = 768 if size == "full" else 32
-        parts = dict(unet=_sd15_unet(size, unet_channels), vae=_vae(4, size), text_encoder=_clip_text_encoder(text_hidden),
-                     tokenizer=_clip_tokenizer(), scheduler=scheduler, safety_checker=None,
-                     feature_extractor=None, image_encoder=None)
-        pipe_cls = diffusers.StableDiffusionInpaintPipeline if inpaint else diffusers.StableDiffusionPipeline
-        pipe = pipe_cls(**parts, requires_safety_checker=False)
-    elif family is Family.sdxl:
-        # full: CLIP-L (768) and OpenCLIP-G (1280, projected to 1280) hidden sizes, the 2048 the UNet attends to
-        hidden, hidden_2 = (768, 1280) if size == "full" else (32, 32)
-        pipe_cls = diffusers.StableDiffusionXLInpaintPipeline if inpaint else diffusers.StableDiffusionXLPipeline
-        pipe = pipe_cls(
-            unet=_sdxl_unet(size, unet_channels), vae=_vae(4, size), text_encoder=_clip_text_encoder(hidden),
-            text_encoder_2=_clip_text_encoder(hidden_2, projection=True, projection_dim=hidden_2),
-            tokenizer=_clip_tokenizer(),
-            tokenizer_2=_clip_tokenizer(), scheduler=scheduler, image_encoder=None, feature_extractor=None,
-        )
-    elif family is Family.sd3:
-        transformer = diffusers.SD3Transformer2DModel(
-            # 16 latent channels as SD3's VAE has (diffusers' SD3 inpaint pipeline accepts 16 or 33 only)
-            sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
-            num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=64, pooled_projection_dim=64,
-            pos_embed_max_size=32,
-        )
-        pipe = diffusers.StableDiffusion3Pipeline(
-            transformer=transformer, vae=_vae(16, shift_factor=0.0609, scaling_factor=1.5035,
-                                            use_quant_conv=False, use_post_quant_conv=False),
-            text_encoder=_clip_text_encoder(32, projection=True), text_encoder_2=_clip_text_encoder(32, projection=True),
-            text_encoder_3=_t5_encoder(64), tokenizer=_clip_tokenizer(), tokenizer_2=_clip_tokenizer(),
-            tokenizer_3=_t5_tokenizer(), scheduler=scheduler,
-        )
-    else:
-        packed = FLUX_LATENT_CHANNELS * 4  # 2x2 latent pixels per token
-        channels = {"in_channels": packed}
-        if variant == "fill":  # FluxFillPipeline's input: latents, masked-image latents, the mask per 8x8 pixels
-            vae_scale = 2 ** (len(VAE_BLOCK_OUT_CHANNELS) - 1)
-            channels = dict(in_channels=2 * packed + 4 * vae_scale * vae_scale, out_channels=packed)
-        transformer = diffusers.FluxTransformer2DModel(
-            patch_size=1, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
-            guidance_embeds=True, **channels,
-        )
-        pipe_cls = {"fill": diffusers.FluxFillPipeline, "kontext": diffusers.FluxKontextPipeline}.get(
-            variant, diffusers.FluxPipeline)
-        pipe = pipe_cls(
-            transformer=transformer, vae=_vae(FLUX_LATENT_CHANNELS, shift_factor=0.1159, scaling_factor=0.3611,
-                                            use_quant_conv=False, use_post_quant_conv=False),
-            text_encoder=_clip_text_encoder(32), text_encoder_2=_t5_encoder(32), tokenizer=_clip_tokenizer(),
-            tokenizer_2=_t5_tokenizer(), scheduler=scheduler,
-        )
+    if size == "full" and not info.tiny_full_size:
+        full = ", ".join(f.value for f, i in FAMILIES.items() if i.tiny_full_size)
+        raise ConfigError(f"--size full is available for {full} only (got --family {family.value})")
+    pipe = declared_code(info.tiny_builder)(seed, size, variant)
     _perturb_all_parameters(pipe, seed)
     return pipe
+
+
+def build_tiny_sd15(seed: int, size: str, variant: str | None):
+    import diffusers
+
+    torch.manual_seed(seed)
+    scheduler = _euler_scheduler()
+    inpaint = variant == "inpaint"
+    text_hidden = 768 if size == "full" else 32
+    parts = dict(unet=_sd15_unet(size, 9 if inpaint else 4), vae=_vae(4, size),
+                 text_encoder=_clip_text_encoder(text_hidden), tokenizer=_clip_tokenizer(), scheduler=scheduler,
+                 safety_checker=None, feature_extractor=None, image_encoder=None)
+    pipe_cls = diffusers.StableDiffusionInpaintPipeline if inpaint else diffusers.StableDiffusionPipeline
+    return pipe_cls(**parts, requires_safety_checker=False)
+
+
+def build_tiny_sdxl(seed: int, size: str, variant: str | None):
+    import diffusers
+
+    torch.manual_seed(seed)
+    scheduler = _euler_scheduler()
+    inpaint = variant == "inpaint"
+    # full: CLIP-L (768) and OpenCLIP-G (1280, projected to 1280) hidden sizes, the 2048 the UNet attends to
+    hidden, hidden_2 = (768, 1280) if size == "full" else (32, 32)
+    pipe_cls = diffusers.StableDiffusionXLInpaintPipeline if inpaint else diffusers.StableDiffusionXLPipeline
+    return pipe_cls(
+        unet=_sdxl_unet(size, 9 if inpaint else 4), vae=_vae(4, size), text_encoder=_clip_text_encoder(hidden),
+        text_encoder_2=_clip_text_encoder(hidden_2, projection=True, projection_dim=hidden_2),
+        tokenizer=_clip_tokenizer(),
+        tokenizer_2=_clip_tokenizer(), scheduler=scheduler, image_encoder=None, feature_extractor=None,
+    )
+
+
+def build_tiny_sd3(seed: int, size: str, variant: str | None):
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(seed)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    transformer = diffusers.SD3Transformer2DModel(
+        # 16 latent channels as SD3's VAE has (diffusers' SD3 inpaint pipeline accepts 16 or 33 only)
+        sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=8,
+        num_attention_heads=2, caption_projection_dim=16, joint_attention_dim=64, pooled_projection_dim=64,
+        pos_embed_max_size=32,
+    )
+    return diffusers.StableDiffusion3Pipeline(
+        transformer=transformer, vae=_vae(16, shift_factor=0.0609, scaling_factor=1.5035,
+                                        use_quant_conv=False, use_post_quant_conv=False),
+        text_encoder=_clip_text_encoder(32, projection=True), text_encoder_2=_clip_text_encoder(32, projection=True),
+        text_encoder_3=_t5_encoder(64), tokenizer=_clip_tokenizer(), tokenizer_2=_clip_tokenizer(),
+        tokenizer_3=_t5_tokenizer(), scheduler=scheduler,
+    )
+
+
+def build_tiny_flux(seed: int, size: str, variant: str | None):
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(seed)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096)
+    packed = FLUX_LATENT_CHANNELS * 4  # 2x2 latent pixels per token
+    channels = {"in_channels": packed}
+    if variant == "fill":  # FluxFillPipeline's input: latents, masked-image latents, the mask per 8x8 pixels
+        vae_scale = 2 ** (len(VAE_BLOCK_OUT_CHANNELS) - 1)
+        channels = dict(in_channels=2 * packed + 4 * vae_scale * vae_scale, out_channels=packed)
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+        guidance_embeds=True, **channels,
+    )
+    pipe_cls = {"fill": diffusers.FluxFillPipeline, "kontext": diffusers.FluxKontextPipeline}.get(
+        variant, diffusers.FluxPipeline)
+    return pipe_cls(
+        transformer=transformer, vae=_vae(FLUX_LATENT_CHANNELS, shift_factor=0.1159, scaling_factor=0.3611,
+                                        use_quant_conv=False, use_post_quant_conv=False),
+        text_encoder=_clip_text_encoder(32), text_encoder_2=_t5_encoder(32), tokenizer=_clip_tokenizer(),
+        tokenizer_2=_t5_tokenizer(), scheduler=scheduler,
+    )
+
+
+def build_tiny_flux2(seed: int, size: str, variant: str | None):
+    from .tiny_flux2 import build_tiny_flux2 as build
+
+    return build(seed, size, variant)  # size full: refused where the machine cannot hold it
+
+
+def build_tiny_flux2_klein(seed: int, size: str, variant: str | None):
+    from .tiny_flux2 import build_tiny_flux2 as build
+
+    return build(seed, size, variant, klein=True)
 
 
 def _perturb_all_parameters(pipe, seed: int) -> None:
@@ -283,8 +288,9 @@ def _perturb_all_parameters(pipe, seed: int) -> None:
 
 def build_tiny_controlnet(family: Family | str, unet, seed: int = 0):
     family = Family(family)
-    if family not in (Family.sd15, Family.sdxl):
-        raise ConfigError(f"ControlNet is supported for sd15 and sdxl, not {family.value}")
+    if not family_info(family).supports_controlnet:
+        supported = " and ".join(f.value for f, info in FAMILIES.items() if info.supports_controlnet)
+        raise ConfigError(f"ControlNet is supported for {supported}, not {family.value}")
     torch.manual_seed(seed + 100)
     controlnet = _controlnet(unet)
     _perturb_module(controlnet, seed + 101)
@@ -298,11 +304,7 @@ def _perturb_module(module: torch.nn.Module, seed: int) -> None:
             param.add_(torch.randn(param.shape, generator=generator) * 0.02)
 
 
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-# Wan LoRAs are trained on every linear layer of the attention blocks (musubi-tuner's default: self- (attn1) and
-# cross-attention (attn2) projections and the feed-forward (ffn)); diffusers' converter for musubi-tuner files
-# converts only LoRAs that cover all of them
-WAN_LORA_TARGETS = [*LORA_TARGETS, "ffn.net.0.proj", "ffn.net.2"]
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the attention projections (FamilyInfo.tiny_lora_targets)
 
 
 def build_tiny_lora(pipe, seed: int = 0, rank: int = 4):
@@ -317,8 +319,9 @@ def build_tiny_lora(pipe, seed: int = 0, rank: int = 4):
 
     denoiser = pipe.unet if hasattr(pipe, "unet") else pipe.transformer
     torch.manual_seed(seed + 200)
-    wan = family_of_pipeline_class(type(pipe).__name__) is Family.wan
-    targets = WAN_LORA_TARGETS if wan else LORA_TARGETS
+    family = family_of_pipeline_class(type(pipe).__name__)
+    # the declaration's (Wan's: every linear layer of its attention blocks); a class no family claims: attention's
+    targets = list(family_info(family).tiny_lora_targets) if family is not None else LORA_TARGETS
     config = LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=targets)
     denoiser.add_adapter(config, adapter_name="tiny")
     state = get_peft_model_state_dict(denoiser, adapter_name="tiny")
@@ -368,7 +371,7 @@ def write_tiny_model(
         extras = {"family": family.value, "seed": seed, "size": size, "variant": variant, "controlnet": None,
                   "lora": None}
         if controlnet:
-            denoiser = pipe.unet if family in (Family.sd15, Family.sdxl) else None
+            denoiser = pipe.unet if family_info(family).supports_controlnet else None
             if denoiser is None:
                 raise ConfigError(f"--controlnet: the {family.value} family has no ControlNet in trt-diffusion")
             build_tiny_controlnet(family, denoiser, seed).save_pretrained(tmp / "controlnet")

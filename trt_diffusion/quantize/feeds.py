@@ -26,7 +26,7 @@ from ..components import (
 )
 from ..engines_file import ResolvedModel
 from ..errors import QuantizeError
-from ..families import FLUX2_FAMILIES, Component, Family
+from ..families import Component, Family, declared_code, family_info
 from .declared_calls import declared_calls
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]  # (args, kwargs) of one denoiser call
@@ -65,7 +65,7 @@ class DenoiserInterface:
     def static_shapes(self) -> bool:
         # The legacy exporter bakes FLUX's rotary-embedding reshapes at the traced token count: a FLUX graph
         # with dynamic axes fails at any other shape, so it is exported static (and says so in its manifest).
-        return self.family is Family.flux
+        return family_info(self.family).static_trace
 
     def wrapper(self, module: torch.nn.Module) -> torch.nn.Module:
         return self.definition.wrapper(module, self.config, self.options)
@@ -115,13 +115,14 @@ class DenoiserInterface:
         return feeds
 
     def pipeline_output(self, output: torch.Tensor, call: Call) -> torch.Tensor:
-        """An engine's output in the layout the pipeline expects back: Qwen-Image's noise_pred [B, h/2, w/2, 64]
-        (the patch-grid view of its tokens) as the packed [B, T, 64] the call's hidden_states have; others as is."""
+        """An engine's output in the layout the pipeline expects back: a noise_pred over the patch grid of the call's
+        packed tokens (Qwen-Image's [B, h/2, w/2, 64], `quantize_layout`) as the packed [B, T, 64] the call's
+        hidden_states have; others as is."""
         if (declared := declared_calls(self.family)) is not None:
             return declared.pipeline_output(output, call)
         args, kwargs = call
         hidden = kwargs.get("hidden_states")
-        if self.family is Family.qwen_image and hidden is not None and output.dim() != hidden.dim():
+        if family_info(self.family).quantize_layout and hidden is not None and output.dim() != hidden.dim():
             return output.reshape(*hidden.shape[:-1], -1)
         return output
 
@@ -138,23 +139,29 @@ class DenoiserInterface:
 
 def _adapt_to_declaration(family: Family, found: dict[str, Any], kwargs: dict[str, Any]) -> None:
     """A recorded call's values in the engine's declared layout, where a family's export differs from the pipeline's
-    call (components/flux2.py, components/qwen_image.py):
+    call: its declaration's `quantize_layout` (`flux2_layout`, `qwen_image_layout`)."""
+    if (layout := family_info(family).quantize_layout) is not None:
+        declared_code(layout)(found, kwargs)
 
-    - FLUX.2: `img_ids` / `txt_ids` arrive batched [B, N, 4]; the transformer reads the first row, the engine takes
-      [N, 4];
-    - Qwen-Image: the packed tokens [B, T, 64] as their patch grid [B, h/2, w/2, 64] (`img_shapes` gives it), and
-      an absent text mask (diffusers' None for an all-ones mask) as the ones it stands for."""
-    if family in FLUX2_FAMILIES:
-        for name in ("img_ids", "txt_ids"):
-            if found.get(name) is not None and found[name].dim() == 3:
-                found[name] = found[name][0]
-    elif family is Family.qwen_image:
-        hidden = found["hidden_states"]
-        _, rows, cols = kwargs["img_shapes"][0][0]
-        found["hidden_states"] = hidden.reshape(hidden.shape[0], rows, cols, hidden.shape[-1])
-        if found.get("encoder_hidden_states_mask") is None:
-            states = found["encoder_hidden_states"]
-            found["encoder_hidden_states_mask"] = torch.ones(states.shape[:2], dtype=torch.int64)
+
+def flux2_layout(found: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """FLUX.2 (components/flux2.py): `img_ids` / `txt_ids` arrive batched [B, N, 4]; the transformer reads the first
+    row, the engine takes [N, 4]."""
+    for name in ("img_ids", "txt_ids"):
+        if found.get(name) is not None and found[name].dim() == 3:
+            found[name] = found[name][0]
+
+
+def qwen_image_layout(found: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Qwen-Image (components/qwen_image.py): the packed tokens [B, T, 64] as their patch grid [B, h/2, w/2, 64]
+    (`img_shapes` gives it), and an absent text mask (diffusers' None for an all-ones mask) as the ones it stands
+    for."""
+    hidden = found["hidden_states"]
+    _, rows, cols = kwargs["img_shapes"][0][0]
+    found["hidden_states"] = hidden.reshape(hidden.shape[0], rows, cols, hidden.shape[-1])
+    if found.get("encoder_hidden_states_mask") is None:
+        states = found["encoder_hidden_states"]
+        found["encoder_hidden_states_mask"] = torch.ones(states.shape[:2], dtype=torch.int64)
 
 
 def denoiser_interface(model: ResolvedModel, component: Component | str,

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..families import FLUX2_FAMILIES, Family
+from ..families import Family, declared_code, family_info
 from .declared_calls import declared_calls
 
 
@@ -100,23 +100,31 @@ def strided_rotary(diffusers_module) -> Iterator[None]:
         diffusers_module.apply_rotary_emb = original
 
 
+def real_rotary(module: torch.nn.Module):
+    """Qwen-Image's rotary embedding in real cos/sin (components/qwen_image.py: the legacy exporter cannot trace its
+    complex tensors either, output bit-identical)."""
+    from ..components.qwen_image import real_rotary_embeddings
+
+    return real_rotary_embeddings()
+
+
+def flux2_strided_rotary(module: torch.nn.Module):
+    """FLUX.2's rotation by strided slices (`strided_rotary` over diffusers' transformer_flux2)."""
+    from diffusers.models.transformers import transformer_flux2
+
+    return strided_rotary(transformer_flux2)
+
+
 @contextlib.contextmanager
 def trace_patches(module: torch.nn.Module, family: Family) -> Iterator[None]:
-    """The family's rewrites for the export trace: Wan's out-of-place rotation; Qwen-Image's rotary embedding in
-    real cos/sin (components/qwen_image.py: the legacy exporter cannot trace its complex tensors either, output
-    bit-identical); FLUX.2's rotation by strided slices (`strided_rotary`); none for the other image families."""
+    """The family's rewrites for the export trace, as its declaration names them (`FamilyInfo.trace_patches`:
+    Wan's out-of-place rotation `functional_rotary`, Qwen-Image's `real_rotary`, FLUX.2's `flux2_strided_rotary`;
+    or its `quantize_calls`' own, Z-Image's); none for the other image families."""
+    info = family_info(family)
     if (declared := declared_calls(family)) is not None:  # the family declares its own (Z-Image)
         patches = declared.trace_patches()
-    elif family is Family.wan:
-        patches = functional_rotary(module)
-    elif family is Family.qwen_image:
-        from ..components.qwen_image import real_rotary_embeddings
-
-        patches = real_rotary_embeddings()
-    elif family in FLUX2_FAMILIES:
-        from diffusers.models.transformers import transformer_flux2
-
-        patches = strided_rotary(transformer_flux2)
+    elif info.trace_patches is not None:
+        patches = declared_code(info.trace_patches)(module)
     else:
         patches = contextlib.nullcontext()
     with patches:

@@ -78,7 +78,7 @@ class FluxFamilyLoop(LoopAdapter):
         self.inner = FluxLoop(
             hub.runners, hub.denoiser_config, hub.scheduler_config, latent_channels=hub.latent_channels,
             vae_scale_factor=hub.vae_scale_factor, scaling_factor=hub.scaling_factor,
-            shift_factor=hub.shift_factor, denoiser=hub.denoiser)
+            shift_factor=hub.shift_factor, denoiser=hub.denoiser, family=hub.family)
         self._encode_all: Callable = hub._encode_all
         self._decode_vae: Callable = hub._decode_vae
 
@@ -101,7 +101,7 @@ class WanFamilyLoop(LoopAdapter):
         self.inner = WanLoop(
             hub.runners, hub.index, hub.denoiser_config, hub.scheduler_config, hub.vae_config,
             hub.tokenizers["tokenizer"], vae_scale_factor=hub.vae_scale_factor, parallel_cfg=hub.parallel_cfg,
-            model_dir=hub.model_dir)
+            model_dir=hub.model_dir, family=hub.family)
 
     @property
     def image_condition(self):
@@ -120,7 +120,7 @@ class QwenImageFamilyLoop(LoopAdapter):
         edit = EditParts.load(hub.model_dir) if hub.index.get("_class_name") in EDIT_PIPELINE_CLASSES else None
         self.inner = QwenImageLoop(
             hub.runners, hub.denoiser_config, hub.scheduler_config, hub.vae_config, hub.tokenizers["tokenizer"],
-            vae_scale_factor=hub.vae_scale_factor, text_lengths=hub.text_lengths, edit=edit)
+            vae_scale_factor=hub.vae_scale_factor, text_lengths=hub.text_lengths, edit=edit, family=hub.family)
 
     def encode(self, request) -> PromptEncoding:
         positive, negative = self.inner.encode(request)

@@ -66,8 +66,9 @@ class FluxLoop:
     """The FLUX denoising loop of an EnginePipeline: what it reads of the model folder, and its runners."""
 
     def __init__(self, runners, denoiser_config: dict, scheduler_config: dict, *, latent_channels: int,
-                 vae_scale_factor: int, scaling_factor: float, shift_factor: float, denoiser: str = "transformer"):
-        self.runners, self.denoiser = runners, denoiser
+                 vae_scale_factor: int, scaling_factor: float, shift_factor: float, denoiser: str = "transformer",
+                 family: Family | str):
+        self.runners, self.denoiser, self.family = runners, denoiser, Family(family)
         self.config, self.scheduler_config = denoiser_config, scheduler_config
         self.latent_channels, self.vae_scale_factor = latent_channels, vae_scale_factor
         self.scaling_factor, self.shift_factor = scaling_factor, shift_factor
@@ -87,7 +88,7 @@ class FluxLoop:
     def item(self, request: GenerationRequest, positive: Conditioning, size: Size) -> FluxItem:
         """A request's seeded start, its own scheduler and schedule, set up as its diffusers pipeline does."""
         generator = torch.Generator().manual_seed(int(request.seed))
-        scheduler = make_scheduler(request.scheduler, self.scheduler_config, Family.flux.value)
+        scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
         rows = request.batch
         h, w = self.latent_size(size)
         shape = (rows, self.latent_channels, h, w)
@@ -98,7 +99,7 @@ class FluxLoop:
             item.latents = self.pack(torch.randn(shape, generator=generator, dtype=torch.float32))
             return item
         image = conditioning.image_tensor(request.init_image)  # channels-last, as VaeImageProcessor gives it
-        encoder = conditioning.LatentEncoder(self.runners.find("vae_encoder", size=size, batch=1), Family.flux,
+        encoder = conditioning.LatentEncoder(self.runners.find("vae_encoder", size=size, batch=1), self.family,
                                              self.scaling_factor, self.shift_factor)
         if workflow is Workflow.edit:  # FluxKontextPipeline: the full schedule, the image beside the noise
             item.context = self.pack(conditioning.repeat_rows(encoder.mode(image), rows))  # the latent's mean: no draw
@@ -106,7 +107,7 @@ class FluxLoop:
             scheduler.set_begin_index(0)
             return item
         item.timesteps = conditioning.trim_timesteps(scheduler, request.steps, request.resolved_strength,
-                                                     Family.flux)
+                                                     self.family)
         # encoded at every strength, 1 included
         image_latents, noise, latents = conditioning.noised_image(encoder, image, generator, scheduler,
                                                                   item.timesteps, rows)
@@ -182,7 +183,7 @@ class FluxLoop:
                 noise_pred = noise_pred[:, :tokens]  # the noise tokens' prediction; the context's is dropped
             item.latents = item.scheduler.step(noise_pred, t, item.latents, return_dict=False)[0]
             if item.blend is not None:
-                item.latents = conditioning.blend_known_region(item.blend, item.scheduler, Family.flux,
+                item.latents = conditioning.blend_known_region(item.blend, item.scheduler, self.family,
                                                                item.latents, index)
             timings.step_s.append(time.perf_counter() - start)
             if on_step is not None:

@@ -21,8 +21,8 @@ import torch
 from ..components.model_config import vae_latent_channels, vae_scale_factor
 from ..engines_file.engine_spec import Size
 from ..engines_file.schema import CfgMode
-from ..errors import RuntimeInputError
-from ..families import EditKind, Family, family_info
+from ..errors import InternalError, RuntimeInputError
+from ..families import Component, EditKind, Family, TextEncoding, family_info
 from ..step_cache import PIECES, StepCache, StepCacheMethod, StepCacheMode, deepcache_full_steps, schedule_label
 from ..workflows import (
     EDIT_PIPELINE_CLASSES,
@@ -132,8 +132,11 @@ class EnginePipeline:
         self.vae_scale_factor = vae_scale_factor(vae_config)
         self.scaling_factor = vae_config.get("scaling_factor", 0.18215)
         self.shift_factor = vae_config.get("shift_factor") or 0.0
-        denoiser = family_info(self.family).denoiser.value
+        info = family_info(self.family)
+        denoiser = info.denoiser.value
         self.denoiser = denoiser
+        self.text_encoding = info.text_encoding  # the UNet/SD3 loop's (and FLUX.1's) prompt encoding
+        self.flow_matching = info.flow_matching
         self.denoiser_config = json.loads((self.model_dir / denoiser / "config.json").read_text())
         self.tokenizers = {name: _tokenizer(self.model_dir, name) for name in
                            ("tokenizer", "tokenizer_2", "tokenizer_3") if self.index.get(name, [None])[0]}
@@ -487,13 +490,15 @@ class EnginePipeline:
         return runner.run({"input_ids": ids})
 
     def _encode_all(self, prompts: list[str]) -> _Conditioning:
-        if self.family is Family.sd15:
+        """The prompts' encoding as the family's declaration says (`FamilyInfo.text_encoding`)."""
+        encoding = self.text_encoding
+        if encoding is TextEncoding.clip:
             return _Conditioning(self._encode("text_encoder", "tokenizer", prompts)["hidden_states"])
-        if self.family is Family.sdxl:
+        if encoding is TextEncoding.clip_pair:
             one = self._encode("text_encoder", "tokenizer", prompts)
             two = self._encode("text_encoder_2", "tokenizer_2", prompts)
             return _Conditioning(np.concatenate([one["hidden_states"], two["hidden_states"]], -1), two["pooled"])
-        if self.family is Family.sd3:
+        if encoding is TextEncoding.clip_pair_t5:
             one = self._encode("text_encoder", "tokenizer", prompts)
             two = self._encode("text_encoder_2", "tokenizer_2", prompts)
             clip = np.concatenate([one["hidden_states"], two["hidden_states"]], -1)
@@ -504,12 +509,15 @@ class EnginePipeline:
                                self.denoiser_config["joint_attention_dim"]), np.float32)
             clip = np.pad(clip, ((0, 0), (0, 0), (0, t5.shape[-1] - clip.shape[-1])))
             return _Conditioning(np.concatenate([clip, t5], -2), np.concatenate([one["pooled"], two["pooled"]], -1))
+        if encoding is not TextEncoding.clip_t5:
+            raise InternalError(f"the {self.family.value} family declares no CLIP/T5 prompt encoding")
         clip = self._encode("text_encoder", "tokenizer", prompts)
         t5 = self._encode("text_encoder_2", "tokenizer_2", prompts)
         return _Conditioning(t5["hidden_states"], clip["pooled"])
 
     def _negative(self, request: GenerationRequest, positive: _Conditioning, batch: int) -> _Conditioning:
-        zeros_for_empty = self.family is Family.sdxl and self.index.get("force_zeros_for_empty_prompt", True)
+        zeros_for_empty = (self.text_encoding is not None and self.text_encoding.zeros_for_empty_negative
+                           and self.index.get("force_zeros_for_empty_prompt", True))
         if request.negative_prompt is None and zeros_for_empty:
             pooled = None if positive.pooled is None else np.zeros_like(positive.pooled)
             return _Conditioning(np.zeros_like(positive.embeds), pooled)
@@ -533,7 +541,7 @@ class EnginePipeline:
         else:  # same seeded noise, drawn on the host; steps and guidance then run where the engine's outputs are
             latents = latents.to(device)
             scheduler.set_timesteps(request.steps, device=device)
-        if self.family is not Family.sd3:
+        if not self.flow_matching:  # flow matching starts from the unscaled noise
             latents = latents * scheduler.init_noise_sigma
         return _Item(request, encoding, generator, scheduler, latents, _step_kwargs(scheduler, generator))
 
@@ -638,7 +646,7 @@ class EnginePipeline:
                                 f"(needs batch {2 * batch} or {batch}); built: {sorted(b for b in batches if b)}")
 
     def _added_conditioning(self, size: Size, batch: int) -> dict[str, np.ndarray]:
-        if self.family is not Family.sdxl:
+        if self.text_encoding is None or not self.text_encoding.text_time:
             return {}
         # original size, crop top-left, target size: diffusers' defaults for text-to-image
         time_ids = np.array([[size.height, size.width, 0, 0, size.height, size.width]] * batch, np.float32)
@@ -653,12 +661,12 @@ class EnginePipeline:
         sample = model_in.numpy().astype(np.float32) if not model_in.is_cuda else model_in.float().contiguous()
         batch = sample.shape[0]
         timestep = np.full((batch,), float(t), np.float32)
-        if self.family is Family.sd3:
+        if self.denoiser == Component.transformer:  # an MMDiT (SD3)
             feeds = {"hidden_states": sample, "timestep": timestep, "encoder_hidden_states": cond.embeds,
                      "pooled_projections": cond.pooled}
         else:
             feeds = {"sample": sample, "timestep": timestep, "encoder_hidden_states": cond.embeds}
-            if self.family is Family.sdxl:
+            if self.text_encoding is not None and self.text_encoding.text_time:  # SDXL's added conditioning
                 feeds["text_embeds"] = cond.pooled
                 feeds["time_ids"] = extra["time_ids"]
         component = self.denoiser if cached is None else cached.component

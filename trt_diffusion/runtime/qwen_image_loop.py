@@ -148,8 +148,8 @@ class QwenLatentEncoder(conditioning.LatentEncoder):
     """The vae_encoder runner with Qwen-Image's latent normalization: per channel, `(latent - latents_mean) *
     (1 / latents_std)` as `_encode_vae_image` writes it (`inverse_std` is that 1 / latents_std)."""
 
-    def __init__(self, runner, latents_mean: torch.Tensor, inverse_std: torch.Tensor):
-        super().__init__(runner, Family.qwen_image, scaling_factor=1.0, shift_factor=0.0)
+    def __init__(self, runner, family: Family, latents_mean: torch.Tensor, inverse_std: torch.Tensor):
+        super().__init__(runner, family, scaling_factor=1.0, shift_factor=0.0)
         self.latents_mean, self.inverse_std = latents_mean, inverse_std
 
     def _scaled(self, sample: torch.Tensor) -> torch.Tensor:
@@ -163,11 +163,12 @@ class QwenImageLoop:
     (2, 128, 512). A prompt longer than the max is truncated there, as diffusers truncates at max_sequence_length."""
 
     def __init__(self, runners, denoiser_config: dict, scheduler_config: dict, vae_config: dict, tokenizer, *,
-                 vae_scale_factor: int, text_lengths: tuple[int, int, int] | None = None, edit: EditParts | None = None):
-        self.runners, self.tokenizer, self.edit = runners, tokenizer, edit
+                 vae_scale_factor: int, text_lengths: tuple[int, int, int] | None = None, edit: EditParts | None = None,
+                 family: Family | str):
+        self.runners, self.tokenizer, self.edit, self.family = runners, tokenizer, edit, Family(family)
         self.scheduler_config = scheduler_config
         self.vae_scale_factor = vae_scale_factor
-        self.text_lengths = tuple(text_lengths or family_info(Family.qwen_image).text_lengths)
+        self.text_lengths = tuple(text_lengths or family_info(self.family).text_lengths)
         self.channels = int(denoiser_config["in_channels"]) // (PATCH * PATCH)  # num_channels_latents
         z_dim = int(vae_config["z_dim"])
         # as QwenImagePipeline builds them: float32 tensors, the std inverted once and divided by at decode
@@ -268,7 +269,7 @@ class QwenImageLoop:
         rows, steps = request.batch, request.steps
         generator = torch.Generator().manual_seed(int(request.seed))
         h, w = self.latent_size(size)
-        scheduler = make_scheduler(request.scheduler, self.scheduler_config, Family.qwen_image.value)
+        scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
         config = scheduler.config
         mu = calculate_shift((h // PATCH) * (w // PATCH), config.get("base_image_seq_len", 256),
                              config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
@@ -301,7 +302,7 @@ class QwenImageLoop:
                 noise_pred = comb_pred * (cond_norm / noise_norm)
             latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
             if blend is not None:
-                latents = conditioning.blend_known_region(blend, scheduler, Family.qwen_image, latents, index)
+                latents = conditioning.blend_known_region(blend, scheduler, self.family, latents, index)
             timings.step_s.append(time.perf_counter() - start)
             if on_step is not None:  # a preview, or a cancellation raised between steps
                 on_step(index, len(timesteps), [latents])
@@ -316,8 +317,8 @@ class QwenImageLoop:
         rows = request.batch
         h, w = self.latent_size(size)
         timesteps = conditioning.trim_timesteps(scheduler, request.steps, request.resolved_strength,
-                                                Family.qwen_image)
-        encoder = QwenLatentEncoder(self.runners.find("vae_encoder", size=size, batch=1),
+                                                self.family)
+        encoder = QwenLatentEncoder(self.runners.find("vae_encoder", size=size, batch=1), self.family,
                                     self.latents_mean[:, :, 0], self.latents_std[:, :, 0])
         # the noise drawn [rows, C, h, w]: the numbers prepare_latents draws as [rows, 1, C, h, w]
         image_latents, noise, latents = conditioning.noised_image(

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 from ..errors import RuntimeInputError
+from ..families import family_info
 
-# name -> (diffusers class, config overrides, families it suits)
-_UNET = ("sd15", "sdxl")
-_DIT = ("sd3", "flux")
-_WAN = ("wan",)  # default: the folder's UniPC (flow_prediction, flow sigmas, flow_shift)
+# name -> (diffusers class, config overrides); the families each suits are their declarations' `schedulers`
 SCHEDULERS = {
-    "euler": ("EulerDiscreteScheduler", {}, _UNET),
-    "euler_a": ("EulerAncestralDiscreteScheduler", {}, _UNET),
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
     "dpmpp_2m_karras": ("DPMSolverMultistepScheduler",
-                        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True}, _UNET),
-    "ddim": ("DDIMScheduler", {}, _UNET),
-    "unipc": ("UniPCMultistepScheduler", {}, _UNET + _WAN),
-    "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}, _DIT + _WAN),
+                        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True}),
+    "ddim": ("DDIMScheduler", {}),
+    "unipc": ("UniPCMultistepScheduler", {}),
+    "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
 }
 
 
 def scheduler_names(family: str) -> list[str]:
-    return ["default"] + [name for name, (_, _, families) in SCHEDULERS.items() if family in families]
+    suited = family_info(family).schedulers
+    return ["default"] + [name for name in SCHEDULERS if name in suited]
 
 
 def make_scheduler(name: str, base_config: dict, family: str):
@@ -30,10 +29,10 @@ def make_scheduler(name: str, base_config: dict, family: str):
     if name == "default":
         cls = getattr(diffusers, base_config["_class_name"])
         return cls.from_config(base_config)
-    if name not in SCHEDULERS or family not in SCHEDULERS[name][2]:
+    if name not in SCHEDULERS or name not in family_info(family).schedulers:
         raise RuntimeInputError(f"unknown scheduler {name!r} for {family}; choose one of "
                                 f"{', '.join(scheduler_names(family))}")
-    class_name, overrides, _ = SCHEDULERS[name]
+    class_name, overrides = SCHEDULERS[name]
     if name == "flow_euler" and "flow_shift" in base_config:
         # Wan's UniPC config names the shift `flow_shift`; FlowMatchEulerDiscreteScheduler calls it `shift` (the
         # FlowMatchEulerDiscreteScheduler(shift=3.0) diffusers' Wan docs pair with WanPipeline)

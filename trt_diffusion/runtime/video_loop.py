@@ -76,8 +76,9 @@ class WanLoop:
     """The Wan denoising loop of an EnginePipeline: what it reads of the model folder, and its runners."""
 
     def __init__(self, runners, index: dict, denoiser_config: dict, scheduler_config: dict, vae_config: dict,
-                 tokenizer, *, vae_scale_factor: int, parallel_cfg: bool = False, model_dir: Path | None = None):
-        self.runners, self.tokenizer = runners, tokenizer
+                 tokenizer, *, vae_scale_factor: int, parallel_cfg: bool = False, model_dir: Path | None = None,
+                 family: Family | str):
+        self.runners, self.tokenizer, self.family = runners, tokenizer, Family(family)
         self.parallel_cfg = parallel_cfg  # engines.yaml declares cfg: parallel (EnginePipeline's `cfg`)
         self.scheduler_config = scheduler_config
         self.image_to_video = index.get("_class_name") in IMAGE_TO_VIDEO_PIPELINE_CLASSES
@@ -85,7 +86,7 @@ class WanLoop:
         # z_dim (the transformer's other 20 channels are the condition)
         self.channels = int(vae_config["z_dim"] if self.image_to_video else denoiser_config["in_channels"])
         self.vae_scale_factor = vae_scale_factor
-        self.temporal_factor = int(vae_config.get("scale_factor_temporal", family_info(Family.wan).temporal_factor))
+        self.temporal_factor = int(vae_config.get("scale_factor_temporal", family_info(self.family).temporal_factor))
         z_dim = int(vae_config["z_dim"])
         # as WanPipeline builds them: float32 tensors, the std inverted once and divided by at decode
         self.latents_mean = torch.tensor(vae_config["latents_mean"]).view(1, z_dim, 1, 1, 1)
@@ -131,7 +132,7 @@ class WanLoop:
         size = Size(request.width, request.height, request.frames)
         rows = request.batch
         generator = torch.Generator().manual_seed(int(request.seed))
-        scheduler = make_scheduler(request.scheduler, self.scheduler_config, Family.wan.value)
+        scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
         scheduler.set_timesteps(request.steps)
         # as WanPipeline does before its loop. WanImageToVideoPipeline does not: its first step looks its index up
         # from t, the same 0 unless the first timestep repeats, and then UniPC takes the second and overruns the

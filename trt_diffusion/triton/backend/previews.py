@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import numpy as np
 
-# latent channel -> (R, G, B) contribution, then a bias; fitted on decoded images (as in ComfyUI's
-# latent_formats: SD1.5 and SDXL have 4 latent channels).
-LATENT_RGB = {
-    "sd15": (np.array([[0.3512, 0.2297, 0.3227], [0.3250, 0.4974, 0.2350], [-0.2829, 0.1762, 0.2721],
-                       [-0.2120, -0.2616, -0.7177]], np.float32), np.zeros(3, np.float32)),
-    "sdxl": (np.array([[0.3651, 0.4232, 0.4341], [-0.2533, -0.0042, 0.1068], [0.1076, 0.1111, -0.0362],
-                       [-0.3165, -0.2492, -0.2188]], np.float32), np.array([0.1084, -0.0175, -0.0011], np.float32)),
-}
+from ...families import family_info
 
 
 def latent_rgb_map(family: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
-    """(weights [C, 3], bias [3]): the family's fitted map when its channel count matches; otherwise (SD3, FLUX,
-    tiny test models with other channel counts) a plain one: the first three channels as R, G, B, scaled so
-    unit-variance latents fill the range. Rough, but shows composition and colour as they form."""
-    if family in LATENT_RGB and LATENT_RGB[family][0].shape[0] == channels:
-        return LATENT_RGB[family]
+    """(weights [C, 3], bias [3]): the family's fitted map (its declaration's `latent_rgb`: latent channel ->
+    (R, G, B) contribution, then a bias, fitted on decoded images as in ComfyUI's latent_formats) when its channel
+    count matches; otherwise (SD3, FLUX, tiny test models with other channel counts) a plain one: the first three
+    channels as R, G, B, scaled so unit-variance latents fill the range. Rough, but shows composition and colour as
+    they form."""
+    fitted = family_info(family).latent_rgb
+    if fitted is not None and len(fitted[0]) == channels:
+        return np.array(fitted[0], np.float32), np.array(fitted[1], np.float32)
     weights = np.zeros((channels, 3), np.float32)
     for channel in range(min(channels, 3)):
         weights[channel, channel] = 0.5
