@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,75 @@ def test_no_precision_literal_outside_precision_py():
 ])
 def test_the_precision_literal_check(source, counted):
     assert [value for _, value in _precision_literals(source, _precision_names())] == counted
+
+
+def _family_names() -> set[str]:
+    from trt_diffusion.families import Family
+
+    return {f.value for f in Family}
+
+
+FAMILY_TUPLE = re.compile(r"[A-Z0-9_]+_FAMILIES")
+
+
+def _named_families(tree: ast.AST, names: set[str]):
+    """(line, name) wherever code names a family instead of asking its declaration: a `Family.<member>`
+    attribute, a family's name compared (==, !=, in, match/case) or keying a dict display, and a tuple, list or
+    set display of families (a family tuple: `X_FAMILIES = ("sd15", "flux")`), a table looked up by a family's
+    name (`MARKERS["sd15"]`), and a family tuple by its name
+    (`FLUX2_FAMILIES`, however it was made)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and FAMILY_TUPLE.fullmatch(node.id):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                if FAMILY_TUPLE.fullmatch(alias.name):
+                    yield node.lineno, alias.name
+        elif (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name)
+                and node.value.id == "Family"):
+            yield node.lineno, node.attr
+        elif isinstance(node, ast.Compare):
+            for operand in [node.left, *node.comparators]:
+                values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                for value in values:
+                    if isinstance(value, ast.Constant) and value.value in names:
+                        yield node.lineno, value.value
+        elif isinstance(node, ast.Dict):
+            for key in node.keys:
+                if isinstance(key, ast.Constant) and key.value in names:
+                    yield node.lineno, key.value
+        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in names:
+            yield node.lineno, node.value.value
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in names:
+            yield node.lineno, node.slice.value  # a table looked up by a family's name
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and all(
+                isinstance(e, ast.Constant) and e.value in names for e in node.elts):
+            yield node.lineno, ", ".join(e.value for e in node.elts)
+
+
+def test_no_module_outside_families_names_a_family():
+    """A family is its declaration (trt_diffusion/families/<name>.py): every other module asks it
+    (`family_info(family).<field>`), so a new family touches no module outside families/ but its own code."""
+    names = _family_names()
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if (PACKAGE / "families") in path.parents:
+            continue
+        for line, name in _named_families(ast.parse(path.read_text()), names):
+            found.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert found == [], "ask the family's declaration (trt_diffusion/families/) instead"
+
+
+@pytest.mark.parametrize("source", ["if self.family is Family.sdxl: pass", 'ok = family == "flux"',
+                                    "ok = family in (Family.flux2, Family.flux2_klein)",
+                                    'MICRO_FAMILIES = ("sd15", "flux")', 'LATENT_RGB = {"sd15": 1}',
+                                    'match family:\n    case "wan": pass', "ok = family in FLUX2_FAMILIES",
+                                    "from ..families import LM_ENCODER_FAMILIES", 'keys = MARKERS["sd15"]'])
+def test_the_family_name_check_catches_a_comparison(source):
+    assert list(_named_families(ast.parse(source), _family_names()))
+
+
+@pytest.mark.parametrize("source", ["info = family_info(family)", 'name = "flux_loop"', "x = Family(family)",
+                                    'text = f"the {family.value} family"'])
+def test_the_family_name_check_passes_asking_the_declaration(source):
+    assert not list(_named_families(ast.parse(source), _family_names()))
