@@ -111,7 +111,8 @@ class EditKind(str, Enum):
 
 
 class TextEncoding(str, Enum):
-    """How the UNet/SD3 loop (runtime/pipeline.py) and FLUX.1's encode a prompt from CLIP and T5 encoder engines."""
+    """How the UNet/SD3 loop (runtime/unet_loop.py) and FLUX.1's encode a prompt from CLIP and T5 encoder engines (the
+    hub's `_encode_all`, runtime/pipeline.py)."""
 
     __str__ = str.__str__
 
@@ -268,8 +269,8 @@ class FamilyInfo:
     attention blocks, musubi-tuner's default)."""
     loop: str | None = None
     """The runtime's loop for it (a runtime.family_loops.FamilyLoop, built from the pipeline), lazily as
-    "module:Class"; None: the UNet/SD3 loop of runtime/pipeline.py (its `text_encoding`, `denoiser` and
-    `flow_matching` say what differs between the families it runs)."""
+    "module:Class" (SD1.5, SDXL and SD3: runtime/unet_loop.py's, where their `text_encoding`, `denoiser` and
+    `flow_matching` say what differs between them). Every family names one."""
 
     @property
     def default_cfg(self) -> tuple[str, ...]:

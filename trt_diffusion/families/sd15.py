@@ -30,4 +30,5 @@ DECLARATION = FamilyInfo(
     tiny_builder="trt_diffusion.models.tiny:build_tiny_sd15",
     tiny_variants=("inpaint",),  # the 9-channel inpainting UNet
     tiny_full_size=True,  # the real UNet; text encoder and VAE stay tiny, with the hidden sizes the UNet reads
+    loop="trt_diffusion.runtime.unet_loop:UnetFamilyLoop",
 )

@@ -19,4 +19,5 @@ DECLARATION = FamilyInfo(
     text_encoding=TextEncoding.clip_pair_t5,
     schedulers=("flow_euler",),
     tiny_builder="trt_diffusion.models.tiny:build_tiny_sd3",  # full size would be tens of GB
+    loop="trt_diffusion.runtime.unet_loop:UnetFamilyLoop",
 )

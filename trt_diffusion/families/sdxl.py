@@ -25,4 +25,5 @@ DECLARATION = FamilyInfo(
     tiny_builder="trt_diffusion.models.tiny:build_tiny_sdxl",
     tiny_variants=("inpaint",),
     tiny_full_size=True,
+    loop="trt_diffusion.runtime.unet_loop:UnetFamilyLoop",
 )

@@ -1,8 +1,8 @@
 """The `FamilyLoop` protocol (validate → encode → denoise → decode) and one adapter per family loop, so
-`EnginePipeline` dispatches to its family's loop without a branch per family. A family's declaration names its
-adapter lazily (`families/<name>.py` `loop = "trt_diffusion.runtime.family_loops:…"`); a family without one runs
-the UNet/SD3 loop of runtime/pipeline.py. Each adapter wraps the loop class that holds the family's computation
-(`inner`), calling it exactly as the pipeline's branches did, so every reference stays bit for bit what it was."""
+`EnginePipeline` dispatches to its family's loop without a branch per family. Every family's declaration names its
+adapter lazily (`families/<name>.py` `loop = "trt_diffusion.runtime.family_loops:…"`; SD1.5, SDXL and SD3 name
+runtime/unet_loop.py's). Each adapter wraps the loop class that holds the family's computation (`inner`), calling
+it exactly as the pipeline's branches did, so every reference stays bit for bit what it was."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..engines_file.engine_spec import Size
+from ..errors import InternalError
 from ..families import family_info
 from ..workflows import EDIT_PIPELINE_CLASSES
 from .engines import RunnerTable
@@ -28,6 +29,9 @@ class FamilyLoop(Protocol):
     """What a family's own loop answers for `EnginePipeline`."""
 
     inner: Any  # the loop class holding the family's computation (FluxLoop, WanLoop, …)
+    batches_requests: bool
+    """Requests of one batch_key share denoiser calls (`denoise_together`, the UNet/SD3 loop's); False: each
+    request runs alone."""
 
     @property
     def runners(self) -> RunnerTable: ...
@@ -51,6 +55,7 @@ class FamilyLoop(Protocol):
 class LoopAdapter:
     inner: Any
     image_condition: Any = None  # img2vid's image conditioner (Wan I2V), else None
+    batches_requests = False  # one request per batch (the family loops say why)
 
     @property
     def runners(self) -> RunnerTable:
@@ -155,10 +160,10 @@ def _qwen_text(conditioning: _Conditioning) -> QwenText:
     return QwenText(conditioning.embeds, conditioning.mask)
 
 
-def family_loop(hub) -> FamilyLoop | None:
-    """The loop the hub's family declares (`FamilyInfo.loop`, imported on first use); None: the UNet/SD3 loop."""
+def family_loop(hub) -> FamilyLoop:
+    """The loop the hub's family declares (`FamilyInfo.loop`, imported on first use)."""
     locator = family_info(hub.family).loop
     if locator is None:
-        return None
+        raise InternalError(f"the {hub.family.value} family's declaration names no loop (FamilyInfo.loop)")
     module, _, name = locator.partition(":")
     return getattr(importlib.import_module(module), name)(hub)
