@@ -50,10 +50,8 @@ def test_inpaint_reads_the_repaint_and_the_change_outside():
     good = effects.inpaint_repaint(repainting, floors, count=6)
     assert good.repainted == 100.0 and good.outside_change == 0.0
     assert good.vae_round_trip_change == 2.0 and good.latent_paste_change == 4.0
-    assert good.outside_within_round_trip and good.outside_within_latent_paste
+    assert good.outside_within_round_trip
     unchanged = effects.inpaint_repaint(lambda f: f["init_image"], floors, count=6)
     assert unchanged.repainted == 0.0  # the old colour stays: not what the prompt asked
-    between = effects.inpaint_repaint(lambda f: shifted(f["init_image"], 4), floors, count=6)
-    assert not between.outside_within_round_trip and between.outside_within_latent_paste
     smeared = effects.inpaint_repaint(lambda f: shifted(f["init_image"], 8), floors, count=6)
-    assert not smeared.outside_within_round_trip and not smeared.outside_within_latent_paste
+    assert not smeared.outside_within_round_trip
