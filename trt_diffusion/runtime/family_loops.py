@@ -77,7 +77,8 @@ def negative_embeds(encoding: PromptEncoding):
 
 
 class FluxFamilyLoop(LoopAdapter):
-    """FLUX.1: the hub's CLIP + T5 prompt encoding and VAE decode around FluxLoop (guidance embedded: no CFG)."""
+    """FLUX.1: the hub's CLIP + T5 prompt encoding and VAE decode around FluxLoop (guidance embedded: one call per
+    step; a transformer without the embedding runs true CFG where the request asks: FluxLoop.true_cfg)."""
 
     def __init__(self, hub):
         self.inner = FluxLoop(
@@ -88,14 +89,18 @@ class FluxFamilyLoop(LoopAdapter):
         self._decode_vae: Callable = hub._decode_vae
 
     def runs_cfg(self, request) -> bool:
-        return False
+        return self.inner.true_cfg(request)
 
     def encode(self, request) -> PromptEncoding:
-        return PromptEncoding(self._encode_all([request.prompt] * request.batch), None)
+        negative = None
+        if self.inner.true_cfg(request):
+            negative = self._encode_all([request.negative_prompt] * request.batch)
+        return PromptEncoding(self._encode_all([request.prompt] * request.batch), negative)
 
     def denoise(self, request, encoding, size, timings, on_step, threshold):
-        return self.inner.denoise(self.inner.item(request, encoding.positive, size), size, timings, on_step,
-                                  threshold=threshold), "none"
+        item = self.inner.item(request, encoding.positive, size, negative=encoding.negative)
+        latents = self.inner.denoise(item, size, timings, on_step, threshold=threshold)
+        return latents, "none" if encoding.negative is None else "split"
 
     def decode(self, latents, size, batch):
         return self._decode_vae(latents, size, batch)

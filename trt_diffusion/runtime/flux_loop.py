@@ -12,8 +12,13 @@ image-conditioned workflows as diffusers' FLUX pipelines run them, draw for draw
 Strength trims the schedule's head as SD3's img2img does (the float product of steps and strength); the shift `mu`
 always follows the noise tokens alone (the Kontext context tokens do not enter it).
 
-Requests are not batched with each other: FLUX runs without CFG, so a one-image request calls the transformer over
-one row, and its timestep and guidance embedders' linear layers round differently over one row (a matrix-vector
+True CFG (FluxPipeline's `true_cfg_scale`) runs for a transformer without a guidance embedding (FLUX.1-schnell's
+layout, the DiT micro-model) when the request has a NEGATIVE_PROMPT (`""` counts) and GUIDANCE_SCALE > 1, which is
+then the true CFG scale: per step the prompt's call, then the negative prompt's, each over the request's rows, and
+negative + scale * (positive - negative), as diffusers' do_true_cfg. A guidance-embedding transformer (FLUX.1-dev)
+takes GUIDANCE_SCALE as its embedding and runs one call per step.
+
+Requests are not batched with each other: without true CFG a one-image request calls the transformer over one row, and its timestep and guidance embedders' linear layers round differently over one row (a matrix-vector
 product) than over several; a batched request would not equal its own image.
 """
 
@@ -49,6 +54,7 @@ class FluxItem:
     blend: conditioning.ImageStart | None = None  # plain-transformer inpaint: image latents, noise, mask (packed)
     fill: torch.Tensor | None = None  # Fill: masked-image latents ‖ mask, joined to the latents on channels
     context: torch.Tensor | None = None  # Kontext: the init image's tokens, joined to the latents on tokens
+    negative: Conditioning | None = None  # true CFG's negative prompt (None: one call per step)
 
     @property
     def rows(self) -> int:
@@ -78,6 +84,12 @@ class FluxLoop:
         self.fill_channels = 2 * self.packed_channels + PACKING * PACKING * vae_scale_factor ** 2
         # the blocks' width (first-block caching's residuals)
         self.inner_dim = int(denoiser_config["num_attention_heads"]) * int(denoiser_config["attention_head_dim"])
+        self.embedded_guidance = bool(denoiser_config.get("guidance_embeds", False))  # diffusers' default
+
+    def true_cfg(self, request: GenerationRequest) -> bool:
+        """FluxPipeline's do_true_cfg with GUIDANCE_SCALE as true_cfg_scale, for a transformer that embeds no
+        guidance (one that does takes GUIDANCE_SCALE as its embedding: FLUX.1-dev's usage)."""
+        return not self.embedded_guidance and request.guidance_scale > 1.0 and request.negative_prompt is not None
 
     @property
     def fill_transformer(self) -> bool:
@@ -85,8 +97,10 @@ class FluxLoop:
 
     # ---------------------------------------------------------------- items
 
-    def item(self, request: GenerationRequest, positive: Conditioning, size: Size) -> FluxItem:
-        """A request's seeded start, its own scheduler and schedule, set up as its diffusers pipeline does."""
+    def item(self, request: GenerationRequest, positive: Conditioning, size: Size,
+             negative: Conditioning | None = None) -> FluxItem:
+        """A request's seeded start, its own scheduler and schedule, set up as its diffusers pipeline does;
+        `negative`: true CFG's negative prompt (true_cfg)."""
         generator = torch.Generator().manual_seed(int(request.seed))
         scheduler = make_scheduler(request.scheduler, self.scheduler_config, self.family.value)
         rows = request.batch
@@ -94,7 +108,8 @@ class FluxLoop:
         shape = (rows, self.latent_channels, h, w)
         self._set_schedule(scheduler, request.steps, (h // PACKING) * (w // PACKING))
         workflow = request.resolved_workflow
-        item = FluxItem(request, positive, scheduler, latents=torch.empty(0), timesteps=scheduler.timesteps)
+        item = FluxItem(request, positive, scheduler, latents=torch.empty(0), timesteps=scheduler.timesteps,
+                        negative=negative)
         if workflow is Workflow.txt2img:
             item.latents = self.pack(torch.randn(shape, generator=generator, dtype=torch.float32))
             return item
@@ -153,8 +168,9 @@ class FluxLoop:
 
     def denoise(self, item: FluxItem, size: Size, timings: StageTimings,
                 on_step: StepCallback | None = None, threshold: float | None = None) -> torch.Tensor:
-        """The request's final latents, unpacked [rows, C, h, w]: one transformer call per step; with `threshold`
-        (first-block caching) the first block every step and the rest only where its residual moved more."""
+        """The request's final latents, unpacked [rows, C, h, w]: one transformer call per step (two with true
+        CFG); with `threshold` (first-block caching) the first block every step and the rest only where its residual
+        moved more."""
         h, w = self.latent_size(size)
         tokens = (h // PACKING) * (w // PACKING)
         image_ids = _image_ids(h // PACKING, w // PACKING)
@@ -163,22 +179,27 @@ class FluxLoop:
             context_ids[..., 0] = 1
             image_ids = torch.cat([image_ids, context_ids], dim=0)
         runner = self._runner(size, item.rows, len(image_ids), item.request.resolved_workflow)
-        constant = {"encoder_hidden_states": item.positive.embeds, "pooled_projections": item.positive.pooled,
-                    "img_ids": image_ids.numpy(),
-                    "txt_ids": np.zeros((item.positive.embeds.shape[1], 3), np.float32)}
-        if "guidance" in runner.inputs:
-            constant["guidance"] = np.full((item.rows,), item.request.guidance_scale, np.float32)
-        cache = None if threshold is None else _FirstBlockCache(self.runners, size, item.rows, threshold,
-                                                                  len(image_ids), self.inner_dim)
+        texts = [item.positive] if item.negative is None else [item.positive, item.negative]
+        constants = [self._text_feeds(text, image_ids, runner, item) for text in texts]
+        # first-block caching keeps one state per call, as diffusers' cache_context("cond") / ("uncond")
+        caches = [None if threshold is None else _FirstBlockCache(self.runners, size, item.rows, threshold,
+                                                                   len(image_ids), self.inner_dim) for _ in texts]
         for index, t in enumerate(item.timesteps):
             start = time.perf_counter()
-            feeds = {"hidden_states": item.model_input().numpy(),
-                     "timestep": np.full((item.rows,), float(t) / 1000, np.float32), **constant}
-            if cache is None:
-                noise_pred = torch.from_numpy(runner.run(feeds)["noise_pred"])
-            else:
-                noise_pred = torch.from_numpy(cache.step(feeds))
-                timings.step_schedule = cache.label
+            step_feeds = {"hidden_states": item.model_input().numpy(),
+                          "timestep": np.full((item.rows,), float(t) / 1000, np.float32)}
+            predictions = []
+            for constant, cache in zip(constants, caches, strict=True):
+                feeds = {**step_feeds, **constant}
+                if cache is None:
+                    predictions.append(torch.from_numpy(runner.run(feeds)["noise_pred"]))
+                else:
+                    predictions.append(torch.from_numpy(cache.step(feeds)))
+            if caches[0] is not None:
+                timings.step_schedule = caches[0].label  # the prompt's call's schedule
+            noise_pred = predictions[0]
+            if item.negative is not None:  # FluxPipeline's true CFG, in its order of operations
+                noise_pred = predictions[1] + item.request.guidance_scale * (noise_pred - predictions[1])
             if item.context is not None:
                 noise_pred = noise_pred[:, :tokens]  # the noise tokens' prediction; the context's is dropped
             item.latents = item.scheduler.step(noise_pred, t, item.latents, return_dict=False)[0]
@@ -189,6 +210,15 @@ class FluxLoop:
             if on_step is not None:
                 on_step(index, len(item.timesteps), [item.latents])
         return self.unpack(item.latents, size)
+
+    @staticmethod
+    def _text_feeds(text: Conditioning, image_ids: torch.Tensor, runner, item: FluxItem) -> dict:
+        """The transformer's inputs that stay the same for every step of one prompt's calls."""
+        feeds = {"encoder_hidden_states": text.embeds, "pooled_projections": text.pooled,
+                 "img_ids": image_ids.numpy(), "txt_ids": np.zeros((text.embeds.shape[1], 3), np.float32)}
+        if "guidance" in runner.inputs:
+            feeds["guidance"] = np.full((item.rows,), item.request.guidance_scale, np.float32)
+        return feeds
 
     def _runner(self, size: Size, rows: int, sequence: int, workflow: Workflow):
         """The transformer runner for `rows` over `sequence` image tokens (edit: twice the image's)."""
