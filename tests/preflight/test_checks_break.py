@@ -86,7 +86,7 @@ def test_memory_fails_under_a_budget_below_the_real_peak(config_path, preflight_
 
 def test_isolation_fails_when_requests_share_a_scheduler(config_path, monkeypatch):
     assert run_check("isolation", context(config_path)).status == "pass"
-    from trt_diffusion.runtime import pipeline, schedulers
+    from trt_diffusion.runtime import schedulers, unet_loop
 
     shared = {}
 
@@ -95,7 +95,7 @@ def test_isolation_fails_when_requests_share_a_scheduler(config_path, monkeypatc
             shared[name] = schedulers.make_scheduler(name, config, family)
         return shared[name]
 
-    monkeypatch.setattr(pipeline, "make_scheduler", one_scheduler_per_name)
+    monkeypatch.setattr(unet_loop, "make_scheduler", one_scheduler_per_name)  # the sd15 loop's
     result = run_check("isolation", context(config_path))
     assert result.status == "fail"
     assert all("differs from its one-at-a-time image" in f or "failed when run concurrently" in f

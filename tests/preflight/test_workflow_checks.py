@@ -47,14 +47,14 @@ def test_isolation_mixes_workflows_and_catches_shared_state(workflows_yaml, monk
     result = run_check("isolation", context(workflows_yaml))
     assert result.status == "pass", result.failures
     assert {r["workflow"] for r in result.rows} == {"txt2img", "img2img", "inpaint"}
-    from trt_diffusion.runtime import pipeline, schedulers
+    from trt_diffusion.runtime import schedulers, unet_loop
 
     shared = {}
 
     def one_scheduler_per_name(name, config, family):  # the bug: state shared between requests
         return shared.setdefault(name, schedulers.make_scheduler(name, config, family))
 
-    monkeypatch.setattr(pipeline, "make_scheduler", one_scheduler_per_name)
+    monkeypatch.setattr(unet_loop, "make_scheduler", one_scheduler_per_name)  # the sd15 loop's
     result = run_check("isolation", context(workflows_yaml))
     assert result.status == "fail"
     assert any("(img2img)" in f or "(inpaint)" in f for f in result.failures), result.failures
