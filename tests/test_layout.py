@@ -47,21 +47,27 @@ def _target_names() -> set[str]:
     return set(target_names()) | {"openvino"}
 
 
+def _compared_in(node: ast.AST, names: set[str]):
+    """(line, name) where `node` compares a string constant of `names` (==, !=, in, match/case) or keys a dict
+    display by one (a lookup table keyed by name is a comparison in disguise)."""
+    if isinstance(node, ast.Compare):
+        for operand in [node.left, *node.comparators]:
+            values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+            for value in values:
+                if isinstance(value, ast.Constant) and value.value in names:
+                    yield node.lineno, value.value
+    elif isinstance(node, ast.Dict):
+        for key in node.keys:
+            if isinstance(key, ast.Constant) and key.value in names:
+                yield node.lineno, key.value
+    elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in names:
+        yield node.lineno, node.value.value
+
+
 def _compared_names(tree: ast.AST, names: set[str]):
-    """String constants that are a target's name used in a comparison (==, !=, in, match/case)."""
+    """String constants that are a target's name used in a comparison (==, !=, in, match/case, dict keys)."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            for operand in [node.left, *node.comparators]:
-                values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
-                for value in values:
-                    if isinstance(value, ast.Constant) and value.value in names:
-                        yield node.lineno, value.value
-        elif isinstance(node, ast.Dict):  # a lookup table keyed by target name is a comparison in disguise
-            for key in node.keys:
-                if isinstance(key, ast.Constant) and key.value in names:
-                    yield node.lineno, key.value
-        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in names:
-            yield node.lineno, node.value.value
+        yield from _compared_in(node, names)
 
 
 def test_no_module_outside_targets_compares_a_target_name():
@@ -176,18 +182,8 @@ def _named_families(tree: ast.AST, names: set[str]):
         elif (isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name)
                 and node.value.id == "Family"):
             yield node.lineno, node.attr
-        elif isinstance(node, ast.Compare):
-            for operand in [node.left, *node.comparators]:
-                values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
-                for value in values:
-                    if isinstance(value, ast.Constant) and value.value in names:
-                        yield node.lineno, value.value
-        elif isinstance(node, ast.Dict):
-            for key in node.keys:
-                if isinstance(key, ast.Constant) and key.value in names:
-                    yield node.lineno, key.value
-        elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant) and node.value.value in names:
-            yield node.lineno, node.value.value
+        elif isinstance(node, (ast.Compare, ast.Dict, ast.MatchValue)):
+            yield from _compared_in(node, names)
         elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in names:
             yield node.lineno, node.slice.value  # a table looked up by a family's name
         elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and all(
