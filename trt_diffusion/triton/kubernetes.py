@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import yaml
 
 from .. import __version__
 from ..errors import ServeError
+from .repository import swap_into_place
 from .server import ADMIN_HEADER, RESTRICTED_APIS, tensorrt_args
 from .stage import SERVER_ARGS
 
@@ -321,13 +321,7 @@ def write(out_dir: str | Path, repo: str | Path, report: Any, options: Kubernete
     try:
         for file_name, (comment, document) in documents.items():
             (staging / file_name).write_text(render(comment, document))
-        old = None
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{time.time_ns()}")
-            out_dir.rename(old)
-        staging.rename(out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -203,7 +203,7 @@ def package_models(sources: Sequence[PipelineSource], out_dir: str | Path, optio
             report.notes = list(dict.fromkeys(note for r in reports for note in r.notes))
         report.seconds = time.perf_counter() - start
         report.write(staging)
-        _swap_into_place(staging, out_dir)
+        swap_into_place(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -701,7 +701,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _swap_into_place(staging: Path, out_dir: Path) -> None:
+def swap_into_place(staging: Path, out_dir: Path) -> None:
+    """Rename a filled staging folder over `out_dir`: the old folder is renamed aside first, then removed."""
     old = None
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{time.time_ns()}")
