@@ -114,6 +114,10 @@ def _masked_colour(image: np.ndarray, mask: np.ndarray, background: str) -> str 
     return names[int(np.argmax(counts))] if counts.any() else None
 
 
+def _mean_change(picture: np.ndarray, init: np.ndarray, where: np.ndarray) -> float:
+    return float(np.abs(picture.astype(np.float64) - init)[where].mean())
+
+
 def inpaint_repaint(draw: Draw, floors: VaeFloors, count: int = 12, seed: int = 0,
                     strength: float = 1.0) -> InpaintFigures:
     """Inpaint each case's mask with the prompt's colour and compare the change outside the mask with the VAE's
@@ -127,16 +131,13 @@ def inpaint_repaint(draw: Draw, floors: VaeFloors, count: int = 12, seed: int = 
         image = draw({"prompt": prompt, "seed": seed, "workflow": "inpaint", "init_image": init, "mask": mask,
                       "strength": strength})
         keep = mask <= 127
-
-        def change_outside(picture: np.ndarray) -> float:
-            return float(np.abs(picture.astype(np.float64) - init)[keep].mean())
-
-        repainted.append(_masked_colour(image, mask, scene.background) == asked)
-        outside.append(change_outside(image))
-        trip.append(change_outside(floors.round_trip(init)))
-        paste.append(change_outside(floors.latent_paste(init, world.draw(replace(scene, colour=asked)), mask)))
         distant = keep & ~binary_dilation(mask > 127, iterations=LATENT_CELL)
-        far.append(float(np.abs(image.astype(np.float64) - init)[distant].mean()) if distant.any() else 0.0)
+        change = np.abs(image.astype(np.float64) - init)
+        repainted.append(_masked_colour(image, mask, scene.background) == asked)
+        outside.append(float(change[keep].mean()))
+        far.append(float(change[distant].mean()) if distant.any() else 0.0)
+        trip.append(_mean_change(floors.round_trip(init), init, keep))
+        paste.append(_mean_change(floors.latent_paste(init, world.draw(replace(scene, colour=asked)), mask), init, keep))
     return InpaintFigures(100.0 * float(np.mean(repainted)), float(np.mean(outside)), float(np.mean(trip)),
                           float(np.mean(paste)), float(np.mean(far)), len(repainted))
 
