@@ -12,6 +12,12 @@ and the PSNR of the output vs PyTorch fp32 on the same inputs. A route this CPU 
 without AMX/AVX512-BF16) is listed with the reason. `--profile-ort-int8` adds ONNX Runtime's profile of
 its int8 engine: time per operator type, and how many Q/DQ nodes were left unfused.
 
+The fraction of the CPU's peak each UNet route reaches (issue 47, acceptance 3): the FLOPs of one PyTorch UNet call
+(torch's `FlopCounterMode`: matmuls, convolutions and the CPU attention kernel) ÷ the route's median time, against cores × base GHz × FLOPs
+per cycle per core of the route's arithmetic (`PEAK_FLOPS_PER_CYCLE`: AMX where the CPU has it, else AVX-512, else
+AVX2). The base clock is the model name's "@ x.xxGHz" where it has one, else /proc/cpuinfo's "cpu MHz" (a guest's
+view; `--base-ghz` overrides it); the table names which.
+
     python scripts/bench_cpu.py [--sizes 256 512] [--vae] [--pipeline] [--runs 5] [--workdir DIR] [--json F]
 
 Needs about 12 GB of memory at 512² (one route at a time) and no GPU or network.
@@ -129,6 +135,65 @@ class VaeWrapper:
                 return self.vae.decode(latent, return_dict=False)[0]
 
         self.module = Wrapped().eval()
+
+
+# FLOPs per cycle per core at full width: the issue's figures for AMX-BF16/AMX-INT8/AVX-512 fp32 (two 512-bit FMA
+# ports); AVX512-BF16 (vdpbf16ps: 32 products per instruction) and AVX512-VNNI (vpdpbusd: 64) on the same two ports.
+# A Zen 4 core executes 512-bit operations on 256-bit units (half these rates): its fractions read twice as high.
+PEAK_FLOPS_PER_CYCLE = {"amx_bf16": 1024, "amx_int8": 2048, "avx512_fp32": 64, "avx512_bf16": 128,
+                        "avx512_vnni_int8": 256, "avx2_fp32": 32, "avx2_vnni_int8": 128}
+
+
+def peak_unit(route: str, flags: set[str]) -> str:
+    """The arithmetic a route's matmuls run on this CPU: its precision, on the widest unit the CPU has for it."""
+    if "int8" in route:
+        return ("amx_int8" if "amx_int8" in flags else "avx512_vnni_int8" if "avx512_vnni" in flags
+                else "avx2_vnni_int8")
+    if "bf16" in route:
+        return "amx_bf16" if "amx_bf16" in flags else "avx512_bf16"
+    return "avx512_fp32" if "avx512f" in flags else "avx2_fp32"
+
+
+def base_ghz(override: float | None) -> tuple[float, str]:
+    import re
+
+    if override:
+        return override, "--base-ghz"
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    named = re.search(r"model name\s*:.*@\s*([0-9.]+)\s*GHz", cpuinfo)
+    if named:
+        return float(named.group(1)), "model name"
+    mhz = re.search(r"cpu MHz\s*:\s*([0-9.]+)", cpuinfo)
+    if mhz:
+        return float(mhz.group(1)) / 1000, "/proc/cpuinfo cpu MHz"
+    raise SystemExit("no base clock found in /proc/cpuinfo: give --base-ghz")
+
+
+def unet_flops(model_dir: Path, feeds: dict) -> int:
+    """FLOPs of one UNet call on these inputs, as torch's FlopCounterMode counts them (2 per multiply-add)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    def cpu_attention(query_shape, key_shape, value_shape, *_, out_shape=None, **__):
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    module = load_torch(model_dir, "unet")
+    # torch 2.13's counter knows the CUDA attention kernels, not the CPU one: uncounted, attention is 0 FLOPs
+    attention = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_attention}
+    counter = FlopCounterMode(display=False, custom_mapping=attention)
+    with torch.inference_mode(), counter:
+        module(*[torch.from_numpy(value) for value in feeds.values()])
+    return int(counter.get_total_flops())
+
+
+def add_peak_fractions(rows: list[dict], flops: int, cores: int, ghz: float, flags: set[str]) -> None:
+    for row in rows:
+        if "median_s" not in row:
+            continue
+        unit = peak_unit(row["route"], flags)
+        peak = cores * ghz * 1e9 * PEAK_FLOPS_PER_CYCLE[unit]
+        row.update(tflops=round(flops / row["median_s"] / 1e12, 3), peak_unit=unit,
+                   peak_tflops=round(peak / 1e12, 3), peak_fraction=round(flops / row["median_s"] / peak, 4))
 
 
 def load_torch(model_dir: Path, component: str):
@@ -479,6 +544,7 @@ def main() -> int:
                         help="time the openvino LoRA refit against a fused rebuild (UNet at the first size)")
     parser.add_argument("--workdir", type=Path, default=None, help="kept between runs (models, ONNX, engines)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--base-ghz", type=float, default=None, help="the CPU's base clock (peak fractions)")
     args = parser.parse_args()
     if args.runs < 5:
         print("--runs must be at least 5 (medians of fewer are noise on a shared machine)", file=sys.stderr)
@@ -502,7 +568,12 @@ def main() -> int:
         log(f"UNet {size}² (batch 2, {size // 8}² latents)")
         routes = routes_for("unet", model_dir, unet_onnx, int8_onnx, feeds, size, workdir)
         report["results"][f"unet_{size}"] = measure(routes, feeds, args.runs)
-        _print(f"UNet {size}²", report["results"][f"unet_{size}"])
+        flops = unet_flops(model_dir, feeds)
+        ghz, ghz_source = base_ghz(args.base_ghz)
+        add_peak_fractions(report["results"][f"unet_{size}"], flops, report["cores"], ghz, set(facts.isa_flags))
+        report[f"unet_{size}_flops"] = {"flops": flops, "base_ghz": ghz, "base_ghz_source": ghz_source}
+        _print(f"UNet {size}² ({flops / 1e9:.0f} GFLOP per call; {report['cores']} cores × {ghz:.2f} GHz "
+               f"from {ghz_source})", report["results"][f"unet_{size}"])
         if args.profile_ort_int8 and int8_onnx is not None and size == args.sizes[0]:
             report["ort_int8_profile"] = profile_ort_int8(workdir, feeds)
             log(f"ONNX Runtime int8 profile: {report['ort_int8_profile']}")
@@ -535,13 +606,17 @@ def main() -> int:
 
 def _print(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
-    print(f"{'route':40} {'median s':>9} {'min':>7} {'max':>7} {'x pt32':>7} {'PSNR dB':>8}")
+    print(f"{'route':40} {'median s':>9} {'min':>7} {'max':>7} {'x pt32':>7} {'PSNR dB':>8} {'TFLOP/s':>8} "
+          f"{'of peak':>8}  unit")
     for row in rows:
         if "unavailable" in row:
             print(f"{row['route']:40} {row['unavailable']}")
         else:
+            peak = (f" {row['tflops']:8.3f} {row['peak_fraction']:8.1%}  {row['peak_unit']} "
+                    f"({row['peak_tflops']} TFLOP/s)" if "peak_fraction" in row else "")
             print(f"{row['route']:40} {row['median_s']:9.3f} {row['min_s']:7.3f} {row['max_s']:7.3f} "
-                  f"{row['speedup_vs_pytorch_fp32'] or 0:7.2f} {row['psnr_db_vs_pytorch_fp32'] or float('nan'):8.1f}")
+                  f"{row['speedup_vs_pytorch_fp32'] or 0:7.2f} {row['psnr_db_vs_pytorch_fp32'] or float('nan'):8.1f}"
+                  f"{peak}")
     print(flush=True)
 
 
