@@ -66,3 +66,15 @@ def test_without_a_negative_prompt_one_call_per_step(ours, guidance_free_flux):
     request = GenerationRequest(prompt=PROMPT, guidance_scale=4.0, height=SIZE, width=SIZE, steps=3, seed=2)
     np.testing.assert_array_equal(ours.generate(request).images,
                                   diffusers_images(guidance_free_flux, seed=2, steps=3, true_cfg_scale=4.0))
+
+
+def test_parity_guides_a_guidance_free_flux_with_an_empty_negative_prompt(ours, tiny_model_factory):
+    """Parity's requests run the model's guided path: true CFG for a transformer without a guidance embedding (it
+    ran unguided before), the embedded guidance (no negative prompt) for one with it."""
+    from trt_diffusion.parity.stage import parity_negative_prompt
+
+    request = GenerationRequest(prompt=PROMPT, height=SIZE, width=SIZE, steps=2, guidance_scale=3.5, seed=0)
+    assert parity_negative_prompt("flux", request, ours.loop) == ""
+    embedded = EnginePipeline(tiny_model_factory("flux"), "flux",
+                              reference_runners(tiny_model_factory("flux"), "flux", components=COMPONENTS))
+    assert parity_negative_prompt("flux", request, embedded.loop) is None

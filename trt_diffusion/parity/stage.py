@@ -9,7 +9,7 @@ image; an image does not depend on the rest of its batch).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -193,8 +193,9 @@ def _compare_variant(config, model_name, target, bucket, lora, controlnet, table
                 prompt=prompt, height=size.height, width=size.width, steps=options.steps,
                 guidance_scale=options.guidance_scale, seed=seed, frames=size.frames, controlnet=controlnet,
                 control_image=control_image(size.height, size.width, seed) if controlnet else None,
-                workflow=workflow.value, strength=strength, negative_prompt=_negative_prompt(family), **inputs,
+                workflow=workflow.value, strength=strength, **inputs,
                 step_cache=None if step_cache is None else StepCacheMode.on.value)
+            request = replace(request, negative_prompt=parity_negative_prompt(family, request, engine_pipe.loop))
             generation = engine_pipe.generate(request)
             candidate, schedule = generation.images, generation.timings.step_schedule or schedule
             if first_request is None:
@@ -294,7 +295,14 @@ def _nothing_to_compare(config: EnginesConfig, targets: list[str] | None) -> str
             + "` first")
 
 
-def _negative_prompt(family: Family) -> str | None:
-    """None (each family's default) except for Qwen-Image, whose true CFG runs only with a negative prompt (diffusers'
-    do_true_cfg): an empty one, so parity compares the engines' second, unconditional transformer call too."""
-    return family_info(family).reference_guidance.get("negative_prompt")
+def parity_negative_prompt(family: Family, request: GenerationRequest, loop) -> str | None:
+    """The negative prompt parity's requests carry: the family's declared one (Qwen-Image's true CFG runs only with
+    one, diffusers' do_true_cfg: an empty one, so parity compares the engines' second, unconditional transformer call
+    too); else an empty one where the model guides only with a negative prompt (a FLUX.1 transformer without a
+    guidance embedding: true CFG), so its guided path is the one compared; else None (each family's default)."""
+    declared = family_info(family).reference_guidance.get("negative_prompt")
+    if declared is not None:
+        return declared
+    if not loop.runs_cfg(request) and loop.runs_cfg(replace(request, negative_prompt="")):
+        return ""
+    return None
