@@ -46,6 +46,7 @@ def test_declared_fields_are_consistent(family):
     assert {Workflow(w) for w in info.workflows} == set(FAMILY_WORKFLOWS[family])
     assert (info.edit is not None) == (Workflow.edit.value in info.workflows)
     assert info.text_layers is None or info.language_model_encoder
+    assert info.language_model_encoder == (info.encoder_tokens is not None)  # how its encoder is calibrated
     for method in info.step_cache:
         assert family in method_families(StepCacheMethod(method))
 

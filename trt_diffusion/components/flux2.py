@@ -232,6 +232,11 @@ def text_ids(length: int) -> np.ndarray:
     return ids
 
 
+def encoder_tokens(family: Family, tokenizer, prompt: str, text_max: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The declaration's `encoder_tokens`: the runtime's tokens (the engine's length is fixed, `text_max` unused)."""
+    return prompt_tokens(family, tokenizer, prompt)
+
+
 def prompt_tokens(family: Family, tokenizer, prompt: str) -> tuple[np.ndarray, np.ndarray]:
     """The encoder engine's `input_ids` and `attention_mask` [1, 512] for one prompt, tokenized as the family's
     pipeline tokenizes it (its chat template, padded and truncated to max_sequence_length)."""

@@ -416,6 +416,11 @@ PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the colo
                    "<|im_end|>\n<|im_start|>assistant\n")
 
 
+def encoder_tokens(family, tokenizer, prompt: str, text_max: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The declaration's `encoder_tokens`: the runtime's tokens, cut at the entry's (or the family's) text max."""
+    return prompt_tokens(tokenizer, prompt, text_max)
+
+
 def prompt_tokens(tokenizer, prompt: str, text_max: int) -> tuple[np.ndarray, np.ndarray]:
     """The encoder engine's `input_ids` and `attention_mask` [1, L] for one prompt: QwenImagePipeline's template and
     tokenization, cut to the engine's longest sequence (its template's 34 positions + `text_max` prompt tokens)."""

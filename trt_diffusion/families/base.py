@@ -191,6 +191,11 @@ class FamilyInfo:
     language_model_encoder: bool = False
     """Its text encoder is a decoder-only language model (Qwen2.5-VL, Mistral-3, Qwen3): the one text encoder the
     quantize stage takes to fp8/int8 beside the denoiser (it is the size of the denoiser, or larger)."""
+    encoder_tokens: str | None = None
+    """A language-model encoder's tokenization of one prompt as its pipeline makes it (its chat template), lazily
+    "module:function" called (family, tokenizer, prompt, text_max) -> (input_ids, attention_mask) [1, L]; the
+    quantize stage calibrates the encoder on these tokens. `text_max`: the prompt tokens kept (the entry's or the
+    family's `text_lengths` max; None where neither declares one). Required with `language_model_encoder`."""
     text_layers: tuple[int, ...] | None = None
     """The hidden-state layers its text encoder engine stacks (FLUX.2's text_encoder_out_layers); None: the last."""
     engine_parts: Mapping[Component, tuple[str, ...]] = field(default_factory=dict)

@@ -20,6 +20,7 @@ DECLARATION = FamilyInfo(
     workflows=("txt2img",),
     lora_text_encoders=(),  # Flux2LoraLoaderMixin: the transformer only
     language_model_encoder=True,
+    encoder_tokens="trt_diffusion.components.flux2:encoder_tokens",
     text_layers=(10, 20, 30),
     # the folder is the whole Mistral-3 (Pixtral vision tower, projector, LM head): the engine is the decoder stack
     engine_parts={C.text_encoder: (*DECODER_STACK, "language_model.model.")},  # + transformers 4's Mistral3 layout

@@ -15,6 +15,7 @@ DECLARATION = FamilyInfo(
     workflows=("txt2img",),  # Klein's inpainting is out of this round
     lora_text_encoders=(),
     language_model_encoder=True,
+    encoder_tokens="trt_diffusion.components.flux2:encoder_tokens",
     text_layers=(9, 18, 27),
     engine_parts={C.text_encoder: DECODER_STACK},  # a Qwen3 with its LM head: the engine is the decoder stack
     flow_matching=True,

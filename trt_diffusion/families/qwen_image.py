@@ -40,6 +40,7 @@ DECLARATION = FamilyInfo(
     edit=EditKind.vision_reference,
     lora_text_encoders=(),  # diffusers' QwenImageLoraLoaderMixin: _lora_loadable_modules = ["transformer"]
     language_model_encoder=True,
+    encoder_tokens="trt_diffusion.components.qwen_image:encoder_tokens",
     engine_parts={C.text_encoder: DECODER_STACK},
     flow_matching=True,
     packed_latents=True,

@@ -31,8 +31,8 @@ DECLARATION = FamilyInfo(
     workflows=("txt2img",),  # ZImageImg2ImgPipeline / inpaint / ControlNet / Omni are out of this round
     lora_text_encoders=(),  # ZImageLoraLoaderMixin: _lora_loadable_modules = ["transformer"]
     # the released folders save a Qwen3Model (the decoder stack: all of it is the engine); a Qwen3ForCausalLM folder's
-    # LM head is not. Not a `language_model_encoder` yet (the stage's encoder path knows FLUX.2's and Qwen-Image's
-    # templates only): the transformer is what quantizes
+    # LM head is not. Not a `language_model_encoder` yet (with `encoder_tokens` naming components/z_image.py's
+    # tokens it would be; its encoder's quantization is untested): the transformer is what quantizes
     engine_parts={C.text_encoder: ("embed_tokens.", "layers.", "norm.", "model.embed_tokens.", "model.layers.",
                                    "model.norm.")},
     flow_matching=True,

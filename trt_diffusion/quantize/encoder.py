@@ -21,7 +21,7 @@ import torch
 from ..components import get_component, load_model_config
 from ..engines_file import ResolvedModel
 from ..errors import QuantizeError
-from ..families import CfgKind, Component, Family, family_info
+from ..families import CfgKind, Component, Family, declared_code, family_info
 from .exclusions import QUANTIZABLE_TYPES, LayerSelection, select_layers
 from .feeds import DenoiserInterface, as_numpy
 from .gate import GateResult, GateThresholds, judge_outputs, onnxruntime_session
@@ -51,17 +51,14 @@ def prompt_feeds(model: ResolvedModel, prompts: Sequence[str]) -> list[Feeds]:
     """The engine's inputs for each prompt, tokenized as the runtime tokenizes them (its template, its padding)."""
     from transformers import AutoTokenizer
 
-    from ..components.flux2 import prompt_tokens as flux2_tokens
-    from ..components.qwen_image import prompt_tokens as qwen_tokens
-
+    info = family_info(model.family)
+    tokens = declared_code(info.encoder_tokens)
+    lengths = model.text_lengths or info.text_lengths
+    text_max = lengths[2] if lengths else None
     tokenizer = AutoTokenizer.from_pretrained(model.source.path / "tokenizer")
     feeds = []
     for prompt in prompts:
-        if family_info(model.family).text_layers is not None:  # FLUX.2's stacked hidden states
-            ids, mask = flux2_tokens(model.family, tokenizer, prompt)
-        else:
-            text_max = (model.text_lengths or family_info(model.family).text_lengths)[2]
-            ids, mask = qwen_tokens(tokenizer, prompt, text_max)
+        ids, mask = tokens(model.family, tokenizer, prompt, text_max)
         feeds.append({"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)})
     return feeds
 
