@@ -74,7 +74,7 @@ class ImagesStub:
         self.server.stop(grace=None)
 
 
-def start_images_stub() -> ImagesStub:
+def start_images_stub(port: int = 0) -> ImagesStub:
     import grpc
     from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
@@ -85,6 +85,9 @@ def start_images_stub() -> ImagesStub:
     class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         def ServerLive(self, request, context):
             return service_pb2.ServerLiveResponse(live=True)
+
+        def ServerReady(self, request, context):  # the API's probe of a replica it marked down
+            return service_pb2.ServerReadyResponse(ready=True)
 
         def RepositoryIndex(self, request, context):
             return service_pb2.RepositoryIndexResponse(models=[
@@ -148,7 +151,7 @@ def start_images_stub() -> ImagesStub:
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     stub.server = server
     stub.url = f"127.0.0.1:{port}"

@@ -67,8 +67,10 @@ def names(values: list[str] | None) -> tuple[str, ...]:
 
 
 def openai_api_command(
-    triton_url: Annotated[str, typer.Option("--triton-url", help="Triton's gRPC address (grpc://HOST:8001)")]
-    = "grpc://127.0.0.1:8001",
+    triton_urls: Annotated[list[str] | None, typer.Option(
+        "--triton-url", help="Triton's gRPC address (grpc://HOST:8001); several (repeatable or comma-separated): "
+        "replicas of one model repository, each request sent to a ready one with the fewest in flight, retried once "
+        "on another when its replica is unavailable (docs/deploy.md, N hosts)")] = None,
     host: Annotated[str, typer.Option("--host", help="address to listen on (loopback by default; docs/security.md "
                                       "before exposing it)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8080,
@@ -85,10 +87,12 @@ def openai_api_command(
     from .. import api
     from ..openai_api.settings import ApiSettings
 
+    triton_url = ",".join(names(triton_urls)) if triton_urls else "grpc://127.0.0.1:8001"
     settings = ApiSettings(triton_url, host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
                            allowed_hosts=names(allowed_hosts), cors_origins=names(cors_origins),
                            **state_options(state_dir, state_max_gb), **overload_options(config)).check()
-    console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {triton_url}; Ctrl-C stops it)", highlight=False)
+    console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {', '.join(settings.triton_urls())}; Ctrl-C stops "
+                  "it)", highlight=False)
     if host in ("0.0.0.0", "::") and not settings.allowed_hosts:  # every interface, but only loopback's names
         console.print(f"[yellow]note:[/yellow] --host {host}: requests must name this server as localhost or "
                       "127.0.0.1 (403 otherwise); list the names other clients use with --allowed-hosts",

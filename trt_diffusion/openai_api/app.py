@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from ..image_files import ImageParameters
-from ..triton.client import ImageRequest, parse_url
+from ..triton.client import ImageRequest
 from . import batch_routes, bodies, pngs, video_routes
 from .catalog import Catalog, ServedModel, check_n, check_size
 from .errors import ApiError, bad_request
@@ -34,6 +34,7 @@ from .job_runner import JobRunner
 from .job_slots import BatchPriorityClient, JobSlots
 from .limits import BodyLimit
 from .overload import DEGRADED_HEADER, OverloadGate
+from .replicas import ReplicaClient
 from .settings import ApiSettings
 from .triton_calls import infer_images, until_done_or_gone
 
@@ -66,11 +67,9 @@ def create_app(settings: ApiSettings):
 
     @asynccontextmanager
     async def lifespan(app):
-        import tritonclient.grpc.aio as grpc_aio
-
-        address, tls = parse_url(settings.triton_url, "grpc")
-        client = grpc_aio.InferenceServerClient(address, ssl=tls, channel_args=[
-            ("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)])
+        # one client over Triton's replicas (one or more): each call to a ready one, retried on another when its
+        # replica is unavailable (replicas.py)
+        client = ReplicaClient(settings.triton_urls())
         app.state.triton = client
         app.state.catalog = Catalog(client, max_age_s=settings.catalog_max_age_s)
         app.state.overload = gate
@@ -136,7 +135,8 @@ def create_app(settings: ApiSettings):
         live = await request.app.state.triton.is_server_live()
         if not live:
             raise ApiError(503, "Triton is not live")
-        return {"status": "ok", "decodes": decodes.state(), "overload": gate.state() if gate is not None else {},
+        return {"status": "ok", "replicas": request.app.state.triton.state(), "decodes": decodes.state(),
+                "overload": gate.state() if gate is not None else {},
                 "jobs": {"waiting_for_an_instance": getattr(getattr(request.app.state, "runner", None),
                                                             "waiting_for_slot", False)}}
 

@@ -27,7 +27,9 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # Host names always accepted
 
 @dataclass(frozen=True)
 class ApiSettings:
-    triton_url: str  # Triton's gRPC address, host:port or grpc://host:port
+    # Triton's gRPC address, host:port or grpc://host:port; several, comma-separated: replicas of one model
+    # repository, each request sent to one of them (replicas.py)
+    triton_url: str
     host: str = "127.0.0.1"  # loopback by default: exposing it is a decision (docs/security.md)
     port: int = DEFAULT_PORT
     api_key: str | None = None  # set: every request needs `Authorization: Bearer <key>` (401 otherwise)
@@ -64,15 +66,7 @@ class ApiSettings:
             problems.append(f"--timeout must be positive, got {self.timeout_s}")
         if self.api_key is not None and not self.api_key.strip():
             problems.append("--api-key is empty; leave it out to serve without a key")
-        if not self.triton_url.strip():
-            problems.append("--triton-url is empty; give Triton's gRPC address, e.g. 127.0.0.1:8001")
-        else:
-            from ..triton.client import parse_url
-
-            try:
-                parse_url(self.triton_url, "grpc")
-            except ServeError as err:
-                problems.append(str(err).replace("--url", "--triton-url", 1))
+        problems += triton_url_problems(self.triton_url)
         for name, value in (("header timeout", self.header_timeout_s), ("keep-alive", self.keep_alive_s),
                             ("body timeout", self.body_timeout_s), ("catalog age", self.catalog_max_age_s)):
             if not value > 0:
@@ -91,6 +85,10 @@ class ApiSettings:
             raise ServeError("; ".join(problems))
         return self
 
+    def triton_urls(self) -> tuple[str, ...]:
+        """The replicas' gRPC addresses (one, or several given comma-separated)."""
+        return tuple(url.strip() for url in self.triton_url.split(","))
+
     def host_names(self) -> frozenset[str]:
         """The Host names a request may carry: loopback's, the bind address (unless a wildcard), --allowed-hosts."""
         names = {*LOOPBACK_HOSTS, *(normal_host(host) for host in self.allowed_hosts)}
@@ -100,6 +98,33 @@ class ApiSettings:
 
     def origins(self) -> frozenset[str]:
         return frozenset(normal_origin(origin) for origin in self.cors_origins)
+
+
+def triton_url_problems(value: str) -> list[str]:
+    """What is wrong with --triton-url's addresses (comma-separated replicas), each problem naming the option."""
+    from ..triton.client import parse_url
+
+    urls = [url.strip() for url in value.split(",")]
+    if not any(urls):
+        return ["--triton-url is empty; give Triton's gRPC address, e.g. 127.0.0.1:8001"]
+    problems = []
+    for url in urls:
+        if not url:
+            problems.append(f"--triton-url {value!r} has an empty address; give each replica's host:port")
+            continue
+        try:
+            address, _ = parse_url(url, "grpc")
+        except ServeError as err:
+            problems.append(str(err).replace("--url", "--triton-url", 1))
+            continue
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c in host for c in " @,"):
+            problems.append(f"--triton-url {url}: not a gRPC address; give host:port (e.g. 127.0.0.1:8001 or "
+                            "grpc://triton-0.example.com:8001)")
+    seen = [url.split("://")[-1].rstrip("/") for url in urls if url]
+    problems += [f"--triton-url {url} is given twice; give each replica once"
+                 for url in sorted({url for url in seen if seen.count(url) > 1})]
+    return problems
 
 
 def normal_host(host: str) -> str:

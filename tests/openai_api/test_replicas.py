@@ -1,0 +1,231 @@
+"""Several Triton replicas behind the API (openai_api/replicas.py): the routing and failover decisions
+(ReplicaRouter, pure, on a clock the test moves), then the client over two real gRPC servers (the stand-in Triton of
+tests/shared/images_stub_triton.py), one stopped and started again on its port, and the API's online route over
+them; and --triton-url's replica list checked by the CLI. The crash of a replica process under a batch is the slow
+test_replicas_crash.py."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+from images_stub_triton import expected_image, start_images_stub
+
+from trt_diffusion.cli import main
+from trt_diffusion.openai_api import replicas
+from trt_diffusion.openai_api.replicas import ReplicaClient, ReplicaRouter
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_call(router: ReplicaRouter, index: int, unavailable: bool = False) -> None:
+    router.started(index)
+    router.finished(index, unavailable)
+
+
+def test_the_ready_replica_with_fewest_calls_in_flight_takes_the_call_ties_in_turn():
+    router = ReplicaRouter(["a:1", "b:1", "c:1"], Clock())
+    assert [router.pick() for _ in range(4)] == [0, 1, 2, 0]  # idle: in turn
+    router.started(1)
+    router.started(1)
+    router.started(2)
+    assert router.pick() == 0  # 0 calls in flight beats 1 and 2
+    router.started(0)
+    assert router.pick() == 2  # a 1, b 2, c 1 in flight: of the ties a and c, c's turn comes first (after a's)
+    assert router.pick() == 0  # then a's
+    router.finished(1, False)
+    router.finished(1, False)
+    assert router.pick() == 1  # b has none in flight now
+
+
+def test_an_unavailable_replica_is_left_out_then_probed_after_its_back_off():
+    clock = Clock()
+    router = ReplicaRouter(["a:1", "b:1"], clock)
+    run_call(router, 0, unavailable=True)
+    assert [r["ready"] for r in router.state()] == [False, True]
+    assert {router.pick() for _ in range(5)} == {1}  # every call to b while a is down
+    assert router.due_probes() == []  # not before its back-off
+    clock.now += replicas.BACKOFF_S
+    assert router.due_probes() == [0]
+    assert router.due_probes() == []  # one probe at a time
+    router.probed(0, ready=False)  # still down: the next probe waits twice as long
+    clock.now += replicas.BACKOFF_S
+    assert router.due_probes() == []
+    clock.now += replicas.BACKOFF_S
+    assert router.due_probes() == [0]
+    router.probed(0, ready=True)
+    assert {router.pick() for _ in range(4)} == {0, 1}  # back in the turn
+
+
+def test_back_off_stops_doubling_at_its_ceiling():
+    clock = Clock()
+    router = ReplicaRouter(["a:1", "b:1"], clock)
+    run_call(router, 0, unavailable=True)
+    for _ in range(10):
+        clock.now += replicas.MAX_BACKOFF_S
+        assert router.due_probes() == [0]
+        router.probed(0, ready=False)
+    assert router.replicas[0].backoff_s == replicas.MAX_BACKOFF_S
+
+
+def test_a_request_error_is_not_a_replica_failure():
+    router = ReplicaRouter(["a:1", "b:1"], Clock())
+    run_call(router, 0, unavailable=False)  # e.g. INVALID_ARGUMENT, a full queue: the replica answered
+    assert router.state()[0]["ready"] and router.state()[0]["served"] == 1
+
+
+def test_with_none_ready_a_call_tries_the_replica_due_first_then_another_then_gives_up():
+    clock = Clock()
+    router = ReplicaRouter(["a:1", "b:1"], clock)
+    run_call(router, 1, unavailable=True)
+    clock.now += 0.5
+    run_call(router, 0, unavailable=True)  # b's back-off ends first
+    assert router.pick() == 1
+    assert router.pick(frozenset({1})) == 0
+    assert router.pick(frozenset({0, 1})) is None
+    run_call(router, 0, unavailable=False)  # a last-resort call that a answered: a is ready again
+    assert router.pick() == 0
+
+
+def test_the_client_fails_over_and_takes_a_restarted_replica_back():
+    """Real gRPC: a replica stopped mid-run costs no call (each retried once on the other), is left out, and is
+    used again once a probe after its back-off finds it started again on its port."""
+    from tritonclient.utils import InferenceServerException
+
+    from trt_diffusion.triton.client import ImageRequest, make_inputs
+
+    stubs = [start_images_stub(), start_images_stub()]
+    clock = Clock()
+
+    async def infer(client, prompt: str, seed: int, **changes):
+        import tritonclient.grpc.aio as grpc_aio
+
+        tensors = ImageRequest(prompt, 64, 64, steps=2, seed=seed).tensors()
+        for name in changes.get("drop", ()):
+            tensors.pop(name)
+        result = await client.infer("sd15-tiny", make_inputs(grpc_aio, tensors))
+        return result.as_numpy("IMAGE")[0]
+
+    async def scenario():
+        client = ReplicaClient([stubs[0].url, stubs[1].url], clock)
+        try:
+            for i in range(4):
+                assert np.array_equal(await infer(client, f"p{i}", i), expected_image("sd15-tiny", f"p{i}", i, 64,
+                                                                                      64, 2))
+            assert [len(s.infers) for s in stubs] == [2, 2]  # spread in turn
+
+            port = int(stubs[0].url.rpartition(":")[2])
+            stubs[0].stop()  # replica a goes away
+            for i in range(4, 8):
+                assert np.array_equal(await infer(client, f"p{i}", i), expected_image("sd15-tiny", f"p{i}", i, 64,
+                                                                                      64, 2))
+            assert [len(s.infers) for s in stubs] == [2, 6]
+            assert client.state()[0]["ready"] is False and client.state()[0]["failures"] == 1  # one retried call
+
+            # a request's own error (the stub breaks on a request without SEED) is not retried nor a failure
+            with pytest.raises(InferenceServerException) as refused:
+                await infer(client, "no seed", 0, drop=("SEED",))
+            assert "UNAVAILABLE" not in str(refused.value.status())
+            assert client.state()[1]["ready"] is True and client.state()[1]["failures"] == 0
+
+            stubs[0] = start_images_stub(port)  # a started again on its port
+            await client.is_server_live()  # a call before the back-off: no probe yet
+            await asyncio.sleep(0.1)
+            assert client.state()[0]["ready"] is False
+            clock.now += replicas.BACKOFF_S
+            await client.is_server_live()  # starts the probe
+            for _ in range(100):
+                if client.state()[0]["ready"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.state()[0]["ready"] is True
+            for i in range(8, 12):
+                await infer(client, f"p{i}", i)
+            assert len(stubs[0].infers) == 2  # a answers again
+
+            for stub in stubs:  # none left: the caller gets UNAVAILABLE (the API's 503), after two tries
+                stub.stop()
+            with pytest.raises(InferenceServerException) as gone:
+                await infer(client, "none left", 1)
+            assert "UNAVAILABLE" in str(gone.value.status())
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for stub in stubs:
+            stub.stop()
+
+
+def test_the_online_route_answers_from_the_replica_left(tmp_path):
+    from trt_diffusion.openai_api.server import ApiServer
+    from trt_diffusion.openai_api.settings import ApiSettings
+
+    stubs = [start_images_stub(), start_images_stub()]
+    try:
+        settings = ApiSettings(f"{stubs[0].url},{stubs[1].url}", port=0, state_dir=tmp_path / "state")
+        with ApiServer(settings) as api:
+            def generate(prompt: str, seed: int) -> np.ndarray:
+                from PIL import Image
+
+                body = json.dumps({"model": "sd15-tiny", "prompt": prompt, "seed": seed,
+                                   "num_inference_steps": 2}).encode()
+                request = urllib.request.Request(api.url + "/images/generations", body,
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    item = json.loads(response.read())["data"][0]
+                with Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) as image:
+                    return np.asarray(image.convert("RGB"))
+
+            generate("warm", 1)
+            stubs[1].stop()
+            for i in range(4):
+                assert np.array_equal(generate(f"q{i}", i), expected_image("sd15-tiny", f"q{i}", i, 64, 64, 2))
+            with urllib.request.urlopen(api.url.removesuffix("/v1") + "/health", timeout=10) as response:
+                health = json.loads(response.read())
+            assert [r["url"] for r in health["replicas"]] == [stubs[0].url, stubs[1].url]
+            assert health["replicas"][1]["ready"] is False
+    finally:
+        for stub in stubs:
+            stub.stop()
+
+
+def run_cli(argv, capsys) -> tuple[int, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, " ".join((captured.out + captured.err).split())
+
+
+@pytest.mark.parametrize("urls, fragment", [
+    (["127.0.0.1:8001,ftp://127.0.0.1:8002"], "--triton-url ftp://127.0.0.1:8002: unknown scheme ftp://"),
+    (["127.0.0.1:8001", "grpc://10.0.0.2"], "--triton-url grpc://10.0.0.2: not a gRPC address; give host:port"),
+    (["127.0.0.1:8001", "grpc://127.0.0.1:8001"], "--triton-url 127.0.0.1:8001 is given twice"),
+    (["127.0.0.1:8001,,127.0.0.1:8002"], None),  # an empty item of a comma list is skipped, like --allowed-hosts'
+])
+def test_a_bad_replica_address_is_refused_naming_the_option(urls, fragment, capsys, tmp_path):
+    import socket
+
+    argv = ["openai-api", "--state-dir", str(tmp_path / "state")]
+    for url in urls:
+        argv += ["--triton-url", url]
+    with socket.socket() as taken:  # a good list gets as far as listening: on a port taken here, it stops there
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, text = run_cli([*argv, "--port", str(taken.getsockname()[1])], capsys)
+    assert code == 1 and "Traceback" not in text, text
+    if fragment is None:
+        assert "cannot listen on" in text and "(Triton 127.0.0.1:8001, 127.0.0.1:8002;" in text, text
+    else:
+        assert fragment in text, text

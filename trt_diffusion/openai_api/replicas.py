@@ -1,0 +1,227 @@
+"""Several Triton servers behind one API (docs/deploy.md, "N hosts"): replicas of one model repository, each its own
+gRPC client, used as one client by the rest of the API (the online routes, the catalog, the job runner).
+
+The decisions are ReplicaRouter's (pure, its clock injected):
+
+- **Which replica**: the ready replica with the fewest of this API's calls in flight, ties taken in turn (round
+  robin). A diffusion request's cost varies by steps, size and kind (an image, a clip) over two orders of
+  magnitude, so counting what is in flight balances what turns alone would not; the turns spread an idle API's
+  sequential requests. Only this API's calls are counted: other clients of a replica are not seen.
+- **A replica that fails** a call with UNAVAILABLE (connection refused or reset, the server going away: gRPC's
+  status for "the server is not there", never a request's own error, which Triton answers INVALID_ARGUMENT,
+  NOT_FOUND, a full queue...) is marked down, and the call goes once more to another ready replica. A call is
+  one request to Triton with its seed already drawn (the API draws a seed for every request that sends none), so
+  the retry gives the images the first replica would have.
+- **A replica marked down** is left out until a probe (Triton's ServerReady, the `/v2/health/ready` of gRPC)
+  says it is ready again: the first call after its back-off (1 s, doubling to 16 s while probes fail) starts the
+  probe in the background. With no replica ready, a call goes to the one whose back-off ends first (then once
+  more to another): so a down replica is never refused untried, and one replica behaves as the API always has.
+  When every try fails, the caller gets the last replica's UNAVAILABLE, which the API answers 503 `Triton is
+  unavailable: ...` (a job line waits and runs again)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("trt_diffusion.openai_api.replicas")
+BACKOFF_S = 1.0  # a replica's first re-probe comes this long after it failed
+MAX_BACKOFF_S = 16.0  # doubled per failed probe up to this
+PROBE_TIMEOUT_S = 2.0
+CHANNEL_ARGS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
+                # gRPC's reconnect back-off grows to 120 s by default: a restarted replica would stay unreachable
+                # through this channel long after its probe could see it
+                ("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 4000),
+                # each channel its own connections: by default channels to one address share them, back-off
+                # included, so a probe's new channel would wait out the old one's back-off
+                ("grpc.use_local_subchannel_pool", 1)]
+
+
+@dataclass
+class Replica:
+    url: str
+    ready: bool = True  # taken as ready until a call or a probe says otherwise
+    in_flight: int = 0
+    backoff_s: float = BACKOFF_S
+    probe_at: float = 0.0  # when a down replica is probed next
+    probing: bool = False
+    served: int = 0  # calls it answered (any answer but UNAVAILABLE)
+    failures: int = 0  # calls it failed with UNAVAILABLE
+
+
+class ReplicaRouter:
+    """Which replica takes a call, and what a failure or a probe changes. No I/O: ReplicaClient does the calls."""
+
+    def __init__(self, urls, clock: Callable[[], float] = time.monotonic):
+        if not urls:
+            raise ValueError("no Triton replica")
+        self.replicas = [Replica(url) for url in urls]
+        self.clock = clock
+        self._turn = 0  # round robin among ties
+
+    def pick(self, exclude: frozenset[int] = frozenset()) -> int | None:
+        """The replica for a call, not one of `exclude` (those this call tried): the ready one with the fewest calls
+        in flight (ties in turn); none ready: the down one whose back-off ends first; None: every one was tried."""
+        count = len(self.replicas)
+        order = [(self._turn + step) % count for step in range(count)]
+        ready = [i for i in order if self.replicas[i].ready and i not in exclude]
+        if ready:
+            chosen = min(ready, key=lambda i: self.replicas[i].in_flight)  # min keeps the first of ties: the turn
+            self._turn = (chosen + 1) % count
+            return chosen
+        down = [i for i in order if i not in exclude]
+        return min(down, key=lambda i: self.replicas[i].probe_at) if down else None
+
+    def started(self, index: int) -> None:
+        self.replicas[index].in_flight += 1
+
+    def finished(self, index: int, unavailable: bool) -> None:
+        """A call ended: UNAVAILABLE marks the replica down (probed after its back-off); any other answer, an
+        error of the request included, is the replica working."""
+        replica = self.replicas[index]
+        replica.in_flight -= 1
+        if not unavailable:
+            replica.served += 1
+            if not replica.ready:  # a last-resort call reached it: ready again
+                self._mark_ready(replica)
+            return
+        replica.failures += 1
+        if replica.ready:
+            replica.ready = False
+            replica.backoff_s = BACKOFF_S
+            replica.probe_at = self.clock() + replica.backoff_s
+            log.warning("Triton replica %s is unavailable: marked down, probed again in %.0f s", replica.url,
+                        replica.backoff_s)
+
+    def due_probes(self) -> list[int]:
+        """The down replicas whose back-off has passed and that no probe is asking now (marked as being probed)."""
+        now = self.clock()
+        due = [i for i, r in enumerate(self.replicas) if not r.ready and not r.probing and now >= r.probe_at]
+        for index in due:
+            self.replicas[index].probing = True
+        return due
+
+    def probed(self, index: int, ready: bool) -> None:
+        replica = self.replicas[index]
+        replica.probing = False
+        if replica.ready:
+            return  # a call reached it meanwhile
+        if ready:
+            self._mark_ready(replica)
+            return
+        replica.backoff_s = min(replica.backoff_s * 2, MAX_BACKOFF_S)
+        replica.probe_at = self.clock() + replica.backoff_s
+
+    def _mark_ready(self, replica: Replica) -> None:
+        replica.ready = True
+        replica.backoff_s = BACKOFF_S
+        log.warning("Triton replica %s is ready again", replica.url)
+
+    def state(self) -> list[dict]:
+        return [{"url": r.url, "ready": r.ready, "in_flight": r.in_flight, "served": r.served,
+                 "failures": r.failures} for r in self.replicas]
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """Whether a call's error says the replica is not there (gRPC UNAVAILABLE), not that the request was refused."""
+    from tritonclient.utils import InferenceServerException
+
+    return isinstance(error, InferenceServerException) and "UNAVAILABLE" in str(error.status() or "")
+
+
+class ReplicaClient:
+    """tritonclient.grpc.aio's InferenceServerClient over several replicas: `infer` and the reads the API makes
+    (the repository index, a model's config, live/ready) each go to one replica as ReplicaRouter decides, retried
+    once on another when that replica is unavailable."""
+
+    MAX_TRIES = 2  # the call, and once more on another replica
+
+    def __init__(self, urls, clock: Callable[[], float] = time.monotonic):
+        self.router = ReplicaRouter(urls, clock)
+        self.clients = [_client(url) for url in urls]
+        self._retired: list = []  # channels replaced after a probe (closed at the end: calls may still use them)
+        self._probes: set[asyncio.Task] = set()
+
+    @property
+    def urls(self) -> list[str]:
+        return [replica.url for replica in self.router.replicas]
+
+    def state(self) -> list[dict]:
+        return self.router.state()
+
+    async def _call(self, method: str, *args, **kwargs):
+        self._start_probes()
+        tried: set[int] = set()
+        while True:
+            index = self.router.pick(frozenset(tried))
+            tried.add(index)
+            self.router.started(index)
+            unavailable = False
+            try:
+                return await getattr(self.clients[index], method)(*args, **kwargs)
+            except Exception as err:
+                unavailable = is_unavailable(err)
+                if not unavailable or len(tried) >= min(self.MAX_TRIES, len(self.clients)):
+                    raise
+                log.warning("%s on Triton replica %s: unavailable (%s); trying another replica", method,
+                            self.router.replicas[index].url, err.message())
+            finally:
+                self.router.finished(index, unavailable)
+
+    def _start_probes(self) -> None:
+        for index in self.router.due_probes():
+            task = asyncio.ensure_future(self._probe(index))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, index: int) -> None:
+        """ServerReady on a new channel (the replica's own may be waiting out gRPC's reconnect back-off); ready:
+        the new channel replaces it."""
+        probe = _client(self.router.replicas[index].url)
+        try:
+            ready = bool(await probe.is_server_ready(client_timeout=PROBE_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - not reachable: still down
+            ready = False
+        if ready:
+            self._retired.append(self.clients[index])
+            self.clients[index] = probe
+        else:
+            await probe.close()
+        self.router.probed(index, ready)
+
+    async def infer(self, *args, **kwargs):
+        return await self._call("infer", *args, **kwargs)
+
+    async def get_model_repository_index(self, *args, **kwargs):
+        return await self._call("get_model_repository_index", *args, **kwargs)
+
+    async def get_model_config(self, *args, **kwargs):
+        return await self._call("get_model_config", *args, **kwargs)
+
+    async def get_model_metadata(self, *args, **kwargs):
+        return await self._call("get_model_metadata", *args, **kwargs)
+
+    async def is_server_live(self, *args, **kwargs):
+        return await self._call("is_server_live", *args, **kwargs)
+
+    async def is_server_ready(self, *args, **kwargs):
+        return await self._call("is_server_ready", *args, **kwargs)
+
+    async def close(self) -> None:
+        for task in list(self._probes):
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
+        for client in (*self.clients, *self._retired):
+            await client.close()
+
+
+def _client(url: str):
+    import tritonclient.grpc.aio as grpc_aio
+
+    from ..triton.client import parse_url
+
+    address, tls = parse_url(url, "grpc")
+    return grpc_aio.InferenceServerClient(address, ssl=tls, channel_args=CHANNEL_ARGS)
