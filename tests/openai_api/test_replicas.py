@@ -85,6 +85,22 @@ def test_a_request_error_is_not_a_replica_failure():
     assert router.state()[0]["ready"] and router.state()[0]["served"] == 1
 
 
+def test_a_full_queue_is_the_replica_answering_not_a_replica_failure():
+    """Triton answers a full queue and a queue timeout with gRPC UNAVAILABLE, as a server that is not there: its
+    words tell them apart (the API's 429, never retried on another replica)."""
+    from tritonclient.utils import InferenceServerException
+
+    def error(message: str, status: str = "StatusCode.UNAVAILABLE"):
+        return InferenceServerException(msg=message, status=status)
+
+    assert replicas.is_unavailable(error("failed to connect to all addresses; last error: UNKNOWN: Connection refused"))
+    assert replicas.is_unavailable(error("Socket closed"))
+    assert not replicas.is_unavailable(error("sd15-tiny: Exceeds maximum queue size"))
+    assert not replicas.is_unavailable(error("Request timeout expired"))
+    assert not replicas.is_unavailable(error("unexpected shape", "StatusCode.INVALID_ARGUMENT"))
+    assert not replicas.is_unavailable(ValueError("not Triton's"))
+
+
 def test_with_none_ready_a_call_tries_the_replica_due_first_then_another_then_gives_up():
     clock = Clock()
     router = ReplicaRouter(["a:1", "b:1"], clock)

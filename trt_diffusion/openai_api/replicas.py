@@ -9,7 +9,7 @@ The decisions are ReplicaRouter's (pure, its clock injected):
   sequential requests. Only this API's calls are counted: other clients of a replica are not seen.
 - **A replica that fails** a call with UNAVAILABLE (connection refused or reset, the server going away: gRPC's
   status for "the server is not there", never a request's own error, which Triton answers INVALID_ARGUMENT,
-  NOT_FOUND, a full queue...) is marked down, and the call goes once more to another ready replica. A call is
+  NOT_FOUND, or for a full queue UNAVAILABLE in words of its own) is marked down, and the call goes once more to another ready replica. A call is
   one request to Triton with its seed already drawn (the API draws a seed for every request that sends none), so
   the retry gives the images the first replica would have.
 - **A replica marked down** is left out until a probe (Triton's ServerReady, the `/v2/health/ready` of gRPC)
@@ -126,10 +126,16 @@ class ReplicaRouter:
 
 
 def is_unavailable(error: BaseException) -> bool:
-    """Whether a call's error says the replica is not there (gRPC UNAVAILABLE), not that the request was refused."""
+    """Whether a call's error says the replica is not there (gRPC UNAVAILABLE), not that the request was refused:
+    Triton answers a full queue UNAVAILABLE too, in words of its own (the API's 429: the replica is working)."""
     from tritonclient.utils import InferenceServerException
 
-    return isinstance(error, InferenceServerException) and "UNAVAILABLE" in str(error.status() or "")
+    from .triton_calls import BUSY_MARKERS
+
+    if not isinstance(error, InferenceServerException) or "UNAVAILABLE" not in str(error.status() or ""):
+        return False
+    message = (error.message() or "").lower()
+    return not any(marker in message for marker in BUSY_MARKERS)
 
 
 class ReplicaClient:

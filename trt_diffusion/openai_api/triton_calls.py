@@ -13,6 +13,9 @@ from ..triton.client import make_inputs
 from .errors import ApiError
 
 DISCONNECT_POLL_S = 0.2
+# Triton's words for an entry's full queue and a request that waited past its queue timeout (gRPC status UNAVAILABLE,
+# like a server that is not there: the words tell them apart)
+BUSY_MARKERS = ("exceeds maximum queue size", "request timeout expired")
 
 
 async def infer_images(client, model: str, tensors: dict[str, np.ndarray], timeout_s: float) -> np.ndarray:
@@ -39,7 +42,7 @@ def refusal(err, model: str) -> ApiError:
     message = (err.message() or "").removeprefix(f"{model}: ")
     status = str(err.status() or "")
     lowered = message.lower()
-    if "exceeds maximum queue size" in lowered or "request timeout expired" in lowered:
+    if any(marker in lowered for marker in BUSY_MARKERS):
         return ApiError(429, f"{model} is busy ({message}); retry later", code="queue_full")
     if "INVALID_ARGUMENT" in status:
         return ApiError(400, message)
