@@ -85,6 +85,19 @@ def test_a_request_error_is_not_a_replica_failure():
     assert router.state()[0]["ready"] and router.state()[0]["served"] == 1
 
 
+def test_a_call_that_ends_without_an_answer_brings_no_news_of_its_replica():
+    """A cancelled or timed-out call (the client went away, a batch cancelled) neither marks a replica down nor, when
+    it was a last-resort call to a down one, ready again."""
+    router = ReplicaRouter(["a:1", "b:1"], Clock())
+    run_call(router, 0, unavailable=True)
+    router.started(0)
+    router.finished(0, unavailable=False, answered=False)
+    assert router.state()[0]["ready"] is False and router.state()[0]["in_flight"] == 0
+    router.started(1)
+    router.finished(1, unavailable=False, answered=False)
+    assert router.state()[1] == {"url": "b:1", "ready": True, "in_flight": 0, "served": 0, "failures": 0}
+
+
 def test_a_full_queue_is_the_replica_answering_not_a_replica_failure():
     """Triton answers a full queue and a queue timeout with gRPC UNAVAILABLE, as a server that is not there: its
     words tell them apart (the API's 429, never retried on another replica)."""

@@ -78,15 +78,16 @@ class ReplicaRouter:
     def started(self, index: int) -> None:
         self.replicas[index].in_flight += 1
 
-    def finished(self, index: int, unavailable: bool) -> None:
-        """A call ended: UNAVAILABLE marks the replica down (probed after its back-off); any other answer, an
-        error of the request included, is the replica working."""
+    def finished(self, index: int, unavailable: bool, answered: bool = True) -> None:
+        """A call ended: UNAVAILABLE marks the replica down (probed after its back-off); an answer, an error of the
+        request included, is the replica working; neither (cancelled, or timed out): no news of the replica."""
         replica = self.replicas[index]
         replica.in_flight -= 1
         if not unavailable:
-            replica.served += 1
-            if not replica.ready:  # a last-resort call reached it: ready again
-                self._mark_ready(replica)
+            if answered:
+                replica.served += 1
+                if not replica.ready:  # a last-resort call reached it: ready again
+                    self._mark_ready(replica)
             return
         replica.failures += 1
         if replica.ready:
@@ -138,6 +139,12 @@ def is_unavailable(error: BaseException) -> bool:
     return not any(marker in message for marker in BUSY_MARKERS)
 
 
+def _no_answer(error: BaseException) -> bool:
+    """A timeout or a cancel: the call ended without the replica saying anything."""
+    status = str(getattr(error, "status", lambda: "")() or "")
+    return "DEADLINE_EXCEEDED" in status or "CANCELLED" in status
+
+
 class ReplicaClient:
     """tritonclient.grpc.aio's InferenceServerClient over several replicas: `infer` and the reads the API makes
     (the repository index, a model's config, live/ready) each go to one replica as ReplicaRouter decides, retried
@@ -165,17 +172,20 @@ class ReplicaClient:
             index = self.router.pick(frozenset(tried))
             tried.add(index)
             self.router.started(index)
-            unavailable = False
+            unavailable = answered = False  # stays so when the call is cancelled
             try:
-                return await getattr(self.clients[index], method)(*args, **kwargs)
+                result = await getattr(self.clients[index], method)(*args, **kwargs)
+                answered = True
+                return result
             except Exception as err:
                 unavailable = is_unavailable(err)
+                answered = not unavailable and not _no_answer(err)
                 if not unavailable or len(tried) >= min(self.MAX_TRIES, len(self.clients)):
                     raise
                 log.warning("%s on Triton replica %s: unavailable (%s); trying another replica", method,
                             self.router.replicas[index].url, err.message())
             finally:
-                self.router.finished(index, unavailable)
+                self.router.finished(index, unavailable, answered)
 
     def _start_probes(self) -> None:
         for index in self.router.due_probes():
