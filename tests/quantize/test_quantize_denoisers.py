@@ -101,3 +101,29 @@ def test_a_committed_artifact_is_reused(quantized_matrix):
     model, artifact = quantized_matrix("sd15", "int8")
     again = quantize_component(model, "unet", "int8", None, artifact.path.parent.parent, held_out_samples=1)
     assert again.cached and again.path == artifact.path
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_the_onnxruntime_engine_computes_what_its_qdq_graph_computes(quantized_matrix, precision, tmp_path):
+    """The onnxruntime target's fixed-shape, offline-optimized engine of a Q/DQ graph against the graph itself run
+    with its dynamic shapes and no optimization: the same function. An fp8 engine lost 16 dB here (on the
+    micro-model's UNet) to ONNX Runtime's Q/DQ propagation over fixed shapes (targets/onnxruntime/engine.py)."""
+    from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec
+    from trt_diffusion.targets.onnxruntime.engine import build_engine
+    from trt_diffusion.targets.onnxruntime.runner import load_runner
+
+    model, artifact = quantized_matrix("sd15", precision)
+    interface = denoiser_interface(model, "unet")
+    width, height = (int(side) for side in TINY_BUCKET["sd15"].split("x"))
+    feeds = interface.definition.dummy_inputs(interface.config, interface.options, Geometry(2, Size(width, height)),
+                                              seed=7)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    graph = ort.InferenceSession(str(artifact.onnx_path), options, providers=["CPUExecutionProvider"])
+    expected = graph.run(None, feeds)[0]
+    spec = EngineSpec(model="m", family="sd15", source="local:test", component="unet", target="onnxruntime",
+                      precision=precision, batch=2, bucket=Bucket.static(Size(width, height)))
+    folder, _, _ = build_engine(artifact.onnx_path, spec, {n: (v.shape,) * 3 for n, v in feeds.items()}, tmp_path)
+    actual = load_runner(folder).run(feeds)["noise_pred"]
+    measured = psnr(expected, actual, data_range=float(expected.max() - expected.min()))
+    assert measured >= 60, measured  # float re-association only: the same Q/DQ points, the same rounding

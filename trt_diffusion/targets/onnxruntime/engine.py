@@ -27,6 +27,16 @@ DATA_FILE = "model.onnx.data"
 # Saved graphs use the portable optimization level: ENABLE_ALL adds layout-specific kernels (NCHWc) tied
 # to the building CPU. ENABLE_ALL still runs when a session is created on the serving host.
 SAVED_OPTIMIZATION = "extended"
+# ONNX Runtime's QDQPropagationTransformer, on an fp8 Q/DQ graph with fixed shapes (the engines'), with
+# MatMulAddFusion loses the graph's precision: the SD1.5 micro-model's fp8 UNet, one call against its fp32 graph,
+# 41.7 dB with the shapes dynamic or with either optimizer off, 25.2 dB with both on (onnxruntime 1.24; int8 Q/DQ
+# unaffected, 50 dB either way); over 20 steps the images collapsed (4-12 dB). Propagating fp8 Q/DQ buys nothing on
+# a CPU, which has no fp8 kernels: fp8 engines are optimized, offline and in every session, without it.
+FP8_DISABLED_OPTIMIZERS = ("QDQPropagationTransformer",)
+
+
+def disabled_optimizers(spec: EngineSpec) -> tuple[str, ...]:
+    return FP8_DISABLED_OPTIMIZERS if spec.precision == "fp8" else ()
 
 
 class OrtEngineManifest(FolderEngineManifest):
@@ -34,6 +44,7 @@ class OrtEngineManifest(FolderEngineManifest):
     target: str = TARGET
     onnxruntime_version: str
     offline_optimization: str | None  # None: a refittable engine, the exported graph as it is
+    disabled_optimizers: tuple[str, ...] = ()  # ONNX Runtime optimizers every session of it runs without
 
 
 def _engine_sha256(folder: Path) -> str:
@@ -50,9 +61,12 @@ verify = FOLDERS.verify  # BuildError unless the folder holds the bytes its mani
 def build_input_hash(source_sha256: str, spec: EngineSpec) -> str:
     import onnxruntime
 
-    return input_hash({"onnx": source_sha256, "spec": spec.key, "onnxruntime": onnxruntime.__version__,
-                       "offline_optimization": None if spec.refittable else SAVED_OPTIMIZATION,
-                       "schema": MANIFEST_SCHEMA_VERSION})
+    payload = {"onnx": source_sha256, "spec": spec.key, "onnxruntime": onnxruntime.__version__,
+               "offline_optimization": None if spec.refittable else SAVED_OPTIMIZATION,
+               "schema": MANIFEST_SCHEMA_VERSION}
+    if disabled_optimizers(spec):  # only there: the other engines' hashes (and builds) stand
+        payload["disabled_optimizers"] = list(disabled_optimizers(spec))
+    return input_hash(payload)
 
 
 def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes, workspace: str | Path,
@@ -83,7 +97,7 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
 
                 externalize_weights(fixed, tmp / MODEL_FILE)
             else:
-                _optimize_offline(fixed, tmp / MODEL_FILE)
+                _optimize_offline(fixed, tmp / MODEL_FILE, disabled_optimizers(spec))
             for stale in (fixed, tmp / "fixed.onnx.data"):
                 stale.unlink(missing_ok=True)
             if before_commit is not None:
@@ -92,7 +106,8 @@ def build_engine(onnx_path: str | Path, spec: EngineSpec, profile: ProfileShapes
             return FOLDERS.seal(tmp, final, spec=spec, built_from=built_from, onnx_sha256=source_sha,
                                 profile=profile, inputs=inputs, outputs=outputs, started=start,
                                 onnxruntime_version=onnxruntime.__version__,
-                                offline_optimization=None if spec.refittable else SAVED_OPTIMIZATION)
+                                offline_optimization=None if spec.refittable else SAVED_OPTIMIZATION,
+                                disabled_optimizers=disabled_optimizers(spec))
         except onnx.checker.ValidationError as exc:
             raise BuildError(f"{spec.name}: the ONNX is invalid: {exc}") from None
 
@@ -131,16 +146,22 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
                     location=path.name + ".data", size_threshold=1024)
 
 
-def _optimize_offline(source: Path, target: Path) -> None:
+def _optimize_offline(source: Path, target: Path, disabled: tuple[str, ...] = ()) -> None:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    disable_optimizers(options, disabled)
     options.optimized_model_filepath = str(target)
     options.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_FILE)
     options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     options.log_severity_level = 3
     ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+
+
+def disable_optimizers(options, names: tuple[str, ...]) -> None:
+    if names:
+        options.add_session_config_entry("optimization.disable_specified_optimizers", ",".join(names))
 
 
 def engine_files(folder: Path, manifest: OrtEngineManifest) -> dict[str, Path]:

@@ -11,7 +11,7 @@ import numpy as np
 from ...errors import BuildError
 from ...tensors import TensorSpec
 from ..runner_base import BaseRunner
-from .engine import MANIFEST_FILE, MODEL_FILE, read_manifest, verify
+from .engine import MANIFEST_FILE, MODEL_FILE, disable_optimizers, read_manifest, verify
 
 _ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -41,11 +41,13 @@ class OnnxRuntimeRunner(BaseRunner):
         return dict(zip(self.output_names, values))
 
 
-def session_options():
+def session_options(disabled_optimizers: tuple[str, ...] = ()):
+    """`disabled_optimizers`: what the engine's manifest says its sessions run without (engine.py: fp8's)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    disable_optimizers(options, disabled_optimizers)
     options.log_severity_level = 3
     # A pipeline runs its sessions one after another: a session's idle workers spinning for more work after its
     # run take the cores the next session's run needs (mid-size FLUX, 2 cores, 20 steps, interleaved in one
@@ -68,11 +70,14 @@ def load_runner(folder: str | Path, *, name: str | None = None, providers=None, 
                          "with `trt-diffusion build engines.yaml --target onnxruntime`")
     verify(folder, manifest, where=name or folder.name)  # every load reads the bytes it runs
     providers = list(providers or ["CPUExecutionProvider"])
+
+    def options():
+        return session_options(manifest.disabled_optimizers)
+
     if initializers:
         from ...lora import onnxruntime_session
 
-        session = onnxruntime_session(folder / MODEL_FILE, initializers, providers=providers,
-                                      session_options=session_options)
+        session = onnxruntime_session(folder / MODEL_FILE, initializers, providers=providers, session_options=options)
     else:
-        session = ort.InferenceSession(str(folder / MODEL_FILE), session_options(), providers=providers)
+        session = ort.InferenceSession(str(folder / MODEL_FILE), options(), providers=providers)
     return OnnxRuntimeRunner(folder / MODEL_FILE, name=name or folder.name, session=session)
