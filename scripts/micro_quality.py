@@ -38,7 +38,7 @@ from trt_diffusion.models.micro import LORA_FILE  # noqa: E402
 PRECISIONS = ("fp32", "int8", "fp8")
 
 
-def write_config(work: Path, targets: list[str]) -> Path:
+def write_config(work: Path, targets: list[str], precisions: tuple[str, ...] = PRECISIONS) -> Path:
     source = work / "models" / "micro-sd15"
     if not source.is_dir():
         api.make_micro_model(source, "sd15")
@@ -49,8 +49,8 @@ def write_config(work: Path, targets: list[str]) -> Path:
              "loras": {"outlined": {"source": f"models/micro-sd15/{LORA_FILE}", "mode": "refit", "scale": 1.0}}}
     models = {f"micro-{p}": {**copy.deepcopy(model), "precision": {  # copies: the file allows no YAML aliases
         "text_encoder": "fp32", "unet": p, "vae_decoder": "fp32", "vae_encoder": "fp32", "controlnet": "fp32"}}
-        for p in PRECISIONS}
-    for p in PRECISIONS[1:]:
+        for p in precisions}
+    for p in [p for p in precisions if p != "fp32"]:
         # openvino folds a quantized UNet's weights into its own constants (no refit): its LoRA is fused at build
         models[f"micro-{p}"]["loras"]["outlined"]["mode"] = "fused"
         # a trained model's trajectory carries a quantized step's small error into a visibly different picture (the
@@ -102,6 +102,9 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=12, help="images per effect")
     parser.add_argument("--targets", nargs="+", default=["onnxruntime", "openvino"])
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
+                        help="the UNet precisions declared (the others' engines stay in the workspace)")
+    parser.add_argument("--json", type=Path, default=None, help="default: <work>/micro_quality.json")
     args = parser.parse_args()
     import torch
 
@@ -112,7 +115,7 @@ def main() -> None:
     from trt_diffusion.runtime.reference import reference_runners
 
     args.work.mkdir(parents=True, exist_ok=True)
-    config_path = write_config(args.work, args.targets)
+    config_path = write_config(args.work, args.targets, tuple(args.precisions))
     start = time.time()
     api.build(config_path)
     print(f"built in {time.time() - start:.0f} s", flush=True)
@@ -126,12 +129,12 @@ def main() -> None:
                               "prompt_following": v.prompt_following.model_dump() if v.prompt_following else None,
                               "failures": v.failure_reasons} for v in run.report.variants]
     config = load_engines_file(config_path, check_sources=True)
-    model_dir = config.models["micro-fp32"].source.path
+    model = next(iter(config.models.values()))  # every entry declares the same folder, workflows and ControlNet
+    model_dir = model.source.path
     floors = effects.vae_floors(model_dir)
     lora_path = model_dir / LORA_FILE
-    model = config.models["micro-fp32"]
 
-    def pipeline(table, name: str = "micro-fp32"):
+    def pipeline(table, name: str = next(iter(config.models))):
         return EnginePipeline(model_dir, model.family, table, workflows=config.models[name].workflows)
 
     controlnets = {name: source.path for name, source in model.controlnets.items()}
@@ -144,16 +147,19 @@ def main() -> None:
     print(json.dumps(results["effects"], indent=2), flush=True)
     for name in config.models:
         for target in args.targets:
+            fused_lora = config.models[name].loras["outlined"].mode == "fused"
             try:
                 base = engine_runners(config, name, target)
-                styled = engine_runners(config, name, target, loras=[(lora_path, 1.0)])
+                # a quantized UNet's LoRA is fused at build (its own engines); the fp32 one's is refitted per request
+                styled = (engine_runners(config, name, target, lora_variant="outlined") if fused_lora
+                          else engine_runners(config, name, target, loras=[(lora_path, 1.0)]))
             except TrtDiffusionError as err:  # a target or precision this machine did not build: said
                 results["effects"][f"{target} {name}"] = {"error": str(err).splitlines()[0]}
                 continue
             results["effects"][f"{target} {name}"] = measure_effects(
                 {"base": pipeline(base[2], name)}, pipeline(styled[2], name), args.steps, args.count, floors)
             print(target, name, json.dumps(results["effects"][f"{target} {name}"]), flush=True)
-    (args.work / "micro_quality.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.json or args.work / "micro_quality.json").write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
 
 
