@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError
 from ...onnx_facts import ProfileShapes, onnx_io, onnx_sha256, validate_profile
+from ...precision import Precision
 from ...workspace.manifests import MANIFEST_FILE
 from ..engine_folder import EngineFolders, FolderEngineManifest, input_hash, is_static
 
@@ -36,7 +37,7 @@ FP8_DISABLED_OPTIMIZERS = ("QDQPropagationTransformer",)
 
 
 def disabled_optimizers(spec: EngineSpec) -> tuple[str, ...]:
-    return FP8_DISABLED_OPTIMIZERS if spec.precision == "fp8" else ()
+    return FP8_DISABLED_OPTIMIZERS if spec.precision == Precision.fp8 else ()
 
 
 class OrtEngineManifest(FolderEngineManifest):
