@@ -33,6 +33,13 @@ class ServedModel:
         return LORAS_INPUT in self.inputs
 
 
+def is_video_entry(parameters: dict[str, str]) -> bool:
+    """Whether a pipeline entry answers clips: its family's kind as packaged; an entry that records no family serves
+    images (as before families were recorded)."""
+    family = parameters.get("family")
+    return bool(family) and family_info(family).is_video
+
+
 def _parameters(config) -> dict[str, str]:
     return {key: value.string_value for key, value in config.parameters.items()}
 
@@ -70,7 +77,7 @@ class Catalog:
                 continue
             config = (await self.client.get_model_config(entry.name)).config
             parameters = _parameters(config)
-            if parameters.get(ROLE) != "entry" or family_info(parameters.get("family", "sd15")).is_video:
+            if parameters.get(ROLE) != "entry" or is_video_entry(parameters):
                 continue  # engines, stages, streams; a video entry answers clips, not images
             self._first_seen.setdefault(entry.name, int(time.time()))
             served[entry.name] = ServedModel(

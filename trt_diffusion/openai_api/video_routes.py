@@ -20,10 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..families import family_info
 from ..triton.configs import ROLE
 from ..video_files import DEFAULT_FPS
 from . import bodies, pngs
+from .catalog import is_video_entry
 from .errors import ApiError, bad_request
 from .job_store import JobStore
 
@@ -64,7 +64,7 @@ async def video_models(client) -> dict[str, VideoModel]:
             continue
         config = (await client.get_model_config(entry.name)).config
         parameters = {key: value.string_value for key, value in config.parameters.items()}
-        if parameters.get(ROLE) != "entry" or not family_info(parameters.get("family", "sd15")).is_video:
+        if parameters.get(ROLE) != "entry" or not is_video_entry(parameters):
             continue
         clips = []
         for label in parameters.get("request_sizes", "").split(";"):
