@@ -17,6 +17,7 @@ from .base import (
     Family,
     FamilyInfo,
     LatentRgb,
+    RequestInput,
     TextEncoding,
     WideFloat,
 )
@@ -56,6 +57,20 @@ LORA_TEXT_ENCODERS: dict[Family, tuple[Component, ...]] = {f: info.lora_text_enc
 FLUX2_TEXT_LAYERS = {f: info.text_layers for f, info in FAMILIES.items() if info.text_layers is not None}
 
 
+def request_inputs_of_all() -> dict[str, RequestInput]:
+    """Every request input some family adds, by its diffusers argument: what the client and the Triton parser read
+    (one argument declared by two families must have one type; which family's entry takes it is the entry's
+    config, and the runtime checks it against the family's own declaration)."""
+    table: dict[str, RequestInput] = {}
+    for info in FAMILIES.values():
+        for declared in info.request_inputs:
+            known = table.setdefault(declared.argument, declared)
+            if known.data_type is not declared.data_type:
+                raise ValueError(f"request input {declared.name} is declared as {known.data_type.__name__} and "
+                                 f"{declared.data_type.__name__}")
+    return table
+
+
 def declared_code(locator: str):
     """The code a declaration names lazily ("module:name": its `loop`, `tiny_builder`, `trace_patches`, ...),
     imported on first use, as target_registry imports a target."""
@@ -89,5 +104,6 @@ __all__ = [
     "FAMILIES", "FLUX2_TEXT_LAYERS", "FLUX2_TEXT_LENGTH", "LORA_TEXT_ENCODERS", "PIPELINE_CLASSES", "QWEN_EDIT_TEMPLATE", "QWEN_EDIT_TEMPLATE_PREFIX",
     "QWEN_EDIT_TEMPLATE_TOKENS", "QWEN_MAX_TEXT_LENGTH", "QWEN_TEMPLATE_TOKENS", "QWEN_TEXT_LENGTH", "SUBFOLDER",
     "WAN_TEXT_LENGTH", "WIDE_FLOAT", "CfgKind", "Component", "EditKind", "Family", "FamilyInfo", "LatentRgb",
-    "TextEncoding", "WideFloat", "declared_code", "family_info", "family_of_pipeline_class", "quantized_component", "quantized_components",
+    "RequestInput", "TextEncoding", "WideFloat", "declared_code", "family_info", "family_of_pipeline_class", "quantized_component", "quantized_components",
+    "request_inputs_of_all",
 ]

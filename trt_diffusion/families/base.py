@@ -158,6 +158,49 @@ WIDE_FLOAT = WideFloat()
 
 
 @dataclass(frozen=True)
+class RequestInput:
+    """A request input a family adds, one number its pipeline's `__call__` takes (Z-Image's `cfg_truncation`):
+    served as the optional Triton input `name` on the entries of the families that declare it, carried in
+    `GenerationRequest.inputs` under `argument`, and, where a request leaves it out, `default` (diffusers' own)."""
+
+    argument: str
+    """diffusers' `__call__` argument (lower case): the key of `GenerationRequest.inputs` and of the client's."""
+    data_type: type = float
+    """float (FP32 on the wire) or int (INT32)."""
+    default: float = 0.0
+    """diffusers' default: what a request that leaves it out runs."""
+    minimum: float | None = None
+    maximum: float | None = None
+    words: str = ""
+    """What it does, for the CLI's help and the docs."""
+
+    @property
+    def name(self) -> str:
+        """The Triton input's name (CFG_TRUNCATION), and the name a refusal uses."""
+        return self.argument.upper()
+
+    @property
+    def triton_type(self) -> str:
+        return "TYPE_INT32" if self.data_type is int else "TYPE_FP32"
+
+    def problem(self, value) -> str | None:
+        """Why `value` is refused (naming the input), or None."""
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            return f"{self.name} must be a number, got {value!r}"
+        if number != number or number in (float("inf"), float("-inf")):
+            return f"{self.name} must be finite, got {value!r}"
+        if self.data_type is int and number != int(number):
+            return f"{self.name} must be a whole number, got {value!r}"
+        low = "-inf" if self.minimum is None else f"{self.minimum:g}"
+        high = "inf" if self.maximum is None else f"{self.maximum:g}"
+        if (self.minimum is not None and number < self.minimum) or (self.maximum is not None and number > self.maximum):
+            return f"{self.name} must be in [{low}, {high}], got {value!r}"
+        return None
+
+
+@dataclass(frozen=True)
 class FamilyInfo:
     """One family's declaration (families/<name>.py): everything the stages ask about it."""
 
@@ -272,6 +315,10 @@ class FamilyInfo:
     tiny_lora_targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
     """The denoiser's layers the tiny LoRA covers, as its trainers make them (Wan's: every linear layer of its
     attention blocks, musubi-tuner's default)."""
+    request_inputs: tuple[RequestInput, ...] = ()
+    """The request inputs it adds beyond every family's (Z-Image's cfg_normalization and cfg_truncation): its entries
+    declare them, the runtime checks and defaults them, the client and the CLI send them. Wan's FRAMES /
+    GUIDANCE_SCALE_2 and Qwen-Image's MAX_SEQUENCE_LENGTH predate it: typed fields of every request."""
     loop: str | None = None
     """The runtime's loop for it (a runtime.family_loops.FamilyLoop, built from the pipeline), lazily as
     "module:Class" (SD1.5, SDXL and SD3: runtime/unet_loop.py's, where their `text_encoding`, `denoiser` and

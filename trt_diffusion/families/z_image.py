@@ -11,7 +11,7 @@ CFG is classic — the prompt's and the negative prompt's rows in one call (`cfg
 the default) or in two (`split`).
 """
 
-from .base import WIDE_FLOAT, CfgKind, FamilyInfo
+from .base import WIDE_FLOAT, CfgKind, FamilyInfo, RequestInput
 from .base import Component as C
 
 # ZImagePipeline's max_sequence_length default: the chat-templated prompt is padded (for the encoder) and cut to it
@@ -36,8 +36,7 @@ DECLARATION = FamilyInfo(
     engine_parts={C.text_encoder: ("embed_tokens.", "layers.", "norm.", "model.embed_tokens.", "model.layers.",
                                    "model.norm.")},
     flow_matching=True,
-    # ZImagePipeline's defaults (Z-Image-Turbo's requests set guidance 0 and 8 steps); cfg_normalization False and
-    # cfg_truncation 1.0 (diffusers' defaults) are what the runtime runs: they are not request inputs yet
+    # ZImagePipeline's defaults (Z-Image-Turbo's requests set guidance 0 and 8 steps)
     reference_guidance={"guidance_scale": 5.0},
     padded_text_length=Z_IMAGE_TEXT_LENGTH,
     # the timestep and caption embedders, the patch embedder and every adaptive-norm modulation linear
@@ -46,4 +45,14 @@ DECLARATION = FamilyInfo(
     quantize_calls="trt_diffusion.components.z_image:ZImageCalls",  # ZImagePipeline calls it with lists
     tiny_builder="trt_diffusion.models.tiny_z_image:build_tiny_z_image",
     loop="trt_diffusion.runtime.z_image_loop:ZImageFamilyLoop",
+    # ZImagePipeline's two CFG arguments, at its defaults where a request leaves them out (CFG_NORMALIZATION,
+    # CFG_TRUNCATION on the wire; without CFG, guidance 0, they change nothing)
+    request_inputs=(
+        RequestInput("cfg_normalization", float, default=0.0, minimum=0.0, maximum=100.0,
+                     words="caps the guided prediction's norm at this many times the prompt's prediction's, per "
+                           "image and step (diffusers' cfg_normalization; 0, its False: off; 1, its True)"),
+        RequestInput("cfg_truncation", float, default=1.0, minimum=0.0, maximum=100.0,
+                     words="guidance 0 (the prompt's prediction alone) at the steps whose normalized time "
+                           "(1000 - t) / 1000 is above it (diffusers' cfg_truncation; 1 or more: never)"),
+    ),
 )

@@ -45,6 +45,7 @@ from .requests import (  # re-exported: the request types' importers know them f
     StageTimings,
     StepCallback,
     _Conditioning,
+    input_problems,
 )
 from .schedulers import scheduler_names
 from .unet_loop import latent_device
@@ -202,6 +203,7 @@ class EnginePipeline:
         problems += self._image_problems(request)
         problems += video_problems(self.family, request, self._loop_of(WanLoop))
         problems += qwen_problems(request, self._loop_of(QwenImageLoop))
+        problems += input_problems(family_info(self.family).request_inputs, request)  # the family's own inputs
         if problems:
             raise RuntimeInputError("; ".join(problems))
         supported = self.runners.supported_sizes(self.denoiser)
@@ -328,7 +330,8 @@ class EnginePipeline:
         workflow = request.resolved_workflow  # the same trimmed schedule and denoiser inputs
         strength = request.resolved_strength if workflow.takes_strength else None
         key = (request.width, request.height, request.steps, request.scheduler, cfg, controlnet, workflow, strength,
-               tuple(request.loras))  # the engines hold one LoRA set per call
+               tuple(request.loras),  # the engines hold one LoRA set per call
+               tuple(sorted(request.inputs.items())))  # the family's own inputs (Z-Image's CFG): one per call
         # a cached request shares calls only with requests of the same schedule (steps and strength are in the key)
         key += (self.cache_interval(request),)
         if not self.loop.batches_requests:

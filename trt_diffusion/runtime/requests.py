@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..families import RequestInput
 from ..workflows import DEFAULT_STRENGTH, Workflow, request_workflow
 
 
@@ -41,6 +42,9 @@ class GenerationRequest:
     # no scale 0); requests with different sets never share a denoiser call (batch_key)
     loras: tuple = ()
     step_cache: str | None = None  # "on" | "off" (STEP_CACHE); None: engines.yaml's step_cache.enabled
+    # the request inputs the family adds (its declaration's `request_inputs`: Z-Image's cfg_normalization and
+    # cfg_truncation), by diffusers' argument; one left out runs at its declared default (`input_value`)
+    inputs: dict[str, float] = field(default_factory=dict)
 
     @property
     def resolved_workflow(self) -> Workflow:
@@ -52,6 +56,25 @@ class GenerationRequest:
         if self.strength is not None:
             return float(self.strength)
         return DEFAULT_STRENGTH.get(self.resolved_workflow, 1.0)
+
+
+def input_problems(declared: tuple[RequestInput, ...], request: GenerationRequest) -> list[str]:
+    """What is wrong with a request's family inputs: one the family does not declare, or a value out of its range
+    (each named as on the wire: CFG_TRUNCATION)."""
+    known = {d.argument: d for d in declared}
+    problems = []
+    for argument, value in request.inputs.items():
+        if argument not in known:
+            takes = ", ".join(d.name for d in declared) or "none beyond every family's"
+            problems.append(f"{str(argument).upper()} is not an input of this model (its family's inputs: {takes})")
+        elif (why := known[argument].problem(value)) is not None:
+            problems.append(why)
+    return problems
+
+
+def input_value(request: GenerationRequest, declared: RequestInput) -> float:
+    """The request's value of a family input, or its declared default (diffusers')."""
+    return declared.data_type(request.inputs.get(declared.argument, declared.default))
 
 
 @dataclass

@@ -9,8 +9,11 @@
   prompt is the request's or "" (diffusers' default). One transformer call over the prompt's rows then the
   negative prompt's (`prompt_embeds + negative_prompt_embeds`), their states padded to the longer with a mask
   (`cfg: batched`, the pipeline's own call); where only engines at the request's rows exist, two calls (`split`).
-  Combined per row `pos + s·(pos − neg)`; cfg_normalization (False) and cfg_truncation (1.0) run at diffusers'
-  defaults: they are not request inputs yet.
+  Combined per row `pos + s·(pos − neg)`. The request's cfg_truncation (CFG_TRUNCATION; default 1.0) sets the
+  scale to 0 at the steps whose normalized time `(1000 - t) / 1000` is above it (and then one call, no CFG);
+  its cfg_normalization (CFG_NORMALIZATION; default 0, diffusers' False: off) scales a row's guided prediction
+  down to at most that many times the norm of its prompt's prediction. Both are the family's declared request
+  inputs (families/z_image.py), at diffusers' defaults where the request leaves them out.
 - noise: randn [rows, 16, h, w] (float32) from the request's generator; the transformer gets `(1000 - t) / 1000`
   and its output is negated before the scheduler's step.
 - schedule: sigmas `linspace(1, 1/steps, steps)` (in float32, as the pipeline), `mu = calculate_shift` of the
@@ -31,15 +34,14 @@ import torch
 from ..components.z_image import padded_rows, prompt_embeds, prompt_tokens
 from ..engines_file.engine_spec import Size
 from ..errors import RuntimeInputError
+from ..families import family_info
 from ..families.z_image import Z_IMAGE_TEXT_LENGTH
 from .engines import RunnerTable
 from .family_loops import LoopAdapter, negative_embeds
-from .requests import GenerationRequest, PromptEncoding, StageTimings, StepCallback, _Conditioning
+from .requests import GenerationRequest, PromptEncoding, StageTimings, StepCallback, _Conditioning, input_value
 from .schedulers import make_scheduler
 
 PATCH = 2  # 2x2 latent pixels per transformer token
-CFG_NORMALIZATION = False  # ZImagePipeline's defaults (not request inputs yet)
-CFG_TRUNCATION = 1.0
 
 
 class ZImageLoop:
@@ -51,6 +53,7 @@ class ZImageLoop:
         self.scheduler_config, self.vae_scale_factor = scheduler_config, vae_scale_factor
         self.channels = int(denoiser_config.get("in_channels", 16))
         self.text_lengths = text_lengths
+        self.inputs = {d.argument: d for d in family_info(family).request_inputs}  # cfg_normalization, cfg_truncation
 
     # ---------------------------------------------------------------- text
 
@@ -102,19 +105,21 @@ class ZImageLoop:
         scheduler.set_begin_index(0)
         timesteps = scheduler.timesteps
         cfg = negative is not None
-        t_norms = ((1000 - timesteps.float()) / 1000).tolist() if cfg and CFG_TRUNCATION <= 1 else None
+        normalization = input_value(request, self.inputs["cfg_normalization"])
+        truncation = input_value(request, self.inputs["cfg_truncation"])
+        t_norms = ((1000 - timesteps.float()) / 1000).tolist() if cfg and truncation <= 1 else None
         cfg_mode = self._cfg_mode(size, rows) if cfg else "none"
         conditional = [positive] * rows
         for index, t in enumerate(timesteps):
             start = time.perf_counter()
             timestep = ((1000 - t.expand(rows)) / 1000).numpy()
             scale = request.guidance_scale
-            if t_norms is not None and t_norms[index] > CFG_TRUNCATION:
+            if t_norms is not None and t_norms[index] > truncation:
                 scale = 0.0
             sample = latents.numpy()
             if cfg and scale > 0:
                 pos, neg = self._cfg_calls(cfg_mode, size, sample, timestep, conditional, [negative] * rows)
-                noise_pred = torch.stack([_guided(p, n, scale) for p, n in zip(pos, neg)], dim=0)
+                noise_pred = torch.stack([_guided(p, n, scale, normalization) for p, n in zip(pos, neg)], dim=0)
             else:
                 noise_pred = self._call(size, sample, timestep, conditional)
             latents = scheduler.step((-noise_pred).to(torch.float32), t, latents, return_dict=False)[0]
@@ -149,14 +154,15 @@ class ZImageLoop:
                                 f"or {rows}); built: {sorted(b for b in batches if b)}")
 
 
-def _guided(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
-    """One row's guided prediction, as ZImagePipeline writes it (in float32)."""
+def _guided(pos: torch.Tensor, neg: torch.Tensor, scale: float, normalization: float) -> torch.Tensor:
+    """One row's guided prediction, as ZImagePipeline writes it (in float32), its norm capped at `normalization`
+    times the prompt's prediction's where `normalization` > 0."""
     pos, neg = pos.float(), neg.float()
     pred = pos + scale * (pos - neg)
-    if CFG_NORMALIZATION and float(CFG_NORMALIZATION) > 0.0:
+    if normalization > 0.0:
         ori_pos_norm = torch.linalg.vector_norm(pos)
         new_pos_norm = torch.linalg.vector_norm(pred)
-        max_new_norm = ori_pos_norm * float(CFG_NORMALIZATION)
+        max_new_norm = ori_pos_norm * float(normalization)
         if new_pos_norm > max_new_norm:
             pred = pred * (max_new_norm / new_pos_norm)
     return pred
