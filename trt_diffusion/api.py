@@ -272,7 +272,8 @@ def generate_in_process(config_path: str | Path, request, *, model: str | None =
         controlnet_scale=1.0 if request.controlnet_scale is None else request.controlnet_scale,
         workflow=request.workflow, init_image=request.init_image, mask=request.mask,
         strength=request.strength, frames=request.frames or 0, guidance_scale_2=request.guidance_scale_2,
-        max_sequence_length=request.max_sequence_length, step_cache=request.step_cache)).images[0]
+        max_sequence_length=request.max_sequence_length, step_cache=request.step_cache,
+        inputs=dict(request.inputs or {}))).images[0]
         for i in range(request.num_images or 1)]
     return np.stack(images), model
 

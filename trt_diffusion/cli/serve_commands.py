@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from ..families import request_inputs_of_all
 from ..targets import check_target_name, target_names
 from ..video_files import DEFAULT_FPS
 from .console import console
@@ -313,6 +314,10 @@ def generate_command(
     step_cache: Annotated[str | None, typer.Option(
         "--step-cache", help="on | off: run the model's step cache (engines.yaml step_cache: DeepCache, first-block "
         "caching) or every step whole; default: engines.yaml's step_cache.enabled")] = None,
+    family_input: Annotated[list[str] | None, typer.Option(
+        "--input", help="NAME=VALUE: a request input the model's family declares ("
+        + ", ".join(sorted(request_inputs_of_all())) + "), sent as its Triton input (upper case); repeat for "
+        "several; default: diffusers' value. Other families refuse it")] = None,
 ):
     """Ask a running server (or, with --config, the built engines in this process) for an image; save it as PNG
     with its request in the PNG's text (A1111 `parameters` and JSON); a video model's videos as .mp4 (or .gif)."""
@@ -365,7 +370,7 @@ def generate_command(
                            control, controlnet_scale, num_images=num_images if num_images > 1 else None,
                            workflow=workflow, init_image=init_image, mask=mask_array, strength=strength,
                            frames=frames, guidance_scale_2=guidance_scale_2, max_sequence_length=max_sequence_length,
-                           loras=loras, step_cache=step_cache)
+                           loras=loras, step_cache=step_cache, inputs=_family_inputs(family_input))
     start = time.perf_counter()
     on_preview = None
     if config is None and preview is not None:
@@ -412,6 +417,26 @@ def _loras_json(lora: list[str] | None, config: Path | None) -> str | None:
         return lora_sets.to_json(lora_sets.canonical([lora_sets.parse_cli_lora(text) for text in lora]))
     except RuntimeInputError as err:
         raise ConfigError(str(err)) from None
+
+
+def _family_inputs(given: list[str] | None) -> dict[str, float] | None:
+    """--input NAME=VALUE ... as the request's family inputs (checked here: an unknown name or a value that is not a
+    number fails before any request; the model checks the range)."""
+    from ..errors import ConfigError
+
+    known = request_inputs_of_all()
+    values: dict[str, float] = {}
+    for text in given or ():
+        name, sep, value = text.partition("=")
+        argument = name.strip().lower()
+        if not sep or argument not in known:
+            raise ConfigError(f"--input {text!r}: expected NAME=VALUE with NAME one of "
+                              f"{', '.join(sorted(known)) or 'none'} (a family's declared request input)")
+        try:
+            values[argument] = known[argument].data_type(value.strip())
+        except ValueError:
+            raise ConfigError(f"--input {text!r}: {known[argument].name} must be a number") from None
+    return values or None
 
 
 def _given(ctx: typer.Context, name: str) -> bool:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import ServeError
+from ..families import request_inputs_of_all
 from . import contract
 from .client_limits import (  # noqa: F401  (RequestRejected, RequestCancelled, malformed: re-exported)
     MAX_RESPONSE_BYTES,
@@ -31,7 +33,8 @@ def deadline(timeout_s: float, url: str, what: str = "the request"):
     return deadline_context(timeout_s, url, what)
 _WORKFLOW_INPUTS = tuple(t.name for t in contract.WORKFLOW_INPUTS)
 _TYPES = {t.name: contract.TRITON_TO_WIRE[t.data_type]
-          for t in (*contract.request_inputs(True), contract.NUM_IMAGES, contract.PREVIEW_EVERY)}
+          for t in (*contract.request_inputs(True), *contract.family_inputs(), contract.NUM_IMAGES,
+                    contract.PREVIEW_EVERY)}
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class ImageRequest:
     loras: str | None = None
     # "on" | "off" (STEP_CACHE); None: left out, engines.yaml's step_cache.enabled
     step_cache: str | None = None
+    # the inputs the model's family adds (families/<name>.py `request_inputs`), by diffusers' argument:
+    # {"cfg_truncation": 0.5} is sent as CFG_TRUNCATION; None or left out: the family's defaults (diffusers')
+    inputs: Mapping[str, float] | None = None
 
     @property
     def result(self) -> str:
@@ -109,7 +115,26 @@ class ImageRequest:
             values["LORAS"] = text(self.loras)
         if self.step_cache is not None:
             values["STEP_CACHE"] = text(self.step_cache)
+        values.update(family_input_tensors(self.inputs or {}))
         return values
+
+
+def family_input_tensors(inputs: Mapping[str, float]) -> dict[str, np.ndarray]:
+    """A request's family inputs as their tensors ({"cfg_truncation": 0.5} -> CFG_TRUNCATION FP32 [[0.5]]). An
+    argument no family declares is refused here by name; the value's range is the serving model's to check."""
+    known = request_inputs_of_all()
+    values = {}
+    for argument, value in inputs.items():
+        declared = known.get(argument)
+        if declared is None:
+            raise ServeError(f"{argument!r} is not a request input of any family (declared: "
+                             f"{', '.join(sorted(known)) or 'none'})")
+        try:
+            number = declared.data_type(value)
+        except (TypeError, ValueError):
+            raise ServeError(f"{declared.name} must be a number, got {value!r}") from None
+        values[declared.name] = np.array([[number]], np.int32 if declared.data_type is int else np.float32)
+    return values
 
 
 def client_module(protocol: str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..families import Family, family_info
+from ..families import Family, family_info, request_inputs_of_all
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,18 @@ USE_NEGATIVE = _scalar("USE_NEGATIVE", "TYPE_BOOL")  # False: no CFG, the NEGATI
 PROMPT_ONLY = ("PROMPT", "NEGATIVE_PROMPT")  # request inputs the denoise stage does not need
 
 
-def request_inputs(has_controlnets: bool) -> tuple[TensorDecl, ...]:
+def family_inputs(family: Family | str | None = None) -> tuple[TensorDecl, ...]:
+    """The optional scalars a family's declaration adds to its entries (`FamilyInfo.request_inputs`: Z-Image's
+    CFG_NORMALIZATION and CFG_TRUNCATION); only its entries declare them, so another's refuses them as Triton
+    refuses any unknown input. None: every family's (what the client may send)."""
+    declared = request_inputs_of_all().values() if family is None else family_info(family).request_inputs
+    return tuple(_scalar(d.name, d.triton_type, optional=True) for d in declared)
+
+
+def request_inputs(has_controlnets: bool, family: Family | str | None = None) -> tuple[TensorDecl, ...]:
+    """What a request to an entry may hold; with `family`, that family's own inputs too."""
     return (REQUEST_INPUTS + WORKFLOW_INPUTS + VIDEO_INPUTS + TEXT_INPUTS + LORA_INPUTS + STEP_CACHE_INPUTS
-            + (CONTROLNET_INPUTS if has_controlnets else ()))
+            + (CONTROLNET_INPUTS if has_controlnets else ()) + (family_inputs(family) if family is not None else ()))
 
 
 def result_tensor(family: Family | str) -> TensorDecl:
@@ -128,7 +137,7 @@ def encoding_tensors(family: Family | str) -> tuple[TensorDecl, ...]:
 def stage_io(stage: str, family: Family | str, has_controlnets: bool
              ) -> tuple[tuple[TensorDecl, ...], tuple[TensorDecl, ...]]:
     """(inputs, outputs) of a pipeline python model: `full` (the public entry), `encode`, `denoise`, `decode`."""
-    request = request_inputs(has_controlnets)
+    request = request_inputs(has_controlnets, family)
     result = result_tensor(family)
     if stage == "full":
         return request + (NUM_IMAGES,), (result, TIMING)

@@ -487,7 +487,7 @@ def _requests_per_denoiser_call(description: PipelineDescription) -> int:
 
 
 def _ensemble_plan(pipeline: str, family: Family, has_controlnets: bool) -> _ModelPlan:
-    request = contract.request_inputs(has_controlnets)
+    request = contract.request_inputs(has_controlnets, family)
     encoding = contract.encoding_tensors(family)
     encode_in, _ = contract.stage_io("encode", family, has_controlnets)
     denoise_in, _ = contract.stage_io("denoise", family, has_controlnets)

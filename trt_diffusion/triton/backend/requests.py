@@ -99,4 +99,24 @@ def read_request(request: Any, *, with_prompt: bool = True, served_loras: Sequen
         loras=parse_loras(_text(get("LORAS"), "LORAS", MAX_LORAS_BYTES), served_loras),
         # "on" | "off"; absent: engines.yaml's default (EnginePipeline.validate refuses anything else)
         step_cache=_text(get("STEP_CACHE"), "STEP_CACHE") or None,
+        inputs=family_inputs(get),
     )
+
+
+def family_inputs(get) -> dict[str, float]:
+    """The family inputs a request holds (families/<name>.py `request_inputs`; only the entries of the families that
+    declare one take it: Triton refuses it elsewhere), by diffusers' argument; a value out of the declared range
+    is refused naming the input. The family's check of its own (EnginePipeline.validate) runs again in process."""
+    from ...families import request_inputs_of_all
+
+    values = {}
+    for argument, declared in request_inputs_of_all().items():
+        value = get(declared.name)
+        if value is None:
+            continue
+        item = _only(value, declared.name)
+        number = _decimal(item) if declared.data_type is float else int(item)
+        if (why := declared.problem(number)) is not None:
+            raise RuntimeInputError(why)
+        values[argument] = number
+    return values
