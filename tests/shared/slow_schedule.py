@@ -9,6 +9,8 @@ costs on this suite, which it cannot know from test counts:
   model: where the two units land on different workers, that worker builds it too.)
 - The soak is one test of minutes. Counted as one test it is among the last units handed out, where it can run
   alone while the other worker idles. Here it starts first, and the other units of minutes follow it (RUN_FIRST).
+  The family conformance run (tests/families/test_conformance.py: every family built, judged and served in one
+  module) is the longest unit and goes before it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ SHARED_BUILDS = {
 }
 # units of minutes that hold few tests, longest first (a file, or a SHARED_BUILDS unit): handed out before the
 # rest, so the many short files fill both workers at the end instead of one long unit running alone there
-RUN_FIRST = ("tests/triton/test_soak.py", "built_wan_i2v", "tests/triton/test_qwen_image_edit_serving.py")
+RUN_FIRST = ("tests/families/test_conformance.py", "tests/triton/test_soak.py", "built_wan_i2v",
+             "tests/triton/test_qwen_image_edit_serving.py")
 
 
 def make_scheduler(config, log):
