@@ -65,7 +65,7 @@ def served(built_z_image, tmp_path_factory):
 def test_served_images_equal_the_in_process_pipeline(served):
     """Over gRPC and HTTP, NUM_IMAGES 2 (seeds SEED and SEED + 1), the entry's images equal the in-process
     EnginePipeline's over the same engines bit for bit: Z-Image with CFG (batched) and Z-Image-Turbo's request
-    (8 steps, guidance 0)."""
+    (8 steps, guidance 0), and the family's request inputs CFG_NORMALIZATION / CFG_TRUNCATION (over gRPC)."""
     import numpy as np
 
     from trt_diffusion.runtime.loader import built_engines, table_from_engines
@@ -76,12 +76,16 @@ def test_served_images_equal_the_in_process_pipeline(served):
     server, report, config = served
     local = EnginePipeline(config.models[MODEL].source.path, "z_image",
                            table_from_engines(built_engines(config, MODEL, "onnxruntime")))
-    for guidance, steps, protocol, url in ((5.0, 2, "grpc", server.grpc_url), (0.0, 8, "http", server.http_url)):
+    inputs = {"cfg_normalization": 0.9, "cfg_truncation": 0.5}
+    for guidance, steps, protocol, url, extra in ((5.0, 2, "grpc", server.grpc_url, {}),
+                                                  (0.0, 8, "http", server.http_url, {}),
+                                                  (5.0, 3, "grpc", server.grpc_url, inputs)):
         request = ImageRequest(prompt="a red fox running through snow", height=64, width=64, steps=steps,
-                               guidance_scale=guidance, seed=5, num_images=2)
+                               guidance_scale=guidance, seed=5, num_images=2, inputs=extra or None)
         images, _ = client.generate_images(url, request, pipeline=report.entry, protocol=protocol)
         assert images.shape == (2, 64, 64, 3)
         for k in range(2):
             expected = local.generate(GenerationRequest(prompt=request.prompt, height=64, width=64, steps=steps,
-                                                        guidance_scale=guidance, seed=5 + k)).images[0]
+                                                        guidance_scale=guidance, seed=5 + k,
+                                                        inputs=dict(extra))).images[0]
             np.testing.assert_array_equal(images[k], expected)
