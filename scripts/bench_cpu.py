@@ -545,6 +545,8 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="kept between runs (models, ONNX, engines)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--base-ghz", type=float, default=None, help="the CPU's base clock (peak fractions)")
+    parser.add_argument("--routes", nargs="*", default=None,
+                        help="UNet routes whose name holds one of these words (pytorch fp32 always runs: the base)")
     args = parser.parse_args()
     if args.runs < 5:
         print("--runs must be at least 5 (medians of fewer are noise on a shared machine)", file=sys.stderr)
@@ -566,7 +568,8 @@ def main() -> int:
     for size in args.sizes:
         feeds = unet_feeds(size // 8)
         log(f"UNet {size}² (batch 2, {size // 8}² latents)")
-        routes = routes_for("unet", model_dir, unet_onnx, int8_onnx, feeds, size, workdir)
+        routes = [r for r in routes_for("unet", model_dir, unet_onnx, int8_onnx, feeds, size, workdir)
+                  if not args.routes or r.name == "pytorch fp32" or any(w in r.name for w in args.routes)]
         report["results"][f"unet_{size}"] = measure(routes, feeds, args.runs)
         flops = unet_flops(model_dir, feeds)
         ghz, ghz_source = base_ghz(args.base_ghz)
