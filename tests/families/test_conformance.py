@@ -82,34 +82,6 @@ def built(tiny_model_factory, tmp_path_factory):
     return SimpleNamespace(path=path, report=report, root=root, specs=specs)
 
 
-def refused_here(built, family: str, target: str) -> str | None:
-    """Why this host refuses one of the family's default engines on `target`, or None. OpenVINO computes a
-    precision natively or refuses it (targets/openvino/precision.py): the defaults' fp16 engines are refused on a
-    CPU without AVX512-FP16/AMX-FP16 (this AMD EPYC, or any Xeon before Sapphire Rapids) and build on one with it."""
-    if target != "openvino":
-        return None
-    from trt_diffusion.errors import BuildError
-    from trt_diffusion.targets.openvino import host, precision
-
-    facts = host.cpu_facts()
-    for spec in built.specs:
-        if (spec.model, spec.target) == (family, target):
-            try:
-                precision.resolve(spec.precision, facts.capabilities, facts.device_name)
-            except BuildError as refused:
-                return (f"#42 finding: the minimal entry's {spec.name} ({spec.precision}: engines.yaml's file-wide "
-                        f"fp16 default, which no declaration overrides) is refused by openvino here: {refused}")
-    return None
-
-
-def expect_refusal(request, built, family: str, target: str) -> None:
-    """A case this host's CPU refuses is a strict xfail with the reason: it must fail here, and passes (so the
-    mark must go) once the defaults build on it."""
-    reason = refused_here(built, family, target)
-    if reason is not None:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
-
-
 @pytest.fixture(scope="module")
 def parity(built):
     from trt_diffusion.engines_file import load_engines_file
@@ -193,11 +165,10 @@ def in_process(built, family: str, request) -> np.ndarray:
 
 
 @pytest.mark.parametrize("family, target", CASES)
-def test_builds(request, built, family, target):
+def test_builds(built, family, target):
     """Every engine the minimal entry plans on the target builds: exactly the family's default components, the
     denoiser at the batch its guidance calls it with and no other (true CFG, split CFG and embedded guidance one
     row a call: Qwen-Image, Klein, FLUX.1, FLUX.2 dev; batched CFG the two rows in one call)."""
-    expect_refusal(request, built, family, target)
     info = family_info(family)
     planned = {s.name for s in built.specs if (s.model, s.target) == (family, target)}
     outcomes = [o for o in built.report.outcomes if (o.spec.model, o.spec.target) == (family, target)]
@@ -219,9 +190,8 @@ def test_tensorrt_is_skipped_with_its_reason_where_this_host_cannot_build_it(bui
 
 
 @pytest.mark.parametrize("family, target", CASES)
-def test_parity(request, built, parity, family, target):
+def test_parity(built, parity, family, target):
     """The real parity stage's gates on the family's default precisions, per target (a video per frame)."""
-    expect_refusal(request, built, family, target)
     variant = parity.get((family, target))
     assert variant is not None, f"no parity variant for {family} on {target}: {sorted(parity)}"
     assert variant.passed, variant.failure_reasons

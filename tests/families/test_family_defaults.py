@@ -47,7 +47,23 @@ def test_minimal_engines_yaml_covers_the_default_request(family, tiny_model_fact
             elif declared is not None:
                 assert spec.precision == declared, spec.name
             elif not spec.component.is_vae:  # engines.yaml's file-wide fallback (fp32 VAEs, fp16 for the rest)
-                assert spec.precision == "fp16", spec.name
+                # where the target computes fp16 on every host; OpenVINO's is fp32 (fp16 is native on few CPUs)
+                assert spec.precision == get_target(target).fallback_precision(), spec.name
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_every_default_openvino_engine_is_one_this_cpu_computes(family, tiny_model_factory, tmp_path):
+    """OpenVINO refuses a precision the CPU does not compute (fp16 without AVX512-FP16/AMX-FP16, bf16 without
+    AVX512-BF16/AMX): the minimal entry's engines must not need one, on any host (they were fp16 and refused on
+    this AMD EPYC and every Xeon before Sapphire Rapids)."""
+    from trt_diffusion.targets.openvino import host, precision
+
+    if host.unavailable_reason() is not None:
+        pytest.skip(host.unavailable_reason())
+    facts = host.cpu_facts()
+    for spec in _plan(tmp_path, tiny_model_factory, family).specs:
+        if spec.target == "openvino":
+            precision.resolve(spec.precision, facts.capabilities, facts.device_name)  # raises BuildError if refused
 
 
 def test_flux_transformer_defaults_to_a_precision_that_passes_parity_on_cpu_targets(tiny_model_factory, tmp_path):

@@ -101,15 +101,33 @@ class ResolvedModel:
     # components whose precision engines.yaml left to the family's WIDE_FLOAT default: `precision` holds its fp32,
     # a target that builds bf16 graphs (TensorRT) gets bf16 (`precision_on`)
     wide_float: tuple[Component, ...] = ()
+    # components at engines.yaml's file-wide fallback (fp16: neither the file nor the family chose): `precision`
+    # holds fp16, a target whose hosts do not all compute fp16 (OpenVINO) gets its own (`precision_on`)
+    fallback_float: tuple[Component, ...] = ()
 
     def precision_of(self, component: Component) -> Precision:
         return self.precision[component]
 
     def precision_on(self, component: Component, target: str) -> Precision:
-        """The component's precision on `target`: `precision`'s, except a WIDE_FLOAT default on a bf16 target."""
+        """The component's precision on `target`: `precision`'s, except a WIDE_FLOAT default on a bf16 target and
+        the file-wide fallback on a target that computes another one on every host (`fallback_precision`)."""
         if component in self.wide_float and _builds_bf16_graphs(target):
             return WIDE_FLOAT.on_bf16_targets
+        if component in self.fallback_float:
+            return _fallback_precision(target)
         return self.precision[component]
+
+
+def _fallback_precision(target: str) -> Precision:
+    """What `target` computes under engines.yaml's file-wide fallback on every host it builds on (the registry's
+    answer; a target that cannot load gets the fallback itself)."""
+    from ..errors import TrtDiffusionError
+    from ..target_registry import get_target
+
+    try:
+        return Precision(get_target(target).fallback_precision())
+    except TrtDiffusionError:
+        return BUILTIN_DEFAULTS["precision_fallback"]
 
 
 def _builds_bf16_graphs(target: str) -> bool:
@@ -477,13 +495,20 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     precision.update({c: WIDE_FLOAT.elsewhere if p is WIDE_FLOAT else p for c, p in info.default_precision.items()})
     precision.update(defaults.precision or {})
     precision.update(entry.precision or {})
-    if Component.controlnet not in (entry.precision or {}) and Component.controlnet not in (defaults.precision or {}):
+    fallback_float = {c for c in info.components
+                      if c not in BUILTIN_DEFAULTS["precision"] and c not in info.default_precision} - chosen_here
+    if Component.controlnet not in chosen_here:
         # A ControlNet follows the denoiser's precision, except fp8/int8: only denoisers are quantized.
         follows = precision[info.denoiser]
         precision[Component.controlnet] = Precision.fp16 if follows.is_quantized else follows
-    if Component.transformer_2 in info.components and all(
-            Component.transformer_2 not in (chosen or {}) for chosen in (entry.precision, defaults.precision)):
+        if follows.is_quantized or info.denoiser in fallback_float:
+            fallback_float.add(Component.controlnet)
+    if Component.transformer_2 in info.components and Component.transformer_2 not in chosen_here:
         precision[Component.transformer_2] = precision[Component.transformer]  # Wan 2.2's experts: one architecture
+        if Component.transformer in fallback_float:
+            fallback_float.add(Component.transformer_2)
+        else:
+            fallback_float.discard(Component.transformer_2)
     for component, chosen in (entry.precision or {}).items():
         if chosen.is_quantized and not quantized_component(entry.family, component):
             takes = " and ".join(c.value for c in quantized_components(entry.family))
@@ -562,6 +587,7 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         quantization=entry.quantization or defaults.quantization or QuantizationSettings(), parity=parity,
         workflows=workflows, checkpoint=checkpoint, text_lengths=text_lengths, step_cache=step_cache,
         serving=entry.serving or defaults.serving or ServingSettings(), wide_float=wide_float,
+        fallback_float=tuple(sorted(fallback_float, key=list(Component).index)),
     )
 
 

@@ -120,6 +120,13 @@ class TargetBase:
         """The ONNX precision this target builds `precision` from; None: the exporter's default."""
         return None
 
+    def fallback_precision(self) -> str:
+        """What a component gets where neither engines.yaml nor its family chooses a precision (the file-wide
+        fallback, fp16): a precision this target computes on every host it builds on."""
+        from ..precision import Precision
+
+        return Precision.fp16
+
     def farm_needs(self, spec: EngineSpec) -> dict[str, Any]:
         """Ray resources a build of `spec` needs on a farm (a GPU of its architecture); none by default."""
         return {}

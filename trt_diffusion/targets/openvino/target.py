@@ -9,7 +9,7 @@ from pathlib import Path
 from ...engines_file.engine_spec import EngineSpec
 from ...errors import BuildError, ServeError
 from ...onnx_facts import onnx_sha256
-from ...precision import is_quantized
+from ...precision import Precision, is_quantized
 from ..base import BuildRequest, BuiltEngine, TargetBase, TritonEngineModel
 from . import host, precision
 from .engine import (
@@ -77,6 +77,12 @@ class OpenVINOTarget(TargetBase):
 
     def build_options(self, config) -> dict:
         return {}
+
+    def fallback_precision(self) -> str:
+        """fp32: fp16 is computed natively only by AVX512-FP16/AMX-FP16 Xeons and ARMv8.2 (refused elsewhere, as
+        bf16 is without AVX512-BF16/AMX), and a plan is the same on every host: a family's defaults must build on
+        any CPU. A component declared fp16 or bf16 is built as declared where the CPU computes it."""
+        return Precision.fp32
 
     def plan_note(self, precision_name: str) -> str:
         """What `plan` shows beside this target's rows: what runs here, and on other CPUs."""
