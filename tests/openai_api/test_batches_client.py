@@ -6,13 +6,12 @@ jobs need the key; nothing is written outside the state folder."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import time
 
 import numpy as np
 import pytest
+from api_waits import png_pixels
 from images_stub_triton import expected_image
 
 from trt_diffusion.openai_api.server import ApiServer
@@ -51,13 +50,6 @@ def finished(openai_client, batch_id: str):
             return batch
         time.sleep(0.05)
     raise AssertionError(f"batch {batch_id} is still {batch.status}")
-
-
-def decoded(b64: str) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
-        return np.asarray(image.convert("RGB"))
 
 
 def forty_lines() -> list[dict]:
@@ -112,12 +104,12 @@ def test_a_batch_of_40_equals_the_same_requests_online(api, stub, tmp_path):
                                                extra_body={k: v for k, v in body.items()
                                                            if k not in ("model", "prompt", "n")})
         for item, online_item in zip(data, online.data, strict=True):
-            image = decoded(item["b64_json"])
-            assert np.array_equal(image, decoded(online_item.b64_json))
+            image = png_pixels(item["b64_json"])
+            assert np.array_equal(image, png_pixels(online_item.b64_json))
             assert item["seed"] == online_item.seed
         # and the image is the stub's answer to that very request, the LoRA set included
         plain = expected_image(body["model"], body["prompt"], body["seed"], 64, 64, 2)
-        assert np.array_equal(decoded(data[0]["b64_json"]), plain) == ("loras" not in body)
+        assert np.array_equal(png_pixels(data[0]["b64_json"]), plain) == ("loras" not in body)
 
     import openai
 

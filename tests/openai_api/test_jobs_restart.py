@@ -11,10 +11,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
+from api_waits import GUARD_S, until
 from images_stub_triton import expected_image, start_images_stub
 
 from trt_diffusion.triton.server import free_port
@@ -22,7 +22,6 @@ from trt_diffusion.triton.server import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 KEY = "restart-key"
-GUARD_S = 60  # a step that never happens fails the test instead of hanging it
 
 
 def start_api(stub, state, port) -> subprocess.Popen:
@@ -36,21 +35,6 @@ def client(port: int):
     import openai
 
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=10)
-
-
-def until(check, what: str, process: subprocess.Popen | None = None):
-    end = time.monotonic() + GUARD_S
-    while time.monotonic() < end:
-        if process is not None and process.poll() is not None:
-            raise AssertionError(f"the API exited ({process.returncode}): {process.stderr.read().decode()[-2000:]}")
-        try:
-            value = check()
-        except Exception:  # noqa: BLE001 - not listening yet
-            value = None
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} did not happen within {GUARD_S} s")
 
 
 def upload_batch(openai_client, lines: list[dict]):

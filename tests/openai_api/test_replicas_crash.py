@@ -13,20 +13,18 @@ would a crashed tritonserver."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
+from api_waits import GUARD_S, png_pixels, until
 from images_stub_triton import expected_image
 
 from trt_diffusion.triton.server import free_port
@@ -34,7 +32,6 @@ from trt_diffusion.triton.server import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STUB = Path(__file__).parents[1] / "shared" / "images_stub_process.py"
-GUARD_S = 60  # a step that never happens fails the test instead of hanging it
 LINES = 12
 ONLINE = 8
 HOLD_AFTER = 2  # replica A answers this many inferences, then holds the rest until it is killed
@@ -60,28 +57,6 @@ class Replica:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(30)
-
-
-def until(check, what: str, api: subprocess.Popen | None = None):
-    end = time.monotonic() + GUARD_S
-    while time.monotonic() < end:
-        if api is not None and api.poll() is not None:
-            raise AssertionError(f"the API exited ({api.returncode}): {api.stderr.read().decode()[-2000:]}")
-        try:
-            value = check()
-        except Exception:  # noqa: BLE001 - not listening yet
-            value = None
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} did not happen within {GUARD_S} s")
-
-
-def pixels(b64: str) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
-        return np.asarray(image.convert("RGB"))
 
 
 def online(port: int, prompt: str, seed: int | None) -> dict:
@@ -151,7 +126,7 @@ def test_a_replica_killed_mid_batch_loses_no_job_line_and_no_online_request(tmp_
             (item,) = answers[i]["data"]
             if i % 2 == 0:
                 assert item["seed"] == 900 + i
-            assert np.array_equal(pixels(item["b64_json"]), expected_image("sd15-tiny", f"online {i}", item["seed"],
+            assert np.array_equal(png_pixels(item["b64_json"]), expected_image("sd15-tiny", f"online {i}", item["seed"],
                                                                            64, 64, 2))
 
         done = until(lambda: (x := client.batches.retrieve(batch.id)).status == "completed" and x,
@@ -165,7 +140,7 @@ def test_a_replica_killed_mid_batch_loses_no_job_line_and_no_online_request(tmp_
             (item,) = record["response"]["body"]["data"]
             if i % 2 == 0:
                 assert item["seed"] == 700 + i
-            assert np.array_equal(pixels(item["b64_json"]), expected_image("sd15-tiny", f"job {i}", item["seed"],
+            assert np.array_equal(png_pixels(item["b64_json"]), expected_image("sd15-tiny", f"job {i}", item["seed"],
                                                                            64, 64, 3))
 
         # each job line answered once in all (A before the kill, else B); what A held went to B with its seed
