@@ -551,7 +551,7 @@ def main() -> int:
     if args.runs < 5:
         print("--runs must be at least 5 (medians of fewer are noise on a shared machine)", file=sys.stderr)
         return 2
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-cpu-"))
+    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="bench-cpu-"))).resolve()  # engines.yaml paths: absolute
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     from trt_diffusion.targets.openvino import host
