@@ -149,7 +149,8 @@ def peak_unit(route: str, flags: set[str]) -> str:
     if "int8" in route:
         return ("amx_int8" if "amx_int8" in flags else "avx512_vnni_int8" if "avx512_vnni" in flags
                 else "avx2_vnni_int8")
-    if "bf16" in route:
+    # OpenVINO's defaults compute bf16 where the CPU does (its INFERENCE_PRECISION_HINT: bfloat16 on AVX512-BF16/AMX)
+    if "bf16" in route or ("defaults" in route and flags & {"amx_bf16", "avx512_bf16"}):
         return "amx_bf16" if "amx_bf16" in flags else "avx512_bf16"
     return "avx512_fp32" if "avx512f" in flags else "avx2_fp32"
 
