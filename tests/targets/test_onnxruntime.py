@@ -92,8 +92,8 @@ def test_killed_build_leaves_no_trusted_engine(tmp_path, dynamic_onnx):
         from trt_diffusion.targets.onnxruntime import engine as t
         from trt_diffusion.engines_file.engine_spec import Bucket, EngineSpec, Size
         real = t._optimize_offline
-        def dying(source, target):
-            real(source, target)
+        def dying(source, target, *disabled):
+            real(source, target, *disabled)
             os.kill(os.getpid(), signal.SIGKILL)  # after the model is written, before the manifest
         t._optimize_offline = dying
         spec = EngineSpec(model="m", family="sd15", source="local:x", component="unet", target="onnxruntime",

@@ -495,8 +495,9 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
     precision.update({c: WIDE_FLOAT.elsewhere if p is WIDE_FLOAT else p for c, p in info.default_precision.items()})
     precision.update(defaults.precision or {})
     precision.update(entry.precision or {})
-    fallback_float = {c for c in info.components
-                      if c not in BUILTIN_DEFAULTS["precision"] and c not in info.default_precision} - chosen_here
+    follower = (Component.controlnet, Component.transformer_2)  # take their precision from another (below)
+    fallback_float = {c for c in info.components if c not in follower
+                      and c not in BUILTIN_DEFAULTS["precision"] and c not in info.default_precision} - chosen_here
     if Component.controlnet not in chosen_here:
         # A ControlNet follows the denoiser's precision, except fp8/int8: only denoisers are quantized.
         follows = precision[info.denoiser]
@@ -507,8 +508,6 @@ def _resolve_model(name, entry: ModelEntry, parsed: EnginesFile, root: Path, pro
         precision[Component.transformer_2] = precision[Component.transformer]  # Wan 2.2's experts: one architecture
         if Component.transformer in fallback_float:
             fallback_float.add(Component.transformer_2)
-        else:
-            fallback_float.discard(Component.transformer_2)
     for component, chosen in (entry.precision or {}).items():
         if chosen.is_quantized and not quantized_component(entry.family, component):
             takes = " and ".join(c.value for c in quantized_components(entry.family))
