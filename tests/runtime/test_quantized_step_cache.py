@@ -2,7 +2,8 @@
 unet_deep / unet_shallow pieces quantized from one calibration, built on onnxruntime and openvino from their Q/DQ
 graphs, parity-checked against the fp32 *uncached* reference on the looser of the cache's and int8's bars, served
 through Triton equal to the in-process pipeline, and a refit LoRA switched A -> B -> A on the quantized pieces with
-the A images equal bit for bit; and int8 first-block caching on the tiny FLUX built and parity-checked.
+the A images equal bit for bit; and int8 first-block caching on the tiny FLUX built, parity-checked and served
+through Triton equal to the in-process pipeline.
 
 Before the change engines.yaml refused the cache ("step caching with an int8 unet is not supported yet").
 Slow: three quantized graphs, three fp32 exports and ten engines (FLUX: its own build).
@@ -112,17 +113,26 @@ def test_a_refit_lora_switches_a_b_a_on_the_quantized_pieces(built, tiny_sd15_di
     np.testing.assert_array_equal(images(None), base)
 
 
-def test_int8_first_block_caching_on_flux_is_built_and_parity_checked(tiny_model_factory, write_engines_yaml,
-                                                                       tmp_path):
-    """FLUX's first_block / rest_blocks quantized beside the int8 transformer, the cached pipeline judged against
-    the fp32 uncached reference (threshold 0.6 skips steps on random weights: docs/step-cache.md)."""
-    path = write_engines_yaml(tmp_path, tiny_model_factory("flux"), "flux", cfg=["none"],
+FLUX_NAME = "flux-tiny"
+FLUX_CACHE = {"method": "first_block", "threshold": 0.6}  # skips steps on random weights: docs/step-cache.md
+
+
+@pytest.fixture(scope="module")
+def built_flux(tiny_model_factory, write_engines_yaml, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized-first-block")
+    path = write_engines_yaml(root, tiny_model_factory("flux"), "flux", workspace=str(root / "build"), cfg=["none"],
                               precision={"text_encoder": "fp32", "text_encoder_2": "fp32", "transformer": "int8",
                                          "vae_decoder": "fp32"},
-                              quantization=QUANTIZATION, step_cache={"method": "first_block", "threshold": 0.6})
-    report = api.build(path, target="onnxruntime")
+                              targets=["onnxruntime"], quantization=QUANTIZATION, step_cache=FLUX_CACHE)
+    report = api.build(path)
     assert not report.failed, [o.error for o in report.failed]
-    run = api.parity(path, targets=["onnxruntime"], out_dir=tmp_path / "parity")
+    return path
+
+
+def test_int8_first_block_caching_on_flux_is_built_and_parity_checked(built_flux, tmp_path):
+    """FLUX's first_block / rest_blocks quantized beside the int8 transformer, the cached pipeline judged against
+    the fp32 uncached reference."""
+    run = api.parity(built_flux, targets=["onnxruntime"], out_dir=tmp_path / "parity")
     variants = {v.variant_id: v for v in run.report.variants}
     plain, cached = variants["flux-tiny/onnxruntime/64x64"], variants["flux-tiny/onnxruntime/64x64/step-cache"]
     assert plain.passed and cached.passed, plain.failure_reasons + cached.failure_reasons
@@ -131,3 +141,25 @@ def test_int8_first_block_caching_on_flux_is_built_and_parity_checked(tiny_model
     assert (cached.thresholds.min_psnr_db, cached.thresholds.min_ssim) == (20.0, 0.80)
     engines = {c.component for c in plain.components}
     assert {"flux-tiny.first_block.64x64.b1.int8", "flux-tiny.rest_blocks.64x64.b1.int8"} <= engines
+
+
+@pytest.mark.triton
+def test_the_served_int8_first_block_pipeline_equals_the_in_process_one(built_flux, tmp_path):
+    from trt_diffusion.triton import client as triton_client
+    from trt_diffusion.triton import stage
+    from trt_diffusion.triton.client import ImageRequest
+
+    config = load_engines_file(built_flux, check_sources=True)
+    model_dir, family, table = engine_runners(config, FLUX_NAME, "onnxruntime")
+    pipe = EnginePipeline(model_dir, family, table, step_cache=config.models[FLUX_NAME].step_cache)
+    fields = _request(guidance_scale=3.5, steps=6)
+    cached = pipe.generate(GenerationRequest(**fields, step_cache="on"))
+    assert "c" in cached.timings.step_schedule
+    assert not np.array_equal(cached.images[0], pipe.generate(GenerationRequest(**fields, step_cache="off")).images[0])
+    stage.package_stage(built_flux, tmp_path / "repo")
+    served, _ = stage.start(tmp_path / "repo", work_dir=tmp_path / "work", first_request=True)
+    try:
+        image = triton_client.generate_images(served.grpc_url, ImageRequest(**fields), protocol="grpc")[0][0]
+    finally:
+        served.stop()
+    np.testing.assert_array_equal(image, cached.images[0])
