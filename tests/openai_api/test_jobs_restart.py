@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 import pytest
-from api_waits import GUARD_S, until
+from api_waits import GUARD_S, png_pixels, stop_process, until
 from images_stub_triton import expected_image, start_images_stub
 
 from trt_diffusion.triton.server import free_port
@@ -52,11 +52,6 @@ def line(i: int, seeded: bool) -> dict:
 
 
 def test_a_batch_interrupted_by_sigkill_finishes_after_a_restart(tmp_path):
-    import base64
-    import io
-
-    from PIL import Image
-
     stub = start_images_stub()
     stub.gate = threading.Semaphore(0)
     state, port = tmp_path / "state", free_port()
@@ -93,15 +88,9 @@ def test_a_batch_interrupted_by_sigkill_finishes_after_a_restart(tmp_path):
             (item,) = record["response"]["body"]["data"]
             if i % 2 == 0:
                 assert item["seed"] == 500 + i
-            with Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) as image:
-                pixels = np.asarray(image.convert("RGB"))
-            assert np.array_equal(pixels, expected_image("sd15-tiny", f"asset {i}", item["seed"], 64, 64, 3))
+            expected = expected_image("sd15-tiny", f"asset {i}", item["seed"], 64, 64, 3)
+            assert np.array_equal(png_pixels(item["b64_json"]), expected)
         assert openai_client.files.content(earlier.output_file_id).content == earlier_output  # still there
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_process(process)
         stub.stop()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from api_waits import GUARD_S, png_pixels, until
+from api_waits import GUARD_S, png_pixels, stop_process, until
 from images_stub_triton import expected_image
 
 from trt_diffusion.triton.server import free_port
@@ -158,12 +158,7 @@ def test_a_replica_killed_mid_batch_loses_no_job_line_and_no_online_request(tmp_
             online(port, f"after {i}", i)
         assert restarted.events("answered")
     finally:
-        if api.poll() is None:
-            api.send_signal(signal.SIGTERM)
-            try:
-                api.wait(30)
-            except subprocess.TimeoutExpired:
-                api.kill()
+        stop_process(api)
         for replica in (a, b, restarted):
             if replica is not None:
                 replica.stop()

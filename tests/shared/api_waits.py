@@ -1,9 +1,11 @@
-"""What the OpenAI API's process tests share: waiting for a state with a hang guard, and an answer's PNG pixels."""
+"""What the OpenAI API's process tests share: waiting for a state with a hang guard, stopping the API process, and an
+answer's PNG pixels."""
 
 from __future__ import annotations
 
 import base64
 import io
+import signal
 import subprocess
 import time
 
@@ -27,6 +29,16 @@ def until(check, what: str, process: subprocess.Popen | None = None, guard_s: fl
             return value
         time.sleep(0.05)
     raise AssertionError(f"{what} did not happen within {guard_s} s")
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM (the API's own shutdown), then SIGKILL if it is still there after `grace_s`."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def png_pixels(b64: str) -> np.ndarray:
