@@ -1,6 +1,8 @@
 """8. Overload: capacity measured closed-loop, then open-loop arrivals at load_factor x capacity for a bounded
 time: P50/P99 of the accepted requests, refusal rate and refusal latency, no errors, nothing hung, the server
-healthy after."""
+healthy after. Where the model declares `serving: overload:`, what that policy does at the same offered load: the API's
+own OverloadGate simulated in virtual time over the measured service time (openai_api/overload_simulation.py), not
+a second load run: Triton alone has no such policy, the API in front of it applies it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
+from ...engines_file.schema import OverloadSettings
+from ...openai_api.overload import OverloadPolicy, describe
+from ...openai_api.overload_simulation import simulate
 from ...triton.client import RequestRejected
 from .base import Check, CheckContext, Outcome, not_applicable, percentile, seconds_text
 
@@ -80,7 +85,64 @@ def run(ctx: CheckContext) -> Outcome:
                        f"{seconds_text(p99)}, wait growth x{growth or 0:.2f}), {figures['refused']} refused "
                        f"({figures['refusal_rate']:.0%}, P99 {seconds_text(refusal_p99)}), {figures['errors']} errors, "
                        f"{figures['hung']} hung")
+    bucket = deployment.buckets[0].request  # what ctx.request asks for
+    policy_figures, policy_notes, policy_summary = policy_effect(
+        ctx.resolved_model.serving.overload, size=str(bucket), steps=settings.steps, service_s=service_s, rate=rate,
+        duration_s=settings.duration_s, instances=instances,
+        served_sizes=tuple(str(b.request) for b in deployment.buckets),
+        resizable=not ctx.natural_workflow.needs_image, video=bucket.is_video)
+    figures.update(policy_figures)
+    outcome.notes.extend(policy_notes)
+    outcome.summary += policy_summary
     return outcome
+
+
+def policy_effect(overload: OverloadSettings | None, *, size: str, steps: int, service_s: float, rate: float,
+                  duration_s: float, instances: int, served_sizes: tuple[str, ...] = (), resizable: bool = True,
+                  video: bool = False) -> tuple[dict, list[str], str]:
+    """What the model's `serving: overload:` policy does at `rate` for `duration_s`, simulated over the measured
+    `service_s` of a `steps`-step request (figures `policy_*`, notes, a summary tail); a note alone without one."""
+    if overload is None:
+        return {}, ["the model declares no `serving: overload:` policy: the OpenAI API in front of Triton neither "
+                    "degrades nor refuses its requests for load (Triton's full queue still answers 429)"], ""
+    if video:
+        return {}, ["the `serving: overload:` policy acts on online image requests: a video model's clips are jobs, "
+                    "never degraded or refused by it (not simulated)"], ""
+    policy = OverloadPolicy.from_settings(overload)
+    result = simulate(policy, service_s / steps, size=size, steps=steps, rate=rate, duration_s=duration_s,
+                      instances=instances, served_sizes=served_sizes, resizable=resizable)
+    degraded = sum(result.degraded.values())
+    retry = result.retry_after_s
+    figures = {"policy": describe(policy), "policy_service_s": service_s,
+               "policy_capacity_rps": instances / service_s if service_s > 0 else None,
+               "policy_offered": result.offered, "policy_as_asked": result.as_asked, "policy_degraded": degraded,
+               "policy_degraded_to": ", ".join(sorted(result.degraded)) or None, "policy_refused": result.refused,
+               "policy_wait_p50_s": percentile(result.waits_s, 50), "policy_wait_p99_s": percentile(result.waits_s, 99),
+               "policy_retry_after_min_s": min(retry) if retry else None,
+               "policy_retry_after_max_s": max(retry) if retry else None,
+               "policy_max_estimated_wait_s": result.max_estimated_wait_s}
+    notes = []
+    reached = result.max_estimated_wait_s
+    if overload.degrade_after_s is not None and not degraded:
+        if reached < overload.degrade_after_s:
+            notes.append(f"the policy never degrades at this load: the estimated wait reached at most "
+                         f"{reached:.2f} s, below degrade_after_s {overload.degrade_after_s:g} s")
+        else:
+            lowered = (f"degrade: steps {overload.degrade.steps} is not below the check's {steps} steps"
+                       if overload.degrade.steps is not None else
+                       f"degrade: size {overload.degrade.size} is not a smaller size served ({', '.join(served_sizes)})"
+                       if resizable else "an image workflow's request is never resized")
+            notes.append(f"the estimated wait passed degrade_after_s {overload.degrade_after_s:g} s but nothing was "
+                         f"lowered: {lowered}")
+    if overload.refuse_after_s is not None and not result.refused:
+        notes.append(f"the policy never refuses at this load: the estimated wait reached at most {reached:.2f} s, "
+                     f"below refuse_after_s {overload.refuse_after_s:g} s")
+    tail = (f"; the API's overload policy (simulated over the measured service time): {result.as_asked} as asked, "
+            f"{degraded} degraded" + (f" ({figures['policy_degraded_to']})" if degraded else "")
+            + f", {result.refused} refused"
+            + (f" (Retry-After {min(retry)}-{max(retry)} s)" if retry else "")
+            + f", wait P50 {seconds_text(figures['policy_wait_p50_s'])} P99 {seconds_text(figures['policy_wait_p99_s'])}")
+    return figures, notes, tail
 
 
 def _capacity(ctx: CheckContext, instances: int) -> tuple[float, float, list[dict]]:
