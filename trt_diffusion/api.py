@@ -319,15 +319,19 @@ def package(config_path: str | Path, out_dir: str | Path = "triton_repo", target
     from .triton import stage
 
     if kubernetes is not None:
+        from .openai_api.overload import policies_from_config
         from .triton import kubernetes as k8s
 
         kubernetes_options = (kubernetes_options or k8s.KubernetesOptions()).check()
         k8s.check_out_dir(kubernetes, out_dir)
+        # the cluster's API starts with --config engines.yaml when a model has an overload policy: refuse here what
+        # would stop it there (a degrade size the model does not serve), before anything is written
+        policies_from_config(load_engines_file(config_path, check_sources=False))
     report = stage.package_stage(config_path, out_dir, target, model=model, options=options,
                                  lora_variant=lora_variant, verify_keys=verify_keys, release=release,
                                  all_models=all_models, memory_budget_gb=memory_budget_gb, sign_key=sign_key)
     if kubernetes is not None:
-        k8s.write(kubernetes, out_dir, report, kubernetes_options)
+        k8s.write(kubernetes, out_dir, report, kubernetes_options, config_path)  # its overload policies: --config
     return report
 
 

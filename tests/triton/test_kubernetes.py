@@ -132,3 +132,56 @@ def test_engine_models_on_a_gpu_ask_for_one(packaged, tmp_path):
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 1}
     assert "--allow-gpu-metrics=true" in container["command"][-1]
     _validate(document)
+
+
+def _with_overload(built_sd15, folder: Path, overload: dict) -> Path:
+    """A copy of the built engines.yaml (same workspace) whose model declares `serving: overload:`."""
+    document = yaml.safe_load(Path(built_sd15).read_text())
+    document["build"]["workspace"] = str((Path(built_sd15).parent / document["build"]["workspace"]).resolve())
+    (model,) = document["models"].values()
+    model["serving"] = {"overload": overload}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "engines.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def test_an_overload_policy_ships_engines_yaml_to_the_api(built_sd15, packaged, tmp_path):
+    """With a `serving: overload:` policy the API runs `--config` on engines.yaml from a ConfigMap mounted into its
+    pod, and that file gives the API the same policy; without one (the fixture) neither is written."""
+    from trt_diffusion.cli.openai_commands import overload_options
+    from trt_diffusion.openai_api.overload import OverloadPolicy
+    from trt_diffusion.triton.naming import entry_name
+
+    config = _with_overload(built_sd15, tmp_path / "config",
+                            {"degrade_after_s": 20, "refuse_after_s": 60, "degrade": {"steps": 4}})
+    assert main(["package", str(config), "--out", str(tmp_path / "repo"), "--no-ensemble", "--kubernetes",
+                 str(tmp_path / "k8s"), "--namespace", "imaging"]) == 0
+    documents = {path.name: yaml.safe_load(path.read_text()) for path in sorted((tmp_path / "k8s").iterdir())}
+    for document in documents.values():
+        _validate(document)
+    shipped = documents["openai-config.yaml"]
+    assert shipped["kind"] == "ConfigMap" and shipped["metadata"]["namespace"] == "imaging"
+    assert shipped["data"] == {"engines.yaml": config.read_text()}
+    pod = documents["openai-deployment.yaml"]["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["args"][container["args"].index("--config") + 1] == "/etc/trt-diffusion/engines.yaml"
+    assert {"name": "config", "mountPath": "/etc/trt-diffusion", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "config", "configMap": {"name": shipped["metadata"]["name"]}} in pod["spec"]["volumes"]
+    assert len(pod["metadata"]["annotations"]["trt-diffusion/config-sha256"]) == 64  # a changed file restarts it
+    # what `openai-api --config` reads in the pod, where the model sources are not: the same policy
+    in_pod = tmp_path / "pod" / "engines.yaml"
+    in_pod.parent.mkdir()
+    in_pod.write_text(shipped["data"]["engines.yaml"])
+    (model,) = yaml.safe_load(config.read_text())["models"]
+    assert overload_options(in_pod) == {"overload": ((entry_name(model), OverloadPolicy(20, 60, 4, None)),)}
+    _, without = packaged
+    assert "openai-config.yaml" not in without
+    assert "--config" not in without["openai-deployment.yaml"]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_a_policy_the_api_would_refuse_is_refused_before_anything_is_written(built_sd15, tmp_path, capsys):
+    config = _with_overload(built_sd15, tmp_path / "config", {"degrade_after_s": 20, "degrade": {"size": "32x32"}})
+    assert main(["package", str(config), "--out", str(tmp_path / "repo"), "--kubernetes", str(tmp_path / "k8s")]) == 1
+    assert "degrade.size: 32x32 is not a size" in capsys.readouterr().err.replace("\n", "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config"]

@@ -12,6 +12,8 @@ estimate) and the written configs (which engine models run on a GPU) — one obj
 - `openai-deployment.yaml` + `openai-service.yaml` + `openai-state-pvc.yaml`: `trt-diffusion openai-api` in front of
   the Triton Service, its job store on the claim. One replica, replaced by Recreate: the store is SQLite, a single
   writer (one API process per state folder);
+- `openai-config.yaml` only when a model of engines.yaml declares `serving: overload:`: a ConfigMap holding that
+  engines.yaml, mounted into the API pod and named by its `--config`, so the cluster's API applies the same policies;
 - `triton-hpa.yaml` only with `max_replicas`: an HPA on Triton's pending-request gauge, which needs a custom-metrics
   adapter in the cluster.
 
@@ -20,6 +22,7 @@ files than manifests written here is refused, never replaced."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -43,6 +46,9 @@ PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 API_PORT = 8080
 REPOSITORY_MOUNT = "/models"
 STATE_MOUNT = "/var/lib/trt-diffusion"
+CONFIG_MOUNT = "/etc/trt-diffusion"  # the ConfigMap's engines.yaml (openai-api --config), with an overload policy
+CONFIG_FILE = "engines.yaml"
+CONFIG_MAX_BYTES = 1024**2  # what a ConfigMap holds
 MARKER = "# Written by `trt-diffusion package --kubernetes`"
 # the longest suffix a name gets ("<name>-openai-state"): the whole must stay a 63-character DNS label
 _LONGEST_SUFFIX = "-openai-state"
@@ -158,8 +164,21 @@ def _probe(path: str, period_s: int, failures: int) -> dict:
             "failureThreshold": failures}
 
 
-def manifests(repo: str | Path, report: Any, options: KubernetesOptions) -> dict[str, tuple[str, dict]]:
-    """file name -> (the comment above it, the object) for the repository at `repo` written with `report`."""
+def overload_models(engines_yaml: str | Path | None) -> list[str]:
+    """The models of engines.yaml that declare `serving: overload:` (their own or the defaults'): what the API
+    applies with `--config` (its sources need not exist here, as on the API's host)."""
+    if engines_yaml is None:
+        return []
+    from ..engines_file import load_engines_file
+
+    config = load_engines_file(engines_yaml, check_sources=False)
+    return [name for name, model in config.models.items() if model.serving.overload is not None]
+
+
+def manifests(repo: str | Path, report: Any, options: KubernetesOptions,
+              engines_yaml: str | Path | None = None) -> dict[str, tuple[str, dict]]:
+    """file name -> (the comment above it, the object) for the repository at `repo` written with `report`;
+    `engines_yaml` (what was packaged): shipped to the API as a ConfigMap when a model declares an overload policy."""
     repo = Path(repo)
     name = options.name or default_name(report)
     options = KubernetesOptions(**{**options.__dict__, "name": name}).check()
@@ -225,19 +244,39 @@ def manifests(repo: str | Path, report: Any, options: KubernetesOptions) -> dict
                   "resources": {"requests": {"storage": _quantity(repository_bytes * 1.25 + 64 * MIB)}}}})
     hosts = ",".join([api, f"{api}.{options.namespace}", f"{api}.{options.namespace}.svc",
                       f"{api}.{options.namespace}.svc.cluster.local"])
+    api_args = ["openai-api", "--triton-url", f"grpc://{triton}.{options.namespace}.svc:{PORTS['grpc']}",
+                "--host", "0.0.0.0", "--port", str(API_PORT), "--allowed-hosts", hosts,
+                "--state-dir", STATE_MOUNT, "--state-max-gb", f"{options.state_gb:g}"]
+    api_mounts = [{"name": "state", "mountPath": STATE_MOUNT}]
+    api_volumes: list[dict] = [{"name": "state", "persistentVolumeClaim": {"claimName": f"{api}-state"}}]
+    api_pod_meta: dict[str, Any] = {"labels": _labels(name, "openai-api")}
+    policies = overload_models(engines_yaml)
+    if policies:
+        text = Path(engines_yaml).read_text(encoding="utf-8")
+        if len(text.encode()) > CONFIG_MAX_BYTES:
+            raise ServeError(f"{engines_yaml} is over 1 MiB, more than a ConfigMap holds: the API's overload policies "
+                             "cannot be shipped in one")
+        api_args += ["--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}"]
+        api_mounts.append({"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True})
+        api_volumes.append({"name": "config", "configMap": {"name": f"{api}-config"}})
+        # a changed engines.yaml changes the pod template, so applying it again restarts the API with it
+        api_pod_meta["annotations"] = {"trt-diffusion/config-sha256": hashlib.sha256(text.encode()).hexdigest()}
+        out["openai-config.yaml"] = (
+            f"engines.yaml as packaged, for the API's --config: the overload policies of {', '.join(policies)} "
+            "(serving: overload:) apply to its online requests as they do on one host (docs/deploy.md)",
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(f"{api}-config", options, "openai-api"),
+             "data": {CONFIG_FILE: text}})
     out["openai-deployment.yaml"] = (
         "The OpenAI Images API in front of the Triton Service. ONE replica, replaced by Recreate: its job store is "
-        "SQLite on the claim below, a single writer (one API process per state folder; docs/deploy.md)",
+        "SQLite on the claim below, a single writer (one API process per state folder; docs/deploy.md)"
+        + (f"; --config: the overload policies of {', '.join(policies)} from openai-config.yaml" if policies else ""),
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(api, options, "openai-api"),
          "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                   "selector": {"matchLabels": _selector(name, "openai-api")},
-                  "template": {"metadata": {"labels": _labels(name, "openai-api")}, "spec": {
+                  "template": {"metadata": api_pod_meta, "spec": {
                       "containers": [{
                           "name": "openai-api", "image": options.image, "command": ["trt-diffusion"],
-                          "args": ["openai-api", "--triton-url",
-                                   f"grpc://{triton}.{options.namespace}.svc:{PORTS['grpc']}",
-                                   "--host", "0.0.0.0", "--port", str(API_PORT), "--allowed-hosts", hosts,
-                                   "--state-dir", STATE_MOUNT, "--state-max-gb", f"{options.state_gb:g}"],
+                          "args": api_args,
                           # with this Secret, every request needs `Authorization: Bearer <key>`
                           "env": [{"name": "TRT_DIFFUSION_API_KEY", "valueFrom": {"secretKeyRef": {
                               "name": f"{api}-key", "key": "api-key", "optional": True}}}],
@@ -248,9 +287,9 @@ def manifests(repo: str | Path, report: Any, options: KubernetesOptions) -> dict
                                             "failureThreshold": 3},
                           "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
                           "securityContext": {"allowPrivilegeEscalation": False},
-                          "volumeMounts": [{"name": "state", "mountPath": STATE_MOUNT}],
+                          "volumeMounts": api_mounts,
                       }],
-                      "volumes": [{"name": "state", "persistentVolumeClaim": {"claimName": f"{api}-state"}}],
+                      "volumes": api_volumes,
                   }}}})
     out["openai-service.yaml"] = (
         f"The API, as http://{api}.{options.namespace}.svc:{API_PORT}/v1 (another name, an Ingress's: add it to "
@@ -312,10 +351,11 @@ def _written_here(path: Path) -> bool:
         return f.readline().rstrip("\n") == MARKER
 
 
-def write(out_dir: str | Path, repo: str | Path, report: Any, options: KubernetesOptions) -> list[Path]:
+def write(out_dir: str | Path, repo: str | Path, report: Any, options: KubernetesOptions,
+          engines_yaml: str | Path | None = None) -> list[Path]:
     """Write the manifests into `out_dir` (staged beside it, then renamed into place); their paths."""
     out_dir = check_out_dir(out_dir, repo)
-    documents = manifests(repo, report, options)
+    documents = manifests(repo, report, options, engines_yaml)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", dir=out_dir.parent))
     try:
