@@ -17,8 +17,9 @@ ROLE = "trt_diffusion_role"  # parameter naming what a model is for: entry | ens
 
 # Triton's dynamic-batcher priority levels on a queued model (1 is served first): a request without `priority` —
 # a person: generate, the OpenAI API's online routes — is interactive; the API's batch and video jobs send
-# PRIORITY_BATCH, so queued jobs wait behind every queued person (a running job is never preempted: the API keeps
-# jobs off a model's last instance, docs/deploy.md).
+# PRIORITY_BATCH, so queued jobs wait behind every queued person (a running job is not preempted: the API keeps
+# jobs off a model's last instance, and the entry holds a job back between steps while a person's request runs on
+# another instance: backend/activity.py, docs/deploy.md).
 PRIORITY_INTERACTIVE = 1
 PRIORITY_BATCH = 2
 

@@ -91,6 +91,11 @@ DEFAULT_PREVIEW_EVERY = 5
 # Request parameter a client may set (time.time_ns() when it sent the request, same host): gives queue_s
 SENT_NS_PARAMETER = "trt_diffusion_sent_ns"
 TIMING_PARAMETER = "timing"  # response parameter: JSON of the request's timings
+# Request parameter the OpenAI API's batch and video jobs send (openai_api/job_slots.BatchPriorityClient), value
+# PRIORITY_BATCH_VALUE: such a request pauses between engine calls while a person's request (one without it) runs
+# on another instance of the pipeline (backend/activity.py); a running job yields, it is not killed
+PRIORITY_PARAMETER = "trt_diffusion_priority"
+PRIORITY_BATCH_VALUE = "batch"
 # The same JSON as an output (Triton 2.51's python backend cannot set response parameters): sent only to
 # clients that ask for it, so one-image clients asking for IMAGE see no change.
 TIMING = _scalar("TIMING", "TYPE_STRING")

@@ -5,6 +5,10 @@ scheduler, CFG, ControlNet, workflow and strength: `EnginePipeline.batch_key`, t
 shared denoiser calls (`EnginePipeline.plan_batches` / `generate_together`), split over the engine batches built:
 an img2img request never shares a call with a txt2img or inpaint one, nor with an img2img one of another strength. A request that is refused (bad values), fails or is
 cancelled gets its own error; its partners are run again without it and still get their images.
+
+Interactive before batch: while a denoising batch runs, the people's requests in it (those without the request
+parameter trt_diffusion_priority=batch) are published for the pipeline's other instances (activity.py), where a
+batch of jobs' requests waits before its next engine call until they are done (bls.RequestContext.yield_to_people).
 """
 
 from __future__ import annotations
@@ -106,6 +110,8 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
                 queued = 0.0 if sent is None else max(0.0, (started_ns - sent) / 1e9)
                 metrics.observe("queue_wait_seconds", queued + wait, model=name)
         try:
+            # the people among them, for the other instances (a job's batch there waits while they run: bls.py)
+            context.publish_people(context.requests)
             generations = pipeline.generate_together([items[p][1] for p in batch])
         except RequestCancelled as err:
             cancelled = [o for o in owners if any(requests[o] is r for r in err.requests)] or owners
@@ -127,6 +133,7 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
                 metrics.add("refusals_total", model=name)
             continue
         finally:
+            context.publish_people([])
             context.requests, context.loras = [], ()
         for owner in owners:
             answers[owner].lora_switch_s += context.lora_switch_s

@@ -10,7 +10,9 @@ needing an async `execute`. A BlsRunner keeps nothing per call, so concurrent ca
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,7 @@ from ...runtime.engines import RunnerTable
 from ...targets.runner_base import check_feeds
 from ...tensors import TensorSpec
 from .. import lora_sets
-from ..contract import LORA_SWITCH_S, LORAS_PARAMETER
+from ..contract import LORA_SWITCH_S, LORAS_PARAMETER, PRIORITY_BATCH_VALUE, PRIORITY_PARAMETER
 from ..description import EngineEntry, PipelineDescription
 from . import pb
 
@@ -38,10 +40,24 @@ class EngineCallError(TrtDiffusionError):
     """An engine model answered a BLS call with an error."""
 
 
+# Seconds a batch request sleeps between looks at the other instances while it yields to people
+YIELD_POLL_S = 0.015
+
+
+def is_batch_request(request: Any) -> bool:
+    """Whether the request is a job's (the request parameter PRIORITY_PARAMETER = "batch"), not a person's."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (AttributeError, ValueError, TypeError):
+        return False
+    return isinstance(parameters, dict) and parameters.get(PRIORITY_PARAMETER) == PRIORITY_BATCH_VALUE
+
+
 class RequestContext:
     """The requests an instance is serving now (one, or a batch sharing denoiser calls). Python instances run
     one execute at a time, so one mutable slot per instance is enough; every engine call checks it for
-    cancellation."""
+    cancellation, and, when every request it serves is a job's, first waits while a person's request runs on
+    another instance of the pipeline (`yield_to_people`; `activity`: activity.Activity, None: never waits)."""
 
     def __init__(self) -> None:
         self.request: Any = None
@@ -53,6 +69,47 @@ class RequestContext:
         self.loras: tuple = ()
         self.lora_switch_s = 0.0
         self._lock = threading.Lock()
+        # interactive before batch (issue 46): this instance's people published, the other instances' read; the
+        # entry's metrics (batch_yields_total, batch_yield_seconds_total) under `model`; the wait and clock
+        # (tests inject theirs)
+        self.activity: Any = None
+        self.metrics: Any = None
+        self.model = ""
+        self.wait = time.sleep
+        self.clock = time.perf_counter
+
+    def active(self) -> list:
+        return self.requests or ([self.request] if self.request is not None else [])
+
+    def publish_people(self, requests: list) -> None:
+        """The interactive requests among `requests` are running now on this instance ([]: none)."""
+        if self.activity is not None:
+            self.activity.publish(sum(1 for r in requests if not is_batch_request(r)))
+
+    def before_engine_call(self) -> None:
+        self.raise_if_cancelled()
+        self.yield_to_people()
+
+    def yield_to_people(self) -> None:
+        """A batch of job requests only: while another instance of the pipeline runs a person's request, wait
+        (YIELD_POLL_S at a time, cancellation checked each time); a person's request never waits, nor does a
+        single instance (nobody else publishes)."""
+        if self.activity is None:
+            return
+        active = self.active()
+        if not active or not all(is_batch_request(r) for r in active) or not self.activity.others_busy():
+            return
+        started = self.clock()
+        try:
+            busy = True
+            while busy:
+                self.wait(YIELD_POLL_S)
+                self.raise_if_cancelled()
+                busy = self.activity.others_busy() > 0
+        finally:
+            if self.metrics is not None:
+                self.metrics.add("batch_yields_total", model=self.model)
+                self.metrics.add("batch_yield_seconds_total", self.clock() - started, model=self.model)
 
     def add_switch_time(self, seconds: float) -> None:
         with self._lock:  # `cfg: parallel` calls the engines from two threads
@@ -77,8 +134,9 @@ class BlsRunner:
         self.context = context
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # Checked before every engine call: the denoise loop calls the denoiser once (or twice) a step.
-        self.context.raise_if_cancelled()
+        # Checked before every engine call: the denoise loop calls the denoiser once (or twice) a step. A job's
+        # request waits here while a person's runs on another instance (it yields; it is not killed).
+        self.context.before_engine_call()
         check_feeds(self.name, self.inputs, feeds)
         utils = pb.utils()
         inputs = [utils.Tensor(name, np.ascontiguousarray(value)) for name, value in feeds.items()]

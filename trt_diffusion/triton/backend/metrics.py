@@ -26,6 +26,10 @@ FAMILIES = {  # name -> (kind, description)
                     "running S steps adds N*S)"),
     "refusals_total": ("COUNTER", "Entry requests refused for their inputs (a 400-type error naming the field)"),
     "cancellations_total": ("COUNTER", "Entry requests cancelled by their client or their deadline while running"),
+    "batch_yields_total": ("COUNTER", "Engine calls of batch requests (the API's jobs: request parameter "
+                           "trt_diffusion_priority=batch) held back while a person's request ran on another instance "
+                           "of the pipeline"),
+    "batch_yield_seconds_total": ("COUNTER", "Seconds batch requests spent held back for people's requests"),
     "lora_switches_total": ("COUNTER", "Engine calls whose LoRA set differs from the previous call's in the same "
                             "instance, by result: refit (not kept: the weights applied), cached (kept in the "
                             "instance's LRU), base (back to the base engine)"),

@@ -22,6 +22,10 @@ from .bls import EngineCallError, RequestCancelled, RequestContext, bls_runner_t
 from .requests import read_request
 from .warmup import warm_up_in_process
 
+# The long-running stages (several instances each): a person's request there is published for the pipeline's other
+# instances, and a job's request there waits between engine calls while one runs (activity.py, issue 46)
+YIELDING_STAGES = ("full", "stream", "denoise")
+
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
@@ -52,8 +56,15 @@ class TritonPythonModel:
             from .metrics import Metrics
 
             self.metrics = Metrics()
+        self.context.metrics, self.context.model = self.metrics, self.name
+        if self.stage in YIELDING_STAGES:
+            self.context.activity = _activity(self.description.pipeline)
         self._serve = {"full": self._full, "stream": self._stream, "encode": self._encode,
                        "denoise": self._denoise, "decode": self._decode}[self.stage]
+
+    def finalize(self) -> None:
+        if self.context.activity is not None:
+            self.context.activity.close()
 
     def execute(self, requests: list) -> list | None:
         if self.stage == "full":  # the dynamic batcher's batch, served together
@@ -69,6 +80,7 @@ class TritonPythonModel:
             self.context.request = request
             start = time.perf_counter()
             try:
+                self.context.publish_people([request])  # the denoise stage's (activity.py); the others have none
                 responses.append(self._serve(request))
             except RuntimeInputError as err:
                 responses.append(pb.error_response(f"{self.name}: {err}"))
@@ -81,6 +93,7 @@ class TritonPythonModel:
             except Exception as err:  # noqa: BLE001 - a bug answers this request, the model stays up
                 responses.append(pb.internal_error(self.name, err))
             finally:
+                self.context.publish_people([])
                 self.context.request, self.context.loras = None, ()
         return responses
 
@@ -109,6 +122,7 @@ class TritonPythonModel:
         start, start_ns = time.perf_counter(), time.time_ns()
         self.context.request, self.context.cancelled = request, sender
         try:
+            self.context.publish_people([request])  # a person's stream: a job on another instance waits for it
             self.context.lora_switch_s = 0.0
             generation_request = self._read(request)
             every = pb.input_array(request, "PREVIEW_EVERY")
@@ -139,6 +153,7 @@ class TritonPythonModel:
         except Exception as err:  # noqa: BLE001 - a bug answers this request, the model stays up
             sender.send(pb.internal_error(self.name, err), flags=final)
         finally:
+            self.context.publish_people([])
             self.context.request, self.context.cancelled, self.context.loras = None, None, ()
 
     def _encode(self, request: Any):
@@ -179,6 +194,18 @@ class TritonPythonModel:
         width = int(pb.input_array(request, "WIDTH").reshape(-1)[0])
         images = self.pipeline.decode(torch.from_numpy(latents), Size(width, height), latents.shape[0])
         return _response({"IMAGE": images[0]})
+
+
+def _activity(pipeline: str):
+    """This instance's place among the pipeline's instances on this server (activity.py), or None where the folder
+    cannot be had (logged: jobs then never yield, nothing else changes)."""
+    from .activity import Activity
+
+    try:
+        return Activity.for_server(pipeline)
+    except OSError as err:
+        pb.utils().Logger.log_warn(f"{pipeline}: batch requests will not yield to people: {err}")
+        return None
 
 
 def _response(outputs: dict[str, np.ndarray]):
