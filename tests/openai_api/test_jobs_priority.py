@@ -1,5 +1,7 @@
 """Interactive before batch: the entries' dynamic batcher has two priority levels (requests that send none are
-interactive); the API's job lines are sent at the batch level, its online requests at the default; and a job line
+interactive); the API's job lines and videos are sent at the batch level and marked as jobs' (the request parameter
+trt_diffusion_priority=batch, by which the entry makes them yield between steps), its online requests at the default
+and unmarked; and a job line
 starts only when it leaves one of the model's instances to people (tests/shared/images_stub_triton.py declares the
 instance count and holds inferences, so "did not start" is observed, not timed)."""
 
@@ -13,11 +15,17 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from trt_diffusion.openai_api.job_slots import JobSlots
+from trt_diffusion.openai_api.job_slots import BatchPriorityClient, JobSlots
 from trt_diffusion.triton import configs
-from trt_diffusion.triton.contract import REQUEST_INPUTS
+from trt_diffusion.triton.contract import (
+    PRIORITY_BATCH_VALUE,
+    PRIORITY_PARAMETER,
+    REQUEST_INPUTS,
+    SENT_NS_PARAMETER,
+)
 
 GUARD_S = 60
 
@@ -94,4 +102,50 @@ def test_jobs_go_at_batch_priority_and_keep_off_the_last_instance(api, stub, ins
         online.result(GUARD_S)
     until(lambda: client.batches.retrieve(batch.id).status == "completed", "the batch completing")
     assert stub.priorities == {"person": 0, "job": configs.PRIORITY_BATCH}  # online: the default (interactive)
+    # and marked as a job's over the wire: the entry holds it back between steps while a person's runs elsewhere
+    assert stub.marks == {"person": "", "job": PRIORITY_BATCH_VALUE}
     assert health(api)["jobs"]["waiting_for_an_instance"] is False
+
+
+def test_a_video_job_goes_at_batch_priority_marked_as_a_job(api, stub):
+    import openai
+
+    client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
+    video = client.videos.create(model="wan-tiny", prompt="a clip", size="32x32",
+                                 extra_body={"seed": 1, "num_inference_steps": 2})
+    stub.gate.release(10)  # this module's stub holds every inference until released
+    until(lambda: client.videos.retrieve(video.id).status in ("completed", "failed"), "the video ending")
+    assert client.videos.retrieve(video.id).status == "completed"
+    assert stub.priorities == {"a clip": configs.PRIORITY_BATCH}
+    assert stub.marks == {"a clip": PRIORITY_BATCH_VALUE}
+
+
+class Capture:
+    """A stand-in Triton client: records each inference's keyword arguments, answers `result`."""
+
+    def __init__(self, result: np.ndarray):
+        self.result, self.calls = result, []
+
+    async def infer(self, model, inputs, **kwargs):
+        self.calls.append(kwargs)
+        return SimpleNamespace(as_numpy=lambda name: self.result)
+
+
+def test_the_jobs_client_adds_the_batch_mark_beside_the_callers_parameters():
+    from trt_diffusion.openai_api.triton_calls import infer_images
+    from trt_diffusion.openai_api.video_routes import infer_video
+    from trt_diffusion.triton.client import ImageRequest
+
+    request = ImageRequest(prompt="p", height=8, width=8, steps=2, guidance_scale=1.0, seed=1)
+    images = Capture(np.zeros((1, 8, 8, 3), np.uint8))
+    asyncio.run(infer_images(BatchPriorityClient(images), "m", request.tensors(), 10.0))
+    (kwargs,) = images.calls
+    assert kwargs["priority"] == configs.PRIORITY_BATCH
+    assert set(kwargs["parameters"]) == {SENT_NS_PARAMETER, PRIORITY_PARAMETER}  # the send time kept
+    assert kwargs["parameters"][PRIORITY_PARAMETER] == PRIORITY_BATCH_VALUE
+    clips = Capture(np.zeros((1, 5, 8, 8, 3), np.uint8))
+    asyncio.run(infer_video(BatchPriorityClient(clips), "v", request.tensors(), 10.0))  # sends no parameters
+    assert clips.calls[0]["parameters"] == {PRIORITY_PARAMETER: PRIORITY_BATCH_VALUE}
+    online = Capture(np.zeros((1, 8, 8, 3), np.uint8))
+    asyncio.run(infer_images(online, "m", request.tensors(), 10.0))  # a person's: unmarked
+    assert "priority" not in online.calls[0] and PRIORITY_PARAMETER not in online.calls[0]["parameters"]

@@ -63,6 +63,7 @@ class ImagesStub:
     arrivals: int = 0  # inferences that reached the stub (held ones included)
     arrived: list = field(default_factory=list)  # (model, prompt, seed) of each of them
     priorities: dict = field(default_factory=dict)  # prompt -> the request's priority (0: none sent)
+    marks: dict = field(default_factory=dict)  # prompt -> its trt_diffusion_priority parameter ("": none sent)
     instances: int = 2  # each entry's instance count, as its config declares it
     unavailable: int = 0  # the next this many inferences answer UNAVAILABLE (Triton went away)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -115,6 +116,8 @@ def start_images_stub(port: int = 0) -> ImagesStub:
                 stub.arrived.append((request.model_name, values["PROMPT"], int(values["SEED"].reshape(-1)[0])))
                 priority = request.parameters["priority"].uint64_param if "priority" in request.parameters else 0
                 stub.priorities[values["PROMPT"]] = priority
+                stub.marks[values["PROMPT"]] = request.parameters["trt_diffusion_priority"].string_param \
+                    if "trt_diffusion_priority" in request.parameters else ""
             stub.entered.set()
             if stub.gate is not None:
                 while not stub.gate.acquire(timeout=0.05):

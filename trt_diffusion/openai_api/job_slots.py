@@ -1,8 +1,11 @@
-"""Interactive before batch (docs/deploy.md): the API's jobs reach Triton at the batch priority level (the entry's
-dynamic batcher serves every queued interactive request first: triton/configs.py), and, since a running job is
-never preempted, a job line starts only when it leaves one of the model's instances to people: while this API's
-online requests in flight on the model are fewer than its instances minus one (one instance: none in flight). The
-runner runs one line at a time, so jobs hold at most one instance, never the last of several."""
+"""Interactive before batch (docs/deploy.md): the API's jobs (batch lines and videos) reach Triton at the batch
+priority level (the entry's dynamic batcher serves every queued interactive request first: triton/configs.py) and
+carry the request parameter trt_diffusion_priority=batch. A job line starts only when it leaves one of the model's
+instances to people: while this API's online requests in flight on the model are fewer than its instances minus one
+(one instance: none in flight). The runner runs one line at a time, so jobs hold at most one instance, never the
+last of several. A running line is not killed when a person's request arrives on another instance: it yields, the
+entry holding it back between engine calls (denoising steps) until no person's request runs on the pipeline's
+other instances of that server (triton/backend/activity.py), so the two do not share the CPU (GPU)."""
 
 from __future__ import annotations
 
@@ -11,18 +14,21 @@ from collections import Counter
 from collections.abc import Callable
 
 from ..triton.configs import PRIORITY_BATCH
+from ..triton.contract import PRIORITY_BATCH_VALUE, PRIORITY_PARAMETER
 
 INSTANCES_MAX_AGE_S = 5.0
 
 
 class BatchPriorityClient:
-    """A Triton gRPC client whose inferences go at the batch priority level; everything else as the client."""
+    """A Triton gRPC client whose inferences go at the batch priority level, marked as a job's (the request
+    parameter the entry yields by, beside the caller's parameters); everything else as the client."""
 
     def __init__(self, client):
         self._client = client
 
     async def infer(self, *args, **kwargs):
         kwargs.setdefault("priority", PRIORITY_BATCH)
+        kwargs["parameters"] = {**(kwargs.get("parameters") or {}), PRIORITY_PARAMETER: PRIORITY_BATCH_VALUE}
         return await self._client.infer(*args, **kwargs)
 
     def __getattr__(self, name):
