@@ -317,9 +317,17 @@ def manifests(repo: str | Path, report: Any, options: KubernetesOptions,
     return out
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line text (the ConfigMap's engines.yaml) as a literal block, readable in the manifest."""
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
 def render(comment: str, document: dict) -> str:
     lines = [MARKER] + [f"# {line}" for line in _wrap(comment)]
-    return "\n".join(lines) + "\n" + yaml.safe_dump(document, sort_keys=False, width=120)
+    return "\n".join(lines) + "\n" + yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=120)
 
 
 def _wrap(text: str, width: int = 116) -> list[str]:
