@@ -6,8 +6,8 @@ person's request runs on another instance of the pipeline.
 - The pause, through the backend's own pieces (BlsRunner, RequestContext, serve_batch) with an injected wait
   instead of sleeping (no timing asserted): a job's request does not make its next engine call while another
   instance's mark is there, and makes it once the mark is cleared; cancelled while paused, it raises the
-  cancellation; a person's request (or a batch holding one) never reads the marks; the entry publishes the people
-  of the batch it is running, and nothing once it has answered.
+  cancellation; a person's request (or a batch holding one) never reads the marks; the entry runs the people's
+  batches of an execute first, publishes the people of the batch it is running, and nothing once it has answered.
 """
 
 from __future__ import annotations
@@ -259,8 +259,9 @@ def test_a_single_instance_never_waits(engine, tmp_path):
 
 
 def test_the_entry_publishes_the_people_of_the_batch_it_runs(tmp_path, monkeypatch):
-    """serve_batch over a person's request and a job's (two denoising batches): while the person's runs, another
-    instance reads 1; while the job's runs, 0; after the answers, 0."""
+    """serve_batch over a job's request and a person's in one execute (two denoising batches): the person's runs
+    first (the job's may be held: the person must not wait behind it), and while it runs another instance reads 1;
+    while the job's runs, 0; after the answers, 0."""
     from trt_diffusion.runtime.pipeline import Generation, StageTimings
     from trt_diffusion.triton.backend import batching
     from trt_diffusion.triton.client import ImageRequest
@@ -286,8 +287,8 @@ def test_the_entry_publishes_the_people_of_the_batch_it_runs(tmp_path, monkeypat
     def tensors(prompt):
         return ImageRequest(prompt=prompt, height=8, width=8, steps=2, guidance_scale=7.5, seed=1).tensors()
 
-    requests = [Request(tensors=tensors("person")), job(**tensors("job"))]
+    requests = [job(**tensors("job")), Request(tensors=tensors("person"))]
     responses = batching.serve_batch("entry", Pipeline(), context, requests, 1)
     assert [r.error for r in responses] == [None, None]
-    assert seen == [("person", 1), ("job", 0)]
+    assert seen == [("person", 1), ("job", 0)]  # the person's batch first, though Triton handed the job first
     assert other.others_busy() == 0

@@ -8,7 +8,8 @@ cancelled gets its own error; its partners are run again without it and still ge
 
 Interactive before batch: while a denoising batch runs, the people's requests in it (those without the request
 parameter trt_diffusion_priority=batch) are published for the pipeline's other instances (activity.py), where a
-batch of jobs' requests waits before its next engine call until they are done (bls.RequestContext.yield_to_people).
+batch of jobs' requests waits before its next engine call until they are done (bls.RequestContext.yield_to_people);
+an execute runs its batches holding people before those of jobs only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from ...errors import RuntimeInputError
 from .. import contract
 from . import pb
-from .bls import EngineCallError, RequestCancelled, RequestContext
+from .bls import EngineCallError, RequestCancelled, RequestContext, is_batch_request
 from .metrics import Metrics
 from .requests import read_request
 
@@ -94,7 +95,9 @@ def serve_batch(name: str, pipeline: Any, context: RequestContext, requests: lis
         if answers[owner].error is None:
             answers[owner].error = _error(name, err)
             metrics.add("refusals_total", model=name)
-    work = deque(batches)
+    # people's batches first: a job's batch may be held (bls.RequestContext.yield_to_people), and a person's request
+    # Triton gathered into the same execute must not wait behind it
+    work = deque(sorted(batches, key=lambda batch: all(is_batch_request(requests[items[p][0]]) for p in batch)))
     while work:
         batch = [p for p in work.popleft() if answers[items[p][0]].error is None]
         owners = list(dict.fromkeys(items[p][0] for p in batch))
