@@ -59,8 +59,11 @@ def test_malformed_requests_are_400_in_openai_shape(api):
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and body["error"]["param"] == "steps"
     assert "unknown field 'steps'" in body["error"]["message"]
     assert call(api, "/v1/images/generations", b"nope")[1]["error"]["message"].startswith("the body is not JSON")
-    status, body = call(api, "/v1/images/edits", b'{"prompt": "a"}')
-    assert status == 415 and "takes multipart/form-data" in body["error"]["message"]
+    status, body = call(api, "/v1/images/edits", b'{"prompt": "a"}')  # OpenAI's JSON form: its image is missing
+    assert status == 400 and body["error"]["message"].startswith("images is required: images: [{\"image_url\"")
+    status, body = call(api, "/v1/images/edits", b'{"prompt": "a"}', content_type="text/plain")
+    assert status == 415 and "takes multipart/form-data (an image file and fields) or application/json" in body[
+        "error"]["message"]
 
 
 def test_unknown_routes_and_methods_answer_in_openai_shape(api):

@@ -61,9 +61,12 @@ def test_json_only_as_application_json(api, stub_triton, content_type):
 
 
 def test_multipart_only_as_multipart(api):
-    for kind in ("application/x-www-form-urlencoded", "text/plain", "application/json"):
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
         status, body, _ = call(api, "/v1/images/edits", b"prompt=a", Content_Type=kind)
         assert status == 415 and "takes multipart/form-data" in body["error"]["message"], body
+    # or as JSON (OpenAI's JSON form of an edit), which a page can send only after a CORS preflight
+    status, body, _ = call(api, "/v1/images/edits", b"prompt=a", Content_Type="application/json")
+    assert status == 400 and body["error"]["message"].startswith("the body is not JSON"), body
 
 
 @pytest.mark.parametrize("origin", ["https://evil.example", "null", "http://app.example.com",

@@ -2,7 +2,8 @@
 Triton's own service definition) serving two image entries, whose IMAGE is a deterministic function of the request
 (model, prompt, negative prompt, steps, guidance, LoRAs, size and each image's seed). So a batch line's image can be
 compared with the same request sent online, image for image, without an engine; every inference is logged, and a
-test can hold inferences at a gate (to cancel one, or to kill the API in the middle of a batch)."""
+test can hold inferences at a gate (to cancel one, or to kill the API in the middle of a batch). An image entry
+serves edits too (its image then a function of the input image, mask and strength as well)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ _DTYPES = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "UINT8": np
 
 
 def expected_image(model: str, prompt: str, seed: int, height: int, width: int, steps: int = 20,
-                   guidance: float = 7.5, negative: str | None = None, loras: str | None = None) -> np.ndarray:
-    """The image the stub makes for one seed of a request."""
+                   guidance: float = 7.5, negative: str | None = None, loras: str | None = None,
+                   init_image: np.ndarray | None = None, mask: np.ndarray | None = None,
+                   strength: float | None = None) -> np.ndarray:
+    """The image the stub makes for one seed of a request (an edit: of its INIT_IMAGE, MASK and STRENGTH too)."""
     key = repr((model, prompt, negative, steps, round(float(guidance), 4), loras, height, width, seed)).encode()
+    if init_image is not None:
+        edit = [np.ascontiguousarray(init_image, np.uint8).tobytes(),
+                b"" if mask is None else np.ascontiguousarray(mask, np.uint8).tobytes(),
+                repr(None if strength is None else round(float(strength), 4)).encode()]
+        key += hashlib.sha256(b"|".join(edit)).digest()
     rng = np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
     return rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
 
@@ -101,7 +109,7 @@ def start_images_stub(port: int = 0) -> ImagesStub:
                               "max_images": "1", "workflows": "txt2img;img2vid"}
             else:
                 parameters = {ROLE: "entry", "family": "sd15", "request_sizes": ENTRIES[request.name],
-                              "max_images": "4", "workflows": "txt2img"}
+                              "max_images": "4", "workflows": "txt2img;img2img;inpaint"}
             config = model_config_pb2.ModelConfig(
                 name=request.name, input=[model_config_pb2.ModelInput(name=name) for name in INPUTS],
                 instance_group=[model_config_pb2.ModelInstanceGroup(count=stub.instances)],
@@ -142,9 +150,13 @@ def start_images_stub(port: int = 0) -> ImagesStub:
                                                                          shape=list(clip.shape))
                 return service_pb2.ModelInferResponse(model_name=request.model_name, outputs=[output],
                                                       raw_output_contents=[clip.tobytes()])
+            init, mask = values.get("INIT_IMAGE"), values.get("MASK")
+            edit = {} if init is None else {
+                "init_image": init.reshape(height, width, 3), "mask": None if mask is None else mask.reshape(height, width),
+                "strength": scalar.get("STRENGTH")}
             images = np.stack([expected_image(request.model_name, values["PROMPT"], seed + i, height, width,
                                               scalar["STEPS"], scalar["GUIDANCE_SCALE"], values.get("NEGATIVE_PROMPT"),
-                                              values.get("LORAS")) for i in range(scalar.get("NUM_IMAGES", 1))])
+                                              values.get("LORAS"), **edit) for i in range(scalar.get("NUM_IMAGES", 1))])
             with stub.lock:
                 stub.infers.append((request.model_name, values["PROMPT"], seed))
             output = service_pb2.ModelInferResponse.InferOutputTensor(name="IMAGE", datatype="UINT8",

@@ -1,5 +1,6 @@
-"""The routes: POST /v1/images/generations, POST /v1/images/edits, GET /v1/models[/{id}], GET /health; the Files
-and Batch routes (batch_routes.py) whose lines run through the same entry as generations (generation_response);
+"""The routes: POST /v1/images/generations, POST /v1/images/edits (a multipart form, or OpenAI's JSON form with the
+image as a data URL), GET /v1/models[/{id}], GET /health; the Files and Batch routes (batch_routes.py) whose lines
+run through the same entries as the online routes (generation_response, edit_response);
 the Videos routes (video_routes.py), video jobs run by the same job runner.
 
 Every error leaves as OpenAI's error shape (errors.py); a bad request never costs Triton a call: the body, the
@@ -9,6 +10,7 @@ worker thread, a few at a time (pngs.DecodeSlots): the event loop keeps answerin
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
 import json
@@ -54,7 +56,12 @@ def create_app(settings: ApiSettings):
                         instances=lambda model: app.state.slots.known_instances(model)) if settings.overload else None
 
     async def run_job_line(endpoint: str, body: dict) -> dict:
-        """A batch line, through the online route's entry (batch_routes.BATCH_ENDPOINTS), at batch priority."""
+        """A batch line, through its online route's entry (batch_routes.BATCH_ENDPOINTS), at batch priority; an
+        edit line's images are read back from its batch's input file (batch_routes.edit_line_body)."""
+        if endpoint == batch_routes.EDITS:
+            body = await asyncio.to_thread(batch_routes.edit_line_body, jobs, body)
+            edit, image, mask = bodies.edit_from_json(body)
+            return await edit_response(app.state.jobs, settings, decodes, edit, image, mask, interactive=False)
         return await generation_response(app.state.jobs, settings, json.dumps(body).encode(), interactive=False)
 
     async def job_slot_free(model: str | None) -> bool:
@@ -157,23 +164,13 @@ def create_app(settings: ApiSettings):
 
     @app.post("/v1/images/edits")
     async def edits(request: Request):
-        fields, files = await _read_form(request)
-        body = bodies.parse_edit(fields)
-        served = await request.app.state.catalog.resolve(body.model)
-
-        def served_size(width: int, height: int) -> None:  # from the image's header, before its pixels
-            size = f"{width}x{height}"
-            if body.size is not None and body.size != size:
-                raise bad_request(f"size {body.size} differs from the image's {size}: images are not resized (send "
-                                  "the image at a served size)", "size")
-            check_size(size, served)
-
-        image, mask = await decodes.run(pngs.read_edit_inputs, files["image"], files.get("mask"), served_size)
-        height, width = image.shape[:2]
-        workflow = _edit_workflow(served, mask is not None)
-        return _with_degraded_header(await _generate(
-            request.app.state, settings, served, body, width, height, wait=partial(until_done_or_gone, request),
-            workflow=workflow, init_image=image, mask=mask, strength=body.strength))
+        if _content_type(request) == "application/json":  # OpenAI's JSON form: the image as a data URL
+            body, image, mask = bodies.parse_edit_json(await request.body())
+        else:
+            fields, files = await _read_form(request)
+            body, image, mask = bodies.parse_edit(fields), files["image"], files.get("mask")
+        return _with_degraded_header(await edit_response(request.app.state, settings, decodes, body, image, mask,
+                                                         wait=partial(until_done_or_gone, request)))
 
     def job_store():
         if jobs is None:
@@ -186,11 +183,15 @@ def create_app(settings: ApiSettings):
     return BrowserGuard(BodyLimit(app, settings.max_body_bytes, settings.body_timeout_s), settings)
 
 
+def _content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+
 def _json_only(request: Request) -> None:
     """A JSON route reads only `application/json`: a browser may send text/plain (or a form) from any page without
     asking first, so taking those as JSON would let any page drive the API (415 instead)."""
     content_type = request.headers.get("content-type", "")
-    if content_type.partition(";")[0].strip().lower() != "application/json":
+    if _content_type(request) != "application/json":
         raise ApiError(415, f"{request.url.path} takes application/json, got "
                             f"{content_type or 'no content type'!r}", code="unsupported_media_type")
 
@@ -217,9 +218,9 @@ def _model_card(model: ServedModel) -> dict:
 async def _read_form(request) -> tuple[dict[str, str], dict[str, bytes]]:
     """(text fields, files) of a multipart edit request: one image, an optional mask."""
     content_type = request.headers.get("content-type", "")
-    if content_type.partition(";")[0].strip().lower() != "multipart/form-data":
-        raise ApiError(415, f"/v1/images/edits takes multipart/form-data (an image file and fields), got "
-                            f"{content_type or 'no content type'!r}")
+    if _content_type(request) != "multipart/form-data":
+        raise ApiError(415, f"/v1/images/edits takes multipart/form-data (an image file and fields) or "
+                            f"application/json (the image as a data URL), got {content_type or 'no content type'!r}")
     form = await request.form(max_files=len(FORM_FILES), max_fields=MAX_FORM_FIELDS)
     fields: dict[str, str] = {}
     files: dict[str, bytes] = {}
@@ -274,6 +275,26 @@ async def generation_response(state, settings: ApiSettings, raw: bytes, wait=Non
     served = await state.catalog.resolve(body.model)
     width, height = check_size(body.size, served)
     return await _generate(state, settings, served, body, width, height, wait=wait, interactive=interactive)
+
+
+async def edit_response(state, settings: ApiSettings, decodes: pngs.DecodeSlots, body: bodies.EditBody,
+                        image_data: bytes, mask_data: bytes | None, wait=None, interactive: bool = True) -> dict:
+    """POST /v1/images/edits' answer once its image and mask bytes are read (a multipart form's files, the JSON
+    form's data URLs): the one entry of the online route, in either form, and of the batch lines."""
+    served = await state.catalog.resolve(body.model)
+
+    def served_size(width: int, height: int) -> None:  # from the image's header, before its pixels
+        size = f"{width}x{height}"
+        if body.size is not None and body.size != size:
+            raise bad_request(f"size {body.size} differs from the image's {size}: images are not resized (send "
+                              "the image at a served size)", "size")
+        check_size(size, served)
+
+    image, mask = await decodes.run(pngs.read_edit_inputs, image_data, mask_data, served_size)
+    height, width = image.shape[:2]
+    workflow = _edit_workflow(served, mask is not None)
+    return await _generate(state, settings, served, body, width, height, wait=wait, interactive=interactive,
+                           workflow=workflow, init_image=image, mask=mask, strength=body.strength)
 
 
 def _with_degraded_header(result: dict):

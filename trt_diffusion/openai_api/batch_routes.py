@@ -4,10 +4,16 @@ GET /v1/files/{id}/content, POST /v1/batches, GET /v1/batches[/{id}], POST /v1/b
 An uploaded file is checked line by line as it arrives (each line a JSON object with custom_id, method POST, a
 served url and a body object): a malformed line is refused then, naming its number, not found hours later. The
 bodies themselves are checked when their line runs, by the same entry the online route uses, so a line the online
-API would refuse fails with the online message, in the batch's error file."""
+API would refuse fails with the online message, in the batch's error file.
+
+An edit line's body is OpenAI's JSON form of an edit (`images: [{"image_url": "data:image/png;base64,..."}]`, an
+optional `mask`: bodies.edit_from_json), as the online route also takes it. Its images are not copied into the
+store's lines: the line keeps only its model, its seed and where its body is in the batch's input file (kept while
+the batch runs), and the body is read back from there when the line runs (edit_line_body)."""
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Callable
@@ -17,9 +23,12 @@ from fastapi.responses import FileResponse
 
 from . import bodies
 from .errors import ApiError, bad_request
-from .job_store import JobStore
+from .job_store import JobStore, StateError
 
-BATCH_ENDPOINTS = ("/v1/images/generations",)  # edits need their images inside the JSONL: not served yet
+GENERATIONS = "/v1/images/generations"
+EDITS = "/v1/images/edits"  # OpenAI's JSON form of an edit: the images as data URLs in the line
+BATCH_ENDPOINTS = (GENERATIONS, EDITS)
+INPUT_LINE = "input_line"  # a stored edit line's body: where its request is in the batch's input file
 MAX_LINES = 50_000  # OpenAI's own bound on a batch file
 MAX_CUSTOM_ID = 512
 MAX_WINDOW_H = 7 * 24
@@ -30,14 +39,21 @@ LINE_KEYS = ("custom_id", "method", "url", "body")
 
 def check_batch_file(content: bytes) -> list[dict]:
     """The request lines of a batch input file; 400 naming the first bad line and what is wrong with it."""
+    return [line for line, _ in _batch_lines(content)]
+
+
+def _batch_lines(content: bytes) -> list[tuple[dict, tuple[int, int]]]:
+    """(line, its (byte offset, byte length) in `content`) of each request line; 400 as check_batch_file."""
     try:
-        text = content.decode("utf-8")
+        content.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise bad_request(f"the file is not UTF-8 text (byte {exc.start}): a batch file is JSONL", "file") from None
-    lines, seen = [], set()
+    lines, seen, offset = [], set(), 0
     # JSONL lines end at "\n" only: str.splitlines would also split at U+2028, U+0085…, which JSON strings may hold
-    for number, raw in enumerate(text.split("\n"), 1):
-        raw = raw.removesuffix("\r")
+    # (split as bytes: in UTF-8 no character but "\n" holds the byte 0x0A, so each piece decodes on its own)
+    for number, piece in enumerate(content.split(b"\n"), 1):
+        span, offset = (offset, len(piece)), offset + len(piece) + 1
+        raw = piece.decode("utf-8").removesuffix("\r")
         if not raw.strip():
             continue
         where = f"line {number} of the file"
@@ -69,12 +85,31 @@ def check_batch_file(content: bytes) -> list[dict]:
         if not isinstance(line["body"], dict):
             raise bad_request(f"{where}: body must be a JSON object (the request's body), got "
                               f"{type(line['body']).__name__}", "file")
-        lines.append(line)
+        lines.append((line, span))
         if len(lines) > MAX_LINES:
             raise bad_request(f"the file has more than {MAX_LINES} requests; split it into several batches", "file")
     if not lines:
         raise bad_request("the file holds no request lines", "file")
     return lines
+
+
+def edit_line_body(store: JobStore, stored: dict) -> dict:
+    """The body of a stored edit line as its input file holds it, with the seed stored at submission: what the
+    line runs with. StateError when the input file no longer holds it (removed or changed by hand). Blocking (a
+    read of the file): the runner calls it in a worker thread."""
+    where = stored[INPUT_LINE]
+    path = store.file_content_path(where["file_id"])
+    with open(path, "rb") as stream:
+        stream.seek(where["offset"])
+        raw = stream.read(where["length"])
+    try:
+        line = json.loads(raw)
+        body = dict(line["body"])
+    except (ValueError, TypeError, KeyError):
+        raise StateError(f"the batch input file {where['file_id']} no longer holds a request at byte "
+                         f"{where['offset']}: it was changed by hand") from None
+    body["seed"] = stored["seed"]
+    return body
 
 
 def window_seconds(window: object) -> int:
@@ -156,13 +191,16 @@ def add_routes(app: FastAPI, store: Callable[[], JobStore], runner: Callable[[],
         if source.purpose != "batch":
             raise bad_request(f"{source.id} is a {source.purpose} file, not a batch input", "input_file_id")
         lines = []
-        for number, line in enumerate(check_batch_file(jobs.file_content(source.id)), 1):
+        for number, (line, (offset, length)) in enumerate(_batch_lines(jobs.file_content(source.id)), 1):
             if line["url"] != endpoint:
                 raise bad_request(f"line {number} of {source.id} asks {line['url']}, not the batch's endpoint "
                                   f"{endpoint}", "endpoint")
             body = dict(line["body"])
             if body.get("seed") is None:  # drawn now and stored: a restart runs the line with the same seed
                 body["seed"] = secrets.randbelow(MAX_RANDOM_SEED)
+            if endpoint == EDITS:  # its images stay in the input file: the line keeps where they are
+                body = {**({"model": body["model"]} if "model" in body else {}), "seed": body["seed"],
+                        INPUT_LINE: {"file_id": source.id, "offset": offset, "length": length}}
             lines.append((line["custom_id"], body))
         batch = jobs.add_batch(endpoint, source.id, data["completion_window"], window_s, metadata, lines)
         runner().wake()

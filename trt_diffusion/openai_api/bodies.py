@@ -5,7 +5,10 @@ silently."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -59,9 +62,17 @@ class GenerationBody(_Body):
 
 
 class EditBody(_Body):
-    """POST /v1/images/edits (multipart form; the image and mask files are read apart from these fields)."""
+    """POST /v1/images/edits (a multipart form, or OpenAI's JSON form: the image and mask are read apart from these
+    fields)."""
 
     strength: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)  # None: img2img 0.8, inpaint 1.0
+
+
+class EditJsonBody(EditBody):
+    """POST /v1/images/edits as JSON (OpenAI's JSON form; a batch line's body): the image and mask inline."""
+
+    images: Any = None  # [{"image_url": "data:image/png;base64,..."}]: checked by edit_from_json
+    mask: Any = None  # {"image_url": ...}
 
 
 def _field_names(model: type[BaseModel]) -> str:
@@ -137,6 +148,69 @@ def parse_edit(fields: dict[str, str]) -> EditBody:
             raise bad_request(f"loras must be a JSON list like [{{\"name\": \"style\", \"scale\": 0.8}}], got "
                               f"{shown!r}", "loras") from None
     return _validate(EditBody, data, strict=False)
+
+
+def parse_edit_json(raw: bytes) -> tuple[EditBody, bytes, bytes | None]:
+    """The JSON body of an edit request (the online route's application/json form, a batch line's body)."""
+    data = load_json(raw)
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(data).__name__}")
+    return edit_from_json(data)
+
+
+def edit_from_json(data: dict) -> tuple[EditBody, bytes, bytes | None]:
+    """(fields, image bytes, mask bytes or None) of OpenAI's JSON form of an edit: `images: [{"image_url":
+    "data:image/png;base64,..."}]` (one image: the entries take one) and an optional `mask: {"image_url": ...}`.
+    Images travel inline as base64 data URLs: the server fetches no URL, and its Files store holds batch inputs
+    only, so a `file_id` is refused naming what is accepted. The bytes are then read as the multipart files are
+    (pngs.read_edit_inputs)."""
+    if "image" in data:
+        raise bad_request(f"image is the multipart form's file field; a JSON body sends {EDIT_IMAGES_FORM}",
+                          "image")
+    body = _validate(EditJsonBody, data, strict=True)
+    images = body.images
+    if images is None:
+        raise bad_request(f"images is required: {EDIT_IMAGES_FORM}", "images")
+    if not isinstance(images, list) or not images:
+        raise bad_request(f"images must be a list of one image, {EDIT_IMAGES_FORM}; got {_shown(images)}",
+                          "images")
+    if len(images) > 1:
+        raise bad_request(f"one image per request: {len(images)} were sent", "images")
+    image = _data_url_bytes(images[0], "images[0]")
+    mask = None if body.mask is None else _data_url_bytes(body.mask, "mask")
+    return body, image, mask
+
+
+EDIT_IMAGES_FORM = 'images: [{"image_url": "data:image/png;base64,..."}]'
+_DATA_URL = re.compile(r"data:(?:image/[A-Za-z0-9.+-]+)?(?:;[^,;]*=[^,;]*)*;base64,", re.ASCII)
+
+
+def _shown(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
+def _data_url_bytes(reference: Any, field: str) -> bytes:
+    """The bytes of `{"image_url": "data:image/...;base64,..."}`; 400 naming `field` for anything else."""
+    if not isinstance(reference, dict) or len(reference) != 1 or not {"image_url", "file_id"} & set(reference):
+        raise bad_request(f'{field} must be {{"image_url": "data:image/png;base64,..."}}, got {_shown(reference)}',
+                          field)
+    if "file_id" in reference:
+        raise bad_request(f"{field}.file_id is not served: the Files store here holds batch inputs only; send the "
+                          "image inline as image_url, a data URL like data:image/png;base64,...", field)
+    url = reference["image_url"]
+    if not isinstance(url, str):
+        raise bad_request(f"{field}.image_url must be a string (a data URL), got {_shown(url)}", field)
+    match = _DATA_URL.match(url)
+    if match is None:
+        fetch = re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", url) is not None
+        what = "a URL to fetch (the server fetches no URLs)" if fetch else "not a base64 data URL"
+        raise bad_request(f"{field}.image_url is {what}: send the image inline as a data URL like "
+                          f"data:image/png;base64,... (got {_shown(url[:40])})", field)
+    try:
+        return base64.b64decode(url[match.end():], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise bad_request(f"{field}.image_url is not valid base64 ({exc})", field) from None
 
 
 def _validate(model: type[_Body], data: dict, strict: bool) -> Any:

@@ -413,12 +413,15 @@ class SqliteJobStore:
         return size
 
     def sweep(self) -> int:
-        """Delete the files past their expiry and the finished batches older than the retention (their lines with
-        them); how many records went."""
+        """Delete the files past their expiry (but the input of a batch not finished) and the finished batches
+        older than the retention (their lines with them); how many records went."""
         now = self._now()
+        # a batch not finished keeps its input file past its expiry (its edit lines read their images from it)
+        expired = ("FROM files WHERE expires_at <= ? AND id NOT IN (SELECT input_file_id FROM batches WHERE "
+                   "status NOT IN (?, ?, ?, ?))")
         with self._tx() as db:
-            gone_files = [row[0] for row in db.execute("SELECT id FROM files WHERE expires_at <= ?", (now,))]
-            db.execute("DELETE FROM files WHERE expires_at <= ?", (now,))
+            gone_files = [row[0] for row in db.execute(f"SELECT id {expired}", (now, *TERMINAL))]
+            db.execute(f"DELETE {expired}", (now, *TERMINAL))
             gone_batches = [row[0] for row in db.execute(
                 "SELECT id FROM batches WHERE status IN (?, ?, ?, ?) AND created_at + ? <= ?",
                 (*TERMINAL, self.retention_s, now))]

@@ -38,7 +38,10 @@ def _open(data: bytes, field: str):
         raise bad_request(f"{field} is an empty file", field)
     try:
         image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as exc:
+    except UnidentifiedImageError:  # Pillow's words name the buffer's address: the same file, another message
+        raise bad_request(f"{field} is not a readable image (no image format Pillow knows); send a PNG (or "
+                          "JPEG, WebP)", field) from None
+    except (OSError, Image.DecompressionBombError, ValueError) as exc:
         raise bad_request(f"{field} is not a readable image ({exc})", field) from None
     if image.format not in READABLE:
         raise bad_request(f"{field} is {image.format}; send a PNG (or JPEG, WebP)", field)
