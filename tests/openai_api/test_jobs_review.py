@@ -122,7 +122,7 @@ def test_a_video_whose_reference_is_gone_fails_instead_of_running_again(tmp_path
     video = store.add_video("wan-tiny", "a", video_body(), "1", "64x64", reference=PNG)
     store.video_path(video["id"], "reference.png").unlink()  # removed by hand
 
-    async def run_video(body, reference):
+    async def run_video(body, reference, progress):
         raise AssertionError("not run without its reference")
 
     asyncio.run(JobRunner(store, None, run_video=run_video).run_video_job(video))
@@ -134,7 +134,7 @@ def test_a_video_whose_encoding_breaks_fails_with_a_generic_message(tmp_path):
     store = SqliteJobStore(tmp_path)
     video = store.add_video("wan-tiny", "a", video_body(), "1", "64x64")
 
-    async def run_video(body, reference):
+    async def run_video(body, reference, progress):
         def write(path):
             raise RuntimeError("encoder exploded at /secret/path")
         return write
@@ -150,7 +150,7 @@ def test_a_clip_is_written_off_the_event_loop(tmp_path):
     video = store.add_video("wan-tiny", "a", video_body(), "1", "64x64")
     served = threading.Event()
 
-    async def run_video(body, reference):
+    async def run_video(body, reference, progress):
         loop = asyncio.get_running_loop()
 
         def write(path):  # the encoder: the event loop must answer while it runs

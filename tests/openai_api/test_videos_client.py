@@ -2,7 +2,8 @@
 tests/shared/images_stub_triton.py (a video entry "wan-tiny" serving 32x32 at 5 and 17 frames, 48x32 at 5):
 create -> poll -> download gives the .mp4 whose frames are those `generate --url` gets for the same request; the
 seconds -> frames rule; image-to-video with input_reference; delete stops the running clip; bad input is one clear
-error each."""
+error each; `progress` follows the steps the entry's stream model reports (0 -> 100 without one), written at most
+once per step and per interval."""
 
 from __future__ import annotations
 
@@ -124,3 +125,66 @@ def test_bad_video_requests_are_one_clear_error_each(api, stub):
     with pytest.raises(openai.NotFoundError, match="no video 'video-nope'"):
         openai_client.videos.download_content("video-nope")
     assert stub.infers == [] and openai_client.videos.list().data == []  # nothing reached Triton or the store
+
+
+def test_progress_follows_the_denoising_steps_of_the_entry_s_stream(api, stub, tmp_path, monkeypatch):
+    import threading
+
+    from trt_diffusion.openai_api import job_runner
+    from trt_diffusion.triton.configs import PRIORITY_BATCH
+
+    monkeypatch.setattr(job_runner, "PROGRESS_EVERY_S", 0.0)  # every step message written: none can be missed
+    stub.step_gate = threading.Semaphore(0)  # each step message waits for the test
+    openai_client = client(api)
+    video = openai_client.videos.create(model="wan-tiny", prompt="a tide", seconds="1", size="32x32",
+                                        extra_body={"seed": 5, "num_inference_steps": 4, "guidance_scale": 4.0})
+    seen = []
+
+    def poll(until):
+        end = time.monotonic() + GUARD_S
+        while time.monotonic() < end:
+            card = openai_client.videos.retrieve(video.id)
+            seen.append(card.progress)
+            if until(card):
+                return card
+            time.sleep(0.02)
+        raise AssertionError(f"video {video.id}: progress {seen[-1]}, status {card.status}")
+
+    for percent in (25, 50):  # 4 steps, a message after steps 1, 2 and 3; the next is held until released
+        stub.step_gate.release()
+        poll(lambda card, percent=percent: card.progress == percent and card.status == "in_progress")
+    stub.step_gate.release()
+    card = poll(lambda card: card.status in ("completed", "failed"))
+    assert card.status == "completed" and card.progress == 100, card.error
+    assert seen == sorted(seen) and seen[-1] == 100  # what a poll sees never goes back
+    assert stub.steps_sent == [1, 2, 3] and stub.priorities["a tide"] == PRIORITY_BATCH  # a job, through the stream
+    # the streamed clip is the one `generate --url` gets from the entry's plain call
+    expected = over_triton(stub, tmp_path, "s", prompt="a tide", height=32, width=32, steps=4, guidance_scale=4.0,
+                           seed=5, frames=17)
+    assert np.array_equal(downloaded(openai_client, video.id, tmp_path), expected)
+
+    # an entry without its stream model (packaged --no-stream): the plain call, progress 0 -> 100 at completion
+    stub.video_stream, stub.step_gate = False, None
+    plain = openai_client.videos.create(model="wan-tiny", prompt="a tide", seconds="1", size="32x32",
+                                        extra_body={"seed": 5, "num_inference_steps": 4, "guidance_scale": 4.0})
+    plain = finished(openai_client, plain.id)
+    assert plain.status == "completed" and plain.progress == 100 and stub.steps_sent == [1, 2, 3]
+    assert np.array_equal(downloaded(openai_client, plain.id, tmp_path), expected)
+
+
+def test_progress_is_written_at_most_once_per_step_and_per_interval(tmp_path):
+    from trt_diffusion.openai_api.job_runner import VideoProgress
+    from trt_diffusion.openai_api.job_store import SqliteJobStore
+
+    store = SqliteJobStore(tmp_path / "state")
+    video = store.add_video("wan-tiny", "a", {"model": "wan-tiny", "prompt": "a", "seed": 1}, "1", "32x32")
+    now = [100.0]
+    progress = VideoProgress(store, video["id"], every_s=2.0, clock=lambda: now[0])
+    written = []
+    for at, percent in ((0.5, 10), (2.0, 20), (2.5, 30), (4.0, 30), (4.1, 40), (6.5, 35), (9.0, 20), (12.0, 120)):
+        now[0] = 100.0 + at
+        progress(percent)
+        written.append(store.video(video["id"])["progress"])
+    # 10: too soon after the start; 20 at 2 s; 30 within 2 s of it, then 2 s later; 40 too soon; 35 is the newest
+    # 2 s on; 20 would go back (a retried run); 120 is held at 99 (100 comes with the clip)
+    assert written == [0, 20, 20, 30, 30, 35, 35, 99]

@@ -3,7 +3,9 @@ Triton's own service definition) serving two image entries, whose IMAGE is a det
 (model, prompt, negative prompt, steps, guidance, LoRAs, size and each image's seed). So a batch line's image can be
 compared with the same request sent online, image for image, without an engine; every inference is logged, and a
 test can hold inferences at a gate (to cancel one, or to kill the API in the middle of a batch). An image entry
-serves edits too (its image then a function of the input image, mask and strength as well)."""
+serves edits too (its image then a function of the input image, mask and strength as well); the video entry has its
+decoupled stream model (`wan-tiny_stream`, unless `video_stream` is False): a STEP message every PREVIEW_EVERY
+steps, each of which a test can hold at `step_gate`, then the clip the entry gives."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import numpy as np
 
 ENTRIES = {"sd15-tiny": "64x64;32x48", "sdxl-tiny": "64x64"}  # name -> request_sizes
 VIDEO_ENTRIES = {"wan-tiny": "32x32x5;32x32x17;48x32x5"}  # a video entry: WxHxF
+STREAM = "_stream"  # the video entry's stream model: its name with this suffix
 INPUTS = ("PROMPT", "NEGATIVE_PROMPT", "HEIGHT", "WIDTH", "STEPS", "GUIDANCE_SCALE", "SEED", "NUM_IMAGES",
           "WORKFLOW", "INIT_IMAGE", "MASK", "STRENGTH", "LORAS")
 _DTYPES = {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "UINT8": np.uint8}
@@ -73,6 +76,9 @@ class ImagesStub:
     priorities: dict = field(default_factory=dict)  # prompt -> the request's priority (0: none sent)
     marks: dict = field(default_factory=dict)  # prompt -> its trt_diffusion_priority parameter ("": none sent)
     instances: int = 2  # each entry's instance count, as its config declares it
+    video_stream: bool = True  # the video entry's stream model is served (listed and answered)
+    step_gate: threading.Semaphore | None = None  # set: each STEP message of a stream takes a permit first
+    steps_sent: list = field(default_factory=list)  # the STEP of every stream message sent
     unavailable: int = 0  # the next this many inferences answer UNAVAILABLE (Triton went away)
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: object = None
@@ -101,10 +107,14 @@ def start_images_stub(port: int = 0) -> ImagesStub:
         def RepositoryIndex(self, request, context):
             return service_pb2.RepositoryIndexResponse(models=[
                 service_pb2.RepositoryIndexResponse.ModelIndex(name=name, version="1", state="READY")
-                for name in (*ENTRIES, *VIDEO_ENTRIES)])
+                for name in (*ENTRIES, *VIDEO_ENTRIES, *([f"{v}{STREAM}" for v in VIDEO_ENTRIES]
+                                                         if stub.video_stream else []))])
 
         def ModelConfig(self, request, context):
-            if request.name in VIDEO_ENTRIES:
+            if request.name.removesuffix(STREAM) in VIDEO_ENTRIES and request.name.endswith(STREAM):
+                parameters = {ROLE: "stream", "family": "wan", "request_sizes": VIDEO_ENTRIES[request.name[
+                    :-len(STREAM)]], "max_images": "1", "workflows": "txt2img;img2vid"}
+            elif request.name in VIDEO_ENTRIES:
                 parameters = {ROLE: "entry", "family": "wan", "request_sizes": VIDEO_ENTRIES[request.name],
                               "max_images": "1", "workflows": "txt2img;img2vid"}
             else:
@@ -163,6 +173,33 @@ def start_images_stub(port: int = 0) -> ImagesStub:
                                                                      shape=list(images.shape))
             return service_pb2.ModelInferResponse(model_name=request.model_name, outputs=[output],
                                                   raw_output_contents=[images.tobytes()])
+
+        def ModelStreamInfer(self, request_iterator, context):
+            """The video entry's stream: a STEP message every PREVIEW_EVERY steps (before the last), then the
+            entry's own answer to the request (ModelInfer: logged, gated and cancellable as a plain call)."""
+            for request in request_iterator:
+                if not stub.video_stream or not request.model_name.endswith(STREAM):
+                    context.abort(grpc.StatusCode.NOT_FOUND, f"stub triton: no stream model {request.model_name}")
+                values = {t.name: _decode(t, raw) for t, raw in zip(request.inputs, request.raw_input_contents,
+                                                                     strict=True)}
+                steps = int(values["STEPS"].reshape(-1)[0])
+                every = int(values["PREVIEW_EVERY"].reshape(-1)[0]) if "PREVIEW_EVERY" in values else 5
+                for done in range(every, steps, every):
+                    while stub.step_gate is not None and not stub.step_gate.acquire(timeout=0.05):
+                        if not context.is_active():
+                            stub.cancelled.set()
+                            return
+                    with stub.lock:
+                        stub.steps_sent.append(done)
+                    step = service_pb2.ModelInferResponse.InferOutputTensor(name="STEP", datatype="INT32",
+                                                                            shape=[1, 1])
+                    yield service_pb2.ModelStreamInferResponse(infer_response=service_pb2.ModelInferResponse(
+                        model_name=request.model_name, outputs=[step],
+                        raw_output_contents=[np.array([[done]], np.int32).tobytes()]))
+                entry = service_pb2.ModelInferRequest()
+                entry.CopyFrom(request)
+                entry.model_name = request.model_name.removesuffix(STREAM)
+                yield service_pb2.ModelStreamInferResponse(infer_response=self.ModelInfer(entry, context))
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)

@@ -5,12 +5,14 @@ A line's answer is recorded before the next starts, so a killed process loses at
 which the next start runs again with its stored seed. Triton busy (429) or unavailable (503) is not the line's
 failure: the line waits and is tried again. A cancelled batch's running line is cancelled (its gRPC call with it,
 which frees Triton's queue); a batch past its completion window stops, its lines not run going to the error file
-as `batch_expired`."""
+as `batch_expired`. A running video's `progress` follows its denoising steps as the video entry's stream reports
+them (video_routes.video_runner), written to the store at most once per step and once every PROGRESS_EVERY_S."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from .errors import ApiError
@@ -19,6 +21,7 @@ from .job_store import TERMINAL, JobStore, Line, StateError
 log = logging.getLogger("trt_diffusion.openai_api.jobs")
 RETRY_STATUSES = (429, 503)  # Triton's queue full or Triton away: try the line again later
 MAX_JOB_FAILURES = 3  # a job that breaks the runner this many times in a row is failed, not retried ahead of all
+PROGRESS_EVERY_S = 2.0  # a running video's progress is written to the store at most this often
 EXPIRED = {"code": "batch_expired",
            "message": "This request could not be executed before the completion window expired."}
 
@@ -30,15 +33,37 @@ def _record(line: Line, status: int, body: dict) -> dict:
             "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
 
 
+class VideoProgress:
+    """A running video's `progress` (0-100) as its steps report it: written when it grows, at most once every
+    `every_s` (each write is an fsync'd SQLite transaction); never lowered (a retried run starts its steps again)."""
+
+    def __init__(self, store: JobStore, video_id: str, every_s: float, clock: Callable[[], float] = time.monotonic):
+        self.store, self.video_id, self.every_s, self.clock = store, video_id, every_s, clock
+        self.value = 0
+        self.written_at = clock()
+
+    def __call__(self, percent: int) -> None:
+        percent = max(0, min(int(percent), 99))  # 100 is written with the clip
+        if percent <= self.value or self.clock() - self.written_at < self.every_s:
+            return
+        self.value, self.written_at = percent, self.clock()
+        try:
+            self.store.set_video(self.video_id, "in_progress", progress=percent)
+        except Exception:  # noqa: BLE001 - a progress value is not worth failing the clip for
+            log.warning("video %s: its progress could not be written", self.video_id, exc_info=True)
+
+
 class JobRunner:
     def __init__(self, store: JobStore, run_line: Callable[[str, dict], Awaitable[dict]], *,
-                 run_video: Callable[[dict, bytes | None], Awaitable[Callable]] | None = None,
+                 run_video: Callable[[dict, bytes | None, Callable[[int], None]], Awaitable[Callable]] | None = None,
                  slot_free: Callable[[str | None], Awaitable[bool]] | None = None,
-                 poll_s: float = 5.0, retry_s: float = 2.0):
+                 poll_s: float = 5.0, retry_s: float = 2.0, progress_every_s: float | None = None):
         self.store = store
         self.run_line = run_line  # (endpoint, body) -> the online route's answer; ApiError as the route's refusal
-        # (body, reference PNG or None) -> write(path): the clip from the video entry, and how to write its .mp4
+        # (body, reference PNG or None, progress(percent)) -> write(path): the clip from the video entry (reporting
+        # its steps' progress as it goes), and how to write its .mp4
         self.run_video = run_video
+        self.progress_every_s = progress_every_s  # None: PROGRESS_EVERY_S
         # (model) -> whether a job may take one of its instances now (job_slots.JobSlots.free); None: always
         self.slot_free = slot_free
         self.waiting_for_slot = False
@@ -173,6 +198,8 @@ class JobRunner:
         video_id = video["id"]
         self.current = video_id
         self.store.set_video(video_id, "in_progress")
+        every_s = PROGRESS_EVERY_S if self.progress_every_s is None else self.progress_every_s
+        progress = VideoProgress(self.store, video_id, every_s)  # one for all its tries: never lowered
         while True:
             try:
                 body, reference = self.store.video_job(video_id)
@@ -184,7 +211,7 @@ class JobRunner:
             if not await self._slot(body["model"]):
                 continue
             outcome = await self._run(Line(video_id, 0, video_id, body, "pending"),
-                                      lambda: self.run_video(body, reference))
+                                      lambda: self.run_video(body, reference, progress))
             if outcome is None:
                 try:
                     self.store.video(video_id)

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 log = logging.getLogger("trt_diffusion.openai_api.replicas")
 BACKOFF_S = 1.0  # a replica's first re-probe comes this long after it failed
@@ -165,7 +166,8 @@ class ReplicaClient:
     def state(self) -> list[dict]:
         return self.router.state()
 
-    async def _call(self, method: str, *args, **kwargs):
+    async def _call(self, method: str | Callable, *args, **kwargs):
+        """`method` of a replica's client (a name), or method(client, ...)."""
         self._start_probes()
         tried: set[int] = set()
         while True:
@@ -173,8 +175,10 @@ class ReplicaClient:
             tried.add(index)
             self.router.started(index)
             unavailable = answered = False  # stays so when the call is cancelled
+            client = self.clients[index]
             try:
-                result = await getattr(self.clients[index], method)(*args, **kwargs)
+                result = await (getattr(client, method)(*args, **kwargs) if isinstance(method, str)
+                                else method(client, *args, **kwargs))
                 answered = True
                 return result
             except Exception as err:
@@ -182,7 +186,8 @@ class ReplicaClient:
                 answered = not unavailable and not _no_answer(err)
                 if not unavailable or len(tried) >= min(self.MAX_TRIES, len(self.clients)):
                     raise
-                log.warning("%s on Triton replica %s: unavailable (%s); trying another replica", method,
+                log.warning("%s on Triton replica %s: unavailable (%s); trying another replica",
+                            method if isinstance(method, str) else getattr(method, "func", method).__name__,
                             self.router.replicas[index].url, err.message())
             finally:
                 self.router.finished(index, unavailable, answered)
@@ -208,8 +213,12 @@ class ReplicaClient:
             await probe.close()
         self.router.probed(index, ready)
 
-    async def infer(self, *args, **kwargs):
-        return await self._call("infer", *args, **kwargs)
+    async def infer(self, *args, on_partial: Callable | None = None, **kwargs):
+        """The client's `infer`; with `on_partial`, of a decoupled model (a stream entry) over a gRPC stream: each
+        response before the one carrying the asked `outputs` goes to on_partial(result), that one is returned."""
+        if on_partial is None:
+            return await self._call("infer", *args, **kwargs)
+        return await self._call(partial(stream_infer, on_partial=on_partial), *args, **kwargs)
 
     async def get_model_repository_index(self, *args, **kwargs):
         return await self._call("get_model_repository_index", *args, **kwargs)
@@ -232,6 +241,39 @@ class ReplicaClient:
         await asyncio.gather(*self._probes, return_exceptions=True)
         for client in (*self.clients, *self._retired):
             await client.close()
+
+
+async def stream_infer(client, model_name: str, inputs: list, *, outputs: list, on_partial: Callable,
+                       priority: int = 0, parameters: dict | None = None, client_timeout: float | None = None):
+    """One request to the decoupled model `model_name` over `client`'s gRPC stream (tritonclient.grpc.aio), as
+    `infer` would send it: the result of the response carrying one of `outputs`, the responses before it going to
+    on_partial(result). A response's error, and the stream's own gRPC error (UNAVAILABLE when the server is gone),
+    raise InferenceServerException as `infer` does; leaving early (cancelled, an error) cancels the stream, and
+    with it the request in Triton."""
+    import grpc
+    from tritonclient.grpc._utils import get_error_grpc
+    from tritonclient.utils import InferenceServerException
+
+    wanted = {output.name() for output in outputs}
+
+    async def requests():
+        # every output: the messages before the result carry others (STEP, PREVIEW), which asking for `outputs`
+        # alone would drop
+        yield {"model_name": model_name, "inputs": inputs, "priority": priority, "parameters": parameters}
+
+    responses = client.stream_infer(requests(), stream_timeout=client_timeout)
+    try:
+        async for result, error in responses:
+            if error is not None:
+                raise error
+            if any(output.name in wanted for output in result.get_response().outputs):
+                return result
+            on_partial(result)
+    except grpc.RpcError as err:
+        raise get_error_grpc(err) from None
+    finally:
+        responses.cancel()  # after the result: a no-op, or the end of a stream whose answer is had
+    raise InferenceServerException(f"{model_name}: the stream ended without {', '.join(sorted(wanted))}")
 
 
 def _client(url: str):

@@ -1,8 +1,9 @@
 """The Videos routes (the `videos` resource of the official client, as SGLang Diffusion serves it): POST /v1/videos
 (JSON, or multipart with an `input_reference` image for image-to-video), GET /v1/videos/{id}, GET
 /v1/videos/{id}/content (the .mp4), DELETE /v1/videos/{id}, GET /v1/videos. Each clip is a job in the job store,
-run by the job runner through the video family's entry (FRAMES in, VIDEO out), encoded as generate writes it
-(video_files: H.264 .mp4 at 16 fps).
+run by the job runner through the video family's entry (FRAMES in, VIDEO out) — through its stream model where it
+has one, whose step messages make the job's `progress` — and encoded as generate writes it (video_files: H.264
+.mp4 at 16 fps).
 
 `size` and `seconds` map to what the entry serves (docs/deploy.md): `size` must be one of the entry's WxH
 (400 naming them); `seconds` is served as the frame count of that size whose length (frames / 16 fps) is nearest
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..triton import contract, naming
 from ..triton.configs import ROLE
 from ..video_files import DEFAULT_FPS
 from . import bodies, pngs
@@ -29,6 +31,7 @@ from .job_store import JobStore
 
 MAX_RANDOM_SEED = 2**31
 MAX_LIST = 100
+PROGRESS_REPORTS = 20  # step messages asked of a video's stream: its progress moves in about 5 % steps
 DEFAULT_GUIDANCE = 5.0  # WanPipeline's default
 
 
@@ -207,9 +210,11 @@ def add_routes(app: FastAPI, settings, store: Callable[[], JobStore], runner: Ca
 
 def video_runner(state, settings):
     """The runner's `run_video`: one clip through the video entry, as `generate --url` asks for it; returns how to
-    write its .mp4."""
+    write its .mp4. Where the entry has its stream model (`<entry>_stream`, packaged beside it unless
+    `package --no-stream`), the clip is asked of the stream, whose step messages drive `progress(percent)`; without
+    one, the entry's plain call (the job's progress then goes from 0 to 100 at completion)."""
 
-    async def run(body: dict, reference: bytes | None):
+    async def run(body: dict, reference: bytes | None, progress: Callable[[int], None]):
         from ..triton.client import ImageRequest
         from ..video_files import save_video
 
@@ -220,25 +225,56 @@ def video_runner(state, settings):
                                guidance_scale=body["guidance_scale"], seed=body["seed"],
                                negative_prompt=body["negative_prompt"], num_images=1, frames=body["frames"],
                                init_image=init_image)
-        clip = await infer_video(state.triton, body["model"], request.tensors(), settings.timeout_s)
+        tensors = request.tensors()
+        stream = await stream_model(state.triton, body["model"])
+        if stream is None:
+            clip = await infer_video(state.triton, body["model"], tensors, settings.timeout_s)
+        else:
+            steps = body["steps"]
+            tensors[contract.PREVIEW_EVERY.name] = np.array([[steps_between_reports(steps)]], np.int32)
+
+            def on_step(result) -> None:
+                step = result.as_numpy(contract.STEP.name)
+                if step is not None and step.size:
+                    progress(int(step.reshape(-1)[0]) * 100 // steps)
+
+            clip = await infer_video(state.triton, stream, tensors, settings.timeout_s, on_step=on_step)
         return lambda path: save_video(clip, path, DEFAULT_FPS, overwrite=True)
 
     return run
 
 
-async def infer_video(client, model: str, tensors: dict, timeout_s: float) -> np.ndarray:
-    """VIDEO uint8 [F, H, W, 3] of one request to a video entry; ApiError with the entry's words when it refuses."""
+def steps_between_reports(steps: int) -> int:
+    """The stream's PREVIEW_EVERY for a clip of `steps`: about PROGRESS_REPORTS step messages (each carries a
+    preview of every latent frame, made on the server), at least one per step."""
+    return max(1, -(-steps // PROGRESS_REPORTS))
+
+
+async def stream_model(client, entry: str) -> str | None:
+    """The name of `entry`'s stream model (role `stream`: a message per PREVIEW_EVERY steps, then the clip) when
+    Triton has it loaded; None otherwise."""
+    name = naming.stage_name(entry, "stream")
+    index = await client.get_model_repository_index()
+    if not any(model.name == name and (not model.state or model.state == "READY") for model in index.models):
+        return None
+    parameters = (await client.get_model_config(name)).config.parameters
+    return name if ROLE in parameters and parameters[ROLE].string_value == "stream" else None
+
+
+async def infer_video(client, model: str, tensors: dict, timeout_s: float, on_step=None) -> np.ndarray:
+    """VIDEO uint8 [F, H, W, 3] of one request to a video entry; ApiError with the entry's words when it refuses.
+    `on_step` (`model` is a stream model): each message before the clip goes to on_step(result)."""
     import tritonclient.grpc.aio as grpc_aio
     from tritonclient.utils import InferenceServerException
 
-    from ..triton import contract
     from ..triton.client import make_inputs
     from .triton_calls import refusal
 
+    streamed = {} if on_step is None else {"on_partial": on_step}
     try:
         result = await client.infer(model, make_inputs(grpc_aio, tensors),
                                     outputs=[grpc_aio.InferRequestedOutput(contract.VIDEO.name)],
-                                    client_timeout=timeout_s)
+                                    client_timeout=timeout_s, **streamed)
     except InferenceServerException as err:
         raise refusal(err, model) from None
     video = result.as_numpy(contract.VIDEO.name)
