@@ -52,7 +52,9 @@ class TritonPythonModel:
         parameters = config["parameters"]
         self.max_images = int(parameters.get("max_images", {}).get("string_value", "1") or 1)
         self.metrics = None
-        if self.stage == "full":  # the entry exports the serving metrics (metrics.py, docs/triton.md)
+        # the entry exports the serving metrics (metrics.py, docs/triton.md); the stream counts its jobs' pauses
+        # (the API's video jobs run there)
+        if self.stage in ("full", "stream"):
             from .metrics import Metrics
 
             self.metrics = Metrics()
