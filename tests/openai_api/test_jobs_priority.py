@@ -115,7 +115,7 @@ def test_a_video_job_goes_at_batch_priority_marked_as_a_job(api, stub):
                                  extra_body={"seed": 1, "num_inference_steps": 2})
     stub.gate.release(10)  # this module's stub holds every inference until released
     until(lambda: client.videos.retrieve(video.id).status in ("completed", "failed"), "the video ending")
-    assert client.videos.retrieve(video.id).status == "completed"
+    assert client.videos.retrieve(video.id).status == "completed", client.videos.retrieve(video.id).error
     assert stub.priorities == {"a clip": configs.PRIORITY_BATCH}
     assert stub.marks == {"a clip": PRIORITY_BATCH_VALUE}
 
