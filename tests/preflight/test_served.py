@@ -75,6 +75,8 @@ def test_whole_list_passes_over_url_and_lists_all_eight(served, tmp_path, capsys
     overload = checks["overload"]["figures"]
     assert overload["capacity_rps"] > 0 and overload["errors"] == 0 and overload["hung"] == 0
     assert overload["sent"] == overload["accepted"] + overload["refused"]
+    assert "policy_offered" not in overload  # no `serving: overload:` here: a note says so
+    assert any("declares no `serving: overload:` policy" in note for note in checks["overload"]["notes"])
     assert report["deployment"]["kind"] == "served" and not report["deployment"]["started_by_preflight"]
     assert (out / "preflight.html").is_file() and (out / "preflight.schema.json").is_file()
 
@@ -91,7 +93,10 @@ def test_http_cannot_cancel_so_cancellation_is_na(served, tmp_path):
 def test_overload_fails_with_an_unbounded_queue(served, preflight_yaml):
     server, _ = served
     # 2x the measured capacity: overloaded even where a busy machine makes the capacity look low
-    path = preflight_yaml({"overload": {"load_factor": 2.0, "duration_s": 5.0}})
+    # with an API overload policy, which Triton alone does not apply: the check simulates it beside its load run
+    path = preflight_yaml({"overload": {"load_factor": 2.0, "duration_s": 5.0}},
+                          {"serving": {"overload": {"degrade_after_s": 0.2, "refuse_after_s": 1.0,
+                                                    "degrade": {"steps": 4}}}})
     config = load_engines_file(path)
     engines = connect.find_engines(config, "sd15-tiny", "onnxruntime")
 
@@ -109,6 +114,10 @@ def test_overload_fails_with_an_unbounded_queue(served, preflight_yaml):
     assert unbounded.status == "fail", unbounded.figures
     assert unbounded.figures["refused"] == 0
     assert any("waits grow without bound" in f for f in unbounded.failures), unbounded.failures
+    figures = unbounded.figures
+    assert figures["policy_offered"] == figures["sent"] == (figures["policy_as_asked"] + figures["policy_degraded"]
+                                                            + figures["policy_refused"])
+    assert "overload policy (simulated over the measured service time)" in unbounded.summary
 
 
 # ---------------------------------------------------------------------------- bad input
