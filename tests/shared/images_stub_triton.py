@@ -182,6 +182,10 @@ def start_images_stub(port: int = 0) -> ImagesStub:
                     context.abort(grpc.StatusCode.NOT_FOUND, f"stub triton: no stream model {request.model_name}")
                 values = {t.name: _decode(t, raw) for t, raw in zip(request.inputs, request.raw_input_contents,
                                                                      strict=True)}
+                if "NUM_IMAGES" in values:  # as Triton answers it: the stream model declares no such input
+                    yield service_pb2.ModelStreamInferResponse(error_message=(
+                        f"unexpected inference input 'NUM_IMAGES' for model '{request.model_name}'"))
+                    continue
                 steps = int(values["STEPS"].reshape(-1)[0])
                 every = int(values["PREVIEW_EVERY"].reshape(-1)[0]) if "PREVIEW_EVERY" in values else 5
                 for done in range(every, steps, every):

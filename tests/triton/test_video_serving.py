@@ -2,7 +2,8 @@
 the in-process EnginePipeline over the same engines, over HTTP and gRPC (NUM_IMAGES videos, seeds SEED, SEED+1);
 the stream previews each latent frame; `generate` writes an .mp4 that PyAV's decoder reads back as F frames of
 the request's size; bad requests (frames not 4k+1, a frame count not built, no frames, FRAMES to an image model)
-are refused in the project's words and leave the server healthy.
+are refused in the project's words and leave the server healthy; the OpenAI API's video job runs through the
+stream, its progress following the steps.
 
 The engines: tiny Wan 2.1 at 32x32x5, cfg split (batch-1 transformer calls, as WanPipeline runs them), onnxruntime:
 about 40 s to export and build, so `slow`.
@@ -118,3 +119,41 @@ def test_bad_video_requests_are_refused_and_the_server_stays_up(server, change, 
     with pytest.raises(ServeError, match=message):
         triton_client.generate_images(server.grpc_url, video_request(**change), protocol="grpc")
     assert triton_client.generate_images(server.grpc_url, video_request(), protocol="grpc")[0].shape[1] == FRAMES
+
+
+def test_a_video_job_s_progress_follows_the_stream_s_steps(server, local_pipeline, tmp_path, monkeypatch):
+    """The OpenAI API's video job asks the entry's stream (the python backend's STEP messages reach it) and ends with
+    the entry's clip; its progress takes each step's value, never going back."""
+    import time
+
+    import openai
+
+    from trt_diffusion.openai_api import job_runner
+    from trt_diffusion.openai_api.server import ApiServer
+    from trt_diffusion.openai_api.settings import ApiSettings
+    from trt_diffusion.video_files import read_video, save_video
+
+    reported = []
+    report = job_runner.VideoProgress.__call__
+
+    def recording(self, percent):
+        reported.append(percent)
+        report(self, percent)
+
+    monkeypatch.setattr(job_runner.VideoProgress, "__call__", recording)
+    monkeypatch.setattr(job_runner, "PROGRESS_EVERY_S", 0.0)
+    with ApiServer(ApiSettings(server.grpc_url, port=0, state_dir=tmp_path / "state")) as api:
+        client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
+        video = client.videos.create(model="wan", prompt=PROMPT, size=f"{SIZE}x{SIZE}",
+                                     extra_body={"seed": 7, "num_inference_steps": 3, "guidance_scale": 5.0})
+        seen, end = [], time.monotonic() + 300
+        while video.status not in ("completed", "failed") and time.monotonic() < end:
+            video = client.videos.retrieve(video.id)
+            seen.append(video.progress)
+            time.sleep(0.05)
+        assert video.status == "completed" and video.progress == 100, video.error
+        (tmp_path / "job.mp4").write_bytes(client.videos.download_content(video.id).content)
+    assert reported == [33, 66]  # 3 steps: a STEP message after steps 1 and 2 (PREVIEW_EVERY 1)
+    assert seen == sorted(seen)
+    expected = read_video(save_video(local(local_pipeline, video_request()), tmp_path / "local.mp4"))
+    assert np.array_equal(read_video(tmp_path / "job.mp4"), expected)  # the same clip, encoded the same way

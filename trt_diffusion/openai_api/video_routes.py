@@ -231,6 +231,7 @@ def video_runner(state, settings):
             clip = await infer_video(state.triton, body["model"], tensors, settings.timeout_s)
         else:
             steps = body["steps"]
+            tensors.pop(contract.NUM_IMAGES.name)  # a stream answers one clip: it has no NUM_IMAGES input
             tensors[contract.PREVIEW_EVERY.name] = np.array([[steps_between_reports(steps)]], np.int32)
 
             def on_step(result) -> None:
