@@ -1,7 +1,7 @@
 """The official `openai` client against the API in front of a real tritonserver serving the tiny sd15 (txt2img,
 img2img, inpaint): images equal, decoded pixel for pixel, to the same request sent straight to Triton; n > 1;
 every refusal with its status and OpenAI's error shape; a client that gives up cancels its request in Triton; the
-server keeps serving after each bad request."""
+server keeps serving after each bad request; a batch of edit lines equals the same edits sent online."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -62,7 +63,8 @@ def served(built_sd15_workflows, tmp_path_factory):
                      root / "repo", PackageOptions(max_queue_size=QUEUE, ensemble=False, stream=False),
                      workflows=model.workflows)
     server, _ = stage.start(root / "repo", work_dir=root / "work", first_request=False)
-    api = ApiServer(ApiSettings(server.grpc_url, port=0, api_key=KEY, max_body_bytes=BODY_CAP)).start()
+    api = ApiServer(ApiSettings(server.grpc_url, port=0, api_key=KEY, max_body_bytes=BODY_CAP,
+                                state_dir=root / "state")).start()
     try:
         yield Served(server, api, report.entry)
     finally:
@@ -131,6 +133,46 @@ def test_edits_run_img2img_and_inpaint(served):
                                 extra_body={"seed": 3, "num_inference_steps": 4})
     expected = over_triton(served, seed=3, steps=4, init_image=photo, mask=255 - mask[..., 3], num_images=2)
     assert [np.array_equal(decoded(item), image) for item, image in zip(result.data, expected)] == [True, True]
+
+
+def test_a_batch_of_edits_equals_the_same_edits_online(served):
+    """Batch lines of /v1/images/edits (OpenAI's JSON form, the images as data URLs) through the official client:
+    each output image equals the online multipart edit of the same image, seed and size."""
+    import json
+
+    rng = np.random.default_rng(1)
+    photo = rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    mask = np.full((SIZE, SIZE, 4), 255, np.uint8)
+    mask[16:48, 16:48, 3] = 0
+
+    def url(array):
+        return "data:image/png;base64," + base64.b64encode(png(array)).decode()
+
+    bodies = {"img2img": {"model": served.entry, "prompt": PROMPT, "images": [{"image_url": url(photo)}], "seed": 3,
+                          "num_inference_steps": 4, "strength": 0.5, "size": f"{SIZE}x{SIZE}"},
+              "inpaint": {"model": served.entry, "prompt": PROMPT, "images": [{"image_url": url(photo)}], "seed": 4,
+                          "num_inference_steps": 4, "mask": {"image_url": url(mask)}, "n": 2}}
+    lines = "".join(json.dumps({"custom_id": key, "method": "POST", "url": "/v1/images/edits", "body": body}) + "\n"
+                    for key, body in bodies.items())
+    client = served.client()
+    upload = client.files.create(file=("edits.jsonl", lines.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/images/edits", completion_window="24h")
+    end = time.monotonic() + HANG_GUARD_S
+    while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < end:
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    output = {record["custom_id"]: record["response"]["body"]["data"] for record in map(
+        json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    for key, body in bodies.items():
+        files = {"mask": ("mask.png", png(mask), "image/png")} if "mask" in body else {}
+        online = client.images.edit(model=served.entry, image=("photo.png", png(photo), "image/png"), prompt=PROMPT,
+                                    n=body.get("n", 1), extra_body={k: body[k] for k in (
+                                        "seed", "num_inference_steps", "strength", "size") if k in body}, **files)
+        assert len(output[key]) == len(online.data) == body.get("n", 1)
+        for item, online_item in zip(output[key], online.data, strict=True):
+            assert np.array_equal(decoded(SimpleNamespace(**item)), decoded(online_item)), key
+            assert item["seed"] == online_item.seed
 
 
 def test_models_are_listed(served):
