@@ -67,8 +67,8 @@ def image_request(family: str, **fields):
     from trt_diffusion.triton.client import ImageRequest
 
     width, height, frames = _bucket(family)
-    return ImageRequest(PROMPT, height, width, steps=STEPS, seed=SEED, frames=frames,
-                        **{**cfg_fields(family), **fields})
+    return ImageRequest(PROMPT, height, width, **{"steps": STEPS, "seed": SEED, "frames": frames,
+                                                  **cfg_fields(family), **fields})
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,7 @@ def served(built):
         # the rest of its output is read as it comes, so a full pipe never stalls the server
         threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
         yield SimpleNamespace(report=report, process=process, output=output, grpc_url=f"127.0.0.1:{grpc}",
+                              http_url=f"127.0.0.1:{http}",
                               openai_url=f"http://127.0.0.1:{api_port}/v1", announced=line)
     finally:
         if process.poll() is None:
@@ -156,12 +157,13 @@ def openai_client(served):
     return openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0, timeout=900)
 
 
-def in_process(built, family: str, request) -> np.ndarray:
+def in_process(built, family: str, request, every: bool = False) -> np.ndarray:
+    """The request's first image in process (`every`: all NUM_IMAGES of them)."""
     from trt_diffusion import api
 
     images, model = api.generate_in_process(built.path, request, model=family)
     assert model == family
-    return images[0]
+    return images if every else images[0]
 
 
 @pytest.mark.parametrize("family, target", CASES)
@@ -242,6 +244,54 @@ def test_triton_answers_the_in_process_image(served, built, family):
     width, height, frames = _bucket(family)
     assert images.shape == (1, *((frames,) if frames else ()), height, width, 3), images.shape
     np.testing.assert_array_equal(images[0], expected)
+
+
+def _off_default(declared) -> float:
+    """A value of a declared request input that is not its default and within its range."""
+    value = declared.default * 0.5 if declared.default else 0.9
+    if declared.data_type is int:
+        value = int(declared.default) + 1
+    low = declared.minimum if declared.minimum is not None else value
+    high = declared.maximum if declared.maximum is not None else value
+    return declared.data_type(min(max(value, low), high))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("family", [f for f in FAMILIES if family_info(f).request_inputs])
+def test_declared_request_inputs_reach_the_entry(served, built, family):
+    """The inputs the family declares (Z-Image's CFG_NORMALIZATION, CFG_TRUNCATION), each off its default, over
+    HTTP with NUM_IMAGES 2 (seeds SEED, SEED + 1): the entry's images equal the in-process pipeline's with the same
+    inputs, and differ from the defaults' (an input the entry dropped could not pass)."""
+    from trt_diffusion.triton.client import generate_images
+
+    inputs = {d.argument: _off_default(d) for d in family_info(family).request_inputs}
+    request = image_request(family, num_images=2, inputs=inputs, steps=3)  # a third step: truncation acts
+    images, _ = generate_images(served.http_url, request, pipeline=family, protocol="http", timeout_s=900)
+    expected = in_process(built, family, request, every=True)
+    np.testing.assert_array_equal(images, expected)
+    assert not np.array_equal(images[0], in_process(built, family, image_request(family, steps=3)))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_input_of_another_family_is_one_clear_error_and_the_entry_answers_the_next(served, family):
+    """A request input another family declares (Z-Image's CFG_TRUNCATION) sent to this family's entry is refused
+    naming it, and the entry's next request runs."""
+    from trt_diffusion.errors import ServeError
+    from trt_diffusion.families import request_inputs_of_all
+    from trt_diffusion.triton.client import generate_images
+
+    own = {d.argument for d in family_info(family).request_inputs}
+    foreign = [d for d in request_inputs_of_all().values() if d.argument not in own]
+    if not foreign:
+        pytest.skip(f"{family} declares every family's request inputs")
+    declared = foreign[0]
+    with pytest.raises(ServeError, match=declared.name):
+        generate_images(served.grpc_url, image_request(family, inputs={declared.argument: declared.default}),
+                        pipeline=family, protocol="grpc", timeout_s=900)
+    images, _ = generate_images(served.grpc_url, image_request(family, steps=1), pipeline=family, protocol="grpc",
+                                timeout_s=900)
+    assert len(images) == 1
 
 
 @pytest.mark.triton

@@ -1,8 +1,9 @@
-"""FLUX.2 engines end to end (issue #26, acceptance 1 and 3): the tiny FLUX.2 dev and Klein folders exported,
-built on onnxruntime and openvino, passing the fp32 parity gate against the torch reference (dev: embedded guidance,
-one call per step; Klein: true CFG, two batch-1 calls), and the language-model encoder engine equal to the hidden
-states the pipelines stack (at the one length they use: every prompt padded to 512). Slow: one shared build of both
-families (about two minutes on 2 cores)."""
+"""FLUX.2 engines beyond the family conformance run (issue #26, acceptance 1 and 3): the tiny FLUX.2 dev and Klein
+folders built fp32 on onnxruntime and openvino, the language-model encoder engine equal to the hidden states the
+pipelines stack (at the one length they use: every prompt padded to 512), the quantized transformers and encoders
+through their gates and parity, and the checklist in process. Slow: one shared build of both families (about two
+minutes on 2 cores). Each family's default build, parity per target and served entry (dev: embedded guidance, one
+call per step; Klein: true CFG, two batch-1 calls) are tests/families/test_conformance.py's."""
 
 from __future__ import annotations
 
@@ -33,25 +34,6 @@ def built(tiny_model_factory, tmp_path_factory):
     report = api.build(path)
     assert not report.failed, [o.error for o in report.failed]
     return path, report
-
-
-def test_both_families_build_on_both_cpu_targets(built):
-    _, report = built
-    done = {(o.spec.model, o.spec.component.value, o.spec.target) for o in report.outcomes if o.failure is None}
-    assert done == {(f"{f}-tiny", c, t) for f in FAMILIES for c in FP32 for t in TARGETS}
-    transformers = {o.spec.model: o.spec.batch for o in report.outcomes if o.spec.component == "transformer"}
-    assert transformers == {"flux2-tiny": 1, "flux2_klein-tiny": 1}  # cfg none / split: no batch-2 engine
-
-
-def test_engines_pass_parity(built, tmp_path):
-    path, _ = built
-    run = run_parity(load_engines_file(path, check_sources=True), tmp_path / "parity",
-                     ParityOptions(prompts=("a red fox running through snow",), seeds=(0,), steps=3,
-                                   compute_lpips=False))
-    variants = {(v.model, v.target): v for v in run.report.variants}
-    assert set(variants) == {(f"{f}-tiny", t) for f in FAMILIES for t in TARGETS}
-    for key, result in variants.items():
-        assert result.passed, (key, result.failure_reasons)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -169,84 +151,21 @@ def test_quantized_encoders_pass_their_gate_and_parity(built):
         assert any(c.component.startswith(f"{name}.text_encoder.b1.{chosen[name]}") for c in variant.components)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def served(request, built, tmp_path_factory):
-    """A family's onnxruntime engines packaged as a Triton repository (its entry and stream), served."""
-    from types import SimpleNamespace
-
-    from trt_diffusion.triton import stage
-    from trt_diffusion.triton.repository import PackageOptions
-
-    path, _ = built
-    family = request.param
-    root = tmp_path_factory.mktemp(f"{family}-repo")
-    report = stage.package_stage(path, root / "repo", model=f"{family}-tiny", options=PackageOptions(ensemble=True))
-    assert report.ensemble is None  # the entry and the stream only
-    server, _ = stage.start(root / "repo", work_dir=root / "work", first_request=False)
-    try:
-        yield SimpleNamespace(family=family, server=server, report=report,
-                              config=load_engines_file(path, check_sources=True))
-    finally:
-        server.stop()
-
-
-@pytest.mark.triton
-def test_served_images_equal_the_in_process_pipeline(served):
-    """Acceptance 4: over gRPC and HTTP, NUM_IMAGES 2 (seeds SEED and SEED + 1), the entry's images equal the
-    in-process EnginePipeline's over the same engines bit for bit (Klein with its true CFG); a request the family
-    refuses (MAX_SEQUENCE_LENGTH) is one clear error and the server answers the next."""
-    from trt_diffusion.errors import ServeError
-    from trt_diffusion.runtime.loader import built_engines, table_from_engines
-    from trt_diffusion.runtime.pipeline import EnginePipeline, GenerationRequest
-    from trt_diffusion.triton import client
-    from trt_diffusion.triton.client import ImageRequest
-
-    family, name = served.family, f"{served.family}-tiny"
-    local = EnginePipeline(served.config.models[name].source.path, family,
-                           table_from_engines(built_engines(served.config, name, "onnxruntime")))
-    request = ImageRequest(prompt="a red fox running through snow", height=48, width=64, steps=3,
-                           guidance_scale=3.5, seed=5, num_images=2)
-    pipeline = served.report.entry
-    for protocol, url in (("grpc", served.server.grpc_url), ("http", served.server.http_url)):
-        images, _ = client.generate_images(url, request, pipeline=pipeline, protocol=protocol)
-        assert images.shape == (2, 48, 64, 3)
-        for k in range(2):
-            expected = local.generate(GenerationRequest(prompt=request.prompt, height=48, width=64, steps=3,
-                                                        guidance_scale=3.5, seed=5 + k)).images[0]
-            np.testing.assert_array_equal(images[k], expected)
-    with pytest.raises(ServeError, match="MAX_SEQUENCE_LENGTH is the qwen_image family's"):
-        client.generate_images(served.server.grpc_url, ImageRequest(prompt="a fox", height=48, width=64, steps=2,
-                                                                    max_sequence_length=64), pipeline=pipeline,
-                                protocol="grpc")
-    one, _ = client.generate_images(served.server.grpc_url, ImageRequest(prompt="a fox", height=48, width=64,
-                                                                         steps=2), pipeline=pipeline,
-                                     protocol="grpc")
-    assert one.shape == (1, 48, 64, 3)
-
-
-@pytest.mark.triton
-def test_preflight_passes_in_process_and_over_the_served_entry(served, built, tmp_path):
-    """The pre-launch checklist on each FLUX.2 family (dev: one call per step; Klein: true CFG): in process every
-    check that applies passes and the quality baseline is saved; over the served entry (gRPC) reproducibility,
-    buckets, memory, isolation, cancellation and quality pass against it bit for bit. The overload check is the
-    entry's queue policy, the same for every family (tests/preflight/test_served.py drives it on sd15)."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preflight_passes_in_process(built, family, tmp_path):
+    """The pre-launch checklist on each FLUX.2 family in process (dev: one call per step; Klein: true CFG): every
+    check that applies passes and the quality baseline is saved. Each family's served entry equal to the in-process
+    image is the family conformance run's (tests/families/test_conformance.py); the checklist over a served entry is
+    the same code for every family (tests/preflight/test_served.py drives it on sd15)."""
     from preflight_settings import with_fast_preflight
 
     from trt_diffusion.preflight.run import run_preflight
 
     path, _ = built
-    model = f"{served.family}-tiny"
     config = load_engines_file(with_fast_preflight(path, tmp_path / "settings"))
-    saved = run_preflight(config, model=model, save_baseline=True, in_process=True, target="onnxruntime",
+    saved = run_preflight(config, model=f"{family}-tiny", save_baseline=True, in_process=True, target="onnxruntime",
                           out_dir=tmp_path / "in-process")
     assert saved.baseline is not None
     status = {check.name: check.status for check in saved.report.checks}
     assert all(s in ("pass", "n/a") for s in status.values()), {c.name: c.failures for c in saved.report.checks}
     assert status["reproducibility"] == status["isolation"] == status["cancellation"] == "pass", status
-    run = run_preflight(config, model=model, url=served.server.grpc_url, skip=["overload"], target="onnxruntime",
-                        out_dir=tmp_path / "served")
-    checks = {check.name: check for check in run.report.checks}
-    assert {n: c.status for n, c in checks.items()} == {
-        "reproducibility": "pass", "buckets": "pass", "memory": "pass", "isolation": "pass", "cancellation": "pass",
-        "plugins": "n/a", "quality": "pass"}, {n: c.failures for n, c in checks.items()}
-    assert all(row["psnr_db"] == float("inf") for row in checks["quality"].rows)  # served = in process
