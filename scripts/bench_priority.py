@@ -16,7 +16,8 @@ The phase that comes first flips every round, so a drift of the machine's load t
 P50 / P99 (numpy's linear percentile) of each, P99(backlog) / P99(idle) against the bar, the request count, the job
 lines the batch got through meanwhile, the CPU. How the API orders them: jobs reach Triton at the batch priority
 level and a job line starts only while it leaves one of the model's instances to people (openai_api/job_slots.py);
-a running line is never preempted, so what is left is the CPU (or GPU) the running line shares.
+a running line waits between engine calls while a person's request runs on another instance (the entry's
+per-instance activity files), so what is left is at most the engine call it was in.
 
     python scripts/bench_priority.py [--workdir build/bench-priority] [--rounds 8] [--requests 40] [--lines 400]
                                      [--steps 10] [--job-steps 10] [--instances 2] [--json out.json]
