@@ -127,6 +127,103 @@ def test_with_none_ready_a_call_tries_the_replica_due_first_then_another_then_gi
     assert router.pick() == 0
 
 
+LORA_SETS = [f'[{{"name":"style{i}","scale":0.{i % 9 + 1}}}]' for i in range(40)]
+
+
+def test_a_lora_set_goes_to_the_replica_it_hashes_to_call_after_call():
+    router = ReplicaRouter(["a:1", "b:1", "c:1"], Clock())
+    chosen = {key: router.pick(lora_key=key) for key in LORA_SETS}
+    assert set(chosen.values()) == {0, 1, 2}  # the sets spread over every replica
+    for _ in range(3):  # the same set: the same replica, whatever else ran meanwhile (no turn, no in-flight tie)
+        router.pick()
+        assert {key: router.pick(lora_key=key) for key in LORA_SETS} == chosen
+    # and in another process: the hash is of the replica's URL and the set, nothing of this router's
+    assert {key: ReplicaRouter(["c:1", "a:1", "b:1"], Clock()).pick(lora_key=key) for key in LORA_SETS} == {
+        key: (index + 1) % 3 for key, index in chosen.items()}
+
+
+def test_losing_a_replica_moves_only_its_sets_and_adding_one_moves_only_what_it_wins():
+    clock = Clock()
+    urls = ["a:1", "b:1", "c:1"]
+    router = ReplicaRouter(urls, clock)
+    before = {key: urls[router.pick(lora_key=key)] for key in LORA_SETS}
+    run_call(router, 1, unavailable=True)  # b is down
+    after = {key: urls[router.pick(lora_key=key)] for key in LORA_SETS}
+    assert "b:1" not in after.values()
+    assert {key for key in LORA_SETS if after[key] != before[key]} == {k for k, url in before.items() if url == "b:1"}
+    # the retry of a call whose replica failed goes where the set goes while that replica is down
+    assert all(urls[router.pick(frozenset({urls.index(before[key])}), key)] == after[key]
+               for key in LORA_SETS if before[key] == "b:1")
+
+    grown = ReplicaRouter([*urls, "d:1"], clock)
+    added = {key: grown.replicas[grown.pick(lora_key=key)].url for key in LORA_SETS}
+    moved = {key for key in LORA_SETS if added[key] != before[key]}
+    assert moved and all(added[key] == "d:1" for key in moved)  # only to the new replica
+
+
+def test_a_saturated_lora_replica_gives_way_to_the_least_loaded_and_no_loras_goes_by_load():
+    router = ReplicaRouter(["a:1", "b:1", "c:1"], Clock())
+    key = LORA_SETS[0]
+    home = router.pick(lora_key=key)
+    others = [i for i in range(3) if i != home]
+    for _ in range(replicas.SATURATED_MARGIN):
+        router.started(home)
+    assert router.pick(lora_key=key) == home  # 2 above the least-loaded: still its own
+    router.started(home)
+    assert router.pick(lora_key=key) in others  # 3 above: the least-loaded takes it
+    router.started(others[0])
+    assert router.pick(lora_key=key) == others[1]  # the least-loaded of the others
+    router.finished(home, False)
+    assert router.pick(lora_key=key) == home  # back within the margin (2 above the least: 2 vs 0)
+    assert router.pick() == others[1]  # no LoRAs: fewest in flight, as always
+
+
+def test_the_lora_key_is_the_canonical_set_read_from_the_request_s_inputs():
+    import tritonclient.grpc.aio as grpc_aio
+
+    from trt_diffusion.triton.client import ImageRequest, make_inputs
+
+    def key(loras):
+        return replicas.lora_key(make_inputs(grpc_aio, ImageRequest("p", 64, 64, seed=1, loras=loras).tensors()))
+
+    assert key('[{"name":"b","scale":0.5},{"name":"a","scale":1.0}]') == key(
+        '[{"name": "a", "scale": 1}, {"name": "b", "scale": 0.50}]') == '[{"name":"a","scale":1.0},{"name":"b","scale":0.5}]'
+    assert key(None) is None and key("[]") is None  # no LoRAs: by load
+    assert key('[{"name":"a","scale":0.0}]') is None  # scale 0: the base model
+    assert key("not json") is None  # the entry refuses it; routed by load
+
+
+def test_the_client_sends_a_lora_set_s_requests_to_one_replica_over_grpc():
+    """Real gRPC, the job runner's client included (BatchPriorityClient): a LoRA set's requests all reach one
+    replica, the requests without LoRAs are spread over both."""
+    import tritonclient.grpc.aio as grpc_aio
+
+    from trt_diffusion.openai_api.job_slots import BatchPriorityClient
+    from trt_diffusion.triton.client import ImageRequest, make_inputs
+
+    stubs = [start_images_stub(), start_images_stub()]
+
+    async def scenario():
+        client = ReplicaClient([stubs[0].url, stubs[1].url], Clock())
+        try:
+            for i in range(6):
+                request = ImageRequest(f"p{i}", 64, 64, steps=2, seed=i, loras='[{"name":"style","scale":0.8}]')
+                await (client if i % 2 else BatchPriorityClient(client)).infer(
+                    "sd15-tiny", make_inputs(grpc_aio, request.tensors()))
+            assert sorted(len(s.infers) for s in stubs) == [0, 6]
+            for i in range(4):
+                await client.infer("sd15-tiny", make_inputs(grpc_aio, ImageRequest("q", 64, 64, seed=i).tensors()))
+            assert sorted(len(s.infers) for s in stubs) == [2, 8]
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for stub in stubs:
+            stub.stop()
+
+
 def test_the_client_fails_over_and_takes_a_restarted_replica_back():
     """Real gRPC: a replica stopped mid-run costs no call (each retried once on the other), is left out, and is
     used again once a probe after its back-off finds it started again on its port."""

@@ -17,12 +17,22 @@ The decisions are ReplicaRouter's (pure, its clock injected):
   probe in the background. With no replica ready, a call goes to the one whose back-off ends first (then once
   more to another): so a down replica is never refused untried, and one replica behaves as the API always has.
   When every try fails, the caller gets the last replica's UNAVAILABLE, which the API answers 503 `Triton is
-  unavailable: ...` (a job line waits and runs again)."""
+  unavailable: ...` (a job line waits and runs again).
+- **A request with LoRAs** (the LORAS input: its set canonical, names sorted with their scales) goes to the replica
+  its set hashes to, so a replica keeps the sets it holds (each refit LoRA set is loaded by the replica that runs
+  it): rendezvous (highest-random-weight) hashing, each ready replica scored by a hash of its URL and the set, the
+  highest taking it. Adding a replica moves only the sets it now wins; losing one (marked down, as any) moves only
+  the sets it held, each to its own next choice, where that set's retry goes too. When the set's replica is
+  saturated, more than SATURATED_MARGIN calls in flight above the least-loaded ready replica, the call goes by the
+  fewest in flight as above (the set is loaded there too: the price of not queueing behind a hot set). A request
+  without LoRAs (or with an empty set) goes by the fewest in flight."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +42,8 @@ log = logging.getLogger("trt_diffusion.openai_api.replicas")
 BACKOFF_S = 1.0  # a replica's first re-probe comes this long after it failed
 MAX_BACKOFF_S = 16.0  # doubled per failed probe up to this
 PROBE_TIMEOUT_S = 2.0
+SATURATED_MARGIN = 2  # a LoRA set's replica with more calls in flight than the least-loaded + this: least-loaded
+LORAS_INPUT = "LORAS"  # the entry's per-request LoRA set (triton/contract.py)
 CHANNEL_ARGS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
                 # gRPC's reconnect back-off grows to 120 s by default: a restarted replica would stay unreachable
                 # through this channel long after its probe could see it
@@ -63,12 +75,18 @@ class ReplicaRouter:
         self.clock = clock
         self._turn = 0  # round robin among ties
 
-    def pick(self, exclude: frozenset[int] = frozenset()) -> int | None:
-        """The replica for a call, not one of `exclude` (those this call tried): the ready one with the fewest calls
-        in flight (ties in turn); none ready: the down one whose back-off ends first; None: every one was tried."""
+    def pick(self, exclude: frozenset[int] = frozenset(), lora_key: str | None = None) -> int | None:
+        """The replica for a call, not one of `exclude` (those this call tried): with `lora_key` (a canonical LoRA
+        set), the ready one it hashes to unless that one is saturated; else the ready one with the fewest calls in
+        flight (ties in turn); none ready: the down one whose back-off ends first; None: every one was tried."""
         count = len(self.replicas)
         order = [(self._turn + step) % count for step in range(count)]
         ready = [i for i in order if self.replicas[i].ready and i not in exclude]
+        if ready and lora_key is not None:
+            chosen = max(ready, key=lambda i: rendezvous_score(self.replicas[i].url, lora_key))
+            least = min(self.replicas[i].in_flight for i in ready)
+            if self.replicas[chosen].in_flight <= least + SATURATED_MARGIN:
+                return chosen
         if ready:
             chosen = min(ready, key=lambda i: self.replicas[i].in_flight)  # min keeps the first of ties: the turn
             self._turn = (chosen + 1) % count
@@ -127,6 +145,29 @@ class ReplicaRouter:
                  "failures": r.failures} for r in self.replicas]
 
 
+def rendezvous_score(url: str, key: str) -> int:
+    """The replica's weight for a key (highest-random-weight hashing): stable across processes and runs."""
+    return int.from_bytes(hashlib.blake2b(f"{url}\0{key}".encode(), digest_size=8).digest(), "big")
+
+
+def lora_key(inputs) -> str | None:
+    """The canonical LoRA set a request's inputs carry (their LORAS tensor: names sorted, with their scales, as
+    lora_sets.to_json writes it); None without LoRAs, or where LORAS cannot be read (the entry refuses it)."""
+    from ..errors import RuntimeInputError
+    from ..triton import lora_sets
+
+    tensor = next((i for i in inputs or () if getattr(i, "name", lambda: None)() == LORAS_INPUT), None)
+    if tensor is None:
+        return None
+    try:
+        content = tensor._get_content()  # BYTES, serialized: a little-endian uint32 length, then the bytes
+        (size,) = struct.unpack_from("<I", content)
+        lora_set = lora_sets.parse_loras(bytes(content[4:4 + size]).decode("utf-8"))
+    except (RuntimeInputError, struct.error, UnicodeDecodeError, TypeError, AttributeError):
+        return None
+    return lora_sets.to_json(lora_set) if lora_set else None
+
+
 def is_unavailable(error: BaseException) -> bool:
     """Whether a call's error says the replica is not there (gRPC UNAVAILABLE), not that the request was refused:
     Triton answers a full queue UNAVAILABLE too, in words of its own (the API's 429: the replica is working)."""
@@ -166,12 +207,12 @@ class ReplicaClient:
     def state(self) -> list[dict]:
         return self.router.state()
 
-    async def _call(self, method: str | Callable, *args, **kwargs):
-        """`method` of a replica's client (a name), or method(client, ...)."""
+    async def _call(self, method: str | Callable, *args, route_key: str | None = None, **kwargs):
+        """`method` of a replica's client (a name), or method(client, ...); `route_key`: a canonical LoRA set."""
         self._start_probes()
         tried: set[int] = set()
         while True:
-            index = self.router.pick(frozenset(tried))
+            index = self.router.pick(frozenset(tried), route_key)
             tried.add(index)
             self.router.started(index)
             unavailable = answered = False  # stays so when the call is cancelled
@@ -216,9 +257,11 @@ class ReplicaClient:
     async def infer(self, *args, on_partial: Callable | None = None, **kwargs):
         """The client's `infer`; with `on_partial`, of a decoupled model (a stream entry) over a gRPC stream: each
         response before the one carrying the asked `outputs` goes to on_partial(result), that one is returned."""
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+        key = lora_key(inputs)  # a request with LoRAs: to the replica its set hashes to
         if on_partial is None:
-            return await self._call("infer", *args, **kwargs)
-        return await self._call(partial(stream_infer, on_partial=on_partial), *args, **kwargs)
+            return await self._call("infer", *args, route_key=key, **kwargs)
+        return await self._call(partial(stream_infer, on_partial=on_partial), *args, route_key=key, **kwargs)
 
     async def get_model_repository_index(self, *args, **kwargs):
         return await self._call("get_model_repository_index", *args, **kwargs)
