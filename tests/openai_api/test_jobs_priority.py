@@ -149,3 +149,45 @@ def test_the_jobs_client_adds_the_batch_mark_beside_the_callers_parameters():
     online = Capture(np.zeros((1, 8, 8, 3), np.uint8))
     asyncio.run(infer_images(online, "m", request.tensors(), 10.0))  # a person's: unmarked
     assert "priority" not in online.calls[0] and PRIORITY_PARAMETER not in online.calls[0]["parameters"]
+
+
+def test_the_jobs_client_gives_its_calls_the_job_deadline_not_the_online_one():
+    from trt_diffusion.openai_api.triton_calls import infer_images
+    from trt_diffusion.openai_api.video_routes import infer_video
+    from trt_diffusion.triton.client import ImageRequest
+
+    request = ImageRequest(prompt="p", height=8, width=8, steps=2, guidance_scale=1.0, seed=1)
+    images = Capture(np.zeros((1, 8, 8, 3), np.uint8))
+    asyncio.run(infer_images(BatchPriorityClient(images, 86400.0), "m", request.tensors(), 600.0))
+    assert images.calls[0]["client_timeout"] == 86400.0
+    clips = Capture(np.zeros((1, 5, 8, 8, 3), np.uint8))
+    asyncio.run(infer_video(BatchPriorityClient(clips, 86400.0), "v", request.tensors(), 600.0))
+    assert clips.calls[0]["client_timeout"] == 86400.0
+
+
+class TestJobDeadline:
+    """A job line held in Triton (the entry yielding to people) past the online --timeout completes: job calls have
+    their own deadline (--job-timeout, a day by default); an online request held as long still gets its 504."""
+
+    @pytest.fixture
+    def api_settings(self) -> dict:
+        return {"timeout_s": 1.0}
+
+    def test_a_job_line_held_past_the_online_deadline_completes(self, api, stub):
+        import openai
+
+        client = openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0)
+        with ThreadPoolExecutor(1) as pool:  # online first: the job waits while a person holds the one instance
+            online = pool.submit(client.images.generate, model="sd15-tiny", prompt="person", extra_body={"seed": 1})
+            with pytest.raises(openai.APIStatusError) as late:
+                online.result(GUARD_S)
+        assert late.value.status_code == 504
+        stub.gate.release(1)  # the person's call, given up by the API, ends in the stand-in too
+        batch = submit(client, "job")
+        until(lambda: stub.arrivals == 2, "the job line reaching Triton")
+        time.sleep(2.0)  # held twice the online deadline
+        stub.gate.release(1)
+        until(lambda: client.batches.retrieve(batch.id).status == "completed", "the batch completing")
+        counts = client.batches.retrieve(batch.id).request_counts
+        assert (counts.completed, counts.failed) == (1, 0)
+        assert stub.arrivals == 2  # one call: not failed and run again

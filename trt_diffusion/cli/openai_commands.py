@@ -30,6 +30,10 @@ StateDir = Annotated[Path | None, typer.Option(
 StateMaxGb = Annotated[float, typer.Option("--state-max-gb", min=0.001, help="the job store's disk quota: an upload "
                                            "or result that does not fit is refused (413)")]
 DEFAULT_STATE_MAX_GB = 10.0  # openai_api.settings.DEFAULT_STATE_MAX_BYTES in GiB
+JobTimeout = Annotated[float, typer.Option(
+    "--job-timeout", help="seconds a job's call to Triton (a batch line, a video) may take, queue and pauses for "
+    "people included (online requests get 600); default 86400, a batch's completion window (docs/deploy.md)")]
+DEFAULT_JOB_TIMEOUT_S = 86400.0  # openai_api.settings.DEFAULT_JOB_TIMEOUT_S
 ServingConfig = Annotated[Path | None, typer.Option(
     "--config", help="engines.yaml: its models' `serving: overload:` policies (degrade, then refuse, past an "
     "estimated wait; docs/deploy.md) apply to online requests; without it no request is degraded or refused for "
@@ -80,6 +84,7 @@ def openai_api_command(
     cors_origins: CorsOrigins = None,
     state_dir: StateDir = None,
     state_max_gb: StateMaxGb = DEFAULT_STATE_MAX_GB,
+    job_timeout_s: JobTimeout = DEFAULT_JOB_TIMEOUT_S,
     config: ServingConfig = None,
 ):
     """Serve the OpenAI Images API (/v1/images/generations, /v1/images/edits, /v1/models, and batches: /v1/files,
@@ -90,7 +95,8 @@ def openai_api_command(
     triton_url = ",".join(names(triton_urls)) if triton_urls else "grpc://127.0.0.1:8001"
     settings = ApiSettings(triton_url, host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
                            allowed_hosts=names(allowed_hosts), cors_origins=names(cors_origins),
-                           **state_options(state_dir, state_max_gb), **overload_options(config)).check()
+                           job_timeout_s=job_timeout_s, **state_options(state_dir, state_max_gb),
+                           **overload_options(config)).check()
     console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {', '.join(settings.triton_urls())}; Ctrl-C stops "
                   "it)", highlight=False)
     if host in ("0.0.0.0", "::") and not settings.allowed_hosts:  # every interface, but only loopback's names

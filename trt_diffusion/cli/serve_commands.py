@@ -14,11 +14,13 @@ from ..targets import check_target_name, target_names
 from ..video_files import DEFAULT_FPS
 from .console import console
 from .openai_commands import (
+    DEFAULT_JOB_TIMEOUT_S,
     DEFAULT_MAX_BODY,
     DEFAULT_STATE_MAX_GB,
     AllowedHosts,
     ApiKey,
     CorsOrigins,
+    JobTimeout,
     MaxBody,
     ServingConfig,
     StateDir,
@@ -188,6 +190,7 @@ def serve_command(
     cors_origins: CorsOrigins = None,
     state_dir: StateDir = None,
     state_max_gb: StateMaxGb = DEFAULT_STATE_MAX_GB,
+    job_timeout_s: JobTimeout = DEFAULT_JOB_TIMEOUT_S,
     triton_http: Annotated[bool, typer.Option("--triton-http/--no-triton-http", help="--no-triton-http: start "
                                               "tritonserver without its HTTP and metrics ports, gRPC only (what "
                                               "--openai-port and `generate --url grpc://` use): no port a web page "
@@ -206,8 +209,8 @@ def serve_command(
 
         openai = ApiSettings(f"127.0.0.1:{grpc_port}", port=openai_port, api_key=api_key,
                              max_body_bytes=max_body_bytes, allowed_hosts=names(allowed_hosts),
-                             cors_origins=names(cors_origins), **state_options(state_dir, state_max_gb),
-                             **overload_options(config)).check()
+                             cors_origins=names(cors_origins), job_timeout_s=job_timeout_s,
+                             **state_options(state_dir, state_max_gb), **overload_options(config)).check()
     elif allowed_hosts or cors_origins:
         from ..errors import ServeError
 

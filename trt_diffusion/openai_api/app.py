@@ -81,8 +81,10 @@ def create_app(settings: ApiSettings):
         app.state.catalog = Catalog(client, max_age_s=settings.catalog_max_age_s)
         app.state.overload = gate
         app.state.slots = JobSlots(client)
-        # what the jobs see: the same catalog, Triton at batch priority, no overload policy, no instance count
-        app.state.jobs = SimpleNamespace(triton=BatchPriorityClient(client), catalog=app.state.catalog)
+        # what the jobs see: the same catalog, Triton at batch priority with the jobs' deadline, no overload
+        # policy, no instance count
+        app.state.jobs = SimpleNamespace(triton=BatchPriorityClient(client, settings.job_timeout_s),
+                                         catalog=app.state.catalog)
         if jobs is not None:  # the batches left by the last run go on first
             app.state.runner = JobRunner(jobs, run_job_line, slot_free=job_slot_free,
                                          run_video=video_routes.video_runner(app.state.jobs, settings)).start()

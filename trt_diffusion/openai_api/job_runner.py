@@ -6,7 +6,10 @@ which the next start runs again with its stored seed. Triton busy (429) or unava
 failure: the line waits and is tried again. A cancelled batch's running line is cancelled (its gRPC call with it,
 which frees Triton's queue); a batch past its completion window stops, its lines not run going to the error file
 as `batch_expired`. A running video's `progress` follows its denoising steps as the video entry's stream reports
-them (video_routes.video_runner), written to the store at most once per step and once every PROGRESS_EVERY_S."""
+them (video_routes.video_runner), written to the store at most once per step and once every PROGRESS_EVERY_S.
+A job's call to Triton has the jobs' deadline (ApiSettings.job_timeout_s, --job-timeout: a day), not the online
+--timeout: its request yields to people between engine calls, and that wait is no reason to fail it
+(job_slots.BatchPriorityClient sets it)."""
 
 from __future__ import annotations
 

@@ -21,13 +21,18 @@ INSTANCES_MAX_AGE_S = 5.0
 
 class BatchPriorityClient:
     """A Triton gRPC client whose inferences go at the batch priority level, marked as a job's (the request
-    parameter the entry yields by, beside the caller's parameters); everything else as the client."""
+    parameter the entry yields by, beside the caller's parameters), with the jobs' own deadline `timeout_s` (the
+    API's --job-timeout, in place of the online --timeout the caller gives: a job's request that yields to people
+    is not failed for it); everything else as the client."""
 
-    def __init__(self, client):
+    def __init__(self, client, timeout_s: float | None = None):
         self._client = client
+        self.timeout_s = timeout_s
 
     async def infer(self, *args, **kwargs):
         kwargs.setdefault("priority", PRIORITY_BATCH)
+        if self.timeout_s is not None:
+            kwargs["client_timeout"] = self.timeout_s
         kwargs["parameters"] = {**(kwargs.get("parameters") or {}), PRIORITY_PARAMETER: PRIORITY_BATCH_VALUE}
         return await self._client.infer(*args, **kwargs)
 

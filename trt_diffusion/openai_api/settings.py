@@ -10,6 +10,9 @@ from ..errors import ServeError
 DEFAULT_PORT = 8080
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # an edit's image and mask travel in the body: 16 MB holds 2048² PNGs
 DEFAULT_TIMEOUT_S = 600.0
+# a job's call to Triton (a batch line, a video) at most: nobody waits on a job, and a job's request yields to
+# people between engine calls (its pauses count against this), so it gets a batch's completion window, 24 h
+DEFAULT_JOB_TIMEOUT_S = 24 * 3600.0
 # The connection limits (docs/security.md, "Browsers and the API"): a slow or idle socket cannot hold the server.
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # a request's headers must arrive whole within this of the connection (or of the
 # previous answer on a kept-alive one)
@@ -35,6 +38,7 @@ class ApiSettings:
     api_key: str | None = None  # set: every request needs `Authorization: Bearer <key>` (401 otherwise)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S  # one request to Triton at most (queue included)
+    job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S  # one job's call to Triton at most (--job-timeout)
     # Browsers (docs/security.md): the Host names a request may carry besides the bind address and loopback's, and
     # the web origins whose pages may call the API (a request with any other Origin header is refused, 403).
     allowed_hosts: tuple[str, ...] = ()
@@ -64,6 +68,8 @@ class ApiSettings:
             problems.append(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         if not self.timeout_s > 0:
             problems.append(f"--timeout must be positive, got {self.timeout_s}")
+        if not self.job_timeout_s > 0:
+            problems.append(f"--job-timeout must be positive, got {self.job_timeout_s}")
         if self.api_key is not None and not self.api_key.strip():
             problems.append("--api-key is empty; leave it out to serve without a key")
         problems += triton_url_problems(self.triton_url)
