@@ -338,11 +338,14 @@ def package(config_path: str | Path, out_dir: str | Path = "triton_repo", target
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
           metrics_port: int | None = 8002, first_request: bool = True, on_ready=None, admin_apis: bool = False,
           verify_keys: Sequence[str | Path] = (), openai=None, memory_budget_gb: float | None = None,
-          triton_http: bool = True):
+          triton_http: bool = True, replicas: int = 1):
     """tritonserver on a packaged repository (127.0.0.1) until Ctrl-C or SIGTERM: `on_ready(report)` once every
     model is ready and warm; the warm-up report, or None when stopped before the server was ready. `openai`
     (openai_api.settings.ApiSettings): also the OpenAI Images API, started once Triton is ready, talking to its
-    gRPC port, stopped with it. `triton_http=False`: tritonserver without its HTTP and metrics ports (gRPC only)."""
+    gRPC port, stopped with it. `triton_http=False`: tritonserver without its HTTP and metrics ports (gRPC only).
+    `replicas` > 1: that many tritonservers on this host (triton/stage.py serve), the API fronting all of them as
+    `openai-api --triton-url` does (openai_api/replicas.py); `on_ready` gets, and the call returns, the list of
+    their reports."""
     from dataclasses import replace
 
     from .triton import stage
@@ -358,14 +361,16 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
 
     def ready(report) -> None:
         if openai is not None:
-            started.append(ApiServer(replace(openai, triton_url=report.grpc_url)).start())
+            grpc_urls = [r.grpc_url for r in (report if isinstance(report, list) else [report])]
+            started.append(ApiServer(replace(openai, triton_url=",".join(grpc_urls))).start())
         if on_ready:
             on_ready(report)
 
     try:
         return stage.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                            first_request=first_request, on_ready=ready, admin_apis=admin_apis,
-                           verify_keys=verify_keys, memory_budget_gb=memory_budget_gb, triton_http=triton_http)
+                           verify_keys=verify_keys, memory_budget_gb=memory_budget_gb, triton_http=triton_http,
+                           replicas=replicas)
     finally:
         for server in started:
             server.stop()

@@ -199,9 +199,15 @@ def serve_command(
         "--memory-budget-gb", min=0.001, help="refuse to start when the models' estimated memory (recorded by "
         "package) exceeds this host's budget")] = None,
     config: ServingConfig = None,
+    replicas: Annotated[int, typer.Option("--replicas", help="tritonservers to start on this host over the "
+                                          "repository (the first on the ports above, the others on free ports); "
+                                          "--openai-port's API fronts all of them (docs/deploy.md)")] = 1,
 ):
     """Run tritonserver on the repository (127.0.0.1) until Ctrl-C; with --openai-port, the OpenAI Images API too."""
     from .. import api
+    from ..triton.stage import check_replicas
+
+    check_replicas(replicas)  # before anything starts
 
     openai = None
     if openai_port is not None:
@@ -225,27 +231,33 @@ def serve_command(
 
         raise ServeError("--config gives the OpenAI API its overload policies: give --openai-port too")
 
-    def announce(report) -> None:
-        console.print(f"ready in {report.seconds_to_ready:.1f} s ({len(report.models_ready)} models, all warm)")
-        for first in report.first_requests:
-            console.print(f"first request at {first.size}: {first.seconds * 1000:.0f} ms ({first.protocol})")
-        console.print(f"HTTP  {report.http_url or 'off (--no-triton-http)'}\ngRPC  {report.grpc_url}\n"
-                      f"log   {report.log}")
+    def announce(ready) -> None:
+        reports = ready if isinstance(ready, list) else [ready]
+        for index, report in enumerate(reports):
+            label = f"replica {index + 1} of {len(reports)}: " if len(reports) > 1 else ""
+            console.print(f"{label}ready in {report.seconds_to_ready:.1f} s ({len(report.models_ready)} models, all "
+                          "warm)", highlight=False)
+            for first in report.first_requests:
+                console.print(f"first request at {first.size}: {first.seconds * 1000:.0f} ms ({first.protocol})")
+            console.print(f"HTTP  {report.http_url or 'off (--no-triton-http)'}\ngRPC  {report.grpc_url}\n"
+                          f"log   {report.log}")
         if openai is not None:
+            over = f", over the {len(reports)} replicas" if len(reports) > 1 else ""
             console.print(f"OpenAI  http://{openai.host}:{openai.port}/v1  (images/generations, images/edits, models"
-                          + (", Bearer key required" if openai.api_key else "") + ")", highlight=False)
-        url = report.http_url or f"grpc://{report.grpc_url}"
+                          + (", Bearer key required" if openai.api_key else "") + over + ")", highlight=False)
+        url = reports[0].http_url or f"grpc://{reports[0].grpc_url}"
         console.print(f"try: trt-diffusion generate --url {url} --prompt \"a lighthouse\" -o out.png")
-        console.print("Ctrl-C stops the server.")
+        console.print("Ctrl-C stops the server" + ("s." if len(reports) > 1 else "."))
 
-    console.print(f"starting tritonserver on {repo} …")
+    console.print(f"starting tritonserver on {repo} …" if replicas == 1
+                  else f"starting {replicas} tritonservers on {repo} …")
     if admin_apis:
         console.print("[yellow]note:[/yellow] --admin-apis: shared-memory, trace and logging APIs are open to every "
                       "client that reaches the ports")
     warmup = api.serve(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                        first_request=first_request, on_ready=announce, admin_apis=admin_apis,
                        verify_keys=verify_keys or (), openai=openai, memory_budget_gb=memory_budget_gb,
-                       triton_http=triton_http)
+                       triton_http=triton_http, replicas=replicas)
     console.print("stopped" if warmup else "stopped before the server was ready (tritonserver and its stubs too)")
 
 

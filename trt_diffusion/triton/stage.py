@@ -281,36 +281,65 @@ def first_requests(server: TritonServer, report: PackageReport, protocol: str = 
     return records
 
 
+def check_replicas(replicas: int) -> None:
+    if replicas < 1:
+        raise ServeError(f"--replicas must be at least 1 (the tritonservers to start on this host), got {replicas}")
+
+
 def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | None = 8001,
           metrics_port: int | None = 8002, work_dir: str | Path | None = None, first_request: bool = True,
           ready_timeout_s: float = 900.0, on_ready: Callable[[WarmupReport], None] | None = None,
           admin_apis: bool = False, verify_keys: Sequence[str | Path] = (),
-          memory_budget_gb: float | None = None, triton_http: bool = True) -> WarmupReport | None:
+          memory_budget_gb: float | None = None, triton_http: bool = True,
+          replicas: int = 1) -> WarmupReport | list[WarmupReport] | None:
     """Start, report, then block until Ctrl-C / SIGTERM, and stop cleanly.
 
     A stop while starting, while the first requests are timed or while serving stops tritonserver and its stubs
-    and removes the temporary work folder; it returns None when the server was stopped before it was ready."""
+    and removes the temporary work folder; it returns None when the server was stopped before it was ready.
+
+    `replicas` > 1: that many tritonservers over the same repository on this host (the OpenAI API's replicas, tests,
+    a big host), started one after the other: the first on the ports given, each other on free ports of its own,
+    each its own work folder; `on_ready` gets, and the call returns, their reports in order. One failing to start
+    stops those started (ServeError naming it, its log tail); one exiting later stops all. `memory_budget_gb` is
+    the host's: each replica's estimated memory must fit its share (budget / replicas)."""
     from .server import LIVE_SERVERS
 
+    check_replicas(replicas)
     # SIGTERM (systemd, docker stop) stops as Ctrl-C does, from the first moment: with Python's default SIGTERM
     # the process would end without stopping the server it started. (Handlers need the main thread.)
     with stop_signals_interrupt():
         already = set(LIVE_SERVERS)
-        warmup = None
+        servers, warmups = [], []
         try:
-            server, warmup = start(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                                   work_dir=work_dir, ready_timeout_s=ready_timeout_s, first_request=first_request,
-                                   admin_apis=admin_apis, verify_keys=verify_keys, memory_budget_gb=memory_budget_gb,
-                                   triton_http=triton_http)
+            for index in range(replicas):
+                ports = (http_port, grpc_port, metrics_port) if index == 0 else (None, None, None)
+                try:
+                    server, warmup = start(repo, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
+                                           work_dir=work_dir if replicas == 1 else None,
+                                           ready_timeout_s=ready_timeout_s, first_request=first_request,
+                                           admin_apis=admin_apis, verify_keys=verify_keys,
+                                           memory_budget_gb=None if memory_budget_gb is None
+                                           else memory_budget_gb / replicas, triton_http=triton_http)
+                except ServeError as err:
+                    if replicas == 1:
+                        raise
+                    raise ServeError(f"replica {index + 1} of {replicas} did not start (the others are stopped): "
+                                     f"{err}") from None
+                servers.append(server)
+                warmups.append(warmup)
             if on_ready:
-                on_ready(warmup)
-            while server.is_alive():
+                on_ready(warmups[0] if replicas == 1 else list(warmups))
+            while all(server.is_alive() for server in servers):
                 time.sleep(0.5)
-            raise ServeError(f"tritonserver exited unexpectedly with {server.process.returncode}:\n"
+            index, server = next((i, s) for i, s in enumerate(servers) if not s.is_alive())
+            which = "" if replicas == 1 else f" (replica {index + 1} of {replicas}; the others are stopped)"
+            raise ServeError(f"tritonserver exited unexpectedly with {server.process.returncode}{which}:\n"
                              f"{server.log_tail()}")
         except KeyboardInterrupt:
             pass
         finally:
             for key in set(LIVE_SERVERS) - already:  # whatever this call started, wherever the stop came
                 LIVE_SERVERS[key].stop()
-    return warmup
+    if len(warmups) < replicas:
+        return None
+    return warmups[0] if replicas == 1 else warmups

@@ -1,0 +1,209 @@
+"""`serve --replicas N` (docs/deploy.md, N hosts): N tritonservers over one repository on this host, the OpenAI API
+fronting all of them. The argument and its refusal through the CLI; stage.serve's start order, ports and stops with
+`start` replaced by a recorder (one replica failing to start stops those started, naming it with its log tail);
+then, in the slow suite, the real CLI serving the tiny sd15 with two replicas behind the API."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from trt_diffusion import api as api_module
+from trt_diffusion.cli import main
+from trt_diffusion.errors import ServeError
+from trt_diffusion.triton import server as server_module
+from trt_diffusion.triton import stage
+
+
+def run(argv, capsys) -> tuple[int, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, " ".join((captured.out + captured.err).split())
+
+
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_fewer_than_one_replica_is_refused_before_anything_starts(count, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(api_module, "serve", lambda repo, **options: pytest.fail("started"))
+    code, text = run(["serve", "--repo", str(tmp_path), "--replicas", count], capsys)
+    assert code == 1
+    assert f"--replicas must be at least 1 (the tritonservers to start on this host), got {count}" in text
+    assert "starting" not in text
+
+
+def test_replicas_reach_serve_one_by_default(monkeypatch, capsys, tmp_path):
+    seen = []
+    monkeypatch.setattr(api_module, "serve", lambda repo, **options: seen.append(options["replicas"]))
+    assert run(["serve", "--repo", str(tmp_path), "--replicas", "3", "--openai-port", "8085"], capsys)[0] == 0
+    assert run(["serve", "--repo", str(tmp_path)], capsys)[0] == 0
+    assert seen == [3, 1]
+
+
+class FakeServer:
+    def __init__(self, stopped: list, index: int):
+        self.stopped, self.index = stopped, index
+
+    def is_alive(self) -> bool:
+        return False  # serving ends at once: the test needs only the starts and the stops
+
+    process = SimpleNamespace(returncode=-9)
+
+    def log_tail(self) -> str:
+        return f"log of {self.index}"
+
+    def stop(self) -> None:
+        self.stopped.append(self.index)
+        server_module.LIVE_SERVERS.pop(id(self), None)
+
+
+def recorder(fail_at: int | None):
+    starts, stopped = [], []
+
+    def start(repo, **options):
+        index = len(starts)
+        starts.append(options)
+        if index == fail_at:  # as TritonServer.start fails: the server it started is stopped, its tail in the error
+            raise ServeError(f"tritonserver exited with 1 before it was ready:\nTAIL OF REPLICA {index}")
+        server = FakeServer(stopped, index)
+        server_module.LIVE_SERVERS[id(server)] = server
+        return server, SimpleNamespace(grpc_url=f"127.0.0.1:{9000 + index}")
+
+    return start, starts, stopped
+
+
+def test_a_replica_that_fails_to_start_stops_the_others_and_is_named_with_its_log_tail(monkeypatch):
+    start, starts, stopped = recorder(fail_at=1)
+    monkeypatch.setattr(stage, "start", start)
+    with pytest.raises(ServeError) as failed:
+        stage.serve("repo", http_port=8000, grpc_port=8001, metrics_port=8002, replicas=3,
+                    on_ready=lambda reports: pytest.fail("ready"))
+    assert str(failed.value).startswith("replica 2 of 3 did not start (the others are stopped): tritonserver exited")
+    assert "TAIL OF REPLICA 1" in str(failed.value)
+    assert len(starts) == 2 and stopped == [0]  # the third never started, the first stopped
+
+
+def test_replicas_take_the_given_ports_then_free_ones_and_report_in_order(monkeypatch):
+    start, starts, stopped = recorder(fail_at=None)
+    monkeypatch.setattr(stage, "start", start)
+    ready = []
+    with pytest.raises(ServeError, match=r"exited unexpectedly with -9 \(replica 1 of 2; the others are stopped\)"):
+        stage.serve("repo", http_port=8000, grpc_port=8001, metrics_port=8002, replicas=2, memory_budget_gb=8.0,
+                    on_ready=ready.append)
+    assert [(s["http_port"], s["grpc_port"], s["metrics_port"]) for s in starts] == [(8000, 8001, 8002),
+                                                                                   (None, None, None)]
+    assert [s["work_dir"] for s in starts] == [None, None]  # each its own temporary work folder
+    assert [s["memory_budget_gb"] for s in starts] == [4.0, 4.0]  # the host's budget shared
+    assert [[r.grpc_url for r in reports] for reports in ready] == [["127.0.0.1:9000", "127.0.0.1:9001"]]
+    assert sorted(stopped) == [0, 1]
+
+
+def test_the_api_fronts_every_replica(monkeypatch):
+    from trt_diffusion.openai_api import server as api_server
+    from trt_diffusion.openai_api.settings import ApiSettings
+
+    fronted = []
+
+    class Api:
+        def __init__(self, settings):
+            fronted.append(settings.triton_url)
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(api_server, "ApiServer", Api)
+    monkeypatch.setattr(stage, "serve", lambda repo, on_ready, **options: on_ready(
+        [SimpleNamespace(grpc_url="127.0.0.1:9000"), SimpleNamespace(grpc_url="127.0.0.1:9001")]))
+    api_module.serve("repo", openai=ApiSettings("unused:1", port=0), replicas=2)
+    assert fronted == ["127.0.0.1:9000,127.0.0.1:9001"]
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+@pytest.mark.timeout(600)
+def test_serve_two_replicas_behind_the_api(built_sd15, tmp_path):
+    """The real CLI: `serve --replicas 2 --openai-port` on the tiny sd15; /health lists two ready replicas, the
+    API's requests are answered by both, and SIGINT stops both tritonservers."""
+    from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.runtime.loader import built_engines
+    from trt_diffusion.triton.repository import PackageOptions, package
+    from trt_diffusion.triton.server import free_port, group_members
+
+    config = load_engines_file(built_sd15, check_sources=True)
+    (name,) = config.models
+    model = config.models[name]
+    report = package(built_engines(config, name, "onnxruntime"), model.source.path, model.family, name,
+                     tmp_path / "repo", PackageOptions(ensemble=False, stream=False), workflows=model.workflows)
+    api_port = free_port()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "trt_diffusion.cli", "serve", "--repo", str(tmp_path / "repo"), "--replicas", "2",
+         "--no-first-request", "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port",
+         str(free_port()), "--openai-port", str(api_port), "--state-dir", str(tmp_path / "state")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"})
+    lines = []
+    try:
+        for line in child.stdout:
+            lines.append(line)
+            if "Ctrl-C stops the servers." in line:
+                break
+        text = "".join(lines)
+        assert "starting 2 tritonservers" in text and "replica 2 of 2: ready" in text, text
+        assert text.count("gRPC  127.0.0.1:") == 2 and "over the 2 replicas" in text, text
+        base = f"http://127.0.0.1:{api_port}"
+        with urllib.request.urlopen(base + "/health", timeout=30) as response:
+            health = json.loads(response.read())
+        replicas = health["replicas"]
+        assert len(replicas) == 2 and all(r["ready"] for r in replicas), health
+        for seed in range(4):
+            body = {"model": report.entry, "prompt": "a lighthouse", "size": "64x64", "seed": seed,
+                    "num_inference_steps": 2}
+            request = urllib.request.Request(base + "/v1/images/generations", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=300) as response:
+                assert len(json.loads(response.read())["data"]) == 1
+        with urllib.request.urlopen(base + "/health", timeout=30) as response:
+            health = json.loads(response.read())
+        replicas = health["replicas"]
+        assert all(r["served"] >= 1 for r in replicas), health  # sequential requests: in turn
+        groups = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_tritonserver_of(int(p), tmp_path)]
+        assert len(groups) == 2, groups
+        child.send_signal(signal.SIGINT)
+        assert child.wait(120) == 0, child.stdout.read()
+        assert not any(_alive(p) or group_members(p) for p in groups)  # each server's group: its stubs too
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(30)
+        for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_tritonserver_of(int(p), tmp_path)]:
+            os.killpg(pid, signal.SIGKILL)  # a failed run leaves no server behind (each its own process group)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(") ")[-1][:1] != "Z"
+
+
+def _is_tritonserver_of(pid: int, tmp_path) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            args = cmdline.read().split(b"\0")
+    except OSError:
+        return False
+    return bool(args) and args[0].endswith(b"tritonserver") and any(str(tmp_path).encode() in a for a in args)
