@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from api_waits import until
 
 from trt_diffusion.openai_api.job_slots import BatchPriorityClient, JobSlots
 from trt_diffusion.triton import configs
@@ -59,15 +60,6 @@ def stub(stub):
     """tests/openai_api/conftest.py's, holding every inference until the test releases it."""
     stub.gate = threading.Semaphore(0)
     return stub
-
-
-def until(check, what: str):
-    end = time.monotonic() + GUARD_S
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} did not happen in time")
 
 
 def health(api) -> dict:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from api_waits import until
 
 from trt_diffusion.tensors import TensorSpec
 from trt_diffusion.triton.backend import pb
@@ -48,15 +48,6 @@ def _person(folder: str, marked, release, clear: bool) -> None:
         marked.clear()
         release.wait(GUARD_S)  # alive, its count 0
     os._exit(0)  # no cleanup: a crash leaves its file behind
-
-
-def until(check, what: str):
-    end = time.monotonic() + GUARD_S
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} did not happen in time")
 
 
 def test_another_process_sees_a_persons_request_in_flight(tmp_path):
