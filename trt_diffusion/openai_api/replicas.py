@@ -43,7 +43,6 @@ BACKOFF_S = 1.0  # a replica's first re-probe comes this long after it failed
 MAX_BACKOFF_S = 16.0  # doubled per failed probe up to this
 PROBE_TIMEOUT_S = 2.0
 SATURATED_MARGIN = 2  # a LoRA set's replica with more calls in flight than the least-loaded + this: least-loaded
-LORAS_INPUT = "LORAS"  # the entry's per-request LoRA set (triton/contract.py)
 CHANNEL_ARGS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
                 # gRPC's reconnect back-off grows to 120 s by default: a restarted replica would stay unreachable
                 # through this channel long after its probe could see it
@@ -155,6 +154,7 @@ def lora_key(inputs) -> str | None:
     lora_sets.to_json writes it); None without LoRAs, or where LORAS cannot be read (the entry refuses it)."""
     from ..errors import RuntimeInputError
     from ..triton import lora_sets
+    from .catalog import LORAS_INPUT
 
     tensor = next((i for i in inputs or () if getattr(i, "name", lambda: None)() == LORAS_INPUT), None)
     if tensor is None:
