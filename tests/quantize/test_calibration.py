@@ -89,3 +89,46 @@ def test_other_algorithms_calibrate(tiny_model_factory, algorithm):
     with torch.no_grad():
         out = module(*calls[0][0], **calls[0][1])[0]
     assert torch.isfinite(out).all()
+
+
+def test_a_unet_with_controlnets_is_calibrated_with_their_residuals(tiny_model_factory):
+    """A UNet whose engines take ControlNet residuals: the odd prompts run through diffusers' ControlNet pipeline over
+    the same UNet, so its calls carry the residuals (mapped onto the engine's residual inputs, not zeros) and the
+    ranges after each addition see them: an up block's input range grows past the one calibrated without them."""
+    from trt_diffusion.components import MID_RESIDUAL, down_residual_name
+    from trt_diffusion.engines_file import load_engines_file
+    from trt_diffusion.quantize.feeds import denoiser_interface
+
+    model_dir = tiny_model_factory("sd15", controlnet=True)
+    recipe = dataclasses.replace(RECIPE, controlnets=(str(model_dir / "controlnet"),))
+    assert [recipe.controlnet_of(i) for i in range(4)] == [None, 0, None, 0]
+    assert recipe.digest != RECIPE.digest and "controlnets" not in RECIPE.to_json()
+
+    plain, plain_calls = _calibrated(model_dir, RECIPE)
+    with_control, calls = _calibrated(model_dir, recipe)
+    assert len(calls) == recipe.samples * recipe.steps
+    assert all("down_block_additional_residuals" not in kwargs for _, kwargs in calls[:recipe.steps])
+    controlled = calls[recipe.steps][1]  # prompt 1's first call: through the ControlNet
+    assert controlled["mid_block_additional_residual"].abs().max() > 0
+
+    config = load_engines_file(_engines_yaml(model_dir))
+    interface = denoiser_interface(config.models["sd15-tiny"], "unet")
+    feeds = interface.feeds(calls[recipe.steps])
+    assert torch.equal(feeds[MID_RESIDUAL], controlled["mid_block_additional_residual"])
+    assert torch.equal(feeds[down_residual_name(0)], controlled["down_block_additional_residuals"][0])
+    assert not interface.feeds(plain_calls[0])[MID_RESIDUAL].any()  # a plain call: zeros, as before
+
+    before, after = ptq.amax_tensors(plain), ptq.amax_tensors(with_control)
+    grown = [n for n in before if n.startswith("up_blocks") and n.endswith("input_quantizer")
+             and after[n].max() > before[n].max()]
+    assert grown, "no up-block input range saw the ControlNet's residuals"
+
+
+def _engines_yaml(model_dir):
+    import yaml
+
+    path = model_dir.parent / f"{model_dir.name}-engines.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "models": {"sd15-tiny": {
+        "source": str(model_dir), "family": "sd15", "buckets": ["64x64"], "targets": ["onnxruntime"],
+        "controlnets": {"canny": {"source": str(model_dir / "controlnet")}}}}}))
+    return path

@@ -75,3 +75,22 @@ def test_unsupported_requests_are_clear_errors(plan_of, tiny_model_factory, writ
         plan_variant(resolved(path, "m"), "text_encoder", "int8", None)
     with pytest.raises(QuantizeError, match="cannot be read"):
         plan_of(calibration={"prompts": "missing.txt"})
+
+
+def test_a_unet_with_controlnets_is_calibrated_with_them_and_their_weights_are_keyed(tiny_model_factory,
+                                                                                    write_config):
+    """A UNet whose engines take ControlNet residuals: the recipe names the ControlNet folders (its odd prompts run
+    through them, quantize/calibration.py) and their weights are in the calibration hash; without a ControlNet the
+    recipe, and so every existing key, is what it was."""
+    folder = tiny_model_factory("sd15", controlnet=True)
+
+    def plan(name: str, **extra):
+        path = write_config({"m": model_entry(folder, "sd15", "int8", **extra)}, name)
+        return plan_variant(resolved(path, "m"), "unet", "int8", None, config_root=path.parent)
+
+    plain = plan("plain.yaml")
+    controlled = plan("control.yaml", controlnets={"canny": {"source": str(folder / "controlnet")}})
+    assert plain.recipe.controlnets == () and "controlnets" not in plain.recipe.to_json()
+    assert controlled.recipe.controlnets == (str((folder / "controlnet").resolve()),)
+    assert controlled.calibration_inputs["controlnets"] and "controlnets" not in plain.calibration_inputs
+    assert controlled.calibration_hash != plain.calibration_hash

@@ -41,6 +41,10 @@ class CalibrationRecipe:
     height: int
     max_sequence_length: int | None = None  # T5 tokens (SD3, FLUX; Wan's UMT5): the engines' declared length
     frames: int | None = None  # a video family's frames (4k+1 for Wan); None for images
+    # The folders of the ControlNets a UNet's engines take residuals from: every other prompt (1, 3, ...) runs with
+    # one of them in turn, so the statistics see the residuals it adds (fed as zeros, they left the layers after each
+    # addition calibrated without them, and an int8 UNet clipped what a ControlNet added). Empty: none.
+    controlnets: tuple[str, ...] = ()
 
     @property
     def samples(self) -> int:
@@ -49,10 +53,21 @@ class CalibrationRecipe:
     def seeds(self) -> list[int]:
         return [self.seed + i for i in range(self.samples)]
 
+    def controlnet_of(self, index: int) -> int | None:
+        """The ControlNet (index into `controlnets`) prompt `index` runs with, or None: the odd prompts take them in
+        turn, the even ones run without (a UNet's engines serve both)."""
+        if not self.controlnets or index % 2 == 0:
+            return None
+        return (index // 2) % len(self.controlnets)
+
     def to_json(self) -> dict:
         fields = asdict(self)
         if fields["frames"] is None:  # an image recipe's JSON (and so its digest) is what it was before frames
             del fields["frames"]
+        if not fields["controlnets"]:  # likewise a recipe without ControlNets
+            del fields["controlnets"]
+        else:
+            fields["controlnets"] = list(self.controlnets)
         return {"schema": RECIPE_SCHEMA, **fields, "prompts": list(self.prompts)}
 
     @property
@@ -159,16 +174,40 @@ class CallRecorder:
         self._copies.clear()  # tensors of a finished run may be freed and their memory reused
 
 
+def controlnet_pipelines(pipe, folders: tuple[str, ...]) -> list:
+    """The pipeline with each ControlNet folder attached (diffusers' ControlNet form of the same pipeline, sharing
+    its modules: the denoiser being calibrated is the one these call)."""
+    import diffusers
+
+    pipelines = []
+    for folder in folders:
+        try:
+            controlnet = diffusers.ControlNetModel.from_pretrained(folder, dtype=torch.float32, use_safetensors=True)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot load the ControlNet in {folder}: {str(exc).strip().splitlines()[0]}") from None
+        attached = diffusers.AutoPipelineForText2Image.from_pipe(pipe, controlnet=controlnet)
+        attached.set_progress_bar_config(disable=True)
+        pipelines.append(attached)
+    return pipelines
+
+
 def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], seeds: list[int], steps: int,
                  width: int, height: int, output_type: str = "latent", recorder: CallRecorder | None = None,
                  max_sequence_length: int | None = None, progress_stage: str = "generate",
-                 frames: int | None = None, component: Component | None = None):
+                 frames: int | None = None, component: Component | None = None,
+                 controlnet_of: Callable[[int], int | None] | None = None, controlnets: tuple[str, ...] = ()):
     """Generate each prompt with its own seeded generator; optionally record the calls of the denoiser
     (`component`, default the pipeline's first). `frames`: a video pipeline's num_frames; each result is then
-    a clip [F, H, W, 3] (or its latents).
+    a clip [F, H, W, 3] (or its latents). `controlnets` (folders) with `controlnet_of(i)`: prompt i runs with that
+    ControlNet over the synthetic edge map parity feeds (sample_inputs.control_image, seeded by the prompt's seed).
 
     Each prompt is a live progress line (`progress_stage` k/n)."""
+    from PIL import Image
+
+    from ..sample_inputs import control_image
+
     denoiser = denoiser_of(pipe, component)
+    attached = controlnet_pipelines(pipe, controlnets) if controlnets else []
     handles = []
     if recorder is not None:
         handles.append(denoiser.register_forward_pre_hook(recorder.before, with_kwargs=True))
@@ -187,9 +226,13 @@ def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], see
                     extra["max_sequence_length"] = max_sequence_length
                 if frames:
                     extra["num_frames"] = frames
+                runs = pipe
+                if attached and (which := controlnet_of(index)) is not None:
+                    runs = attached[which]
+                    extra["image"] = Image.fromarray(control_image(height, width, seed))
                 with torch.no_grad():
                     # by name: Flux2Pipeline's first parameter is the reference image
-                    result = pipe(prompt=prompt, num_inference_steps=steps, generator=generator, width=width, height=height,
+                    result = runs(prompt=prompt, num_inference_steps=steps, generator=generator, width=width, height=height,
                                   output_type=output_type, **extra)
                 if output_type == "latent":
                     images.append(None)
@@ -209,7 +252,8 @@ def capture_calls(pipe, family: Family, recipe: CalibrationRecipe, component: Co
     recorder = CallRecorder()
     run_pipeline(pipe, family, recipe.prompts, recipe.seeds(), recipe.steps, recipe.width, recipe.height,
                  recorder=recorder, max_sequence_length=recipe.max_sequence_length, progress_stage="calibration data",
-                 frames=recipe.frames, component=component)
+                 frames=recipe.frames, component=component, controlnet_of=recipe.controlnet_of,
+                 controlnets=recipe.controlnets)
     if not recorder.calls:
         raise QuantizeError("the pipeline never called the denoiser during calibration")
     return recorder.calls
@@ -231,7 +275,8 @@ def calibration_loop(pipe, family: Family, recipe: CalibrationRecipe,
             raise RuntimeError("the calibration loop runs the pipeline's own denoiser, not a copy of it")
         run_pipeline(pipe, family, recipe.prompts, recipe.seeds(), recipe.steps, recipe.width, recipe.height,
                      recorder=recorder, max_sequence_length=recipe.max_sequence_length,
-                     progress_stage="calibration", frames=recipe.frames, component=component)
+                     progress_stage="calibration", frames=recipe.frames, component=component,
+                     controlnet_of=recipe.controlnet_of, controlnets=recipe.controlnets)
         if not recorder.calls:
             raise QuantizeError("the pipeline never called the denoiser during calibration")
 

@@ -1,8 +1,8 @@
 """Map a recorded diffusers denoiser call onto the component's declared ONNX inputs.
 
 The names, order and dims come from `trt_diffusion.components` (the same declarations the fp32 export
-uses), so a Q/DQ graph drops into the same engines. Inputs the pipeline does not pass (the ControlNet
-residuals of a UNet built for ControlNets) are fed as zeros: exactly what "no ControlNet" adds.
+uses), so a Q/DQ graph drops into the same engines. The ControlNet residuals of a UNet built for ControlNets are
+the call's own where a ControlNet pipeline made it, else zeros: exactly what "no ControlNet" adds.
 """
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ class DenoiserInterface:
                 found[name] = args[_UNET_POSITIONS[name]]
             elif name in added:
                 found[name] = added[name]
+        if self._residual_names():  # a ControlNet's residuals, as the ControlNet pipelines pass them
+            for index, residual in enumerate(kwargs.get("down_block_additional_residuals") or ()):
+                found[down_residual_name(index)] = residual
+            if kwargs.get("mid_block_additional_residual") is not None:
+                found[MID_RESIDUAL] = kwargs["mid_block_additional_residual"]
         _adapt_to_declaration(self.family, found, kwargs)
         batch = int(found["sample" if "sample" in found else "hidden_states"].shape[0])
         feeds = {}

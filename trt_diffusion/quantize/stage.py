@@ -182,9 +182,13 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
     frames = None
     if family_info(model.family).is_video:  # a video pipeline generates clips: at the bucket's frame count
         frames = int(size[2]) if len(size) > 2 and size[2] else int(model.buckets[0].opt.frames)
+    # a UNet whose engines take ControlNet residuals is calibrated with them too (CalibrationRecipe.controlnets)
+    controlnet_residuals = bool(component is Component.unet and model.controlnets)
+    controlnets = tuple(str(source.path) for source in model.controlnets.values()) if controlnet_residuals else ()
     recipe = CalibrationRecipe(prompts=tuple(take(prompts, calibration.samples)), steps=calibration.steps,
                                seed=calibration.seed, algorithm=calibration.algorithm, width=size[0], height=size[1],
-                               max_sequence_length=t5_length(model.source.path, model.family), frames=frames)
+                               max_sequence_length=t5_length(model.source.path, model.family), frames=frames,
+                               controlnets=controlnets)
     loras = _resolve_loras(model, lora_variant)
     # a family's own patterns name its denoiser's layers; a text encoder takes the defaults and engines.yaml's
     exclude = effective_patterns(settings.exclude, None if component.is_text_encoder else model.family)
@@ -199,7 +203,8 @@ def plan_variant(model: ResolvedModel, component: Component | str, precision: Pr
         "recipe": recipe.digest, "loras": [(name, sha256_file(path), scale) for name, path, scale in loras],
         "modelopt": versions["nvidia-modelopt"], "torch": versions["torch"], "diffusers": versions["diffusers"],
     }
-    controlnet_residuals = bool(component is Component.unet and model.controlnets)
+    if controlnets:  # their weights decide the statistics (the recipe names their folders)
+        calibration_inputs["controlnets"] = [folder_digest(Path(folder)) for folder in controlnets]
     artifact_inputs = {
         "stage": "quantize", "version": QUANTIZE_STAGE_VERSION, "calibration": hash_inputs(calibration_inputs),
         "opset": export_opset(opset, precision), "exporter": EXPORTER, "onnx": versions["onnx"],
