@@ -1,7 +1,9 @@
 """`serve --replicas N` (docs/deploy.md, N hosts): N tritonservers over one repository on this host, the OpenAI API
 fronting all of them. The argument and its refusal through the CLI; stage.serve's start order, ports and stops with
-`start` replaced by a recorder (one replica failing to start stops those started, naming it with its log tail);
-then, in the slow suite, the real CLI serving the tiny sd15 with two replicas behind the API."""
+`start` replaced by a recorder (one replica failing to start stops those started, naming it with its log tail); the
+supervision of a replica that exits (triton/supervise.py): its restart policy, the loop over stand-in servers, and
+TritonServer.restart over a stand-in tritonserver process on PATH; then, in the slow suite, the real CLI serving the
+tiny sd15 with two replicas behind the API."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +23,7 @@ from trt_diffusion import api as api_module
 from trt_diffusion.cli import main
 from trt_diffusion.errors import ServeError
 from trt_diffusion.triton import server as server_module
-from trt_diffusion.triton import stage
+from trt_diffusion.triton import stage, supervise
 
 
 def run(argv, capsys) -> tuple[int, str]:
@@ -53,9 +57,13 @@ class FakeServer:
         return False  # serving ends at once: the test needs only the starts and the stops
 
     process = SimpleNamespace(returncode=-9)
+    log_path = "log"
 
     def log_tail(self) -> str:
         return f"log of {self.index}"
+
+    def restart(self, timeout_s: float) -> float:
+        raise ServeError("tritonserver exited with 1 before it was ready:\nTAIL")
 
     def stop(self) -> None:
         self.stopped.append(self.index)
@@ -91,8 +99,9 @@ def test_a_replica_that_fails_to_start_stops_the_others_and_is_named_with_its_lo
 def test_replicas_take_the_given_ports_then_free_ones_and_report_in_order(monkeypatch):
     start, starts, stopped = recorder(fail_at=None)
     monkeypatch.setattr(stage, "start", start)
+    monkeypatch.setattr(stage, "supervise", partial(supervise.supervise, sleep=lambda s: None))
     ready = []
-    with pytest.raises(ServeError, match=r"exited unexpectedly with -9 \(replica 1 of 2; the others are stopped\)"):
+    with pytest.raises(ServeError, match=r"exited unexpectedly with -9 \(replica 1 of 2; given up after 3 restarts"):
         stage.serve("repo", http_port=8000, grpc_port=8001, metrics_port=8002, replicas=2, memory_budget_gb=8.0,
                     on_ready=ready.append)
     assert [(s["http_port"], s["grpc_port"], s["metrics_port"]) for s in starts] == [(8000, 8001, 8002),
@@ -101,6 +110,139 @@ def test_replicas_take_the_given_ports_then_free_ones_and_report_in_order(monkey
     assert [s["memory_budget_gb"] for s in starts] == [4.0, 4.0]  # the host's budget shared
     assert [[r.grpc_url for r in reports] for reports in ready] == [["127.0.0.1:9000", "127.0.0.1:9001"]]
     assert sorted(stopped) == [0, 1]
+
+
+def test_the_restart_policy_backs_off_gives_up_on_quick_failures_and_forgets_them_after_a_stable_run():
+    policy = supervise.RestartPolicy()  # 3 quick restarts, stable after 60 s, 1 s doubling to 30 s
+    assert [policy.after_exit(5.0) for _ in range(4)] == [1.0, 2.0, 4.0, None]
+    policy = supervise.RestartPolicy()
+    assert [policy.after_exit(up) for up in (1.0, 1.0, 60.0, 1.0, 1.0, 3600.0, 0.5)] == [1.0, 2.0, 1.0, 2.0, 4.0,
+                                                                                        1.0, 2.0]
+    policy = supervise.RestartPolicy(max_quick_restarts=10, max_backoff_s=5.0)
+    assert [policy.after_exit(0.0) for _ in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+class Replica:
+    """A server for supervise(): `exits` is when (its clock) each run of it exits, `failed_starts` how many of its
+    restarts fail before one succeeds."""
+
+    def __init__(self, clock, exits=(), failed_starts=0):
+        self.clock, self.exits, self.failed_starts = clock, list(exits), failed_starts
+        self.process = SimpleNamespace(returncode=None)
+        self.restarts, self.log_path = [], "replica.log"
+
+    def is_alive(self) -> bool:
+        if self.exits and self.clock.now >= self.exits[0]:
+            self.exits.pop(0)
+            self.process.returncode = -9
+        return self.process.returncode is None
+
+    def restart(self, timeout_s: float) -> float:
+        self.restarts.append(self.clock.now)
+        if self.failed_starts:
+            self.failed_starts -= 1
+            self.process.returncode = 1
+            raise ServeError("tritonserver exited with 1 before it was ready:\nport taken")
+        self.process.returncode = None
+        return 2.0
+
+    def log_tail(self) -> str:
+        return "LAST LINES"
+
+
+class Clock:
+    """supervise()'s clock and sleep: a sleep moves the clock; past `stop_at` the stop signal arrives."""
+
+    def __init__(self, stop_at: float):
+        self.now, self.stop_at, self.slept = 0.0, stop_at, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        if seconds != supervise.POLL_S:
+            self.slept.append(seconds)
+        self.now += seconds
+        if self.now > self.stop_at:
+            raise KeyboardInterrupt
+
+
+def test_a_replica_that_exits_is_restarted_with_a_log_line_naming_it_and_the_others_run_on(caplog):
+    clock = Clock(stop_at=1000.0)
+    first, second = Replica(clock), Replica(clock, exits=[10.0, 200.0], failed_starts=1)
+    with caplog.at_level("WARNING", "trt_diffusion.triton.serve"), pytest.raises(KeyboardInterrupt):
+        supervise.supervise([first, second], 900.0, clock=clock, sleep=clock.sleep)
+    said = [record.getMessage() for record in caplog.records]
+    assert said == ["replica 2 of 2: tritonserver exited with -9; restarting it on its ports in 1 s (restart 1 of at "
+                    "most 3 in a row)",
+                    "replica 2 of 2: the restart failed: tritonserver exited with 1 before it was ready:",
+                    "replica 2 of 2: tritonserver exited with 1; restarting it on its ports in 2 s (restart 2 of at "
+                    "most 3 in a row)",
+                    "replica 2 of 2: restarted, ready in 2.0 s (replica.log)",
+                    # ran past stable_s: a first quick failure again
+                    "replica 2 of 2: tritonserver exited with -9; restarting it on its ports in 1 s (restart 1 of at "
+                    "most 3 in a row)",
+                    "replica 2 of 2: restarted, ready in 2.0 s (replica.log)"]
+    assert first.restarts == [] and clock.slept == [1.0, 2.0, 1.0]
+    assert second.restarts == [11.0, 13.0, 201.0] and second.is_alive()
+
+
+def test_a_replica_that_keeps_failing_quickly_is_given_up_naming_it_with_its_log_tail():
+    clock = Clock(stop_at=1000.0)
+    replicas = [Replica(clock), Replica(clock), Replica(clock, exits=[5.0, 6.5, 9.0, 13.5])]
+    with pytest.raises(ServeError) as given_up:
+        supervise.supervise(replicas, 900.0, clock=clock, sleep=clock.sleep)
+    assert str(given_up.value) == ("tritonserver exited unexpectedly with -9 (replica 3 of 3; given up after 3 "
+                                   "restarts, each failing within 60 s; the others are stopped):\nLAST LINES")
+    assert len(replicas[2].restarts) == 3 and clock.now < 20
+
+
+STAND_IN = """#!{python}
+# a stand-in tritonserver: a "stub" child in its process group, /v2/health/ready on --http-port
+import http.server, subprocess, sys, time
+port = int(next(a for a in sys.argv if a.startswith("--http-port=")).split("=")[1])
+stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("started", stub.pid, flush=True)
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v2/health/ready" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Ready).serve_forever()
+"""
+
+
+def test_restart_starts_a_killed_server_again_on_its_ports_its_old_stubs_stopped_its_log_continued(
+        tmp_path, monkeypatch):
+    from trt_diffusion.triton.server import ServerPorts, TritonServer, free_port, group_members
+
+    binary = tmp_path / "bin" / "tritonserver"
+    binary.parent.mkdir()
+    binary.write_text(STAND_IN.format(python=sys.executable))
+    binary.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{binary.parent}{os.pathsep}{os.environ['PATH']}")
+    (tmp_path / "repo").mkdir()
+    server = TritonServer(tmp_path / "repo", tmp_path / "work", ServerPorts(free_port(), free_port(), free_port()),
+                          remove_work_dir=True)
+    try:
+        server.start(timeout_s=60)
+        first = server.process.pid
+        ports, key = server.ports, server.admin_key
+        _until(lambda: "started" in server.log_path.read_text(), "the stand-in's stub")
+        os.kill(first, signal.SIGKILL)
+        _until(lambda: not server.is_alive(), "the stand-in dying")
+        assert group_members(first)  # SIGKILL left its stub running, in its group
+        assert server.restart(timeout_s=60) > 0
+        assert server.process.pid != first and server.is_alive() and server._http_ready()
+        assert server.ports == ports and server.admin_key == key and server.work_dir.is_dir()
+        assert not group_members(first)  # the old run's stub stopped
+        _until(lambda: server.log_path.read_text().count("started") == 2, "the second run in the same log")
+        with pytest.raises(ServeError, match="is running: nothing to restart"):
+            server.restart()
+    finally:
+        server.stop()
+    assert not server.work_dir.exists() and not group_members(server.process.pid)
 
 
 def test_the_api_fronts_every_replica(monkeypatch):
@@ -189,6 +331,25 @@ def test_serve_two_replicas_behind_the_api(built_sd15, tmp_path):
                 child.wait(30)
         for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_tritonserver_of(int(p), tmp_path)]:
             os.killpg(pid, signal.SIGKILL)  # a failed run leaves no server behind (each its own process group)
+
+
+GUARD_S = 180  # a step that never happens fails its test instead of hanging it
+
+
+def _until(check, what: str, process: subprocess.Popen | None = None):
+    """`check()`'s first truthy value (an error counts as not yet); fails naming `what` after GUARD_S, or at once
+    when `process` (serve) exited."""
+    end = time.monotonic() + GUARD_S
+    while time.monotonic() < end:
+        assert process is None or process.poll() is None, f"serve exited ({process.returncode}) while waiting: {what}"
+        try:
+            value = check()
+        except Exception:  # noqa: BLE001 - not there yet
+            value = None
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen within {GUARD_S} s")
 
 
 def _alive(pid: int) -> bool:

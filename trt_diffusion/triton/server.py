@@ -137,14 +137,14 @@ class TritonServer:
         name = ADMIN_HEADER if protocol == "http" else f"triton-grpc-protocol-{ADMIN_HEADER}"
         return {name: self.admin_key}
 
-    def start(self, timeout_s: float = 120.0) -> float:
+    def start(self, timeout_s: float = 120.0, *, append_log: bool = False) -> float:
         """Start and wait until every model is ready (after warm-up). Returns seconds to ready."""
         if not Path(self.repo, ).is_dir():
             raise ServeError(f"model repository {self.repo} does not exist; run `trt-diffusion package` first")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.log_path or self.work_dir / "tritonserver.log"
         args, env = self.command()
-        log = open(self.log_path, "wb")
+        log = open(self.log_path, "ab" if append_log else "wb")
         start = time.perf_counter()
         # A new session: stopping the server also stops its python stubs. A Ctrl-C / SIGTERM arriving while
         # the child starts is held until it is recorded in LIVE_SERVERS, where whoever stops it finds it.
@@ -210,6 +210,22 @@ class TritonServer:
 
     def is_alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def restart(self, timeout_s: float = 120.0) -> float:
+        """Start again after the process exited (serve --replicas' supervision, triton/supervise.py): the same
+        ports, work folder and admin key, the log continued. What is left of the last run's process group (its
+        python stubs) is stopped first. A failed start leaves the work folder (stop() removes it). Returns seconds
+        to ready."""
+        if self.is_alive():
+            raise ServeError(f"tritonserver on {self.grpc_url} is running: nothing to restart")
+        if self.process is not None:
+            _signal_group(self.process.pid, signal.SIGTERM)
+            _stop_group(self.process.pid, 5.0)
+        keep, self.remove_work_dir = self.remove_work_dir, False
+        try:
+            return self.start(timeout_s, append_log=True)
+        finally:
+            self.remove_work_dir = keep
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the server and every process of its session (the python stubs); a second Ctrl-C / SIGTERM

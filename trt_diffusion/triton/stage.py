@@ -26,6 +26,7 @@ from .repository import PackageOptions, PipelineSource, package_models
 from .sealed_repository import seal_repository, verified_copy
 from .server import ServerPorts, TritonServer, free_port
 from .signals import stop_signals_interrupt
+from .supervise import supervise
 from .validate import validate_repository
 
 # Our configs are complete: skip the python backend's auto-complete pass, which starts one extra stub per model.
@@ -300,7 +301,8 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
     `replicas` > 1: that many tritonservers over the same repository on this host (the OpenAI API's replicas, tests,
     a big host), started one after the other: the first on the ports given, each other on free ports of its own,
     each its own work folder; `on_ready` gets, and the call returns, their reports in order. One failing to start
-    stops those started (ServeError naming it, its log tail); one exiting later stops all. `memory_budget_gb` is
+    stops those started (ServeError naming it, its log tail); one exiting later is started again on its ports
+    (supervise.py), and one that keeps failing quickly stops all (ServeError naming it). `memory_budget_gb` is
     the host's: each replica's estimated memory must fit its share (budget / replicas)."""
     from .server import LIVE_SERVERS
 
@@ -329,17 +331,20 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
                 warmups.append(warmup)
             if on_ready:
                 on_ready(warmups[0] if replicas == 1 else list(warmups))
-            while all(server.is_alive() for server in servers):
+            if replicas > 1:  # a replica that exits is started again (supervise.py); raises when one is given up
+                supervise(servers, ready_timeout_s)
+            while servers[0].is_alive():
                 time.sleep(0.5)
-            index, server = next((i, s) for i, s in enumerate(servers) if not s.is_alive())
-            which = "" if replicas == 1 else f" (replica {index + 1} of {replicas}; the others are stopped)"
-            raise ServeError(f"tritonserver exited unexpectedly with {server.process.returncode}{which}:\n"
-                             f"{server.log_tail()}")
+            raise ServeError(f"tritonserver exited unexpectedly with {servers[0].process.returncode}:\n"
+                             f"{servers[0].log_tail()}")
         except KeyboardInterrupt:
             pass
         finally:
-            for key in set(LIVE_SERVERS) - already:  # whatever this call started, wherever the stop came
-                LIVE_SERVERS[key].stop()
+            # whatever this call started, wherever the stop came; a replica whose restart failed is no longer live
+            # but keeps its work folder until stopped
+            for server in [s for s in servers if id(s) not in LIVE_SERVERS] + \
+                    [LIVE_SERVERS[key] for key in set(LIVE_SERVERS) - already]:
+                server.stop()
     if len(warmups) < replicas:
         return None
     return warmups[0] if replicas == 1 else warmups
