@@ -38,6 +38,18 @@ def minimal_engines_yaml(directory: Path, model_dir: Path, family: str) -> Path:
     return path
 
 
+def all_families_engines_yaml(root: Path, model_dir_of) -> Path:
+    """One engines.yaml with every family's minimal entry, each exactly what `minimal_engines_yaml` writes for it
+    alone (the default suite's declaration and plan checks read those), under its family's name."""
+    models = {}
+    for family in family_names():
+        single = minimal_engines_yaml(root / "single" / family, model_dir_of(family), family)
+        models.update(yaml.safe_load(single.read_text())["models"])
+    path = root / "engines.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "models": models}, sort_keys=False))
+    return path
+
+
 def planned_keys(config_path: Path) -> dict[str, dict[str, str]]:
     """target/engine name -> {engine key, ONNX key} as `plan` and the export grouping compute them (every default
     target's: the keys are plain data, computed whether or not this host builds the target)."""

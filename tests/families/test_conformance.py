@@ -19,14 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import yaml
 
-from tests.families.plan_keys import BUCKETS, DEFAULT_BUCKET, family_names, minimal_engines_yaml
+from tests.families.plan_keys import BUCKETS, DEFAULT_BUCKET, family_names
 from trt_diffusion.families import CfgKind, family_info
 from trt_diffusion.sample_inputs import cfg_fields
 
@@ -48,18 +46,6 @@ def _bucket(family: str) -> tuple[int, int, int | None]:
     return sides[0], sides[1], sides[2] if len(sides) == 3 else None
 
 
-def all_families_engines_yaml(root: Path, model_dir_of) -> Path:
-    """One engines.yaml with every family's minimal entry, each exactly what `minimal_engines_yaml` writes for it
-    alone (the default suite's declaration and plan checks read those), under its family's name."""
-    models = {}
-    for family in FAMILIES:
-        single = minimal_engines_yaml(root / "single" / family, model_dir_of(family), family)
-        models.update(yaml.safe_load(single.read_text())["models"])
-    path = root / "engines.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "models": models}, sort_keys=False))
-    return path
-
-
 def image_request(family: str, **fields):
     """The family's request with its default fields: the prompt at its bucket (frames for a video bucket), its
     CFG's sample fields (Qwen-Image's empty negative prompt: true CFG); ImageRequest's defaults otherwise, but for
@@ -72,14 +58,10 @@ def image_request(family: str, **fields):
 
 
 @pytest.fixture(scope="module")
-def built(tiny_model_factory, tmp_path_factory):
-    from trt_diffusion import api
-
-    root = tmp_path_factory.mktemp("family-conformance")
-    path = all_families_engines_yaml(root, tiny_model_factory)
-    report = api.build(path)  # what failed is each case's finding (test_builds), not the module's
-    specs = api.plan(path, count_parameters=False).specs
-    return SimpleNamespace(path=path, report=report, root=root, specs=specs)
+def built(built_families):
+    """Every family's minimal entry built (tests/conftest.py's session build, shared with the files that judge more
+    of one family's engines: tests/shared/slow_schedule.py runs them on one worker)."""
+    return built_families
 
 
 @pytest.fixture(scope="module")

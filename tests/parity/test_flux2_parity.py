@@ -1,8 +1,9 @@
-"""FLUX.2 engines beyond the family conformance run (issue #26, acceptance 1 and 3): the tiny FLUX.2 dev and Klein
-folders built fp32 on onnxruntime and openvino, the language-model encoder engine equal to the hidden states the
-pipelines stack (at the one length they use: every prompt padded to 512), the quantized transformers and encoders
-through their gates and parity, and the checklist in process. Slow: one shared build of both families (about two
-minutes on 2 cores). Each family's default build, parity per target and served entry (dev: embedded guidance, one
+"""FLUX.2 engines beyond the family conformance run (issue #26, acceptance 1 and 3), over its engines: the tiny
+FLUX.2 dev and Klein folders' minimal entries (64x64, their defaults: fp32 on onnxruntime and openvino here) from
+the `built_families` session build, the language-model encoder engine equal to the hidden states the pipelines
+stack (at the one length they use: every prompt padded to 512), the quantized transformers and encoders through
+their gates and parity (built over the same workspace: the fp32 engines they leave alone are reused), and the
+checklist in process. Each family's default build, parity per target and served entry (dev: embedded guidance, one
 call per step; Klein: true CFG, two batch-1 calls) are tests/families/test_conformance.py's."""
 
 from __future__ import annotations
@@ -19,25 +20,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 FAMILIES = ("flux2", "flux2_klein")
 TARGETS = ("onnxruntime", "openvino")
-FP32 = {"text_encoder": "fp32", "transformer": "fp32", "vae_decoder": "fp32"}
-
-
-@pytest.fixture(scope="module")
-def built(tiny_model_factory, tmp_path_factory):
-    import yaml
-
-    root = tmp_path_factory.mktemp("flux2-engines")
-    models = {f"{family}-tiny": {"source": str(tiny_model_factory(family)), "family": family, "buckets": ["64x48"],
-                                 "batch": [1], "targets": list(TARGETS), "precision": dict(FP32)} for family in FAMILIES}
-    path = root / "engines.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": "build"}, "models": models}))
-    report = api.build(path)
-    assert not report.failed, [o.error for o in report.failed]
-    return path, report
+CALIBRATION = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_encoder_engine_matches_the_pipelines_stacked_states(built, tiny_model_factory, family):
+def test_the_encoder_engine_matches_the_pipelines_stacked_states(built_families, tiny_model_factory, family):
     """Acceptance 3: the engine against `_get_mistral_3_small_prompt_embeds` / `_get_qwen3_prompt_embeds` on the
     pipeline's own tokens, a short prompt and one cut at the 512 tokens both pipelines pad and truncate to (the only
     sequence length they use: min = opt = max)."""
@@ -47,11 +34,11 @@ def test_the_encoder_engine_matches_the_pipelines_stacked_states(built, tiny_mod
     from trt_diffusion.runtime.flux2_loop import prompt_tokens
     from trt_diffusion.target_registry import get_target
 
-    _, report = built
+    report = built_families.report
     pipe = (Flux2Pipeline if family == "flux2" else Flux2KleinPipeline).from_pretrained(tiny_model_factory(family))
     for target in TARGETS:
         (outcome,) = [o for o in report.outcomes if o.spec.component == "text_encoder" and o.spec.target == target
-                      and o.spec.model == f"{family}-tiny"]
+                      and o.spec.model == family]
         engine = get_target(target).find(outcome.path.parents[2], outcome.spec)
         runner = get_target(target).runner(engine)
         with runner, torch.no_grad():
@@ -64,69 +51,62 @@ def test_the_encoder_engine_matches_the_pipelines_stacked_states(built, tiny_mod
                 np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
-
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
-def test_quantized_transformers_pass_their_gate_and_parity(built, precision):
+def test_quantized_transformers_pass_their_gate_and_parity(built_families, precision, tmp_path):
     """Acceptance 2: the transformers of both families quantized through ModelOpt (the legacy trace, FLUX.2's
     batched ids taken as the engine's [N, 4]), gated on the pipelines' own generations, built in the same workspace
     (the fp32 encoders and VAEs reused) and judged by parity on the precision's bar."""
     import onnxruntime as ort
-    import yaml
+    from family_builds import families_engines_yaml
 
     from trt_diffusion.components import Geometry
     from trt_diffusion.engines_file import Size
     from trt_diffusion.quantize.feeds import denoiser_interface
     from trt_diffusion.quantize.stage import quantize_component
 
-    path, _ = built
-    document = yaml.safe_load(path.read_text())
-    for model in document["models"].values():
-        model["precision"]["transformer"] = precision
-        model["targets"] = ["onnxruntime"]
-        model["quantization"] = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
-    quantized = path.parent / f"engines-{precision}.yaml"
-    quantized.write_text(yaml.safe_dump(document))
+    quantized = families_engines_yaml(built_families, tmp_path / "engines.yaml", FAMILIES,
+                                      precision={"transformer": precision}, targets=["onnxruntime"],
+                                      quantization=CALIBRATION)
     report = api.build(quantized)
     assert not report.failed, [o.error for o in report.failed]
     config = load_engines_file(quantized, check_sources=True)
     for family in FAMILIES:
-        artifact = quantize_component(config.models[f"{family}-tiny"], "transformer", precision, None,
+        artifact = quantize_component(config.models[family], "transformer", precision, None,
                                       config.workspace, opset=config.build.opset, config_root=config.root)
         assert artifact.cached and artifact.gate["passed"], artifact.gate
         assert artifact.gate["calls"] == 2 * 2 * (2 if family == "flux2_klein" else 1)  # Klein: two calls a step
         assert artifact.manifest["quantized_layers"], "nothing was quantized"
         # the Q/DQ graph is dynamic (the trace rotates by strided slices): another batch and size than calibration's
-        interface = denoiser_interface(config.models[f"{family}-tiny"], "transformer")
+        interface = denoiser_interface(config.models[family], "transformer")
         session = ort.InferenceSession(str(artifact.onnx_path), providers=["CPUExecutionProvider"])
         feeds = interface.definition.dummy_inputs(interface.config, {}, Geometry(2, Size(96, 64)))
         assert session.run(None, feeds)[0].shape == (2, 24, 128)
-    run = run_parity(config, path.parent / f"parity-{precision}",
+    run = run_parity(config, tmp_path / "parity",
                      ParityOptions(prompts=("a red fox running through snow",), seeds=(0,), steps=3,
                                    compute_lpips=False))
     variants = {v.model: v for v in run.report.variants}
-    assert set(variants) == {f"{f}-tiny" for f in FAMILIES}
+    assert set(variants) == set(FAMILIES)
     for name, variant in variants.items():
         assert variant.precision == precision and variant.passed, (name, variant.failure_reasons)
 
 
-def test_quantized_encoders_pass_their_gate_and_parity(built):
+def test_quantized_encoders_pass_their_gate_and_parity(built_families, tmp_path):
     """#26's language-model encoders through ModelOpt (quantize/encoder.py): FLUX.2 dev's Mistral-3 in int8, Klein's
     Qwen3 in fp8, calibrated on the runtime's own tokens, gated on their stacked states, built beside the fp32
     transformers and judged by parity on the quantized bar."""
     import onnxruntime as ort
     import yaml
+    from family_builds import families_engines_yaml
 
     from trt_diffusion.quantize.stage import quantize_component
 
-    path, _ = built
-    document = yaml.safe_load(path.read_text())
-    chosen = {"flux2-tiny": "int8", "flux2_klein-tiny": "fp8"}
+    chosen = {"flux2": "int8", "flux2_klein": "fp8"}
+    quantized = families_engines_yaml(built_families, tmp_path / "engines.yaml", FAMILIES, targets=["onnxruntime"],
+                                      quantization=CALIBRATION)
+    document = yaml.safe_load(quantized.read_text())
     for name, model in document["models"].items():
-        model["precision"]["text_encoder"] = chosen[name]
-        model["targets"] = ["onnxruntime"]
-        model["quantization"] = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
-    quantized = path.parent / "engines-encoders.yaml"
-    quantized.write_text(yaml.safe_dump(document))
+        model["precision"] = {"text_encoder": chosen[name]}
+    quantized.write_text(yaml.safe_dump(document, sort_keys=False))
     report = api.build(quantized)
     assert not report.failed, [o.error for o in report.failed]
     config = load_engines_file(quantized, check_sources=True)
@@ -134,15 +114,15 @@ def test_quantized_encoders_pass_their_gate_and_parity(built):
         artifact = quantize_component(config.models[name], "text_encoder", precision, None, config.workspace,
                                       opset=config.build.opset, config_root=config.root)
         assert artifact.cached and artifact.gate["passed"], artifact.gate
-        assert artifact.gate["calls"] == 2 + (name == "flux2_klein-tiny")  # held-out prompts (+ Klein's negative)
+        assert artifact.gate["calls"] == 2 + (name == "flux2_klein")  # held-out prompts (+ Klein's negative)
         excluded = artifact.manifest["excluded_layers"]
         assert excluded["lm_head"] == "not run by the engine" and artifact.manifest["quantized_layers"]
-        if name == "flux2-tiny":  # Mistral-3's Pixtral tower and projector are not in the engine
+        if name == "flux2":  # Mistral-3's Pixtral tower and projector are not in the engine
             assert excluded["model.vision_tower"] == excluded["model.multi_modal_projector"] == "not run by the engine"
         session = ort.InferenceSession(str(artifact.onnx_path), providers=["CPUExecutionProvider"])
         ids = np.ones((2, 512), np.int64)  # traced at batch 2: the batch axis stays dynamic
         assert session.run(None, {"input_ids": ids, "attention_mask": ids})[0].shape == (2, 512, 48)
-    run = run_parity(config, path.parent / "parity-encoders",
+    run = run_parity(config, tmp_path / "parity",
                      ParityOptions(prompts=("a red fox running through snow",), seeds=(0,), steps=3,
                                    compute_lpips=False))
     variants = {v.model: v for v in run.report.variants}
@@ -152,18 +132,19 @@ def test_quantized_encoders_pass_their_gate_and_parity(built):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_preflight_passes_in_process(built, family, tmp_path):
+def test_preflight_passes_in_process(built_families, family, tmp_path):
     """The pre-launch checklist on each FLUX.2 family in process (dev: one call per step; Klein: true CFG): every
     check that applies passes and the quality baseline is saved. Each family's served entry equal to the in-process
     image is the family conformance run's (tests/families/test_conformance.py); the checklist over a served entry is
     the same code for every family (tests/preflight/test_served.py drives it on sd15)."""
+    from family_builds import families_engines_yaml
     from preflight_settings import with_fast_preflight
 
     from trt_diffusion.preflight.run import run_preflight
 
-    path, _ = built
+    path = families_engines_yaml(built_families, tmp_path / "engines.yaml", (family,))
     config = load_engines_file(with_fast_preflight(path, tmp_path / "settings"))
-    saved = run_preflight(config, model=f"{family}-tiny", save_baseline=True, in_process=True, target="onnxruntime",
+    saved = run_preflight(config, model=family, save_baseline=True, in_process=True, target="onnxruntime",
                           out_dir=tmp_path / "in-process")
     assert saved.baseline is not None
     status = {check.name: check.status for check in saved.report.checks}

@@ -3,20 +3,23 @@
 xdist's loadfile scheduling gives each worker whole files, the files with the most tests first. Two things that
 costs on this suite, which it cannot know from test counts:
 
-- Files that use the same session-built engines (`built_wan`, `built_wan_i2v`, `built_qwen_image`,
-  `built_sd15_step_cache`, `built_z_image`: a minute or two of export and build each) land on both workers, and
+- Files that use the same session-built engines (`built_families`: every family's minimal entry, minutes;
+  `built_wan`, `built_wan_i2v`, `built_qwen_image`, `built_sd15_step_cache`, `built_z_image`: a minute or two of
+  export and build each) land on both workers, and
   each worker builds them. Here they are one unit: built once. (The I2V serving file also serves a `built_wan`
   model: where the two units land on different workers, that worker builds it too.)
 - The soak is one test of minutes. Counted as one test it is among the last units handed out, where it can run
   alone while the other worker idles. Here it starts first, and the other units of minutes follow it (RUN_FIRST).
   The family conformance run (tests/families/test_conformance.py: every family built, judged and served in one
-  module) is the longest unit and goes before it.
+  module, with the FLUX.2 file over the same build) is the longest unit and goes before it.
 """
 
 from __future__ import annotations
 
 # file -> the unit it joins: files that share a session fixture's build run on one worker
 SHARED_BUILDS = {
+    "tests/families/test_conformance.py": "built_families",
+    "tests/parity/test_flux2_parity.py": "built_families",
     "tests/cli/test_generate_img2vid.py": "built_wan_i2v",
     "tests/export/test_wan_i2v_export.py": "built_wan_i2v",
     "tests/parity/test_wan_i2v_parity.py": "built_wan_i2v",
@@ -35,7 +38,7 @@ SHARED_BUILDS = {
 }
 # units of minutes that hold few tests, longest first (a file, or a SHARED_BUILDS unit): handed out before the
 # rest, so the many short files fill both workers at the end instead of one long unit running alone there
-RUN_FIRST = ("tests/families/test_conformance.py", "tests/triton/test_soak.py", "built_wan_i2v",
+RUN_FIRST = ("built_families", "tests/triton/test_soak.py", "built_wan_i2v",
              "tests/triton/test_qwen_image_edit_serving.py")
 
 
