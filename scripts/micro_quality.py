@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=12, help="images per effect")
     parser.add_argument("--targets", nargs="+", default=["onnxruntime", "openvino"])
     parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="parity's seeds per grid prompt (0..N-1): one prompt of 36 is 2.8 points at one seed")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS),
                         help="the UNet precisions declared (the others' engines stay in the workspace)")
     parser.add_argument("--json", type=Path, default=None, help="default: <work>/micro_quality.json")
@@ -119,9 +121,10 @@ def main() -> None:
     start = time.time()
     api.build(config_path)
     print(f"built in {time.time() - start:.0f} s", flush=True)
-    results: dict = {"steps": args.steps, "guidance_scale": effects.GUIDANCE_SCALE, "count": args.count}
+    results: dict = {"steps": args.steps, "guidance_scale": effects.GUIDANCE_SCALE, "count": args.count,
+                     "seeds": args.seeds}
     if not args.skip_parity:
-        run = api.parity(config_path, steps=args.steps, seeds=[0])
+        run = api.parity(config_path, steps=args.steps, seeds=list(range(args.seeds)))
         results["parity"] = [{"model": v.model, "target": v.target, "precision": v.precision,
                               "workflow": v.workflow, "controlnet": v.controlnet, "lora": v.lora, "passed": v.passed,
                               "psnr_db_min": min(float(i.psnr_db) for i in v.images),
