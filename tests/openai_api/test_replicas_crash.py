@@ -5,11 +5,14 @@ once a batch line and an online request are held on A, A is SIGKILLed: every job
 run twice, each image the one a single replica gives for its seed; every online request succeeds; A, started again
 on its port, is probed back and takes requests again.
 
-The stand-in, not the real tritonserver: serving one tiny sd15 repository twice needs the session's sd15 build and two
-tritonserver starts that load and warm its entry on this machine's 2 cores (the other Triton tests give a start 600 s),
-past the 5 slow minutes issue #46 allows all its crash and replica tests. The stand-in is a real gRPC server speaking
-Triton's service in another process, killed the same way: the API sees the connection reset under its calls as it
-would a crashed tritonserver."""
+This is the API's router alone, cheaply and exactly: the stand-in (a real gRPC server speaking Triton's service in
+another process, killed the same way: the API sees the connection reset under its calls as it would a crashed
+tritonserver) can hold a request on the replica about to die, so the test knows which line and which online request
+were in flight there and checks each went to B. The same crash on real tritonservers — `serve --replicas 2` over the
+tiny sd15, one SIGKILLed mid-batch, serve restarting it, the API probing it back — is in
+tests/triton/test_serve_replicas.py, reusing that file's server pair (issue #46 allows 5 slow minutes for all its
+crash and replica tests); there the real servers cannot be made to hold a request, so which call was in flight at the
+kill is left to chance."""
 
 from __future__ import annotations
 

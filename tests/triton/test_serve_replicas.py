@@ -3,20 +3,25 @@ fronting all of them. The argument and its refusal through the CLI; stage.serve'
 `start` replaced by a recorder (one replica failing to start stops those started, naming it with its log tail); the
 supervision of a replica that exits (triton/supervise.py): its restart policy, the loop over stand-in servers, and
 TritonServer.restart over a stand-in tritonserver process on PATH; then, in the slow suite, the real CLI serving the
-tiny sd15 with two replicas behind the API."""
+tiny sd15 with two replicas behind the API, one of them SIGKILLed mid-batch and restarted."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from functools import partial
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from trt_diffusion import api as api_module
@@ -263,7 +268,8 @@ def test_the_api_fronts_every_replica(monkeypatch):
 
     monkeypatch.setattr(api_server, "ApiServer", Api)
     monkeypatch.setattr(stage, "serve", lambda repo, on_ready, **options: on_ready(
-        [SimpleNamespace(grpc_url="127.0.0.1:9000"), SimpleNamespace(grpc_url="127.0.0.1:9001")]))
+        [SimpleNamespace(grpc_url="127.0.0.1:9000", metrics_url=""),
+         SimpleNamespace(grpc_url="127.0.0.1:9001", metrics_url="")]))
     api_module.serve("repo", openai=ApiSettings("unused:1", port=0), replicas=2)
     assert fronted == ["127.0.0.1:9000,127.0.0.1:9001"]
 
@@ -273,7 +279,10 @@ def test_the_api_fronts_every_replica(monkeypatch):
 @pytest.mark.timeout(600)
 def test_serve_two_replicas_behind_the_api(built_sd15, tmp_path):
     """The real CLI: `serve --replicas 2 --openai-port` on the tiny sd15; /health lists two ready replicas, the
-    API's requests are answered by both, and SIGINT stops both tritonservers."""
+    API's requests are answered by both. Then one replica's tritonserver is SIGKILLed mid-batch (the official client's
+    Batch API) while seeded online requests arrive: serve restarts it on its ports, every job line completes once
+    with the image one replica gives for its seed, the online requests succeed, /health shows the replica ready
+    again and it answers again. SIGINT then stops both tritonservers (the restarted one included) with their stubs."""
     from trt_diffusion.engines_file import load_engines_file
     from trt_diffusion.runtime.loader import built_engines
     from trt_diffusion.triton.repository import PackageOptions, package
@@ -300,26 +309,19 @@ def test_serve_two_replicas_behind_the_api(built_sd15, tmp_path):
         text = "".join(lines)
         assert "starting 2 tritonservers" in text and "replica 2 of 2: ready" in text, text
         assert text.count("gRPC  127.0.0.1:") == 2 and "over the 2 replicas" in text, text
+        threading.Thread(target=_read_on, args=(child, lines), daemon=True).start()  # the restart's lines
         base = f"http://127.0.0.1:{api_port}"
-        with urllib.request.urlopen(base + "/health", timeout=30) as response:
-            health = json.loads(response.read())
-        replicas = health["replicas"]
-        assert len(replicas) == 2 and all(r["ready"] for r in replicas), health
-        for seed in range(4):
-            body = {"model": report.entry, "prompt": "a lighthouse", "size": "64x64", "seed": seed,
-                    "num_inference_steps": 2}
-            request = urllib.request.Request(base + "/v1/images/generations", json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=300) as response:
-                assert len(json.loads(response.read())["data"]) == 1
-        with urllib.request.urlopen(base + "/health", timeout=30) as response:
-            health = json.loads(response.read())
-        replicas = health["replicas"]
-        assert all(r["served"] >= 1 for r in replicas), health  # sequential requests: in turn
+        replicas = _health(base)["replicas"]
+        assert len(replicas) == 2 and all(r["ready"] for r in replicas), replicas
+        references = {seed: _online(base, report.entry, seed, 2) for seed in range(4)}  # one replica's images
+        replicas = _health(base)["replicas"]
+        assert all(r["served"] >= 1 for r in replicas), replicas  # sequential requests: in turn
         groups = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_tritonserver_of(int(p), tmp_path)]
         assert len(groups) == 2, groups
+        _crash_one_replica_mid_batch(child, lines, base, report.entry, references)
+        groups += [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_tritonserver_of(int(p), tmp_path)]
         child.send_signal(signal.SIGINT)
-        assert child.wait(120) == 0, child.stdout.read()
+        assert child.wait(120) == 0, "".join(lines)
         assert not any(_alive(p) or group_members(p) for p in groups)  # each server's group: its stubs too
     finally:
         if child.poll() is None:
@@ -331,6 +333,102 @@ def test_serve_two_replicas_behind_the_api(built_sd15, tmp_path):
                 child.wait(30)
         for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_tritonserver_of(int(p), tmp_path)]:
             os.killpg(pid, signal.SIGKILL)  # a failed run leaves no server behind (each its own process group)
+
+
+CRASH_LINES = 12  # job lines: 0-3 the reference requests' bodies, the rest heavier (more steps: the batch lasts)
+CRASH_STEPS = 8
+
+
+def _crash_one_replica_mid_batch(child, lines: list[str], base: str, entry: str, references: dict) -> None:
+    """SIGKILL replica 2's tritonserver once the batch has completed some lines, send seeded online requests, and
+    check what serve, the API and the batch do (the docstring above)."""
+    import openai
+
+    text = "".join(lines)
+    grpc_ports = [int(x) for x in re.findall(r"gRPC  127\.0\.0\.1:(\d+)", text)]
+    victim = _tritonserver_on(child.pid, grpc_ports[1])
+    bodies = [{"model": entry, "prompt": "a lighthouse", "size": "64x64", "seed": i,
+               "num_inference_steps": 2 if i < 4 else CRASH_STEPS} for i in range(CRASH_LINES)]
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+    upload = client.files.create(file=("jobs.jsonl", "".join(
+        json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/images/generations", "body": body}) + "\n"
+        for i, body in enumerate(bodies)).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/images/generations",
+                                  completion_window="24h")
+    at_kill = _until(lambda: (b := client.batches.retrieve(batch.id)).request_counts.completed >= 4 and b,
+                     "four job lines done")
+    os.kill(victim, signal.SIGKILL)
+    assert at_kill.status == "in_progress" and at_kill.request_counts.completed < CRASH_LINES, at_kill
+
+    online: dict[int, object] = {}
+
+    def ask(seed: int) -> None:
+        try:
+            online[seed] = _online(base, entry, seed, CRASH_STEPS)
+        except Exception as err:  # noqa: BLE001 - reported by the assertion below
+            online[seed] = err
+
+    asks = [threading.Thread(target=ask, args=(seed,)) for seed in range(CRASH_LINES - 4, CRASH_LINES)]
+    for thread in asks:
+        thread.start()
+    restarted = _until(lambda: "replica 2 of 2: restarted" in "".join(lines)
+                       and _tritonserver_on(child.pid, grpc_ports[1], None), "serve restarting replica 2", child)
+    for thread in asks:
+        thread.join(GUARD_S)
+    assert all(isinstance(online.get(seed), np.ndarray) for seed in online) and len(online) == 4, online
+    said = "".join(lines)
+    assert f"replica 2 of 2: tritonserver exited with -{int(signal.SIGKILL)}" in said, said
+    assert restarted != victim and not _alive(victim)
+    assert _health(base)["replicas"][1]["failures"] >= 1  # the API saw it lost (its calls UNAVAILABLE)...
+    _until(lambda: all(r["ready"] for r in _health(base)["replicas"]), "replica 2 ready again in /health", child)
+
+    done = _until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
+                  "the batch completing", child)
+    assert done.status == "completed" and done.request_counts.completed == CRASH_LINES, done
+    assert done.request_counts.failed == 0 and done.error_file_id is None, done
+    records = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in records) == sorted(f"line-{i}" for i in range(CRASH_LINES))  # once each
+    images = {}
+    for record in records:
+        assert record["response"]["status_code"] == 200, record
+        (item,) = record["response"]["body"]["data"]
+        images[int(record["custom_id"].split("-")[1])] = _pixels(item["b64_json"])
+    for seed, reference in references.items():  # the online requests before the crash: the same bodies
+        assert np.array_equal(images[seed], reference), seed
+    for seed, answer in online.items():  # the online requests after the crash: the job lines' bodies
+        assert np.array_equal(images[seed], answer), seed
+
+    served_before = _health(base)["replicas"][1]["served"]
+    for seed in range(2):  # sequential: in turn, so the restarted replica answers again
+        assert np.array_equal(_online(base, entry, seed, 2), references[seed])
+    replicas = _health(base)["replicas"]
+    assert replicas[1]["served"] > served_before and all(r["ready"] for r in replicas), replicas
+
+
+def _read_on(child: subprocess.Popen, lines: list[str]) -> None:
+    for line in child.stdout:
+        lines.append(line)
+
+
+def _online(base: str, entry: str, seed: int, steps: int):
+    body = {"model": entry, "prompt": "a lighthouse", "size": "64x64", "seed": seed, "num_inference_steps": steps}
+    request = urllib.request.Request(base + "/v1/images/generations", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        (item,) = json.loads(response.read())["data"]
+    return _pixels(item["b64_json"])
+
+
+def _pixels(b64: str):
+    from PIL import Image
+
+    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def _health(base: str) -> dict:
+    with urllib.request.urlopen(base + "/health", timeout=30) as response:
+        return json.loads(response.read())
 
 
 GUARD_S = 180  # a step that never happens fails its test instead of hanging it
@@ -350,6 +448,26 @@ def _until(check, what: str, process: subprocess.Popen | None = None):
             return value
         time.sleep(0.05)
     raise AssertionError(f"{what} did not happen within {GUARD_S} s")
+
+
+def _tritonserver_on(parent: int, grpc_port: int, missing=AssertionError):
+    """The pid of the tritonserver `parent` (serve) started on `grpc_port`, from /proc (never by name alone)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                args = cmdline.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and args[0].endswith(b"tritonserver") and f"--grpc-port={grpc_port}".encode() in args \
+                and _alive(int(entry)):
+            return int(entry)
+    if missing is None:
+        return None
+    raise missing(f"no tritonserver of {parent} on gRPC port {grpc_port}")
 
 
 def _alive(pid: int) -> bool:
