@@ -201,7 +201,9 @@ def serve_command(
     config: ServingConfig = None,
     replicas: Annotated[int, typer.Option("--replicas", help="tritonservers to start on this host over the "
                                           "repository (the first on the ports above, the others on free ports); "
-                                          "--openai-port's API fronts all of them (docs/deploy.md)")] = 1,
+                                          "with 2 or more, one that exits is restarted on its ports (after 3 quick "
+                                          "failures in a row serve stops all and exits 1); --openai-port's API "
+                                          "fronts all of them (docs/deploy.md)")] = 1,
 ):
     """Run tritonserver on the repository (127.0.0.1) until Ctrl-C; with --openai-port, the OpenAI Images API too."""
     from .. import api
