@@ -1,8 +1,9 @@
 """Several Triton replicas behind the API (openai_api/replicas.py): the routing and failover decisions
 (ReplicaRouter, pure, on a clock the test moves), then the client over two real gRPC servers (the stand-in Triton of
 tests/shared/images_stub_triton.py), one stopped and started again on its port, and the API's online route over
-them; and --triton-url's replica list checked by the CLI. The crash of a replica process under a batch is the slow
-test_replicas_crash.py."""
+them; and --triton-url's replica list checked by the CLI. The metrics parser (triton_metrics.py) on a body captured
+from a real tritonserver (triton_metrics_sd15_busy.txt: the tiny sd15's entry with 4 requests waiting). The crash of a
+replica process under a batch is the slow test_replicas_crash.py."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import base64
 import io
 import json
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
 from images_stub_triton import expected_image, start_images_stub
 
 from trt_diffusion.cli import main
-from trt_diffusion.openai_api import replicas
+from trt_diffusion.openai_api import replicas, triton_metrics
 from trt_diffusion.openai_api.replicas import ReplicaClient, ReplicaRouter
 
 
@@ -355,3 +357,43 @@ def test_a_bad_replica_address_is_refused_naming_the_option(urls, fragment, caps
         assert "cannot listen on" in text and "(Triton 127.0.0.1:8001, 127.0.0.1:8002;" in text, text
     else:
         assert fragment in text, text
+
+
+# Routing by Triton's queue (its metrics)
+
+METRICS_BODY = (Path(__file__).parent / "triton_metrics_sd15_busy.txt").read_text()
+
+
+def test_triton_s_metrics_give_each_model_s_queue():
+    """The body a real tritonserver (nvidia-pytriton's 2.51) served while the tiny sd15's entry had 4 requests
+    waiting for its 2 instances: every sample parses (counters, gauges, the project's histograms with le="+Inf"),
+    and the queue is the entry's 4, the engine and stream models' 0."""
+    sample_lines = [line for line in METRICS_BODY.splitlines() if line and not line.startswith("#")]
+    parsed = list(triton_metrics.samples(METRICS_BODY))
+    assert len(parsed) == len(sample_lines) > 100
+    assert ("trt_diffusion_queue_wait_seconds_bucket", {"le": "+Inf", "model": "sd15-tiny"}, 4.0) in [
+        (name, {k: v for k, v in labels.items() if k in ("le", "model")}, value) for name, labels, value in parsed
+        if name == "trt_diffusion_queue_wait_seconds_bucket" and labels.get("le") == "+Inf"]
+    assert triton_metrics.pending_requests(METRICS_BODY) == {
+        "sd15-tiny": 4, "sd15-tiny_stream": 0, "sd15-tiny__text_encoder__any__b1": 0, "sd15-tiny__unet__64x64__b2": 0,
+        "sd15-tiny__vae_decoder__64x64__b1": 0, "sd15-tiny__controlnet__canny__64x64__b2": 0}
+    # the text format's other forms: escaped label values, a timestamp, versions of one model summed
+    assert triton_metrics.pending_requests(
+        '# TYPE nv_inference_pending_request_count gauge\n'
+        'nv_inference_pending_request_count{model="a\\"b\\\\c",version="1"} 2 1712000000000\n'
+        'nv_inference_pending_request_count{model="m",version="1"} 1\n'
+        'nv_inference_pending_request_count{model="m",version="2",} 3\n') == {'a"b\\c': 2, "m": 4}
+    with pytest.raises(triton_metrics.MetricsError, match="no nv_inference_pending_request_count"):
+        triton_metrics.pending_requests(METRICS_BODY.replace("nv_inference_pending", "nv_other_pending"))
+    with pytest.raises(triton_metrics.MetricsError, match="line 2 is not a Prometheus sample"):
+        triton_metrics.pending_requests("# HELP x\n<html>not found</html>\n")
+
+
+@pytest.mark.parametrize("given, url", [
+    ("10.0.0.2", "http://10.0.0.2:8002/metrics"),  # Triton's metrics port and path by default
+    ("triton-0.example.com:9102", "http://triton-0.example.com:9102/metrics"),
+    ("https://triton-0.example.com/prometheus/", "https://triton-0.example.com:8002/prometheus"),
+    ("http://[::1]:8002/metrics", "http://[::1]:8002/metrics"),
+])
+def test_a_metrics_address_is_completed_with_triton_s_port_and_path(given, url):
+    assert triton_metrics.metrics_url(given) == url
