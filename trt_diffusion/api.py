@@ -344,8 +344,9 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
     (openai_api.settings.ApiSettings): also the OpenAI Images API, started once Triton is ready, talking to its
     gRPC port, stopped with it. `triton_http=False`: tritonserver without its HTTP and metrics ports (gRPC only).
     `replicas` > 1: that many tritonservers on this host (triton/stage.py serve), the API fronting all of them as
-    `openai-api --triton-url` does (openai_api/replicas.py); `on_ready` gets, and the call returns, the list of
-    their reports."""
+    `openai-api --triton-url ... --triton-metrics-url ...` does (openai_api/replicas.py: each replica's queue read
+    from its metrics port, unless triton_http is off); `on_ready` gets, and the call returns, the list of their
+    reports."""
     from dataclasses import replace
 
     from .triton import stage
@@ -361,8 +362,10 @@ def serve(repo: str | Path, *, http_port: int | None = 8000, grpc_port: int | No
 
     def ready(report) -> None:
         if openai is not None:
-            grpc_urls = [r.grpc_url for r in (report if isinstance(report, list) else [report])]
-            started.append(ApiServer(replace(openai, triton_url=",".join(grpc_urls))).start())
+            reports = report if isinstance(report, list) else [report]
+            metrics = tuple(r.metrics_url for r in reports)  # "" each without Triton's metrics port
+            started.append(ApiServer(replace(openai, triton_url=",".join(r.grpc_url for r in reports),
+                                             triton_metrics_urls=metrics if all(metrics) else ())).start())
         if on_ready:
             on_ready(report)
 

@@ -1,16 +1,20 @@
 """Several Triton replicas behind the API (openai_api/replicas.py): the routing and failover decisions
 (ReplicaRouter, pure, on a clock the test moves), then the client over two real gRPC servers (the stand-in Triton of
 tests/shared/images_stub_triton.py), one stopped and started again on its port, and the API's online route over
-them; and --triton-url's replica list checked by the CLI. The metrics parser (triton_metrics.py) on a body captured
-from a real tritonserver (triton_metrics_sd15_busy.txt: the tiny sd15's entry with 4 requests waiting). The crash of a
-replica process under a batch is the slow test_replicas_crash.py."""
+them; and --triton-url's replica list checked by the CLI. Routing by Triton's queue: the metrics parser
+(triton_metrics.py) on a body captured from a real tritonserver (triton_metrics_sd15_busy.txt: the tiny sd15's entry
+with 4 requests waiting), the router's load figure, and the client and the API reading real HTTP endpoints that serve
+that body. The crash of a replica process under a batch is the slow test_replicas_crash.py."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import http.server
 import io
 import json
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -97,7 +101,8 @@ def test_a_call_that_ends_without_an_answer_brings_no_news_of_its_replica():
     assert router.state()[0]["ready"] is False and router.state()[0]["in_flight"] == 0
     router.started(1)
     router.finished(1, unavailable=False, answered=False)
-    assert router.state()[1] == {"url": "b:1", "ready": True, "in_flight": 0, "served": 0, "failures": 0}
+    assert router.state()[1] == {"url": "b:1", "ready": True, "in_flight": 0, "queue": None, "metrics": None,
+                                 "metrics_error": None, "served": 0, "failures": 0}
 
 
 def test_a_full_queue_is_the_replica_answering_not_a_replica_failure():
@@ -362,6 +367,7 @@ def test_a_bad_replica_address_is_refused_naming_the_option(urls, fragment, caps
 # Routing by Triton's queue (its metrics)
 
 METRICS_BODY = (Path(__file__).parent / "triton_metrics_sd15_busy.txt").read_text()
+ENTRY_PENDING = 'nv_inference_pending_request_count{model="sd15-tiny",version="1"} 4'
 
 
 def test_triton_s_metrics_give_each_model_s_queue():
@@ -397,3 +403,239 @@ def test_triton_s_metrics_give_each_model_s_queue():
 ])
 def test_a_metrics_address_is_completed_with_triton_s_port_and_path(given, url):
     assert triton_metrics.metrics_url(given) == url
+
+
+def scraped_router(queues, clock=None) -> ReplicaRouter:
+    router = ReplicaRouter([f"{name}:1" for name in "abc"[:len(queues)]], clock or Clock(),
+                           [f"{name}:8002" for name in "abc"[:len(queues)]])
+    for index, queue in enumerate(queues):
+        router.scraped(index, queue)
+    return router
+
+
+def test_a_replica_with_a_deep_triton_queue_loses_to_an_idle_one():
+    """Nothing of this API in flight to either: Triton's queue (other clients' requests) decides; this API's calls in
+    flight add to it (they cover the time between readings)."""
+    router = scraped_router([5, 0])
+    assert [router.pick() for _ in range(3)] == [1, 1, 1]
+    for _ in range(5):
+        router.started(1)
+    assert [router.pick() for _ in range(2)] == [0, 1]  # 5 queued vs 5 in flight: a tie, taken in turn
+    router.started(1)
+    assert router.pick() == 0  # 6 in flight beats 5 queued
+    router.scraped(0, 9)
+    assert router.pick() == 1  # the next reading: 9 queued there now
+    assert [r["queue"] for r in router.state()] == [9, 0] and router.load(1) == 6
+
+
+def test_a_lora_set_s_replica_with_a_deep_triton_queue_is_saturated():
+    router = scraped_router([0, 0, 0])
+    key = LORA_SETS[0]
+    home = router.pick(lora_key=key)
+    router.scraped(home, replicas.SATURATED_MARGIN)
+    assert router.pick(lora_key=key) == home  # its queue within the margin of the least-loaded: still its own
+    router.scraped(home, replicas.SATURATED_MARGIN + 1)
+    assert router.pick(lora_key=key) != home  # Triton's queue alone saturates it, nothing of this API in flight
+    router.scraped(home, 0)
+    assert router.pick(lora_key=key) == home
+
+
+def test_a_failed_or_stale_reading_falls_back_to_the_api_s_own_count():
+    clock = Clock()
+    router = scraped_router([7, 0], clock)
+    assert router.pick() == 1
+    router.scrape_failed(0, "Connection refused")  # not a failure of the replica: it stays ready, in the turn
+    assert [router.pick() for _ in range(4)] == [0, 1, 0, 1]
+    assert router.state()[0]["ready"] is True and router.state()[0]["queue"] is None
+    assert router.state()[0]["metrics_error"] == "Connection refused"
+    router.scraped(0, 7)
+    assert router.pick() == 1 and router.state()[0]["metrics_error"] is None
+    clock.now += replicas.METRICS_MAX_AGE_S + 1  # no reading since (its poll stalled): the old figures no longer count
+    assert [router.pick() for _ in range(2)] == [0, 1]
+    assert router.state()[0]["queue"] is None and router.state()[0]["metrics_error"] == "the last reading is 6 s old"
+    router.scraped(0, 7)
+    run_call(router, 0, unavailable=True)  # a replica marked down forgets its queue: read again once it is back
+    assert router.replicas[0].queue is None
+
+
+class MetricsEndpoint:
+    """A Triton metrics endpoint on loopback (real HTTP) serving the body captured from tritonserver, with the
+    entry's pending count set by the test; `status` other than 200: that error instead."""
+
+    def __init__(self, pending: int = 0):
+        self.pending, self.status = pending, 200
+        endpoint = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if self.path != "/metrics" or endpoint.status != 200:
+                    self.send_error(404 if self.path != "/metrics" else endpoint.status)
+                    return
+                body = METRICS_BODY.replace(ENTRY_PENDING, ENTRY_PENDING[:-1] + str(endpoint.pending)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"127.0.0.1:{self.server.server_address[1]}"  # as --triton-metrics-url takes it
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_the_api_sends_requests_to_the_replica_whose_triton_queue_is_shorter_and_health_shows_it(tmp_path):
+    """Real gRPC and HTTP: replica a's Triton says 6 requests wait, b's none; the API, which has nothing in flight to
+    either, sends every request to b, and /health shows each replica's queue and metrics address."""
+    from trt_diffusion.openai_api.server import ApiServer
+    from trt_diffusion.openai_api.settings import ApiSettings
+
+    stubs = [start_images_stub(), start_images_stub()]
+    endpoints = [MetricsEndpoint(pending=6), MetricsEndpoint(pending=0)]
+    try:
+        settings = ApiSettings(f"{stubs[0].url},{stubs[1].url}", triton_metrics_urls=tuple(e.url for e in endpoints),
+                               port=0, state_dir=tmp_path / "state")
+        with ApiServer(settings) as api:
+            def health() -> dict:
+                with urllib.request.urlopen(api.url.removesuffix("/v1") + "/health", timeout=10) as response:
+                    return json.loads(response.read())
+
+            deadline = time.monotonic() + 10
+            while [r["queue"] for r in health()["replicas"]] != [6, 0] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            replica_list = health()["replicas"]
+            assert [(r["queue"], r["metrics"], r["metrics_error"]) for r in replica_list] == [
+                (6, f"http://{endpoints[0].url}/metrics", None), (0, f"http://{endpoints[1].url}/metrics", None)]
+            for seed in range(3):
+                body = json.dumps({"model": "sd15-tiny", "prompt": "p", "seed": seed,
+                                   "num_inference_steps": 2}).encode()
+                request = urllib.request.Request(api.url + "/images/generations", body,
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    assert response.status == 200
+            assert [len(stub.infers) for stub in stubs] == [0, 3]
+    finally:
+        for stub in stubs:
+            stub.stop()
+        for endpoint in endpoints:
+            endpoint.stop()
+
+
+def test_a_replica_whose_metrics_fail_stays_ready_and_is_routed_by_the_api_s_calls():
+    """Real gRPC and HTTP: a's metrics answer HTTP 500, then its endpoint is gone (connection refused); a stays
+    ready, its queue unknown, and the client's calls go to both replicas in turn as without metrics."""
+    from trt_diffusion.triton.client import ImageRequest, make_inputs
+
+    stubs = [start_images_stub(), start_images_stub()]
+    endpoints = [MetricsEndpoint(pending=0), MetricsEndpoint(pending=0)]
+
+    async def wait_for(client, check) -> list[dict]:
+        for _ in range(200):
+            if check(client.state()):
+                break
+            await asyncio.sleep(0.02)
+        return client.state()
+
+    async def scenario():
+        import tritonclient.grpc.aio as grpc_aio
+
+        client = ReplicaClient([stubs[0].url, stubs[1].url], Clock(), metrics_urls=[
+            triton_metrics.metrics_url(e.url) for e in endpoints], metrics_every_s=0.02).start()
+        try:
+            async def infer(count: int) -> None:
+                for i in range(count):
+                    await client.infer("sd15-tiny", make_inputs(grpc_aio, ImageRequest("p", 64, 64, seed=i).tensors()))
+
+            endpoints[0].status = 500
+            state = await wait_for(client, lambda s: s[0]["metrics_error"] and s[1]["queue"] == 0)
+            assert state[0]["metrics_error"].startswith("HTTP 500") and state[0]["queue"] is None
+            endpoints[1].pending = 5  # b's queue is 5; a's is not known, so a is loaded by this API's calls alone
+            await wait_for(client, lambda s: s[1]["queue"] == 5)
+            await infer(2)
+            assert [len(stub.infers) for stub in stubs] == [2, 0]
+            endpoints[1].pending = 0
+            endpoints[0].stop()  # no endpoint at all now
+            state = await wait_for(client, lambda s: s[1]["queue"] == 0 and "refused" in (s[0]["metrics_error"] or ""))
+            assert "Connection refused" in state[0]["metrics_error"], state
+            await infer(4)
+            assert [len(stub.infers) for stub in stubs] == [4, 2]  # in turn, as without metrics
+            assert [r["ready"] for r in client.state()] == [True, True]
+            assert [r["failures"] for r in client.state()] == [0, 0]
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for stub in stubs:
+            stub.stop()
+        endpoints[1].stop()
+
+
+@pytest.mark.parametrize("metrics, fragment", [
+    (["127.0.0.1:8002"], "--triton-metrics-url gives 1 address for 2 --triton-url replicas: give one per replica, "
+                         "in --triton-url's order"),
+    (["127.0.0.1:8002,127.0.0.1:8012,127.0.0.1:8022"], "--triton-metrics-url gives 3 addresses for 2"),
+    (["127.0.0.1:8002", "grpc://127.0.0.1:8012"], "--triton-metrics-url 'grpc://127.0.0.1:8012': unknown scheme "
+                                                  "grpc://"),
+    (["127.0.0.1", "http://127.0.0.1:8002/metrics"], "--triton-metrics-url http://127.0.0.1:8002/metrics is given "
+                                                     "twice"),
+    (["127.0.0.1:8002", "127.0.0.1:8012"], None),  # one each: as far as listening, the start line naming them
+])
+def test_metrics_addresses_are_one_per_replica_or_refused_naming_the_option(metrics, fragment, capsys, tmp_path):
+    import socket
+
+    argv = ["openai-api", "--state-dir", str(tmp_path / "state"), "--triton-url", "127.0.0.1:8001,127.0.0.1:8011"]
+    for url in metrics:
+        argv += ["--triton-metrics-url", url]
+    with socket.socket() as taken:  # a good list gets as far as listening: on a port taken here, it stops there
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, text = run_cli([*argv, "--port", str(taken.getsockname()[1])], capsys)
+    assert code == 1 and "Traceback" not in text, text
+    if fragment is None:
+        assert "cannot listen on" in text and ("(Triton 127.0.0.1:8001, 127.0.0.1:8011, metrics "
+                                               "http://127.0.0.1:8002/metrics, http://127.0.0.1:8012/metrics;") in text
+    else:
+        assert fragment in text and "cannot listen" not in text, text
+
+
+def test_serve_gives_the_api_each_replica_s_metrics_port(monkeypatch):
+    """`serve --replicas N --openai-port`: the API reads each replica's queue from the metrics port serve started it
+    with; with --no-triton-http (no metrics port) it reads none."""
+    from types import SimpleNamespace
+
+    from trt_diffusion import api as api_module
+    from trt_diffusion.openai_api import server as api_server
+    from trt_diffusion.openai_api.settings import ApiSettings
+    from trt_diffusion.triton import stage
+
+    fronted = []
+
+    class Api:
+        def __init__(self, settings):
+            fronted.append((settings.triton_url, settings.triton_metrics_urls))
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    def reports(metrics):
+        return [SimpleNamespace(grpc_url=f"127.0.0.1:900{i}", metrics_url=url) for i, url in enumerate(metrics)]
+
+    monkeypatch.setattr(api_server, "ApiServer", Api)
+    for metrics in (["http://127.0.0.1:9100/metrics", "http://127.0.0.1:9101/metrics"], ["", ""]):
+        monkeypatch.setattr(stage, "serve", lambda repo, on_ready, metrics=metrics, **options: on_ready(
+            reports(metrics)))
+        api_module.serve("repo", openai=ApiSettings("unused:1", port=0), replicas=2)
+    assert fronted == [("127.0.0.1:9000,127.0.0.1:9001", ("http://127.0.0.1:9100/metrics",
+                                                          "http://127.0.0.1:9101/metrics")),
+                       ("127.0.0.1:9000,127.0.0.1:9001", ())]

@@ -73,8 +73,14 @@ def names(values: list[str] | None) -> tuple[str, ...]:
 def openai_api_command(
     triton_urls: Annotated[list[str] | None, typer.Option(
         "--triton-url", help="Triton's gRPC address (grpc://HOST:8001); several (repeatable or comma-separated): "
-        "replicas of one model repository, each request sent to a ready one with the fewest in flight, retried once "
-        "on another when its replica is unavailable (docs/deploy.md, N hosts)")] = None,
+        "replicas of one model repository, each request sent to a ready one with the least load (its Triton queue "
+        "when --triton-metrics-url is given, plus this API's calls in flight), retried once on another when its "
+        "replica is unavailable (docs/deploy.md, N hosts)")] = None,
+    triton_metrics_urls: Annotated[list[str] | None, typer.Option(
+        "--triton-metrics-url", help="each replica's Triton metrics, HOST[:PORT] (port 8002, path /metrics by "
+        "default) or http://HOST:PORT/metrics: repeatable or comma-separated, one per --triton-url in the same "
+        "order; their queues (nv_inference_pending_request_count) are read every second to route by. Without it, "
+        "replicas are loaded by this API's own calls in flight")] = None,
     host: Annotated[str, typer.Option("--host", help="address to listen on (loopback by default; docs/security.md "
                                       "before exposing it)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8080,
@@ -93,12 +99,13 @@ def openai_api_command(
     from ..openai_api.settings import ApiSettings
 
     triton_url = ",".join(names(triton_urls)) if triton_urls else "grpc://127.0.0.1:8001"
-    settings = ApiSettings(triton_url, host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
+    settings = ApiSettings(triton_url, triton_metrics_urls=names(triton_metrics_urls), host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
                            allowed_hosts=names(allowed_hosts), cors_origins=names(cors_origins),
                            job_timeout_s=job_timeout_s, **state_options(state_dir, state_max_gb),
                            **overload_options(config)).check()
-    console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {', '.join(settings.triton_urls())}; Ctrl-C stops "
-                  "it)", highlight=False)
+    metrics = f", metrics {', '.join(settings.replica_metrics_urls())}" if settings.triton_metrics_urls else ""
+    console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {', '.join(settings.triton_urls())}{metrics}; "
+                  "Ctrl-C stops it)", highlight=False)
     if host in ("0.0.0.0", "::") and not settings.allowed_hosts:  # every interface, but only loopback's names
         console.print(f"[yellow]note:[/yellow] --host {host}: requests must name this server as localhost or "
                       "127.0.0.1 (403 otherwise); list the names other clients use with --allowed-hosts",

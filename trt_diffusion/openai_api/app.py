@@ -74,9 +74,10 @@ def create_app(settings: ApiSettings):
 
     @asynccontextmanager
     async def lifespan(app):
-        # one client over Triton's replicas (one or more): each call to a ready one, retried on another when its
-        # replica is unavailable (replicas.py)
-        client = ReplicaClient(settings.triton_urls())
+        # one client over Triton's replicas (one or more): each call to a ready one, the least loaded (its Triton
+        # queue read from its metrics, when given, and this API's calls), retried on another when its replica is
+        # unavailable (replicas.py)
+        client = ReplicaClient(settings.triton_urls(), metrics_urls=settings.replica_metrics_urls()).start()
         app.state.triton = client
         app.state.catalog = Catalog(client, max_age_s=settings.catalog_max_age_s)
         app.state.overload = gate

@@ -3,10 +3,17 @@ gRPC client, used as one client by the rest of the API (the online routes, the c
 
 The decisions are ReplicaRouter's (pure, its clock injected):
 
-- **Which replica**: the ready replica with the fewest of this API's calls in flight, ties taken in turn (round
-  robin). A diffusion request's cost varies by steps, size and kind (an image, a clip) over two orders of
-  magnitude, so counting what is in flight balances what turns alone would not; the turns spread an idle API's
-  sequential requests. Only this API's calls are counted: other clients of a replica are not seen.
+- **Which replica**: the ready replica with the least load, ties taken in turn (round robin). A replica's load is
+  the requests waiting in its Triton's queues, read from its metrics (`nv_inference_pending_request_count`, every
+  model summed: triton_metrics.py) about once a second, plus this API's calls in flight to it now: the queue sees
+  every client of the replica (other APIs, `generate --url`), the count covers what this API sent since the last
+  reading. A call of this API waiting in Triton's queue counts twice (in flight and queued): a queue means every
+  instance of the replica is busy, so a queued call weighs more than a running one. A replica without metrics (no
+  metrics URL given, Triton without its metrics port) or whose last reading failed or is older than
+  METRICS_MAX_AGE_S is loaded by this API's calls alone; a failed reading is not a failure of the replica. A
+  diffusion request's cost varies by steps, size and kind (an image, a clip) over two orders of magnitude, so
+  counting what is unfinished balances what turns alone would not; the turns spread an idle API's sequential
+  requests.
 - **A replica that fails** a call with UNAVAILABLE (connection refused or reset, the server going away: gRPC's
   status for "the server is not there", never a request's own error, which Triton answers INVALID_ARGUMENT,
   NOT_FOUND, or for a full queue UNAVAILABLE in words of its own) is marked down, and the call goes once more to another ready replica. A call is
@@ -23,9 +30,9 @@ The decisions are ReplicaRouter's (pure, its clock injected):
   it): rendezvous (highest-random-weight) hashing, each ready replica scored by a hash of its URL and the set, the
   highest taking it. Adding a replica moves only the sets it now wins; losing one (marked down, as any) moves only
   the sets it held, each to its own next choice, where that set's retry goes too. When the set's replica is
-  saturated, more than SATURATED_MARGIN calls in flight above the least-loaded ready replica, the call goes by the
-  fewest in flight as above (the set is loaded there too: the price of not queueing behind a hot set). A request
-  without LoRAs (or with an empty set) goes by the fewest in flight."""
+  saturated, its load more than SATURATED_MARGIN above the least-loaded ready replica's, the call goes to the
+  least-loaded as above (the set is loaded there too: the price of not queueing behind a hot set). A request
+  without LoRAs (or with an empty set) goes by the least load."""
 
 from __future__ import annotations
 
@@ -38,11 +45,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+from . import triton_metrics
+
 log = logging.getLogger("trt_diffusion.openai_api.replicas")
 BACKOFF_S = 1.0  # a replica's first re-probe comes this long after it failed
 MAX_BACKOFF_S = 16.0  # doubled per failed probe up to this
 PROBE_TIMEOUT_S = 2.0
-SATURATED_MARGIN = 2  # a LoRA set's replica with more calls in flight than the least-loaded + this: least-loaded
+SATURATED_MARGIN = 2  # a LoRA set's replica with a load above the least-loaded's + this: the least-loaded takes it
+METRICS_EVERY_S = 1.0  # each ready replica's metrics are read this often
+METRICS_TIMEOUT_S = 1.0  # a reading not answered within this has failed (the replica is loaded by this API's calls)
+METRICS_MAX_AGE_S = 5.0  # a reading older than this (its poll stalled) no longer counts
 CHANNEL_ARGS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30),
                 # gRPC's reconnect back-off grows to 120 s by default: a restarted replica would stay unreachable
                 # through this channel long after its probe could see it
@@ -55,8 +67,12 @@ CHANNEL_ARGS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_me
 @dataclass
 class Replica:
     url: str
+    metrics_url: str | None = None  # Triton's Prometheus endpoint (triton_metrics.metrics_url); None: not read
     ready: bool = True  # taken as ready until a call or a probe says otherwise
     in_flight: int = 0
+    queue: int | None = None  # requests waiting in its Triton at the last reading; None: not known
+    queue_at: float = 0.0  # when that reading was taken (the router's clock)
+    metrics_error: str | None = None  # why the last reading failed
     backoff_s: float = BACKOFF_S
     probe_at: float = 0.0  # when a down replica is probed next
     probing: bool = False
@@ -67,27 +83,42 @@ class Replica:
 class ReplicaRouter:
     """Which replica takes a call, and what a failure or a probe changes. No I/O: ReplicaClient does the calls."""
 
-    def __init__(self, urls, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, urls, clock: Callable[[], float] = time.monotonic, metrics_urls=()):
+        """`metrics_urls`: each replica's metrics URL in `urls`' order (None for one not read), or none at all."""
         if not urls:
             raise ValueError("no Triton replica")
-        self.replicas = [Replica(url) for url in urls]
+        metrics_urls = tuple(metrics_urls) or (None,) * len(urls)
+        if len(metrics_urls) != len(urls):
+            raise ValueError(f"{len(metrics_urls)} metrics URLs for {len(urls)} Triton replicas")
+        self.replicas = [Replica(url, metrics) for url, metrics in zip(urls, metrics_urls)]
         self.clock = clock
         self._turn = 0  # round robin among ties
 
+    def queue(self, index: int) -> int | None:
+        """The replica's Triton queue at its last reading; None when not known or older than METRICS_MAX_AGE_S."""
+        replica = self.replicas[index]
+        if replica.queue is None or self.clock() - replica.queue_at > METRICS_MAX_AGE_S:
+            return None
+        return replica.queue
+
+    def load(self, index: int) -> int:
+        """What a call sent to the replica waits behind: its Triton queue (when known) + this API's calls in flight."""
+        return self.replicas[index].in_flight + (self.queue(index) or 0)
+
     def pick(self, exclude: frozenset[int] = frozenset(), lora_key: str | None = None) -> int | None:
         """The replica for a call, not one of `exclude` (those this call tried): with `lora_key` (a canonical LoRA
-        set), the ready one it hashes to unless that one is saturated; else the ready one with the fewest calls in
-        flight (ties in turn); none ready: the down one whose back-off ends first; None: every one was tried."""
+        set), the ready one it hashes to unless that one is saturated; else the ready one with the least load (ties
+        in turn); none ready: the down one whose back-off ends first; None: every one was tried."""
         count = len(self.replicas)
         order = [(self._turn + step) % count for step in range(count)]
         ready = [i for i in order if self.replicas[i].ready and i not in exclude]
+        loads = {i: self.load(i) for i in ready}
         if ready and lora_key is not None:
             chosen = max(ready, key=lambda i: rendezvous_score(self.replicas[i].url, lora_key))
-            least = min(self.replicas[i].in_flight for i in ready)
-            if self.replicas[chosen].in_flight <= least + SATURATED_MARGIN:
+            if loads[chosen] <= min(loads.values()) + SATURATED_MARGIN:
                 return chosen
         if ready:
-            chosen = min(ready, key=lambda i: self.replicas[i].in_flight)  # min keeps the first of ties: the turn
+            chosen = min(ready, key=loads.__getitem__)  # min keeps the first of ties: the turn
             self._turn = (chosen + 1) % count
             return chosen
         down = [i for i in order if i not in exclude]
@@ -110,6 +141,7 @@ class ReplicaRouter:
         replica.failures += 1
         if replica.ready:
             replica.ready = False
+            replica.queue = None  # read again once it is back
             replica.backoff_s = BACKOFF_S
             replica.probe_at = self.clock() + replica.backoff_s
             log.warning("Triton replica %s is unavailable: marked down, probed again in %.0f s", replica.url,
@@ -134,14 +166,39 @@ class ReplicaRouter:
         replica.backoff_s = min(replica.backoff_s * 2, MAX_BACKOFF_S)
         replica.probe_at = self.clock() + replica.backoff_s
 
+    def scraped(self, index: int, queue: int) -> None:
+        """A reading of the replica's metrics: `queue` requests wait in its Triton."""
+        replica = self.replicas[index]
+        if replica.metrics_error is not None:
+            log.warning("Triton replica %s: its metrics are read again (%s)", replica.url, replica.metrics_url)
+        replica.queue, replica.queue_at, replica.metrics_error = queue, self.clock(), None
+
+    def scrape_failed(self, index: int, reason: str) -> None:
+        """A reading that failed: the replica is loaded by this API's calls alone until one succeeds (it stays
+        ready: Triton's metrics port is not the gRPC port its calls use)."""
+        replica = self.replicas[index]
+        if replica.metrics_error is None:
+            log.warning("Triton replica %s: its metrics at %s cannot be read (%s); routed by this API's calls in "
+                        "flight until they can", replica.url, replica.metrics_url, reason)
+        replica.queue, replica.metrics_error = None, reason
+
     def _mark_ready(self, replica: Replica) -> None:
         replica.ready = True
         replica.backoff_s = BACKOFF_S
         log.warning("Triton replica %s is ready again", replica.url)
 
     def state(self) -> list[dict]:
-        return [{"url": r.url, "ready": r.ready, "in_flight": r.in_flight, "served": r.served,
-                 "failures": r.failures} for r in self.replicas]
+        """/health's replica list: `queue` is the Triton queue the routing counts (None: not known; then, where
+        a metrics URL was given, `metrics_error` says why)."""
+        states = []
+        for index, r in enumerate(self.replicas):
+            queue, error = self.queue(index), r.metrics_error
+            if queue is None and error is None and r.queue is not None:
+                error = f"the last reading is {self.clock() - r.queue_at:.0f} s old"
+            states.append({"url": r.url, "ready": r.ready, "in_flight": r.in_flight, "queue": queue,
+                           "metrics": r.metrics_url, "metrics_error": error, "served": r.served,
+                           "failures": r.failures})
+        return states
 
 
 def rendezvous_score(url: str, key: str) -> int:
@@ -181,6 +238,18 @@ def is_unavailable(error: BaseException) -> bool:
     return not any(marker in message for marker in BUSY_MARKERS)
 
 
+def _reading_error(error: BaseException) -> str:
+    """A failed metrics reading in a few words: urllib's reason, an HTTP status, or the parser's message."""
+    import urllib.error
+
+    if isinstance(error, urllib.error.HTTPError):
+        return f"HTTP {error.code} {error.reason}"
+    if isinstance(error, urllib.error.URLError):
+        return str(error.reason)
+    return str(error) if isinstance(error, (OSError, triton_metrics.MetricsError)) else \
+        f"{type(error).__name__}: {error}"
+
+
 def _no_answer(error: BaseException) -> bool:
     """A timeout or a cancel: the call ended without the replica saying anything."""
     status = str(getattr(error, "status", lambda: "")() or "")
@@ -190,15 +259,19 @@ def _no_answer(error: BaseException) -> bool:
 class ReplicaClient:
     """tritonclient.grpc.aio's InferenceServerClient over several replicas: `infer` and the reads the API makes
     (the repository index, a model's config, live/ready) each go to one replica as ReplicaRouter decides, retried
-    once on another when that replica is unavailable."""
+    once on another when that replica is unavailable. With `metrics_urls`, each ready replica's metrics are read
+    every METRICS_EVERY_S (from `start()`, or the first call, to `close()`) for the router's load figure."""
 
     MAX_TRIES = 2  # the call, and once more on another replica
 
-    def __init__(self, urls, clock: Callable[[], float] = time.monotonic):
-        self.router = ReplicaRouter(urls, clock)
+    def __init__(self, urls, clock: Callable[[], float] = time.monotonic, metrics_urls=(),
+                 metrics_every_s: float = METRICS_EVERY_S, metrics_timeout_s: float = METRICS_TIMEOUT_S):
+        self.router = ReplicaRouter(urls, clock, metrics_urls)
         self.clients = [_client(url) for url in urls]
         self._retired: list = []  # channels replaced after a probe (closed at the end: calls may still use them)
         self._probes: set[asyncio.Task] = set()
+        self.metrics_every_s, self.metrics_timeout_s = metrics_every_s, metrics_timeout_s
+        self._readers: list[asyncio.Task] | None = None  # one loop per replica with a metrics URL, once started
 
     @property
     def urls(self) -> list[str]:
@@ -207,8 +280,33 @@ class ReplicaClient:
     def state(self) -> list[dict]:
         return self.router.state()
 
+    def start(self) -> ReplicaClient:
+        """Start reading the replicas' metrics (in the running event loop; once: later calls do nothing)."""
+        if self._readers is None:
+            self._readers = [asyncio.ensure_future(self._read_metrics(index))
+                             for index, replica in enumerate(self.router.replicas) if replica.metrics_url]
+        return self
+
+    async def _read_metrics(self, index: int) -> None:
+        """Every metrics_every_s while the replica is ready: its Triton queue, or why it could not be read."""
+        replica = self.router.replicas[index]
+        while True:
+            if replica.ready:
+                try:
+                    queue = await asyncio.wait_for(asyncio.to_thread(
+                        triton_metrics.read_queue, replica.metrics_url, self.metrics_timeout_s), self.metrics_timeout_s)
+                except TimeoutError:  # asyncio's, or the socket's
+                    self.router.scrape_failed(index, f"no answer within {self.metrics_timeout_s:g} s")
+                except Exception as err:  # noqa: BLE001 - a reading's failure is never the API's
+                    self.router.scrape_failed(index, _reading_error(err))
+                else:
+                    if replica.ready:  # not marked down while it was read
+                        self.router.scraped(index, queue)
+            await asyncio.sleep(self.metrics_every_s)
+
     async def _call(self, method: str | Callable, *args, route_key: str | None = None, **kwargs):
         """`method` of a replica's client (a name), or method(client, ...); `route_key`: a canonical LoRA set."""
+        self.start()
         self._start_probes()
         tried: set[int] = set()
         while True:
@@ -279,9 +377,10 @@ class ReplicaClient:
         return await self._call("is_server_ready", *args, **kwargs)
 
     async def close(self) -> None:
-        for task in list(self._probes):
+        tasks = [*self._probes, *(self._readers or ())]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._probes, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for client in (*self.clients, *self._retired):
             await client.close()
 

@@ -33,6 +33,9 @@ class ApiSettings:
     # Triton's gRPC address, host:port or grpc://host:port; several, comma-separated: replicas of one model
     # repository, each request sent to one of them (replicas.py)
     triton_url: str
+    # each replica's Triton metrics (its Prometheus endpoint: host[:8002] or http://host:port/metrics), in
+    # triton_url's order; (): none read, the replicas are loaded by this API's calls in flight alone (replicas.py)
+    triton_metrics_urls: tuple[str, ...] = ()
     host: str = "127.0.0.1"  # loopback by default: exposing it is a decision (docs/security.md)
     port: int = DEFAULT_PORT
     api_key: str | None = None  # set: every request needs `Authorization: Bearer <key>` (401 otherwise)
@@ -73,6 +76,7 @@ class ApiSettings:
         if self.api_key is not None and not self.api_key.strip():
             problems.append("--api-key is empty; leave it out to serve without a key")
         problems += triton_url_problems(self.triton_url)
+        problems += metrics_url_problems(self.triton_metrics_urls, len(self.triton_urls()))
         for name, value in (("header timeout", self.header_timeout_s), ("keep-alive", self.keep_alive_s),
                             ("body timeout", self.body_timeout_s), ("catalog age", self.catalog_max_age_s)):
             if not value > 0:
@@ -94,6 +98,12 @@ class ApiSettings:
     def triton_urls(self) -> tuple[str, ...]:
         """The replicas' gRPC addresses (one, or several given comma-separated)."""
         return tuple(url.strip() for url in self.triton_url.split(","))
+
+    def replica_metrics_urls(self) -> tuple[str, ...]:
+        """Each replica's metrics URL in full (http://host:8002/metrics), in triton_urls()' order; () for none."""
+        from .triton_metrics import metrics_url
+
+        return tuple(metrics_url(url) for url in self.triton_metrics_urls)
 
     def host_names(self) -> frozenset[str]:
         """The Host names a request may carry: loopback's, the bind address (unless a wildcard), --allowed-hosts."""
@@ -129,6 +139,28 @@ def triton_url_problems(value: str) -> list[str]:
                             "grpc://triton-0.example.com:8001)")
     seen = [url.split("://")[-1].rstrip("/") for url in urls if url]
     problems += [f"--triton-url {url} is given twice; give each replica once"
+                 for url in sorted({url for url in seen if seen.count(url) > 1})]
+    return problems
+
+
+def metrics_url_problems(values: tuple[str, ...], replicas: int) -> list[str]:
+    """What is wrong with --triton-metrics-url's addresses: one per --triton-url replica, in its order, or none."""
+    from .triton_metrics import metrics_url
+
+    if not values:
+        return []
+    if len(values) != replicas:
+        return [f"--triton-metrics-url gives {len(values)} address{'es' * (len(values) != 1)} for {replicas} "
+                f"--triton-url replica{'s' * (replicas != 1)}: give one per replica, in --triton-url's order (or "
+                "none: the replicas are then routed by this API's calls in flight alone)"]
+    problems, seen = [], []
+    for value in values:
+        try:
+            seen.append(metrics_url(value))
+        except ValueError as err:
+            problems.append(f"--triton-metrics-url {value!r}: {err}; give HOST[:PORT] (port 8002 by default) or "
+                            "http://HOST:PORT/metrics")
+    problems += [f"--triton-metrics-url {url} is given twice; give each replica's own"
                  for url in sorted({url for url in seen if seen.count(url) > 1})]
     return problems
 

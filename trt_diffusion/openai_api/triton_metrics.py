@@ -58,6 +58,12 @@ def fetch(url: str, timeout_s: float) -> str:
     return body.decode("utf-8", "replace")
 
 
+def read_queue(url: str, timeout_s: float) -> int:
+    """The requests waiting in the replica whose metrics are at `url`, all its models summed (blocking, the parse
+    included: run it in a worker thread). OSError or MetricsError as fetch and pending_requests raise them."""
+    return sum(pending_requests(fetch(url, timeout_s)).values())
+
+
 def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
     """Each sample of a Prometheus text exposition: (name, labels, value); comments and blank lines skipped, an
     optional timestamp ignored. MetricsError on a line that is not a sample."""

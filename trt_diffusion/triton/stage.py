@@ -139,6 +139,7 @@ class WarmupReport:
     models_ready: dict[str, bool]
     first_requests: list[FirstRequest] = field(default_factory=list)
     log: str = ""
+    metrics_url: str = ""  # Triton's Prometheus endpoint (http://127.0.0.1:PORT/metrics); "" with triton_http off
 
     @property
     def all_ready(self) -> bool:
@@ -215,7 +216,8 @@ def _start_checked(repo: Path, work_dir: Path, temporary: bool, ports: tuple[int
     server.remove_work_dir = temporary
     try:
         warmup = WarmupReport(str(repo), server.http_url if triton_http else "", server.grpc_url, seconds, models_ready(server, report),
-                              log=str(server.log_path))
+                              log=str(server.log_path),
+                              metrics_url=f"http://127.0.0.1:{server.ports.metrics}/metrics" if triton_http else "")
         if not warmup.all_ready:
             raise ServeError(f"models not ready after the server said ready: "
                              f"{[n for n, ok in warmup.models_ready.items() if not ok]}\n{server.log_tail()}")
