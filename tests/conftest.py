@@ -144,16 +144,21 @@ QWEN_COMPONENTS = ["text_encoder", "transformer", "vae_decoder", "vae_encoder"]
 
 
 @pytest.fixture(scope="session")
-def built_qwen_image(tiny_model_factory, tmp_path_factory, write_engines_yaml) -> Path:
-    """engines.yaml of the tiny Qwen-Image (model `qwen`: 64x64, batch 1, `cfg: [split]`, fp32, its four components)
-    exported and built on onnxruntime and openvino, once per session (about 45 s on 2 cores): the export, reference
-    and quantize tests share it. Read-only, like `built_sd15` (a test that changes the model writes its own
-    engines.yaml beside it, over the same workspace)."""
+def built_qwen_image(family_workspace) -> Path:
+    """engines.yaml of the tiny Qwen-Image (model `qwen_image`: 64x64, batch 1, `cfg: [split]`, fp32, its four
+    components) exported and built on onnxruntime and openvino, once per session, over `family_workspace` (the
+    minimal entry's text encoder, transformer and VAE decoder are shared with the conformance run, the VAE encoder is
+    added): the export, reference and quantize tests share it. Read-only, like `built_sd15` (a test that changes the
+    model writes its own engines.yaml beside it, over the same workspace)."""
+    from family_builds import families_engines_yaml
+
     from trt_diffusion import api
 
-    config = write_engines_yaml(tmp_path_factory.mktemp("built-qwen"), tiny_model_factory("qwen_image"), "qwen_image",
-                                name="qwen", components=QWEN_COMPONENTS, cfg=["split"],
-                                precision={c: "fp32" for c in QWEN_COMPONENTS}, targets=["onnxruntime", "openvino"])
+    directory = family_workspace.root / "qwen_image-four-components"
+    directory.mkdir(exist_ok=True)
+    config = families_engines_yaml(family_workspace, directory / "engines.yaml", ("qwen_image",),
+                                   components=QWEN_COMPONENTS, cfg=["split"], targets=["onnxruntime", "openvino"],
+                                   precision={c: "fp32" for c in QWEN_COMPONENTS})
     report = api.build(config)
     if report.failed:
         raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
@@ -164,20 +169,24 @@ WAN_BUCKET = "32x32x5"  # built_wan's: width x height x frames
 
 
 @pytest.fixture(scope="session")
-def built_wan(tiny_model_factory, tmp_path_factory, write_engines_yaml):
+def built_wan(family_workspace):
     """`built_wan(cfg="split") -> engines.yaml`: the tiny Wan 2.1 at 32x32x5, batch 1, CFG `cfg`, its default
-    precisions, onnxruntime engines built. The modes' files share one workspace: `split` and `parallel` differ in how
-    the runtime calls the transformer, not in its engines, so only the first mode builds (about 45 s on 2 cores).
-    Read-only, like `built_sd15` (the video preflight test keeps its baseline under the workspace's preflight/)."""
+    precisions, onnxruntime engines built, over `family_workspace` (the minimal entry's exports and its text encoder
+    and VAE engines are shared with the conformance run). `split` and `parallel` differ in how the runtime calls the
+    transformer, not in its engines, so only the first mode builds. Read-only, like `built_sd15` (the video preflight
+    test keeps its baseline under the workspace's preflight/)."""
+    from family_builds import families_engines_yaml
+
     from trt_diffusion import api
 
-    root = tmp_path_factory.mktemp("built-wan")
     built: dict[str, Path] = {}
 
     def build(cfg: str = "split") -> Path:
         if cfg not in built:
-            path = write_engines_yaml(root / cfg, tiny_model_factory("wan"), "wan", name="wan",
-                                      workspace=str(root / "build"), buckets=[WAN_BUCKET], cfg=[cfg])
+            directory = family_workspace.root / f"wan-{cfg}"
+            directory.mkdir(exist_ok=True)
+            path = families_engines_yaml(family_workspace, directory / "engines.yaml", ("wan",), batch=[1],
+                                         targets=["onnxruntime"], cfg=[cfg])
             report = api.build(path, target="onnxruntime")
             if report.failed:
                 raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
@@ -228,24 +237,38 @@ def built_wan_i2v(tiny_model_factory, tmp_path_factory):
     return build
 
 
+LORA_FOLDERS = ("z_image",)  # family_workspace's entries whose tiny folder has its LoRA (tests/z_image/conftest.py)
+
+
 @pytest.fixture(scope="session")
-def built_families(tiny_model_factory, tmp_path_factory):
-    """Every declared family's minimal entry (source, family, one bucket: tests/families/plan_keys.py) in ONE
-    engines.yaml, built on this host's default targets: (path, report, root, specs). The family conformance run
-    judges and serves it; files that check more of one family's engines (the FLUX.2 encoders, quantized transformers)
-    start from its engines instead of building their own. What failed is the conformance run's finding
-    (test_builds), not this fixture's. Read-only: a test that changes a model writes its own engines.yaml over the
-    same workspace (tests/shared/family_builds.py)."""
+def family_workspace(tiny_model_factory, tmp_path_factory):
+    """(path, root): ONE engines.yaml with every declared family's minimal entry (source, family, one bucket:
+    tests/families/plan_keys.py) and its workspace, nothing built. The family conformance run builds all of it
+    (`built_families`); a file that needs one family's engines in another form (Qwen-Image's four components, Wan
+    with CFG split, Z-Image's refit LoRA, FLUX.2 quantized) writes its own engines.yaml over the same workspace
+    (tests/shared/family_builds.py): the exports and engines the forms share are built once, by whichever file
+    asks first. tests/shared/slow_schedule.py keeps these files on one xdist worker. Treat it as read-only."""
     from types import SimpleNamespace
 
     from tests.families.plan_keys import all_families_engines_yaml
-    from trt_diffusion import api
 
     root = tmp_path_factory.mktemp("family-conformance")
-    path = all_families_engines_yaml(root, tiny_model_factory)
-    report = api.build(path)
-    specs = api.plan(path, count_parameters=False).specs
-    return SimpleNamespace(path=path, report=report, root=root, specs=specs)
+    # Z-Image's folder carries its tiny LoRA (models tiny --lora), so the LoRA-refit files build over these exports
+    path = all_families_engines_yaml(root, lambda family: tiny_model_factory(family, lora=family in LORA_FOLDERS))
+    return SimpleNamespace(path=path, root=root)
+
+
+@pytest.fixture(scope="session")
+def built_families(family_workspace):
+    """`family_workspace` built on this host's default targets: (path, root, report, specs). What failed is the
+    conformance run's finding (test_builds), not this fixture's."""
+    from types import SimpleNamespace
+
+    from trt_diffusion import api
+
+    report = api.build(family_workspace.path)
+    specs = api.plan(family_workspace.path, count_parameters=False).specs
+    return SimpleNamespace(path=family_workspace.path, root=family_workspace.root, report=report, specs=specs)
 
 
 # Helpers shared by several test folders (the target conformance suite) live in tests/shared/.

@@ -89,22 +89,22 @@ def qwen_build(built_qwen_image):
 def test_every_qwen_image_component_exports_and_matches_pytorch(qwen_build):
     export, _ = qwen_build
     results = {r.group.name: r for r in export.results}
-    assert list(results) == [f"qwen.{c}.fp32" for c in COMPONENTS]
+    assert list(results) == [f"qwen_image.{c}.fp32" for c in COMPONENTS]
     for result in results.values():
         assert result.parity and all(c["passed"] for c in result.parity), result.parity
         assert len({c["geometry"] for c in result.parity}) >= 2
-    encoder = results["qwen.text_encoder.fp32"]
+    encoder = results["qwen_image.text_encoder.fp32"]
     assert _io_dims(encoder.onnx_path) == {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"],
                                            "hidden_states": ["batch", "sequence", 32]}
     assert encoder.dynamic_ranges["sequence"] == [36, 546]
     assert [c["geometry"] for c in encoder.parity] == [f"batch {b}, {n} text tokens" for b, n in zip((1, 2, 2), LENGTHS)]
-    transformer = results["qwen.transformer.fp32"]
+    transformer = results["qwen_image.transformer.fp32"]
     dims = _io_dims(transformer.onnx_path)
     assert dims["hidden_states"] == ["batch", "patch_rows", "patch_cols", 64] == dims["noise_pred"]
     assert dims["encoder_hidden_states"] == ["batch", "text_tokens", 32]
     assert transformer.dynamic_ranges["text_tokens"] == [2, 512]
     assert {c["geometry"].split(", ")[-1] for c in transformer.parity} == {f"{n} text tokens" for n in LENGTHS}
-    assert _io_dims(results["qwen.vae_decoder.fp32"].onnx_path)["images"] == [
+    assert _io_dims(results["qwen_image.vae_decoder.fp32"].onnx_path)["images"] == [
         "batch", 3, "image_height", "image_width"]
 
 

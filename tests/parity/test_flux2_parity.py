@@ -1,6 +1,6 @@
 """FLUX.2 engines beyond the family conformance run (issue #26, acceptance 1 and 3), over its engines: the tiny
-FLUX.2 dev and Klein folders' minimal entries (64x64, their defaults: fp32 on onnxruntime and openvino here) from
-the `built_families` session build, the language-model encoder engine equal to the hidden states the pipelines
+FLUX.2 dev and Klein folders' minimal entries (64x64, their defaults: fp32 on onnxruntime and openvino here) over
+the session's `family_workspace` (built by the conformance run where it ran first on this worker, else here), the language-model encoder engine equal to the hidden states the pipelines
 stack (at the one length they use: every prompt padded to 512), the quantized transformers and encoders through
 their gates and parity (built over the same workspace: the fp32 engines they leave alone are reused), and the
 checklist in process. Each family's default build, parity per target and served entry (dev: embedded guidance, one
@@ -23,8 +23,19 @@ TARGETS = ("onnxruntime", "openvino")
 CALIBRATION = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
 
 
+@pytest.fixture(scope="module")
+def built(family_workspace, tmp_path_factory):
+    """(engines.yaml, report): both families' minimal entries, built (or found built) in the shared workspace."""
+    from family_builds import families_engines_yaml
+
+    path = families_engines_yaml(family_workspace, tmp_path_factory.mktemp("flux2") / "engines.yaml", FAMILIES)
+    report = api.build(path)
+    assert not report.failed, [o.error for o in report.failed]
+    return path, report
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_encoder_engine_matches_the_pipelines_stacked_states(built_families, tiny_model_factory, family):
+def test_the_encoder_engine_matches_the_pipelines_stacked_states(built, tiny_model_factory, family):
     """Acceptance 3: the engine against `_get_mistral_3_small_prompt_embeds` / `_get_qwen3_prompt_embeds` on the
     pipeline's own tokens, a short prompt and one cut at the 512 tokens both pipelines pad and truncate to (the only
     sequence length they use: min = opt = max)."""
@@ -34,7 +45,7 @@ def test_the_encoder_engine_matches_the_pipelines_stacked_states(built_families,
     from trt_diffusion.runtime.flux2_loop import prompt_tokens
     from trt_diffusion.target_registry import get_target
 
-    report = built_families.report
+    _, report = built
     pipe = (Flux2Pipeline if family == "flux2" else Flux2KleinPipeline).from_pretrained(tiny_model_factory(family))
     for target in TARGETS:
         (outcome,) = [o for o in report.outcomes if o.spec.component == "text_encoder" and o.spec.target == target
@@ -52,7 +63,7 @@ def test_the_encoder_engine_matches_the_pipelines_stacked_states(built_families,
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
-def test_quantized_transformers_pass_their_gate_and_parity(built_families, precision, tmp_path):
+def test_quantized_transformers_pass_their_gate_and_parity(family_workspace, built, precision, tmp_path):
     """Acceptance 2: the transformers of both families quantized through ModelOpt (the legacy trace, FLUX.2's
     batched ids taken as the engine's [N, 4]), gated on the pipelines' own generations, built in the same workspace
     (the fp32 encoders and VAEs reused) and judged by parity on the precision's bar."""
@@ -64,7 +75,7 @@ def test_quantized_transformers_pass_their_gate_and_parity(built_families, preci
     from trt_diffusion.quantize.feeds import denoiser_interface
     from trt_diffusion.quantize.stage import quantize_component
 
-    quantized = families_engines_yaml(built_families, tmp_path / "engines.yaml", FAMILIES,
+    quantized = families_engines_yaml(family_workspace, tmp_path / "engines.yaml", FAMILIES,
                                       precision={"transformer": precision}, targets=["onnxruntime"],
                                       quantization=CALIBRATION)
     report = api.build(quantized)
@@ -90,7 +101,7 @@ def test_quantized_transformers_pass_their_gate_and_parity(built_families, preci
         assert variant.precision == precision and variant.passed, (name, variant.failure_reasons)
 
 
-def test_quantized_encoders_pass_their_gate_and_parity(built_families, tmp_path):
+def test_quantized_encoders_pass_their_gate_and_parity(family_workspace, built, tmp_path):
     """#26's language-model encoders through ModelOpt (quantize/encoder.py): FLUX.2 dev's Mistral-3 in int8, Klein's
     Qwen3 in fp8, calibrated on the runtime's own tokens, gated on their stacked states, built beside the fp32
     transformers and judged by parity on the quantized bar."""
@@ -101,7 +112,7 @@ def test_quantized_encoders_pass_their_gate_and_parity(built_families, tmp_path)
     from trt_diffusion.quantize.stage import quantize_component
 
     chosen = {"flux2": "int8", "flux2_klein": "fp8"}
-    quantized = families_engines_yaml(built_families, tmp_path / "engines.yaml", FAMILIES, targets=["onnxruntime"],
+    quantized = families_engines_yaml(family_workspace, tmp_path / "engines.yaml", FAMILIES, targets=["onnxruntime"],
                                       quantization=CALIBRATION)
     document = yaml.safe_load(quantized.read_text())
     for name, model in document["models"].items():
@@ -132,7 +143,7 @@ def test_quantized_encoders_pass_their_gate_and_parity(built_families, tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_preflight_passes_in_process(built_families, family, tmp_path):
+def test_preflight_passes_in_process(family_workspace, built, family, tmp_path):
     """The pre-launch checklist on each FLUX.2 family in process (dev: one call per step; Klein: true CFG): every
     check that applies passes and the quality baseline is saved. Each family's served entry equal to the in-process
     image is the family conformance run's (tests/families/test_conformance.py); the checklist over a served entry is
@@ -142,7 +153,7 @@ def test_preflight_passes_in_process(built_families, family, tmp_path):
 
     from trt_diffusion.preflight.run import run_preflight
 
-    path = families_engines_yaml(built_families, tmp_path / "engines.yaml", (family,))
+    path = families_engines_yaml(family_workspace, tmp_path / "engines.yaml", (family,))
     config = load_engines_file(with_fast_preflight(path, tmp_path / "settings"))
     saved = run_preflight(config, model=family, save_baseline=True, in_process=True, target="onnxruntime",
                           out_dir=tmp_path / "in-process")

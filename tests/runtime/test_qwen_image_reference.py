@@ -165,8 +165,8 @@ def test_generate_runs_the_qwen_image_engines_end_to_end(built_qwen, ours, tmp_p
                  "--guidance-scale", "4", "--height", "64", "--width", "64", "--steps", "3", "--seed", "5",
                  "-o", str(out)]) == 0
     config = load_engines_file(built_qwen)
-    engines = EnginePipeline(config.models["qwen"].source.path, "qwen_image",
-                             table_from_engines(built_engines(config, "qwen", "onnxruntime")))
+    engines = EnginePipeline(config.models["qwen_image"].source.path, "qwen_image",
+                             table_from_engines(built_engines(config, "qwen_image", "onnxruntime")))
     case = request(negative_prompt=NEGATIVE, guidance=4.0, seed=5)
     generation = engines.generate(case)
     assert generation.cfg_mode == "split"
@@ -185,7 +185,7 @@ def test_parity_passes_on_both_cpu_targets(built_qwen, tmp_path):
     from trt_diffusion import api
 
     document = yaml.safe_load(built_qwen.read_text())
-    document["models"]["qwen"]["workflows"] = ["txt2img", "img2img", "inpaint"]
+    document["models"]["qwen_image"]["workflows"] = ["txt2img", "img2img", "inpaint"]
     config = built_qwen.parent / "engines-workflows.yaml"
     config.write_text(yaml.safe_dump(document))
     run = api.parity(config, out_dir=tmp_path / "parity", targets=["onnxruntime", "openvino"])
@@ -207,7 +207,7 @@ def test_quantized_transformer_passes_its_gate_and_parity(built_qwen, tmp_path, 
     from trt_diffusion.quantize.stage import quantize_component
 
     document = yaml.safe_load(built_qwen.read_text())
-    model = document["models"]["qwen"]
+    model = document["models"]["qwen_image"]
     model["precision"]["transformer"] = precision
     model["quantization"] = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
     quantized = built_qwen.parent / f"engines-{precision}.yaml"
@@ -215,7 +215,7 @@ def test_quantized_transformer_passes_its_gate_and_parity(built_qwen, tmp_path, 
     report = api.build(quantized, target="onnxruntime")
     assert not report.failed, [o.error for o in report.failed]
     config = load_engines_file(quantized, check_sources=True)
-    artifact = quantize_component(config.models["qwen"], "transformer", precision, None, config.workspace,
+    artifact = quantize_component(config.models["qwen_image"], "transformer", precision, None, config.workspace,
                                   opset=config.build.opset, config_root=config.root)
     assert artifact.cached and artifact.gate["passed"], artifact.gate
     assert artifact.gate["calls"] == 2 * 2 * 2  # true CFG: two calls a step
@@ -227,7 +227,7 @@ def test_quantized_transformer_passes_its_gate_and_parity(built_qwen, tmp_path, 
     from trt_diffusion.engines_file import Size
     from trt_diffusion.quantize.feeds import denoiser_interface
 
-    interface = denoiser_interface(config.models["qwen"], "transformer")
+    interface = denoiser_interface(config.models["qwen_image"], "transformer")
     session = ort.InferenceSession(str(artifact.onnx_path), providers=["CPUExecutionProvider"])
     for text in (20, 300):
         feeds = interface.definition.dummy_inputs(interface.config, {}, Geometry(1, Size(64, 64), text=text))
@@ -250,7 +250,7 @@ def test_quantized_text_encoder_passes_its_gate_and_parity(built_qwen, tmp_path)
     from trt_diffusion.quantize.stage import quantize_component
 
     document = yaml.safe_load(built_qwen.read_text())
-    model = document["models"]["qwen"]
+    model = document["models"]["qwen_image"]
     model["precision"]["text_encoder"] = "int8"
     model["targets"] = ["onnxruntime"]
     model["quantization"] = {"calibration": {"samples": 2, "steps": 2, "seed": 0}}
@@ -259,7 +259,7 @@ def test_quantized_text_encoder_passes_its_gate_and_parity(built_qwen, tmp_path)
     report = api.build(quantized)
     assert not report.failed, [o.error for o in report.failed]
     config = load_engines_file(quantized, check_sources=True)
-    artifact = quantize_component(config.models["qwen"], "text_encoder", "int8", None, config.workspace,
+    artifact = quantize_component(config.models["qwen_image"], "text_encoder", "int8", None, config.workspace,
                                   opset=config.build.opset, config_root=config.root)
     assert artifact.cached and artifact.gate["passed"] and artifact.gate["calls"] == 3, artifact.gate
     assert artifact.manifest["excluded_layers"] == {"model.visual": "not run by the engine",

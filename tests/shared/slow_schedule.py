@@ -3,9 +3,9 @@
 xdist's loadfile scheduling gives each worker whole files, the files with the most tests first. Two things that
 costs on this suite, which it cannot know from test counts:
 
-- Files that use the same session-built engines (`built_families`: every family's minimal entry, minutes;
-  `built_wan`, `built_wan_i2v`, `built_qwen_image`, `built_sd15_step_cache`, `built_z_image`: a minute or two of
-  export and build each) land on both workers, and
+- Files that use the same session-built engines (`family_workspace`: every family's minimal entry, minutes, with
+  the forms other files need — `built_qwen_image`, `built_z_image`, `built_wan`, FLUX.2 quantized — built over it;
+  `built_wan_i2v`, `built_sd15_step_cache`: a minute or two of export and build each) land on both workers, and
   each worker builds them. Here they are one unit: built once. (The I2V serving file also serves a `built_wan`
   model: where the two units land on different workers, that worker builds it too.)
 - The soak is one test of minutes. Counted as one test it is among the last units handed out, where it can run
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 # file -> the unit it joins: files that share a session fixture's build run on one worker
 SHARED_BUILDS = {
-    "tests/families/test_conformance.py": "built_families",
-    "tests/parity/test_flux2_parity.py": "built_families",
+    "tests/families/test_conformance.py": "family_workspace",
+    "tests/parity/test_flux2_parity.py": "family_workspace",
     "tests/cli/test_generate_img2vid.py": "built_wan_i2v",
     "tests/export/test_wan_i2v_export.py": "built_wan_i2v",
     "tests/parity/test_wan_i2v_parity.py": "built_wan_i2v",
@@ -28,17 +28,18 @@ SHARED_BUILDS = {
     "tests/preflight/test_step_cache_preflight.py": "built_sd15_step_cache",
     "tests/parity/test_step_cache_parity.py": "built_sd15_step_cache",
     "tests/triton/test_step_cache_serving.py": "built_sd15_step_cache",
-    "tests/preflight/test_video_preflight.py": "built_wan",
-    "tests/triton/test_video_serving.py": "built_wan",
-    "tests/triton/test_cfg_parallel_serving.py": "built_wan",
-    "tests/export/test_qwen_image_export.py": "built_qwen_image",
-    "tests/runtime/test_qwen_image_reference.py": "built_qwen_image",
-    "tests/z_image/test_z_image_engines.py": "built_z_image",
-    "tests/z_image/test_z_image_lora.py": "built_z_image",
+    "tests/preflight/test_video_preflight.py": "family_workspace",  # built_wan is built over family_workspace
+    "tests/triton/test_video_serving.py": "family_workspace",
+    "tests/triton/test_cfg_parallel_serving.py": "family_workspace",
+    "tests/parity/test_wan_parity.py": "family_workspace",
+    "tests/export/test_qwen_image_export.py": "family_workspace",  # built_qwen_image is built over family_workspace
+    "tests/runtime/test_qwen_image_reference.py": "family_workspace",
+    "tests/z_image/test_z_image_engines.py": "family_workspace",  # built_z_image is built over family_workspace
+    "tests/z_image/test_z_image_lora.py": "family_workspace",
 }
 # units of minutes that hold few tests, longest first (a file, or a SHARED_BUILDS unit): handed out before the
 # rest, so the many short files fill both workers at the end instead of one long unit running alone there
-RUN_FIRST = ("built_families", "tests/triton/test_soak.py", "built_wan_i2v",
+RUN_FIRST = ("family_workspace", "tests/triton/test_soak.py", "built_wan_i2v",
              "tests/triton/test_qwen_image_edit_serving.py")
 
 

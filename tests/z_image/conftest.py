@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 
 FP32 = {"text_encoder": "fp32", "transformer": "fp32", "vae_decoder": "fp32"}
 TARGETS = ("onnxruntime", "openvino")
-MODEL = "z_image-tiny"
+MODEL = "z_image"  # the family conformance run's entry (tests/conftest.py: family_workspace)
 
 
 @pytest.fixture(scope="session")
-def built_z_image(tiny_model_factory, tmp_path_factory):
+def built_z_image(family_workspace):
     """(engines.yaml, build report): the tiny Z-Image (its folder with `lora/`) at 64x64, CFG batched, fp32, built on
     onnxruntime and openvino; LoRA A (`models tiny --lora`) declared for refit, so the LoRA file refits the same
-    transformer engines the parity and serving files run. One export and six builds; treat it as read-only."""
-    from trt_diffusion import api
+    transformer engines the parity and serving files run. Over `family_workspace` (whose z_image entry is this
+    folder): the exports and the text encoder and VAE engines are the conformance run's, the refittable transformer
+    engines are this fixture's. Treat it as read-only."""
+    from family_builds import families_engines_yaml
 
-    folder = tiny_model_factory("z_image", lora=True)
+    from trt_diffusion import api
+    from trt_diffusion.engines_file import load_engines_file
+
+    folder = load_engines_file(family_workspace.path).models[MODEL].source.path
     lora_a = folder / "lora" / "pytorch_lora_weights.safetensors"
-    models = {MODEL: {"source": str(folder), "family": "z_image", "buckets": ["64x64"], "targets": list(TARGETS),
-                      "precision": dict(FP32), "loras": {"a": {"source": str(lora_a), "mode": "refit"}}}}
-    path = tmp_path_factory.mktemp("built-z_image") / "engines.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "build": {"workspace": "build"}, "models": models}))
+    directory = family_workspace.root / "z_image-lora"
+    directory.mkdir(exist_ok=True)
+    path = families_engines_yaml(family_workspace, directory / "engines.yaml", (MODEL,), targets=list(TARGETS),
+                                 precision=FP32, loras={"a": {"source": str(lora_a), "mode": "refit"}})
     report = api.build(path)
     if report.failed:
         raise RuntimeError(f"fixture build failed: {[o.error for o in report.failed]}")
