@@ -18,7 +18,8 @@ from .errors import MissingDependencyError
 
 # extra -> the top-level modules its features import (`module:attribute` where importing is not proof enough)
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "openai": ("fastapi", "uvicorn", "python_multipart"),  # python-multipart: FastAPI's form uploads (/v1/images/edits)
+    # python-multipart: FastAPI's form uploads (/v1/images/edits); prometheus_client: the replicas' queue metrics
+    "openai": ("fastapi", "uvicorn", "python_multipart", "prometheus_client"),
     "farm": ("ray",),
     "store": ("fsspec", "s3fs"),
     "openvino": ("openvino",),

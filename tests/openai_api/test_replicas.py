@@ -391,7 +391,7 @@ def test_triton_s_metrics_give_each_model_s_queue():
         'nv_inference_pending_request_count{model="m",version="2",} 3\n') == {'a"b\\c': 2, "m": 4}
     with pytest.raises(triton_metrics.MetricsError, match="no nv_inference_pending_request_count"):
         triton_metrics.pending_requests(METRICS_BODY.replace("nv_inference_pending", "nv_other_pending"))
-    with pytest.raises(triton_metrics.MetricsError, match="line 2 is not a Prometheus sample"):
+    with pytest.raises(triton_metrics.MetricsError, match="not Prometheus text"):
         triton_metrics.pending_requests("# HELP x\n<html>not found</html>\n")
 
 

@@ -1,6 +1,5 @@
 """A Triton replica's queue as the API front reads it (replicas.py): Triton's Prometheus endpoint (its metrics port,
-8002 by default, `/metrics`), fetched and parsed here with the standard library (prometheus_client is not a
-dependency of the project, and the text format's sample lines are all that is needed).
+8002 by default, `/metrics`), fetched with the standard library and parsed by prometheus_client's text parser.
 
 The queue is Triton's `nv_inference_pending_request_count`: per model (and version), the requests waiting in its
 scheduler's queue for an instance, a gauge read as it is now. Summed over the replica's models: they share its GPU
@@ -65,61 +64,16 @@ def read_queue(url: str, timeout_s: float) -> int:
 
 
 def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
-    """Each sample of a Prometheus text exposition: (name, labels, value); comments and blank lines skipped, an
-    optional timestamp ignored. MetricsError on a line that is not a sample."""
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            yield _sample(line)
-        except (ValueError, IndexError):
-            raise MetricsError(f"line {number} is not a Prometheus sample: {line[:120]!r}") from None
+    """Each sample of a Prometheus text exposition: (name, labels, value), through prometheus_client's parser.
+    MetricsError when the text is not that format."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-
-def _sample(line: str) -> tuple[str, dict[str, str], float]:
-    brace = line.find("{")
-    space = line.find(" ")
-    labels: dict[str, str] = {}
-    if brace != -1 and (space == -1 or brace < space):
-        name, rest = line[:brace], line[brace + 1:]
-        while True:
-            rest = rest.lstrip()
-            if rest.startswith("}"):
-                rest = rest[1:]
-                break
-            key, _, rest = rest.partition("=")
-            if not rest.startswith('"'):
-                raise ValueError(line)
-            value, rest = _quoted(rest[1:])
-            labels[key.strip()] = value
-            rest = rest.lstrip()
-            if rest.startswith(","):
-                rest = rest[1:]
-            elif not rest.startswith("}"):
-                raise ValueError(line)
-    else:
-        name, _, rest = line.partition(" ")
-    fields = rest.split()
-    if not name or not 1 <= len(fields) <= 2:
-        raise ValueError(line)
-    return name, labels, float(fields[0])  # float() reads +Inf, -Inf and NaN as the format writes them
-
-
-def _quoted(text: str) -> tuple[str, str]:
-    """A label value after its opening quote: (the value unescaped, the text after its closing quote)."""
-    out = []
-    index = 0
-    while True:
-        char = text[index]  # IndexError: no closing quote
-        if char == '"':
-            return "".join(out), text[index + 1:]
-        if char == "\\":
-            index += 1
-            out.append({"n": "\n"}.get(text[index], text[index]))  # \\ \" \n
-        else:
-            out.append(char)
-        index += 1
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                yield sample.name, dict(sample.labels), float(sample.value)
+    except ValueError as exc:  # the parser's error for a line it cannot read
+        raise MetricsError(f"not Prometheus text: {str(exc)[:160]}") from None
 
 
 def pending_requests(text: str) -> dict[str, int]:
