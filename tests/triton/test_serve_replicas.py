@@ -316,6 +316,9 @@ def test_serve_two_replicas_behind_the_api(built_sd15, tmp_path):
         references = {seed: _online(base, report.entry, seed, 2) for seed in range(4)}  # one replica's images
         replicas = _health(base)["replicas"]
         assert all(r["served"] >= 1 for r in replicas), replicas  # sequential requests: in turn
+        # each replica's queue is read from its own tritonserver's metrics port (serve passes them to the API)
+        _until(lambda: all(isinstance(r.get("queue"), int) and r.get("metrics_error") is None
+                           for r in _health(base)["replicas"]), "each replica's Triton queue in /health", child)
         groups = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_tritonserver_of(int(p), tmp_path)]
         assert len(groups) == 2, groups
         _crash_one_replica_mid_batch(child, lines, base, report.entry, references)
