@@ -16,11 +16,12 @@ GUARD_S = 60  # a step that never happens fails the test instead of hanging it
 
 def until(check, what: str, process: subprocess.Popen | None = None, guard_s: float = GUARD_S):
     """`check()`'s first truthy value (an exception counts as not yet: the API may not listen yet); fails naming
-    `what` after `guard_s`, or at once with the API's stderr if `process` exited."""
+    `what` after `guard_s`, or at once if `process` (the API, or serve) exited, with its stderr where piped."""
     end = time.monotonic() + guard_s
     while time.monotonic() < end:
         if process is not None and process.poll() is not None:
-            raise AssertionError(f"the API exited ({process.returncode}): {process.stderr.read().decode()[-2000:]}")
+            said = process.stderr.read().decode()[-2000:] if process.stderr else ""
+            raise AssertionError(f"{process.args[:4]} exited ({process.returncode}) while waiting for {what}: {said}")
         try:
             value = check()
         except Exception:  # noqa: BLE001 - not listening yet

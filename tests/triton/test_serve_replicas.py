@@ -16,11 +16,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from functools import partial
 from types import SimpleNamespace
 
+import api_waits
 import numpy as np
 import pytest
 
@@ -234,15 +234,15 @@ def test_restart_starts_a_killed_server_again_on_its_ports_its_old_stubs_stopped
         server.start(timeout_s=60)
         first = server.process.pid
         ports, key = server.ports, server.admin_key
-        _until(lambda: "started" in server.log_path.read_text(), "the stand-in's stub")
+        until(lambda: "started" in server.log_path.read_text(), "the stand-in's stub")
         os.kill(first, signal.SIGKILL)
-        _until(lambda: not server.is_alive(), "the stand-in dying")
+        until(lambda: not server.is_alive(), "the stand-in dying")
         assert group_members(first)  # SIGKILL left its stub running, in its group
         assert server.restart(timeout_s=60) > 0
         assert server.process.pid != first and server.is_alive() and server._http_ready()
         assert server.ports == ports and server.admin_key == key and server.work_dir.is_dir()
         assert not group_members(first)  # the old run's stub stopped
-        _until(lambda: server.log_path.read_text().count("started") == 2, "the second run in the same log")
+        until(lambda: server.log_path.read_text().count("started") == 2, "the second run in the same log")
         with pytest.raises(ServeError, match="is running: nothing to restart"):
             server.restart()
     finally:
@@ -317,7 +317,7 @@ def test_serve_two_replicas_behind_the_api(built_sd15, tmp_path):
         replicas = _health(base)["replicas"]
         assert all(r["served"] >= 1 for r in replicas), replicas  # sequential requests: in turn
         # each replica's queue is read from its own tritonserver's metrics port (serve passes them to the API)
-        _until(lambda: all(isinstance(r.get("queue"), int) and r.get("metrics_error") is None
+        until(lambda: all(isinstance(r.get("queue"), int) and r.get("metrics_error") is None
                            for r in _health(base)["replicas"]), "each replica's Triton queue in /health", child)
         groups = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_tritonserver_of(int(p), tmp_path)]
         assert len(groups) == 2, groups
@@ -358,7 +358,7 @@ def _crash_one_replica_mid_batch(child, lines: list[str], base: str, entry: str,
         for i, body in enumerate(bodies)).encode()), purpose="batch")
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/images/generations",
                                   completion_window="24h")
-    at_kill = _until(lambda: (b := client.batches.retrieve(batch.id)).request_counts.completed >= 4 and b,
+    at_kill = until(lambda: (b := client.batches.retrieve(batch.id)).request_counts.completed >= 4 and b,
                      "four job lines done")
     os.kill(victim, signal.SIGKILL)
     assert at_kill.status == "in_progress" and at_kill.request_counts.completed < CRASH_LINES, at_kill
@@ -374,7 +374,7 @@ def _crash_one_replica_mid_batch(child, lines: list[str], base: str, entry: str,
     asks = [threading.Thread(target=ask, args=(seed,)) for seed in range(CRASH_LINES - 4, CRASH_LINES)]
     for thread in asks:
         thread.start()
-    restarted = _until(lambda: "replica 2 of 2: restarted" in "".join(lines)
+    restarted = until(lambda: "replica 2 of 2: restarted" in "".join(lines)
                        and _tritonserver_on(child.pid, grpc_ports[1], None), "serve restarting replica 2", child)
     for thread in asks:
         thread.join(GUARD_S)
@@ -383,9 +383,9 @@ def _crash_one_replica_mid_batch(child, lines: list[str], base: str, entry: str,
     assert f"replica 2 of 2: tritonserver exited with -{int(signal.SIGKILL)}" in said, said
     assert restarted != victim and not _alive(victim)
     assert _health(base)["replicas"][1]["failures"] >= 1  # the API saw it lost (its calls UNAVAILABLE)...
-    _until(lambda: all(r["ready"] for r in _health(base)["replicas"]), "replica 2 ready again in /health", child)
+    until(lambda: all(r["ready"] for r in _health(base)["replicas"]), "replica 2 ready again in /health", child)
 
-    done = _until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
+    done = until(lambda: (b := client.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
                   "the batch completing", child)
     assert done.status == "completed" and done.request_counts.completed == CRASH_LINES, done
     assert done.request_counts.failed == 0 and done.error_file_id is None, done
@@ -435,22 +435,7 @@ def _health(base: str) -> dict:
 
 
 GUARD_S = 180  # a step that never happens fails its test instead of hanging it
-
-
-def _until(check, what: str, process: subprocess.Popen | None = None):
-    """`check()`'s first truthy value (an error counts as not yet); fails naming `what` after GUARD_S, or at once
-    when `process` (serve) exited."""
-    end = time.monotonic() + GUARD_S
-    while time.monotonic() < end:
-        assert process is None or process.poll() is None, f"serve exited ({process.returncode}) while waiting: {what}"
-        try:
-            value = check()
-        except Exception:  # noqa: BLE001 - not there yet
-            value = None
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} did not happen within {GUARD_S} s")
+until = partial(api_waits.until, guard_s=GUARD_S)  # serve's two tritonservers restart slower than the API alone
 
 
 def _tritonserver_on(parent: int, grpc_port: int, missing=AssertionError):
