@@ -37,6 +37,9 @@ SHARED_BUILDS = {
     "tests/z_image/test_z_image_engines.py": "family_workspace",  # built_z_image is built over family_workspace
     "tests/z_image/test_z_image_lora.py": "family_workspace",
 }
+# the fixtures that build over a unit's shared fixture: a file of the unit uses one of them
+BUILT_OVER = {"family_workspace": ("family_workspace", "built_families", "built_qwen_image", "built_z_image",
+                                   "built_wan")}
 # units of minutes that hold few tests, longest first (a file, or a SHARED_BUILDS unit): handed out before the
 # rest, so the many short files fill both workers at the end instead of one long unit running alone there
 RUN_FIRST = ("family_workspace", "tests/triton/test_soak.py", "built_wan_i2v",
