@@ -165,16 +165,13 @@ def built_qwen_image(family_workspace) -> Path:
     return config
 
 
-WAN_BUCKET = "32x32x5"  # built_wan's: width x height x frames
-
-
 @pytest.fixture(scope="session")
 def built_wan(family_workspace):
-    """`built_wan(cfg="split") -> engines.yaml`: the tiny Wan 2.1 at 32x32x5, batch 1, CFG `cfg`, its default
-    precisions, onnxruntime engines built, over `family_workspace` (the minimal entry's exports and its text encoder
-    and VAE engines are shared with the conformance run). `split` and `parallel` differ in how the runtime calls the
-    transformer, not in its engines, so only the first mode builds. Read-only, like `built_sd15` (the video preflight
-    test keeps its baseline under the workspace's preflight/)."""
+    """`built_wan(cfg="split") -> engines.yaml`: the tiny Wan 2.1 at its minimal bucket (32x32x5: plan_keys.py's
+    BUCKETS), batch 1, CFG `cfg`, its default precisions, onnxruntime engines built, over `family_workspace` (the
+    minimal entry's exports and its text encoder and VAE engines are shared with the conformance run). `split` and
+    `parallel` differ in how the runtime calls the transformer, not in its engines, so only the first mode builds.
+    Read-only, like `built_sd15` (the video preflight test keeps its baseline under the workspace's preflight/)."""
     from family_builds import families_engines_yaml
 
     from trt_diffusion import api
