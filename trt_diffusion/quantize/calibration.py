@@ -174,21 +174,18 @@ class CallRecorder:
         self._copies.clear()  # tensors of a finished run may be freed and their memory reused
 
 
-def controlnet_pipelines(pipe, folders: tuple[str, ...]) -> list:
-    """The pipeline with each ControlNet folder attached (diffusers' ControlNet form of the same pipeline, sharing
-    its modules: the denoiser being calibrated is the one these call)."""
+def controlnet_pipeline(pipe, folder: str):
+    """The pipeline with the ControlNet in `folder` attached (diffusers' ControlNet form of the same pipeline,
+    sharing its modules: the denoiser being calibrated is the one it calls)."""
     import diffusers
 
-    pipelines = []
-    for folder in folders:
-        try:
-            controlnet = diffusers.ControlNetModel.from_pretrained(folder, dtype=torch.float32, use_safetensors=True)
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot load the ControlNet in {folder}: {str(exc).strip().splitlines()[0]}") from None
-        attached = diffusers.AutoPipelineForText2Image.from_pipe(pipe, controlnet=controlnet)
-        attached.set_progress_bar_config(disable=True)
-        pipelines.append(attached)
-    return pipelines
+    try:
+        controlnet = diffusers.ControlNetModel.from_pretrained(folder, dtype=torch.float32, use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the ControlNet in {folder}: {str(exc).strip().splitlines()[0]}") from None
+    attached = diffusers.AutoPipelineForText2Image.from_pipe(pipe, controlnet=controlnet)
+    attached.set_progress_bar_config(disable=True)
+    return attached
 
 
 def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], seeds: list[int], steps: int,
@@ -207,7 +204,7 @@ def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], see
     from ..sample_inputs import control_image
 
     denoiser = denoiser_of(pipe, component)
-    attached = controlnet_pipelines(pipe, controlnets) if controlnets else []
+    attached: dict[int, Any] = {}  # ControlNet index -> its pipeline, loaded when a prompt first runs with it
     handles = []
     if recorder is not None:
         handles.append(denoiser.register_forward_pre_hook(recorder.before, with_kwargs=True))
@@ -227,7 +224,9 @@ def run_pipeline(pipe, family: Family, prompts: list[str] | tuple[str, ...], see
                 if frames:
                     extra["num_frames"] = frames
                 runs = pipe
-                if attached and (which := controlnet_of(index)) is not None:
+                if controlnets and (which := controlnet_of(index)) is not None:
+                    if which not in attached:
+                        attached[which] = controlnet_pipeline(pipe, controlnets[which])
                     runs = attached[which]
                     extra["image"] = Image.fromarray(control_image(height, width, seed))
                 with torch.no_grad():
