@@ -99,10 +99,10 @@ def openai_api_command(
     from ..openai_api.settings import ApiSettings
 
     triton_url = ",".join(names(triton_urls)) if triton_urls else "grpc://127.0.0.1:8001"
-    settings = ApiSettings(triton_url, triton_metrics_urls=names(triton_metrics_urls), host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
-                           allowed_hosts=names(allowed_hosts), cors_origins=names(cors_origins),
-                           job_timeout_s=job_timeout_s, **state_options(state_dir, state_max_gb),
-                           **overload_options(config)).check()
+    settings = ApiSettings(triton_url, triton_metrics_urls=names(triton_metrics_urls), host=host, port=port,
+                           api_key=api_key, max_body_bytes=max_body_bytes, allowed_hosts=names(allowed_hosts),
+                           cors_origins=names(cors_origins), job_timeout_s=job_timeout_s,
+                           **state_options(state_dir, state_max_gb), **overload_options(config)).check()
     metrics = f", metrics {', '.join(settings.replica_metrics_urls())}" if settings.triton_metrics_urls else ""
     console.print(f"OpenAI API  http://{host}:{port}/v1  (Triton {', '.join(settings.triton_urls())}{metrics}; "
                   "Ctrl-C stops it)", highlight=False)
